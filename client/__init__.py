@@ -1,0 +1,18 @@
+"""tracecar thin client: trace rollout workers without doing the tracing work in them.
+
+Set ``TRACECAR_URL`` (e.g. ``http://127.0.0.1:9470``) and replace VERL's imports::
+
+    from tracecar.client import rollout_trace_attr, rollout_trace_op
+
+Unset, every decorated call runs untraced at the cost of one global read.
+"""
+
+from .config import ClientConfig
+from .tracer import Tracer, configure, flush, get_tracer, shutdown
+from .tracing import annotate, current_trajectory_id, rollout_trace_attr, rollout_trace_op
+
+__all__ = [
+    "ClientConfig", "Tracer", "annotate", "configure", "current_trajectory_id", "flush",
+    "get_tracer", "rollout_trace_attr", "rollout_trace_op", "shutdown",
+]
+__version__ = "0.1.0"

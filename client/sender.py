@@ -1,0 +1,282 @@
+"""Background sender: a bounded queue drained by one daemon thread that batches and posts.
+
+The caller's path only appends to a deque (and counts a drop when it is full). Everything
+else — argument binding, flattening, msgpack, compression, HTTP, retries — happens here, on a
+thread that the training process never waits for except in a bounded ``flush``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import msgpack
+
+from .config import ClientConfig, default_worker_id
+from .spans import SpanRecord
+from .wire import MSGPACK_CONTENT_TYPE, WIRE_VERSION, WireEncoder
+
+log = logging.getLogger("tracecar.client")
+
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+@dataclass
+class SenderStats:
+    """Counters a worker can read (``get_tracer().stats()``); every drop has a reason."""
+
+    sent: int = 0
+    batches_sent: int = 0
+    rejected_by_collector: int = 0
+    retries: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+
+    def drop(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + n
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "sent": self.sent, "batches_sent": self.batches_sent,
+            "rejected_by_collector": self.rejected_by_collector, "retries": self.retries,
+            "dropped": dict(self.dropped), "dropped_total": sum(self.dropped.values()),
+        }
+
+
+class Sender:
+    """Owns the queue and the thread. Safe to use from any thread and across ``fork``."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self.encoder = WireEncoder(config.max_string_chars, config.max_depth)
+        self._init_state()
+        os.register_at_fork(after_in_child=self._init_state)
+
+    def _init_state(self) -> None:
+        """Fresh queue, lock, thread and connection pool (also in a forked child)."""
+        self.queue: deque[SpanRecord] = deque()
+        self.stats = SenderStats()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._http: httpx.Client | None = None
+        self._pending_body: tuple[bytes, int] | None = None
+        self.worker_id = self.config.worker_id or default_worker_id()
+
+    # ---- caller's path -------------------------------------------------------------------
+    def enqueue(self, record: SpanRecord) -> None:
+        queue = self.queue
+        if len(queue) >= self.config.queue_max_spans or self._stopping:
+            with self._lock:
+                self.stats.drop("queue_full" if not self._stopping else "after_shutdown")
+            return
+        queue.append(record)
+        if self._thread is None:
+            self._start()
+        elif len(queue) == self.config.batch_max_spans:
+            self._wake.set()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tracecar-sender", daemon=True)
+                self._thread.start()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Waits (bounded) until everything queued so far was sent or dropped. True if drained."""
+        deadline = time.monotonic() + (self.config.shutdown_timeout_s if timeout_s is None else timeout_s)
+        while time.monotonic() < deadline:
+            if not self.queue and self._idle.is_set() and self._pending_body is None:
+                return True
+            self._wake.set()
+            time.sleep(0.005)
+        return not self.queue and self._pending_body is None
+
+    def shutdown(self, timeout_s: float | None = None) -> bool:
+        """Flushes within the deadline, then stops; what is left is counted as dropped."""
+        drained = self.flush(timeout_s)
+        self._stopping = True
+        self._wake.set()
+        if not drained:
+            with self._lock:
+                left = len(self.queue) + (self._pending_body[1] if self._pending_body else 0)
+                self.stats.drop("shutdown_timeout", left)
+                self.queue.clear()
+                self._pending_body = None
+        return drained
+
+    # ---- sender thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        interval = self.config.flush_interval_s
+        while not self._stopping:
+            self._wake.wait(interval)
+            self._wake.clear()
+            try:
+                self._drain()
+            except Exception:  # noqa: BLE001 - the sender must outlive any bug in one batch
+                log.exception("tracecar sender: unexpected error; batch dropped")
+                with self._lock:
+                    self.stats.drop("internal_error")
+                self._pending_body = None
+                self._idle.set()
+
+    def _drain(self) -> None:
+        while (self.queue or self._pending_body is not None) and not self._stopping:
+            self._idle.clear()
+            if self._pending_body is None:
+                self._pending_body = self._build_body()
+            if self._pending_body is None:
+                break
+            body, n = self._pending_body
+            if not self._post_with_retries(body, n):
+                return  # keep the pending body; retried on the next wake
+            self._pending_body = None
+        self._idle.set()
+
+    def _build_body(self) -> tuple[bytes, int] | None:
+        """Packs up to batch_max_spans / batch_max_bytes spans into one msgpack body."""
+        cfg, queue, parts, size = self.config, self.queue, [], 0
+        while queue and len(parts) < cfg.batch_max_spans and size < cfg.batch_max_bytes:
+            record = queue.popleft()
+            try:
+                packed = msgpack.packb(record.to_wire(self.encoder), use_bin_type=True)
+            except Exception as exc:  # noqa: BLE001 - one unserialisable span must not cost the batch
+                log.warning("tracecar: span %s could not be encoded: %s", record.name, exc)
+                with self._lock:
+                    self.stats.drop("encode_error")
+                continue
+            if len(packed) > cfg.batch_max_bytes:
+                with self._lock:
+                    self.stats.drop("span_too_large")
+                continue
+            parts.append(packed)
+            size += len(packed)
+        if not parts:
+            return None
+        packer = msgpack.Packer(use_bin_type=True)
+        header = packer.pack_map_header(6)
+        for key, value in (
+            ("v", WIRE_VERSION), ("worker", self.worker_id), ("project", cfg.project),
+            ("entity", cfg.entity), ("tokenizer", cfg.tokenizer),
+        ):
+            header += packer.pack(key) + packer.pack(value)
+        header += packer.pack("spans") + packer.pack_array_header(len(parts))
+        return header + b"".join(parts), len(parts)
+
+    def _client(self) -> httpx.Client:
+        if self._http is None:
+            headers = {"Content-Type": MSGPACK_CONTENT_TYPE, "User-Agent": "tracecar-client/1"}
+            if self.config.token:
+                headers["Authorization"] = f"Bearer {self.config.token}"
+            self._http = httpx.Client(
+                timeout=self.config.http_timeout_s,
+                headers=headers,
+                limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+            )
+        return self._http
+
+    def _post_with_retries(self, body: bytes, n: int) -> bool:
+        """Posts one batch; retries transient failures with capped, jittered backoff.
+
+        Returns False only when stopping mid-retry (the body stays pending). Permanent failures
+        and exhausted retries drop the batch and count it.
+        """
+        cfg = self.config
+        headers = {}
+        if len(body) >= cfg.compress_min_bytes:
+            body = gzip.compress(body, compresslevel=1)
+            headers["Content-Encoding"] = "gzip"
+        started, delay = time.monotonic(), cfg.retry_initial_s
+        while True:
+            retry_after: float | None = None
+            try:
+                response = self._client().post(cfg.url + "/v1/spans", content=body, headers=headers)
+            except httpx.HTTPError as exc:
+                reason = f"connection: {type(exc).__name__}"
+            else:
+                status = response.status_code
+                if status < 300:
+                    self._record_success(response, n)
+                    return True
+                if status == 413 and n > 1:
+                    return self._split_and_resend(n)
+                if status not in RETRYABLE_STATUS:
+                    log.warning("tracecar: collector refused a batch of %d spans (HTTP %d)", n, status)
+                    with self._lock:
+                        self.stats.drop(f"http_{status}", n)
+                    return True
+                reason = f"http_{status}"
+                retry_after = _retry_after_seconds(response.headers.get("Retry-After"))
+            if time.monotonic() - started > cfg.retry_max_elapsed_s:
+                log.warning("tracecar: giving up on %d spans after retries (%s)", n, reason)
+                with self._lock:
+                    self.stats.drop("retries_exhausted", n)
+                return True
+            with self._lock:
+                self.stats.retries += 1
+            wait = retry_after if retry_after is not None else delay * (0.5 + random.random())
+            delay = min(delay * 2, cfg.retry_max_s)
+            if self._stopping:
+                return False
+            self._wake.wait(min(wait, cfg.retry_max_s))
+            self._wake.clear()
+            if self._stopping:
+                return False
+
+    def _split_and_resend(self, n: int) -> bool:
+        """The collector said 413: put the spans back as two smaller batches."""
+        body, _ = self._pending_body  # type: ignore[misc]
+        spans = msgpack.unpackb(body, raw=False, strict_map_key=False)["spans"]
+        half = max(1, n // 2)
+        self.config = _smaller_batches(self.config, half)
+        # Re-pack the already-encoded spans directly; they are plain msgpack values now.
+        for chunk in (spans[:half], spans[half:]):
+            if chunk:
+                packed = msgpack.packb(
+                    {"v": WIRE_VERSION, "worker": self.worker_id, "project": self.config.project,
+                     "entity": self.config.entity, "tokenizer": self.config.tokenizer, "spans": chunk},
+                    use_bin_type=True,
+                )
+                self._pending_body = (packed, len(chunk))
+                if not self._post_with_retries(packed, len(chunk)):
+                    return False
+        return True
+
+    def _record_success(self, response: httpx.Response, n: int) -> None:
+        rejected = 0
+        try:
+            rejected = int(response.json().get("rejected_count", 0))
+        except Exception:  # noqa: BLE001 - a success without a readable body still counts as sent
+            pass
+        with self._lock:
+            self.stats.sent += n - rejected
+            self.stats.batches_sent += 1
+            if rejected:
+                self.stats.rejected_by_collector += rejected
+                self.stats.drop("rejected_by_collector", rejected)
+
+
+def _smaller_batches(config: ClientConfig, max_spans: int) -> ClientConfig:
+    from dataclasses import replace
+
+    return replace(config, batch_max_spans=max(1, min(config.batch_max_spans, max_spans)))
+
+
+def _retry_after_seconds(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None

@@ -1,0 +1,161 @@
+"""The span record the hot path creates, and the conversion to wire form done later.
+
+The hot path stores references only (the callable's signature, the raw args, the result);
+binding arguments, flattening outputs and packing token ids happen on the sender thread.
+Lists passed as arguments are captured by length: agent loops grow ``prompt_ids`` in place
+turn by turn, so the sender slices them back to what the call actually saw.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import secrets
+import threading
+from itertools import count
+from typing import Any, Callable
+
+from .wire import WireEncoder
+
+KIND_OP = "op"
+KIND_TRAJECTORY = "trajectory"
+KIND_ANNOTATION = "annotation"
+
+
+class _IdSource:
+    """64-bit random process prefix + a counter: unique ids at the cost of one ``next()``."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.prefix = secrets.token_hex(8)
+        self.counter = count(1)
+
+    def format(self, number: int) -> str:
+        return f"{self.prefix}{number:016x}"
+
+
+ids = _IdSource()
+os.register_at_fork(after_in_child=ids.reset)
+
+
+class SpanRecord:
+    """One traced call or trajectory, as captured on the caller's path (cheap: slots, refs)."""
+
+    __slots__ = (
+        "number", "prefix", "trace", "parent", "name", "kind", "start", "end",
+        "attributes", "signature", "args", "kwargs", "list_lens", "output", "exception",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        kind: str,
+        start: float,
+        parent: "SpanRecord | None",
+        attributes: dict[str, Any] | None,
+        signature: "_LazySignature | None" = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.number = next(ids.counter)
+        self.prefix = ids.prefix
+        self.parent = parent
+        self.trace = parent.trace if parent is not None else self
+        self.name = name
+        self.kind = kind
+        self.start = start
+        self.end: float | None = None
+        self.attributes = attributes
+        self.signature = signature
+        self.args = args
+        self.kwargs = kwargs
+        self.list_lens = _list_lengths(args, kwargs) if signature is not None else None
+        self.output: Any = None
+        self.exception: BaseException | str | None = None
+
+    @property
+    def span_id(self) -> str:
+        return f"{self.prefix}{self.number:016x}"
+
+    def to_wire(self, encoder: WireEncoder) -> dict[str, Any]:
+        """Wire dict for this span; runs on the sender thread."""
+        parent = self.parent
+        exc = self.exception
+        return {
+            "span_id": self.span_id,
+            "trace_id": self.trace.span_id,
+            "parent_id": parent.span_id if parent is not None else None,
+            "name": self.name,
+            "kind": self.kind,
+            "start_time": self.start,
+            "end_time": self.end,
+            "attributes": encoder.encode(self.attributes or {}),
+            "inputs": encoder.encode(self._inputs()),
+            "output": encoder.encode(self.output),
+            "exception": None if exc is None else (exc if isinstance(exc, str) else _describe(exc)),
+        }
+
+    def _inputs(self) -> dict[str, Any]:
+        if self.signature is None:
+            return self.kwargs or {}
+        args, kwargs = _restore_lists(self.args, self.kwargs or {}, self.list_lens)
+        return self.signature.bind_inputs(args, kwargs)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _list_lengths(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> tuple[Any, ...] | None:
+    lens = None
+    for i, a in enumerate(args):
+        if type(a) is list:
+            lens = (lens or ()) + ((i, len(a)),)
+    if kwargs:
+        for k, v in kwargs.items():
+            if type(v) is list:
+                lens = (lens or ()) + ((k, len(v)),)
+    return lens
+
+
+def _restore_lists(
+    args: tuple[Any, ...], kwargs: dict[str, Any], lens: tuple[Any, ...] | None
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if not lens:
+        return args, kwargs
+    args_list, kwargs = list(args), dict(kwargs)
+    for key, n in lens:
+        if isinstance(key, int):
+            args_list[key] = args_list[key][:n]
+        else:
+            kwargs[key] = kwargs[key][:n]
+    return tuple(args_list), kwargs
+
+
+class _LazySignature:
+    """inspect.signature of a traced callable, computed once, on the sender thread."""
+
+    __slots__ = ("func", "_sig", "_lock")
+
+    def __init__(self, func: Callable[..., Any]) -> None:
+        self.func = func
+        self._sig: inspect.Signature | None = None
+        self._lock = threading.Lock()
+
+    def bind_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Bound arguments with defaults applied, minus ``self``/``cls`` (as VERL does)."""
+        sig = self._sig
+        if sig is None:
+            with self._lock:
+                sig = self._sig = self._sig or inspect.signature(self.func)
+        try:
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            inputs = dict(bound.arguments)
+        except TypeError:
+            inputs = {"args": list(args), **kwargs}
+        inputs.pop("self", None)
+        inputs.pop("cls", None)
+        return inputs

@@ -1,0 +1,83 @@
+"""The process-wide tracer: configuration, the sender, and the current-span context.
+
+``active`` is the one global the hot path reads; it is None when TRACECAR_URL is unset, so an
+untraced job pays one attribute load per decorated call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextvars
+import logging
+from typing import Any
+
+from .config import ClientConfig
+from .sender import Sender
+from .spans import SpanRecord
+
+log = logging.getLogger("tracecar.client")
+
+DISABLED = object()  # context marker for rollout_trace_attr(trace=False)
+current: contextvars.ContextVar[Any] = contextvars.ContextVar("tracecar_current_span", default=None)
+
+
+class Tracer:
+    """Joins a config to a sender; one per process."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self.sender = Sender(config)
+
+    def emit(self, record: SpanRecord) -> None:
+        self.sender.enqueue(record)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        return self.sender.flush(timeout_s)
+
+    def shutdown(self, timeout_s: float | None = None) -> bool:
+        return self.sender.shutdown(timeout_s)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.sender.stats.as_dict(), "queued": len(self.sender.queue)}
+
+
+active: Tracer | None = None
+
+
+def configure(config: ClientConfig | None = None, **overrides: Any) -> Tracer | None:
+    """(Re)configures tracing: from the environment, then keyword overrides. Returns the tracer.
+
+    With no URL the tracer is None and every decorated function runs untraced.
+    """
+    global active
+    config = config or ClientConfig.from_env(**overrides)
+    previous, active = active, (Tracer(config) if config.url else None)
+    if previous is not None:
+        previous.shutdown(previous.config.shutdown_timeout_s)
+    if active is not None:
+        log.info("tracecar: tracing to %s as worker %s", config.url, active.sender.worker_id)
+    return active
+
+
+def get_tracer() -> Tracer | None:
+    return active
+
+
+def flush(timeout_s: float | None = None) -> bool:
+    """Blocks at most ``timeout_s`` until queued spans are posted. True when fully drained."""
+    return active.flush(timeout_s) if active is not None else True
+
+
+def shutdown(timeout_s: float | None = None) -> bool:
+    global active
+    tracer, active = active, None
+    return tracer.shutdown(timeout_s) if tracer is not None else True
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    if active is not None:
+        active.shutdown(active.config.shutdown_timeout_s)
+
+
+configure()

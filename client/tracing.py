@@ -1,0 +1,174 @@
+"""VERL-compatible tracing helpers: ``rollout_trace_op`` and ``rollout_trace_attr``.
+
+Same call pattern as ``verl.utils.rollout_trace``: decorate agent-loop and tool methods with
+``rollout_trace_op``; wrap each trajectory in ``rollout_trace_attr(sample_index, step,
+rollout_n, name, validate, trace)``. The context manager opens a trajectory span (the root of
+its trace) carrying those attributes plus the experiment name; every decorated call inside it
+becomes a child of the innermost enclosing call. Context lives in a ContextVar, so concurrent
+asyncio tasks never mix their trajectories.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import time
+from typing import Any, Callable, Iterator, TypeVar
+
+from . import tracer as _tracer
+from .spans import KIND_ANNOTATION, KIND_OP, KIND_TRAJECTORY, SpanRecord, _LazySignature
+
+F = TypeVar("F", bound=Callable[..., Any])
+_now = time.time
+
+
+def rollout_trace_op(func: F) -> F:
+    """Traces a sync or async function or method: inputs (bound args minus self), output, exception."""
+    name = getattr(func, "__qualname__", getattr(func, "__name__", "op"))
+    signature = _LazySignature(func)
+    current = _tracer.current
+
+    if inspect.iscoroutinefunction(func):
+
+        @functools.wraps(func)
+        async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+            tracer = _tracer.active
+            parent = current.get()
+            if tracer is None or parent is _tracer.DISABLED:
+                return await func(*args, **kwargs)
+            record = SpanRecord(name, KIND_OP, _now(), parent, _attributes_of(parent), signature, args, kwargs)
+            token = current.set(record)
+            try:
+                result = await func(*args, **kwargs)
+            except BaseException as exc:
+                record.exception = exc
+                record.end = _now()
+                tracer.emit(record)
+                raise
+            finally:
+                current.reset(token)
+            record.output = result
+            record.end = _now()
+            tracer.emit(record)
+            return result
+
+        return async_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        tracer = _tracer.active
+        parent = current.get()
+        if tracer is None or parent is _tracer.DISABLED:
+            return func(*args, **kwargs)
+        record = SpanRecord(name, KIND_OP, _now(), parent, _attributes_of(parent), signature, args, kwargs)
+        token = current.set(record)
+        try:
+            result = func(*args, **kwargs)
+        except BaseException as exc:
+            record.exception = exc
+            record.end = _now()
+            tracer.emit(record)
+            raise
+        finally:
+            current.reset(token)
+        record.output = result
+        record.end = _now()
+        tracer.emit(record)
+        return result
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _attributes_of(parent: SpanRecord | None) -> dict[str, Any] | None:
+    return parent.attributes if parent is not None else None
+
+
+@contextlib.contextmanager
+def rollout_trace_attr(
+    sample_index: int | None = None,
+    step: int | None = None,
+    rollout_n: int | None = None,
+    name: str = "rollout_trace",
+    validate: bool = False,
+    trace: bool = True,
+    **extra_attributes: Any,
+) -> Iterator[SpanRecord | None]:
+    """Marks one trajectory: its calls share a trace whose root carries these attributes.
+
+    ``None`` attributes are left out (as VERL does); ``trace=False`` runs everything inside
+    untraced. Yields the trajectory record (or None when tracing is off), whose ``span_id`` can
+    be passed to :func:`annotate` after the context ends (e.g. to attach the reward).
+    """
+    tracer = _tracer.active
+    current = _tracer.current
+    if not trace:
+        token = current.set(_tracer.DISABLED)
+        try:
+            yield None
+        finally:
+            current.reset(token)
+        return
+    if tracer is None or current.get() is _tracer.DISABLED:
+        yield None
+        return
+    parent = current.get()
+    attributes: dict[str, Any] = dict(parent.attributes or {}) if parent is not None else {}
+    for key, value in (("sample_index", sample_index), ("step", step), ("rollout_n", rollout_n)):
+        if value is not None:
+            attributes[key] = value
+    attributes["validate"] = validate
+    if tracer.config.experiment is not None:
+        attributes["experiment_name"] = tracer.config.experiment
+    attributes.update({k: v for k, v in extra_attributes.items() if v is not None})
+    record = SpanRecord(name, KIND_TRAJECTORY, _now(), parent, attributes)
+    token = current.set(record)
+    try:
+        yield record
+    except BaseException as exc:
+        record.exception = exc
+        raise
+    finally:
+        current.reset(token)
+        record.end = _now()
+        tracer.emit(record)
+
+
+def current_trajectory_id() -> str | None:
+    """Id of the enclosing trajectory (to annotate it later), or None outside one."""
+    span = _tracer.current.get()
+    if span is None or span is _tracer.DISABLED:
+        return None
+    return span.trace.span_id
+
+
+def annotate(trajectory: SpanRecord | str | None = None, *, reward: float | None = None, **values: Any) -> None:
+    """Attaches a reward (and other scalars) to a finished trajectory.
+
+    VERL computes rewards after the agent loop returns, outside ``rollout_trace_attr``: keep the
+    record it yielded (or its ``span_id``) and call this when the score is known. The collector
+    merges annotations into the trajectory root before it samples and forwards it.
+    """
+    tracer = _tracer.active
+    if tracer is None:
+        return
+    if trajectory is None:
+        trajectory = current_trajectory_id()
+        if trajectory is None:
+            return
+    payload = dict(values)
+    if reward is not None:
+        payload["reward"] = reward
+    record = SpanRecord("annotation", KIND_ANNOTATION, _now(), None, payload)
+    record.trace = _TraceRef(trajectory if isinstance(trajectory, str) else trajectory.trace.span_id)  # type: ignore[assignment]
+    record.end = record.start
+    tracer.emit(record)
+
+
+class _TraceRef:
+    """Stands in for a trajectory record that may be long gone: only its id is needed."""
+
+    __slots__ = ("span_id",)
+
+    def __init__(self, span_id: str) -> None:
+        self.span_id = span_id

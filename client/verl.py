@@ -1,0 +1,525 @@
+"""VERL adapter: route VERL's own ``rollout_trace_op`` / ``rollout_trace_attr`` to tracecar.
+
+A VERL user switches to tracecar by configuration only::
+
+    actor_rollout_ref.rollout.trace.backend=tracecar
+    # plus ONE way of getting this module imported in the AgentLoopWorker process:
+    actor_rollout_ref.model.external_lib=tracecar.client.verl                          # (a)
+    +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=tracecar.client.verl.install  # (b)
+    # and the collector's address in the workers' environment:
+    +ray_kwargs.ray_init.runtime_env.env_vars.TRACECAR_URL=http://127.0.0.1:4318
+
+How it works
+------------
+VERL decorates its methods (``ToolAgentLoop.run``, ``SingleTurnAgentLoop.run``,
+``LLMServerClient.generate``, ``ToolParser.extract_tool_calls``, ``BaseTool.execute``, user
+tools and agent loops) with ``verl.utils.rollout_trace.rollout_trace_op`` at *import time*.
+The wrapper it returns dispatches on ``RolloutTraceConfig.get_backend()`` at *call time*; an
+unknown backend string such as ``"tracecar"`` is accepted silently by
+``RolloutTraceConfig.init`` (client ``None``) and every wrapper falls through to
+``await func(...)`` untraced.  That fall-through is the hook used here:
+
+* :func:`install` wraps ``RolloutTraceConfig.init``.  Nothing else changes unless VERL
+  initialises tracing with ``backend == "tracecar"``.
+* When it does, :func:`_activate` configures the tracecar client and then, for every wrapper
+  VERL's ``rollout_trace_op`` ever made (found exactly through ``gc.get_referrers`` on the
+  wrapper's code object), replaces the wrapper's closure cell ``func`` with a shim that
+  calls ``tracecar.client.rollout_trace_op(func)``.  VERL's wrapper, taking its unknown-backend
+  branch, then calls tracecar's op.  Wrappers made later (custom agent loops that hydra
+  imports lazily) are covered by replacing ``rollout_trace_op`` in ``verl.utils.rollout_trace``
+  and in every loaded module that imported it.
+* ``rollout_trace_attr`` is replaced (in ``verl.utils.rollout_trace`` and in every module that
+  imported it, e.g. ``verl.experimental.agent_loop.agent_loop``, whose ``_run_agent_loop``
+  looks the name up in its module globals at call time) by a context manager that enters
+  VERL's original (keeping VERL's own context variables right) *and* tracecar's
+  ``rollout_trace_attr``, which opens the trajectory root span.
+* Sampling: VERL normally pre-selects ``max_samples_per_step_per_worker`` samples per worker
+  and runs the rest with ``trace=False``.  With ``backend=tracecar`` the budget is handed to
+  the collector instead (VERL is told ``None``, so every sample is captured and sent), and
+  the collector samples per (experiment, step, worker).  ``TRACECAR_VERL_WORKER_SAMPLING=1``
+  keeps VERL's cheap worker-side pre-selection (unchosen samples are then never sent).
+* ``token2text``: VERL's unknown-backend branch never decodes in the worker; the flag is
+  forwarded to the collector, which decodes the ``prompt_ids`` / ``response_ids`` /
+  ``token_ids`` it finds in span outputs and inputs.
+
+This module does not import ``verl`` (nor ``tracecar.client``) at import time, except that
+importing it *inside a process where VERL's ``verl.utils.rollout_trace`` is already loaded*
+calls :func:`install` (that is what makes ``model.external_lib=tracecar.client.verl`` work;
+disable with ``TRACECAR_VERL_AUTOINSTALL=0``).  :func:`install` is idempotent, cheap and
+never raises because of tracing problems: tracing must not take a training run down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import inspect
+import logging
+import os
+import sys
+import threading
+import types
+from typing import Any, Callable
+
+__all__ = ["BACKEND", "install", "uninstall", "is_installed", "is_active", "settings"]
+
+logger = logging.getLogger("tracecar.verl")
+
+BACKEND = "tracecar"
+_VERL_MODULE = "verl.utils.rollout_trace"
+_SHIM_FLAG = "__tracecar_shim__"
+
+_lock = threading.RLock()
+
+
+class _State:
+    def __init__(self) -> None:
+        self.installed = False
+        self.active = False
+        self.rt: types.ModuleType | None = None  # verl.utils.rollout_trace
+        self.orig_init: Callable | None = None  # bound classmethod RolloutTraceConfig.init
+        self.orig_init_raw: Any = None  # the classmethod object as found in the class dict
+        self.orig_op: Callable | None = None
+        self.orig_attr: Callable | None = None
+        self.orig_attr_params: frozenset[str] = frozenset()
+        self.wrapper_codes: tuple[types.CodeType, ...] = ()
+        self.swapped_cells: list[tuple[types.CellType, Any]] = []
+        self.patched_names: list[tuple[types.ModuleType, str, Any]] = []
+        self.settings: dict[str, Any] = {}
+
+
+_state = _State()
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def is_installed() -> bool:
+    return _state.installed
+
+
+def is_active() -> bool:
+    return _state.active
+
+
+def settings() -> dict[str, Any]:
+    """What the adapter saw in ``RolloutTraceConfig.init`` and handed to the client."""
+    return dict(_state.settings)
+
+
+# --------------------------------------------------------------------------------------------
+# install / uninstall
+# --------------------------------------------------------------------------------------------
+
+
+def install() -> bool:
+    """Make VERL's ``trace.backend=tracecar`` route traces to tracecar.
+
+    Safe to call from a Ray ``worker_process_setup_hook`` (any process, before or after the
+    agent-loop modules are imported), more than once, and in processes that never trace.
+    Returns True when the hook is in place.
+    """
+    with _lock:
+        if _state.installed:
+            return True
+        try:
+            import importlib
+
+            rt = importlib.import_module(_VERL_MODULE)
+        except Exception as e:  # verl missing or broken: nothing to adapt
+            logger.debug("tracecar.verl: %s not importable (%s); not installed", _VERL_MODULE, e)
+            return False
+
+        cfg_cls = getattr(rt, "RolloutTraceConfig", None)
+        if cfg_cls is None or not hasattr(cfg_cls, "init"):
+            logger.warning("tracecar.verl: unexpected %s layout; not installed", _VERL_MODULE)
+            return False
+
+        _state.rt = rt
+        _state.orig_op = rt.rollout_trace_op
+        _state.orig_attr = rt.rollout_trace_attr
+        try:
+            _state.orig_attr_params = frozenset(inspect.signature(rt.rollout_trace_attr).parameters)
+        except (TypeError, ValueError):
+            _state.orig_attr_params = frozenset()
+        _state.wrapper_codes = _find_wrapper_codes(rt.rollout_trace_op)
+        _state.orig_init_raw = cfg_cls.__dict__.get("init")
+        _state.orig_init = cfg_cls.init  # bound to the class
+        orig_init = _state.orig_init
+
+        @functools.wraps(orig_init)
+        def init(cls, *args, **kwargs):
+            return _patched_init(cls, orig_init, *args, **kwargs)
+
+        cfg_cls.init = classmethod(init)
+        _state.installed = True
+
+        # Late install: VERL already initialised tracing with our backend.
+        try:
+            instance = cfg_cls._instance
+            if instance is not None and getattr(instance, "_initialized", False) and instance.backend == BACKEND:
+                _activate(
+                    project=instance.project_name,
+                    experiment=instance.experiment_name,
+                    token2text=bool(getattr(instance, "token2text", False)),
+                    max_samples=getattr(instance, "max_samples_per_step_per_worker", None),
+                    caller=None,
+                )
+                if not _env_flag("TRACECAR_VERL_WORKER_SAMPLING", False):
+                    if hasattr(instance, "max_samples_per_step_per_worker"):
+                        instance.max_samples_per_step_per_worker = None
+        except Exception:  # pragma: no cover - defensive
+            logger.exception("tracecar.verl: late activation failed; tracing stays off")
+        return True
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (restores VERL's functions, closure cells and module names)."""
+    with _lock:
+        _deactivate()
+        rt = _state.rt
+        if _state.installed and rt is not None:
+            cfg_cls = rt.RolloutTraceConfig
+            if _state.orig_init_raw is not None:
+                cfg_cls.init = _state.orig_init_raw
+            else:  # pragma: no cover
+                with contextlib.suppress(AttributeError):
+                    del cfg_cls.init
+        _state.installed = False
+        _state.rt = None
+        _state.orig_init = _state.orig_init_raw = None
+        _state.orig_op = _state.orig_attr = None
+        _state.wrapper_codes = ()
+        _state.settings = {}
+
+
+# --------------------------------------------------------------------------------------------
+# RolloutTraceConfig.init
+# --------------------------------------------------------------------------------------------
+
+
+def _patched_init(cls, orig_init: Callable, *args, **kwargs):
+    try:
+        sig = inspect.signature(orig_init)
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        params = bound.arguments
+    except TypeError:
+        return orig_init(*args, **kwargs)
+
+    if params.get("backend") != BACKEND:
+        return orig_init(*args, **kwargs)
+
+    budget = params.get("max_samples_per_step_per_worker")
+    worker_sampling = _env_flag("TRACECAR_VERL_WORKER_SAMPLING", False)
+    if "max_samples_per_step_per_worker" in params and not worker_sampling:
+        # The collector enforces the budget; VERL must not mark samples trace=False.
+        params["max_samples_per_step_per_worker"] = None
+    instance = cls.get_instance()
+    already = bool(getattr(instance, "_initialized", False))
+    result = orig_init(**params)  # unknown backend: VERL stores settings, client=None
+    if already:
+        return result  # VERL's init is first-call-wins; so is ours
+    caller = inspect.currentframe()
+    caller = caller.f_back.f_back if caller is not None and caller.f_back is not None else None
+    try:
+        _activate(
+            project=params.get("project_name"),
+            experiment=params.get("experiment_name"),
+            token2text=bool(params.get("token2text", False)),
+            max_samples=budget,
+            caller=caller,
+        )
+    except Exception:
+        logger.exception("tracecar.verl: activation failed; VERL runs untraced")
+    finally:
+        del caller
+    return result
+
+
+def _caller_tokenizer(frame) -> str | None:
+    """Best effort: the tokenizer the AgentLoopWorker calling init uses, for the collector."""
+    explicit = os.environ.get("TRACECAR_TOKENIZER")
+    if explicit:
+        return explicit
+    try:
+        owner = frame.f_locals.get("self") if frame is not None else None
+        model_config = getattr(owner, "model_config", None)
+        for attr in ("tokenizer_path", "path", "local_tokenizer_path"):
+            value = getattr(model_config, attr, None)
+            if isinstance(value, str) and value:
+                return value
+        tok = getattr(owner, "tokenizer", None)
+        value = getattr(tok, "name_or_path", None)
+        return value if isinstance(value, str) and value else None
+    except Exception:  # pragma: no cover - defensive
+        return None
+
+
+def _worker_id() -> str:
+    explicit = os.environ.get("TRACECAR_WORKER_ID")
+    if explicit:
+        return explicit
+    ray = sys.modules.get("ray")
+    if ray is not None:
+        try:
+            ctx = ray.get_runtime_context()
+            actor_id = ctx.get_actor_id()
+            if actor_id:
+                return f"ray-actor:{actor_id}"
+        except Exception:
+            pass
+    import socket
+
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _configure_client(tc, **wanted: Any) -> None:
+    """Call ``tracecar.client.configure`` with the keyword arguments it accepts."""
+    configure = getattr(tc, "configure", None)
+    if configure is None:
+        logger.warning("tracecar.verl: tracecar.client has no configure(); using its defaults")
+        return
+    wanted = {k: v for k, v in wanted.items() if v is not None}
+    try:
+        params = inspect.signature(configure).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            dropped = sorted(set(wanted) - set(params))
+            if dropped:
+                logger.info("tracecar.verl: configure() does not take %s; not passed", dropped)
+            wanted = {k: v for k, v in wanted.items() if k in params}
+    except (TypeError, ValueError):
+        pass
+    configure(**wanted)
+
+
+def _activate(*, project, experiment, token2text: bool, max_samples, caller) -> None:
+    with _lock:
+        if _state.active:
+            return
+        import tracecar.client as tc  # lazily: the client pulls in httpx
+
+        url = os.environ.get("TRACECAR_URL") or None
+        worker_sampling = _env_flag("TRACECAR_VERL_WORKER_SAMPLING", False)
+        _state.settings = {
+            "project": project,
+            "experiment": experiment,
+            "token2text": token2text,
+            "max_samples_per_step_per_worker": max_samples,
+            "worker_sampling": worker_sampling,
+            "url": url,
+            "tokenizer": _caller_tokenizer(caller),
+            "worker": _worker_id(),
+        }
+        _configure_client(
+            tc,
+            url=url,
+            project=project,
+            experiment=experiment,
+            token2text=token2text,
+            # the collector samples; with worker-side sampling VERL already did it
+            max_samples_per_step_per_worker=None if worker_sampling else max_samples,
+            tokenizer=_state.settings["tokenizer"],
+            worker=_state.settings["worker"],
+            framework="verl",
+        )
+        if url is None:
+            logger.warning(
+                "tracecar.verl: trace.backend=tracecar but TRACECAR_URL is not set in this "
+                "process (pid %s); the client decides whether anything is sent",
+                os.getpid(),
+            )
+        _state.active = True
+        n = _swap_existing_wrappers(tc)
+        _patch_module_names()
+        logger.info("tracecar.verl: active (project=%s experiment=%s, %d VERL ops)", project, experiment, n)
+
+
+def _deactivate() -> None:
+    with _lock:
+        for cell, original in reversed(_state.swapped_cells):
+            cell.cell_contents = original
+        _state.swapped_cells.clear()
+        for module, name, original in reversed(_state.patched_names):
+            setattr(module, name, original)
+        _state.patched_names.clear()
+        _state.active = False
+
+
+# --------------------------------------------------------------------------------------------
+# ops: swap the ``func`` cell of VERL's wrappers
+# --------------------------------------------------------------------------------------------
+
+
+def _find_wrapper_codes(orig_op: Callable) -> tuple[types.CodeType, ...]:
+    """The code objects of VERL's ``async_wrapper`` and ``wrapper`` (shared by all closures)."""
+    codes = []
+
+    async def _probe_async(self):  # pragma: no cover - never called
+        return None
+
+    def _probe_sync(self):  # pragma: no cover - never called
+        return None
+
+    for probe in (_probe_async, _probe_sync):
+        try:
+            w = orig_op(probe)
+        except Exception:
+            continue
+        code = getattr(w, "__code__", None)
+        if code is not None and "func" in code.co_freevars and code not in codes:
+            codes.append(code)
+    return tuple(codes)
+
+
+def _is_verl_wrapper(obj: Any) -> bool:
+    return isinstance(obj, types.FunctionType) and obj.__code__ in _state.wrapper_codes
+
+
+def _verl_trace_enabled() -> bool:
+    rt = _state.rt
+    var = getattr(rt, "_trace_enabled", None) if rt is not None else None
+    try:
+        return True if var is None else bool(var.get())
+    except Exception:  # pragma: no cover
+        return True
+
+
+def _make_shim(func: Callable, tc) -> Callable:
+    traced = tc.rollout_trace_op(func)
+    if inspect.iscoroutinefunction(func):
+
+        @functools.wraps(func)
+        async def shim(*args, **kwargs):
+            if not _state.active or not _verl_trace_enabled():
+                return await func(*args, **kwargs)
+            return await traced(*args, **kwargs)
+
+    else:
+
+        @functools.wraps(func)
+        def shim(*args, **kwargs):
+            if not _state.active or not _verl_trace_enabled():
+                return func(*args, **kwargs)
+            return traced(*args, **kwargs)
+
+    setattr(shim, _SHIM_FLAG, func)
+    return shim
+
+
+def _swap_wrapper(wrapper: types.FunctionType, tc) -> bool:
+    try:
+        index = wrapper.__code__.co_freevars.index("func")
+        cell = wrapper.__closure__[index]
+        func = cell.cell_contents
+    except (ValueError, IndexError, TypeError):
+        return False
+    if getattr(func, _SHIM_FLAG, None) is not None:
+        return False  # already ours
+    cell.cell_contents = _make_shim(func, tc)
+    _state.swapped_cells.append((cell, func))
+    return True
+
+
+def _swap_existing_wrappers(tc) -> int:
+    count = 0
+    if not _state.wrapper_codes:
+        logger.warning("tracecar.verl: VERL's rollout_trace_op has an unknown shape; ops not traced")
+        return 0
+    for code in _state.wrapper_codes:
+        for ref in gc.get_referrers(code):
+            if _is_verl_wrapper(ref) and _swap_wrapper(ref, tc):
+                count += 1
+    return count
+
+
+def _rollout_trace_op(func):
+    """Replacement for ``verl.utils.rollout_trace.rollout_trace_op`` while active."""
+    wrapper = _state.orig_op(func)
+    if _state.active and _is_verl_wrapper(wrapper):
+        import tracecar.client as tc
+
+        _swap_wrapper(wrapper, tc)
+    return wrapper
+
+
+# --------------------------------------------------------------------------------------------
+# rollout_trace_attr
+# --------------------------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars (``index[i]`` from a DataProto) to Python values."""
+    if type(value).__module__ == "numpy" and hasattr(value, "item"):
+        try:
+            return value.item()
+        except Exception:  # pragma: no cover
+            return value
+    return value
+
+
+@contextlib.contextmanager
+def _rollout_trace_attr(
+    sample_index=None, step=None, rollout_n=None, name="rollout_trace", validate=False, trace: bool = True
+):
+    """Replacement for VERL's ``rollout_trace_attr``: VERL's context plus a tracecar root span."""
+    verl_kwargs = dict(
+        sample_index=sample_index, step=step, rollout_n=rollout_n, name=name, validate=validate, trace=trace
+    )
+    if _state.orig_attr_params:
+        verl_kwargs = {k: v for k, v in verl_kwargs.items() if k in _state.orig_attr_params}
+    with _state.orig_attr(**verl_kwargs):
+        if not _state.active:
+            yield
+            return
+        import tracecar.client as tc
+
+        with tc.rollout_trace_attr(
+            sample_index=_plain(sample_index),
+            step=_plain(step),
+            rollout_n=_plain(rollout_n),
+            name=name,
+            validate=bool(_plain(validate)),
+            trace=bool(trace),
+        ):
+            yield
+
+
+def _patch_module_names() -> None:
+    """Point every loaded module's ``rollout_trace_op`` / ``rollout_trace_attr`` at ours."""
+    replacements = {}
+    if _state.orig_op is not None:
+        replacements[id(_state.orig_op)] = ("rollout_trace_op", _state.orig_op, _rollout_trace_op)
+    if _state.orig_attr is not None:
+        replacements[id(_state.orig_attr)] = ("rollout_trace_attr", _state.orig_attr, _rollout_trace_attr)
+    for module in list(sys.modules.values()):
+        if not isinstance(module, types.ModuleType):
+            continue
+        try:
+            namespace = vars(module)
+        except TypeError:  # pragma: no cover
+            continue
+        for attr_name in ("rollout_trace_op", "rollout_trace_attr"):
+            value = namespace.get(attr_name)
+            hit = replacements.get(id(value)) if value is not None else None
+            if hit is None or hit[1] is not value:
+                continue
+            try:
+                setattr(module, attr_name, hit[2])
+            except Exception:  # pragma: no cover - read-only module proxies
+                continue
+            _state.patched_names.append((module, attr_name, value))
+
+
+# ``actor_rollout_ref.model.external_lib=tracecar.client.verl``: VERL imports this module while
+# building HFModelConfig in the AgentLoopWorker, before RolloutTraceConfig.init.
+if _VERL_MODULE in sys.modules and _env_flag("TRACECAR_VERL_AUTOINSTALL", True):
+    try:
+        install()
+    except Exception:  # pragma: no cover - never break the importer
+        logger.exception("tracecar.verl: auto-install failed")

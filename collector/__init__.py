@@ -1,0 +1,1 @@
+"""tracecar collector: receive → validate → sample → decode → spool → forward."""

@@ -1,0 +1,208 @@
+"""The collector's HTTP surface: ingest, health, readiness, metrics and store queries."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+import orjson
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tracecar.client import __version__
+
+from .auth import BearerAuth
+from .forward import Forwarder, NullSink, Sink
+from .metrics import Metrics
+from .pipeline import Backpressure, IngestPipeline
+from .receive import BodyError
+from .settings import CollectorSettings
+from .spool import Spool
+from .store_query import TrajectoryFilter, get_trajectory, list_trajectories
+from .validate import EnvelopeError
+
+log = logging.getLogger("tracecar.collector")
+
+
+def make_sink(settings: CollectorSettings) -> Sink:
+    """The backend spans are forwarded to: Weave with credentials, else none (local store)."""
+    if settings.effective_backend != "weave":
+        return NullSink()
+    from .weave_sink import WeaveSink  # imported only when forwarding to Weave
+
+    if settings.wandb_api_key is None:
+        raise RuntimeError("backend=weave needs WANDB_API_KEY")
+    if not settings.wandb_entity:
+        raise RuntimeError("backend=weave needs TRACECAR_WANDB_ENTITY (the W&B entity of the project)")
+    return WeaveSink(
+        api_key=settings.wandb_api_key.get_secret_value(), entity=settings.wandb_entity,
+        project=settings.wandb_project or "tracecar", server_url=settings.weave_server_url,
+    )
+
+
+class Collector:
+    """Everything one collector process owns; the app's lifespan opens and closes it."""
+
+    def __init__(self, settings: CollectorSettings, sink: Sink | None = None) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.sink = sink if sink is not None else make_sink(settings)
+        self.spool = Spool(settings.spool_path, local_only=isinstance(self.sink, NullSink))
+        self.pipeline = IngestPipeline(settings, self.spool, self.metrics)
+        self.forwarder = Forwarder(
+            self.spool, self.sink, self.metrics, batch_spans=settings.forward_batch_spans,
+            retry_initial_s=settings.forward_retry_initial_s, retry_max_s=settings.forward_retry_max_s,
+            keep_forwarded=settings.keep_forwarded,
+        )
+        self.pipeline.on_committed.append(self.forwarder.notify)
+        self.metrics.bind_spool(
+            lambda: self.spool.pending_count, lambda: self.spool.pending_bytes,
+            self.spool.size_bytes, self.spool.dead_count,
+        )
+        self.ready = False
+        self._forward_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._forward_task = asyncio.create_task(self.forwarder.run(), name="tracecar-forwarder")
+        self.ready = True
+        self.metrics.ready.set(1)
+
+    def mark_unready(self) -> None:
+        self.ready = False
+        self.metrics.ready.set(0)
+
+    async def stop(self) -> None:
+        """Drains to the backend up to the deadline; whatever is left stays in the spool."""
+        self.mark_unready()
+        self.forwarder.stop()
+        if self._forward_task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._forward_task
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await self.forwarder.run(deadline=started + self.settings.shutdown_drain_s)
+        log.info("drained", extra={"event": "drained", "left_in_spool": self.spool.pending_count,
+                                   "drain_s": round(loop.time() - started, 3)})
+        await self.sink.aclose()
+        self.pipeline.close()
+        self.spool.close()
+
+
+def create_app(settings: CollectorSettings | None = None, sink: Sink | None = None) -> FastAPI:
+    settings = settings or CollectorSettings()
+    collector = Collector(settings, sink)
+    auth = BearerAuth(settings.token.get_secret_value() if settings.token else None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await collector.start()
+        yield
+        await collector.stop()
+
+    app = FastAPI(title="tracecar collector", version=__version__, lifespan=lifespan)
+    app.state.collector = collector
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+    @app.post("/v1/spans", dependencies=[Depends(auth)])
+    async def ingest(request: Request) -> Any:
+        """Accepts a span batch (JSON or msgpack, optionally gzip/zstd)."""
+        started = time.perf_counter()
+        m = collector.metrics
+        status, payload, headers = await _ingest(request, collector)
+        m.requests.labels(status=str(status)).inc()
+        m.ingest_seconds.observe(time.perf_counter() - started)
+        return _json(payload, status_code=status, headers=headers)
+
+    @app.get("/healthz")
+    async def healthz() -> Any:
+        return {"status": "ok", "version": __version__}
+
+    @app.get("/readyz")
+    async def readyz() -> Any:
+        body = {"ready": collector.ready, "spool_depth": collector.spool.pending_count,
+                "forward_backoff_s": collector.forwarder.backoff_s, "last_forward_error": collector.forwarder.last_error}
+        return _json(body, status_code=200 if collector.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        return PlainTextResponse(generate_latest(collector.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/trajectories", dependencies=[Depends(auth)])
+    async def trajectories(
+        experiment: str | None = None, step: int | None = None, step_min: int | None = None,
+        step_max: int | None = None, sample_index: int | None = None, rollout_n: int | None = None,
+        validate: bool | None = None, worker: str | None = None, has_error: bool | None = None,
+        reward_min: float | None = None, reward_max: float | None = None,
+        sort: str = Query("start", pattern="^(start|step|reward|duration|spans|sample_index)$"),
+        order: str = Query("desc", pattern="^(asc|desc)$"),
+        limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0),
+    ) -> Any:
+        """Trajectories in the embedded store, filtered, sorted and paginated."""
+        flt = TrajectoryFilter(experiment, step, step_min, step_max, sample_index, rollout_n, validate, worker,
+                               has_error, reward_min, reward_max)
+        return await asyncio.to_thread(list_trajectories, collector.spool, flt, limit=limit, offset=offset,
+                                       sort=sort, descending=order == "desc")
+
+    @app.get("/v1/trajectories/{trace_id}", dependencies=[Depends(auth)])
+    async def trajectory(trace_id: str) -> Any:
+        """One trajectory with all its spans as a tree."""
+        found = await asyncio.to_thread(get_trajectory, collector.spool, trace_id)
+        if found is None:
+            raise HTTPException(404, detail={"field": "trace_id", "reason": f"no trajectory {trace_id!r} in the store"})
+        return found
+
+    @app.get("/v1/dead-letters", dependencies=[Depends(auth)])
+    async def dead_letters(limit: int = Query(100, ge=1, le=10000)) -> Any:
+        """Spans the backend rejected permanently, with its reason."""
+        rows = await asyncio.to_thread(collector.spool.dead_letters, limit)
+        return {"count": await asyncio.to_thread(collector.spool.dead_count), "dead_letters": rows}
+
+    return app
+
+
+def _json(payload: Any, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(payload), status_code=status_code, headers=headers, media_type="application/json")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyError(413, "body", f"body of {declared} bytes exceeds TRACECAR_MAX_BODY_BYTES={limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyError(413, "body", f"body exceeds TRACECAR_MAX_BODY_BYTES={limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _ingest(request: Request, collector: Collector) -> tuple[int, Any, dict[str, str] | None]:
+    settings = collector.settings
+    if not collector.ready:
+        return 503, {"error": {"field": None, "reason": "collector is not ready (starting or draining)"}}, {"Retry-After": str(settings.retry_after_s)}
+    try:
+        collector.pipeline.check_capacity()
+        body = await _read_body(request, settings.max_body_bytes)
+        if not body:
+            return 200, {"accepted": 0, "duplicates": 0, "sampled_out": 0, "rejected_count": 0, "rejected": [], "warnings": {}}, None
+        result = await collector.pipeline.ingest(body, request.headers.get("content-type"), request.headers.get("content-encoding"))
+    except Backpressure as exc:
+        collector.metrics.backpressure.labels(bound=exc.bound).inc()
+        return 503, {"error": {"field": None, "reason": str(exc)}}, {"Retry-After": str(settings.retry_after_s)}
+    except BodyError as exc:
+        collector.metrics.batches_rejected.labels(reason=exc.field.lower()).inc()
+        return exc.status, {"error": {"field": exc.field, "reason": exc.reason}}, None
+    except EnvelopeError as exc:
+        collector.metrics.batches_rejected.labels(reason="envelope").inc()
+        return 400, {"error": {"field": exc.field, "reason": exc.reason}}, None
+    payload = result.as_dict()
+    status = 422 if result.rejected and not (result.accepted or result.duplicates or result.sampled_out) else 200
+    return status, payload, None

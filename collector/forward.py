@@ -1,0 +1,142 @@
+"""Forward: move pending spans from the spool to the backend, oldest first, until done.
+
+One batch is in flight at a time, so spans of a trace reach the backend in arrival order.
+Transient failures (connection errors, 408/429/5xx) back off exponentially with full jitter up
+to a cap, honouring Retry-After; the batch is retried as it was. Spans the backend rejects
+permanently go to the dead-letter table with its reason and never block the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+
+from .metrics import Metrics
+from .spool import Spool
+
+log = logging.getLogger("tracecar.collector.forward")
+
+
+@dataclass
+class SendResult:
+    """What a sink did with one batch, by span id."""
+
+    delivered: list[str] = field(default_factory=list)
+    retryable: list[str] = field(default_factory=list)
+    rejected: dict[str, str] = field(default_factory=dict)
+    retry_after_s: float | None = None
+    error: str | None = None
+
+
+class Sink(Protocol):
+    name: str
+
+    async def send(self, spans: Sequence[Mapping[str, Any]]) -> Any: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Forwarder:
+    """Background task draining the spool into a sink."""
+
+    def __init__(self, spool: Spool, sink: Sink, metrics: Metrics, *, batch_spans: int,
+                 retry_initial_s: float, retry_max_s: float, keep_forwarded: bool) -> None:
+        self.spool = spool
+        self.sink = sink
+        self.metrics = metrics
+        self.batch_spans = batch_spans
+        self.retry_initial_s = retry_initial_s
+        self.retry_max_s = retry_max_s
+        self.keep_forwarded = keep_forwarded
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self.backoff_s = 0.0
+        self.last_error: str | None = None
+
+    def notify(self) -> None:
+        """Called after each committed ingest so new spans go out without polling delay."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    async def run(self, deadline: float | None = None) -> None:
+        """Forwards until stopped (or, with ``deadline``, until drained or the loop time passes it)."""
+        loop = asyncio.get_running_loop()
+        delay = self.retry_initial_s
+        while not self._stop.is_set() or deadline is not None:
+            if deadline is not None and loop.time() >= deadline:
+                return
+            rows = await asyncio.to_thread(self.spool.next_pending, self.batch_spans)
+            if not rows:
+                if deadline is not None:
+                    return
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            ok, retry_after = await self._forward(rows)
+            if ok:
+                delay, self.backoff_s = self.retry_initial_s, 0.0
+                continue
+            wait = retry_after if retry_after is not None else random.uniform(0, delay)
+            self.backoff_s = wait = min(wait, self.retry_max_s)
+            delay = min(delay * 2, self.retry_max_s)
+            if deadline is None:
+                try:  # ingest must not cut a backoff short; only stop() does
+                    await asyncio.wait_for(self._stop.wait(), timeout=wait)
+                except asyncio.TimeoutError:
+                    pass
+            else:
+                await asyncio.sleep(max(0.0, min(wait, deadline - loop.time())))
+
+    async def _forward(self, rows: list[tuple[int, bytes]]) -> tuple[bool, float | None]:
+        spans = [orjson.loads(payload) for _, payload in rows]
+        seq_of = {span["span_id"]: seq for (seq, _), span in zip(rows, spans)}
+        try:
+            result = await self.sink.send(spans)
+        except Exception as exc:  # noqa: BLE001 - a sink bug must not kill forwarding
+            log.exception("forward: sink raised")
+            self.metrics.forward_failures.labels(kind="sink_error").inc()
+            self.last_error = f"sink error: {type(exc).__name__}"
+            return False, None
+        delivered = [seq_of[sid] for sid in result.delivered if sid in seq_of]
+        if delivered:
+            await asyncio.to_thread(self.spool.mark_forwarded, delivered, self.keep_forwarded)
+            self.metrics.forwarded.labels(backend=self.sink.name).inc(len(delivered))
+        if result.rejected:
+            by_id = {s["span_id"]: s for s in spans}
+            dead = [
+                (seq_of[sid], sid, by_id[sid].get("trace_id", ""), by_id[sid].get("name", ""), reason)
+                for sid, reason in result.rejected.items() if sid in seq_of
+            ]
+            await asyncio.to_thread(self.spool.mark_dead, dead)
+            self.metrics.dead_lettered.inc(len(dead))
+            log.warning("forward: %d spans dead-lettered: %s", len(dead), next(iter(result.rejected.values())))
+        if result.retryable:
+            self.metrics.forward_failures.labels(kind="retryable").inc()
+            self.last_error = getattr(result, "error", None) or "retryable failure"
+            return False, result.retry_after_s
+        self.last_error = None
+        return True, None
+
+
+class NullSink:
+    """Local mode: spans are already in the store; nothing to forward."""
+
+    name = "local"
+
+    async def send(self, spans: Sequence[Mapping[str, Any]]) -> SendResult:
+        return SendResult(delivered=[s["span_id"] for s in spans])
+
+    async def aclose(self) -> None:
+        return None

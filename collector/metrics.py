@@ -1,0 +1,43 @@
+"""Metrics: one prometheus-client registry per app, so tests can run several collectors."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    """Every counter the README's metrics table lists; names are the table's names."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("tracecar_requests", "Ingest requests by HTTP status.", ["status"], registry=r)
+        self.spans_received = Counter("tracecar_spans_received", "Spans received in well-formed batches.", registry=r)
+        self.spans_accepted = Counter("tracecar_spans_accepted", "Spans committed to the spool (acknowledged).", registry=r)
+        self.spans_rejected = Counter("tracecar_spans_rejected", "Spans refused, by reason.", ["reason"], registry=r)
+        self.batches_rejected = Counter("tracecar_batches_rejected", "Whole requests refused (body, encoding, envelope), by reason.", ["reason"], registry=r)
+        self.spans_duplicate = Counter("tracecar_spans_duplicate", "Spans already in the spool (client retries), dropped.", registry=r)
+        self.spans_sampled_out = Counter("tracecar_spans_sampled_out", "Spans dropped by a sampling budget.", ["budget"], registry=r)
+        self.span_warnings = Counter("tracecar_span_warnings", "Spans stored with a recorded warning, by kind.", ["kind"], registry=r)
+        self.decoded_tokens = Counter("tracecar_decoded_tokens", "Token ids decoded to text.", registry=r)
+        self.decode_failures = Counter("tracecar_decode_failures", "Spans whose decoding failed (stored without text).", ["reason"], registry=r)
+        self.forwarded = Counter("tracecar_spans_forwarded", "Spans delivered to the backend.", ["backend"], registry=r)
+        self.forward_failures = Counter("tracecar_forward_failures", "Failed forward attempts, by kind.", ["kind"], registry=r)
+        self.dead_lettered = Counter("tracecar_spans_dead_lettered", "Spans the backend rejected permanently.", registry=r)
+        self.backpressure = Counter("tracecar_backpressure", "Requests answered 503 because a bound was hit, by bound.", ["bound"], registry=r)
+        self.ingest_seconds = Histogram(
+            "tracecar_ingest_seconds", "Time from request read to acknowledgement.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r,
+        )
+        self.spool_depth = Gauge("tracecar_spool_depth", "Spans waiting to be forwarded.", registry=r)
+        self.spool_pending_bytes = Gauge("tracecar_spool_pending_bytes", "Bytes of spans waiting to be forwarded.", registry=r)
+        self.spool_file_bytes = Gauge("tracecar_spool_file_bytes", "Size of the spool/store file on disk.", registry=r)
+        self.dead_letters = Gauge("tracecar_dead_letters", "Rows in the dead-letter table.", registry=r)
+        self.ready = Gauge("tracecar_ready", "1 when accepting spans, 0 while starting or draining.", registry=r)
+
+    def bind_spool(self, depth: Callable[[], float], pending_bytes: Callable[[], float], file_bytes: Callable[[], float], dead: Callable[[], float]) -> None:
+        self.spool_depth.set_function(depth)
+        self.spool_pending_bytes.set_function(pending_bytes)
+        self.spool_file_bytes.set_function(file_bytes)
+        self.dead_letters.set_function(dead)

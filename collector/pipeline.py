@@ -1,0 +1,174 @@
+"""The ingest pipeline: receive → validate → sample → decode → spool. Forwarding runs apart.
+
+CPU stages run in worker threads so the event loop keeps answering health checks; the sampling
+step runs on the loop itself (pure dict work) so decisions never race. A request is answered
+only after its spans are committed to the spool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import orjson
+
+from . import receive
+from .decoding import TokenizerNotFound, TokenizerRegistry, decode_spans
+from .metrics import Metrics
+from .sampling import StepBudgetSampler
+from .settings import CollectorSettings
+from .spool import Spool, SpoolFull, SpoolRow
+from .validate import EnvelopeError, Rejection, Validated, validate_batch
+
+_DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+
+
+class Backpressure(Exception):
+    """A bound is hit: answer 503 with Retry-After; nothing of the request is stored."""
+
+    def __init__(self, bound: str, message: str) -> None:
+        super().__init__(message)
+        self.bound = bound
+
+
+@dataclass
+class IngestResult:
+    accepted: int = 0
+    duplicates: int = 0
+    sampled_out: int = 0
+    rejected: list[Rejection] = field(default_factory=list)
+    warnings: dict[str, list[str]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "accepted": self.accepted, "duplicates": self.duplicates, "sampled_out": self.sampled_out,
+            "rejected_count": len(self.rejected), "rejected": [r.as_dict() for r in self.rejected],
+            "warnings": self.warnings,
+        }
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        return {"__bytes_b64__": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, msgpack.ExtType):
+        return {"__ext__": value.code, "data_b64": base64.b64encode(value.data).decode()}
+    return repr(value)
+
+
+class IngestPipeline:
+    def __init__(self, settings: CollectorSettings, spool: Spool, metrics: Metrics) -> None:
+        self.settings = settings
+        self.spool = spool
+        self.metrics = metrics
+        self.tokenizers = TokenizerRegistry()
+        self.sampler = StepBudgetSampler(settings.max_samples_per_step_per_worker, spool.load_decisions)
+        self.cpu = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="tracecar-cpu")
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracecar-spool")
+        self.inflight = asyncio.Semaphore(settings.max_inflight_requests)
+        self.on_committed: list[Any] = []
+
+    def check_capacity(self) -> None:
+        """Refuses new work while the spool (or, in local mode, the store) is at its bound."""
+        limit = self.settings.spool_max_bytes
+        used = self.spool.pending_bytes if not self.spool.local_only else self.spool.stored_bytes
+        if used >= limit:
+            raise Backpressure("spool_bytes", f"spool holds {used} bytes, at TRACECAR_SPOOL_MAX_BYTES={limit}")
+        if self.inflight.locked():
+            raise Backpressure("inflight_requests", f"{self.settings.max_inflight_requests} requests already in flight (TRACECAR_MAX_INFLIGHT_REQUESTS)")
+
+    async def ingest(self, body: bytes, content_type: str | None, content_encoding: str | None) -> IngestResult:
+        self.check_capacity()
+        async with self.inflight:
+            loop = asyncio.get_running_loop()
+            validated = await loop.run_in_executor(self.cpu, self._receive_and_validate, body, content_type, content_encoding)
+            m = self.metrics
+            m.spans_received.inc(len(validated.spans) + len(validated.rejected))
+            for rejection in validated.rejected:
+                m.spans_rejected.labels(reason=_reason_label(rejection)).inc()
+            sampled = self.sampler.sample(validated.spans)
+            if sampled.dropped:
+                m.spans_sampled_out.labels(budget="max_samples_per_step_per_worker").inc(len(sampled.dropped))
+            rows, tokens, too_big = await loop.run_in_executor(self.cpu, self._decode_and_serialize, validated, sampled.kept)
+            for rejection in too_big:
+                m.spans_rejected.labels(reason="span_too_large").inc()
+            m.decoded_tokens.inc(tokens)
+            try:
+                written = await loop.run_in_executor(self.writer, self.spool.write, rows, sampled.new_decisions)
+            except SpoolFull as exc:
+                self.sampler.forget(sampled.new_decisions)
+                raise Backpressure("disk_full", f"spool disk is full: {exc}") from None
+            except BaseException:
+                self.sampler.forget(sampled.new_decisions)
+                raise
+            m.spans_accepted.inc(written.inserted)
+            m.spans_duplicate.inc(written.duplicates)
+            for warnings in validated.warnings.values():
+                for w in warnings:
+                    m.span_warnings.labels(kind=_warning_kind(w)).inc()
+            for callback in self.on_committed:
+                callback()
+            return IngestResult(
+                accepted=written.inserted, duplicates=written.duplicates, sampled_out=len(sampled.dropped),
+                rejected=validated.rejected + too_big,
+                warnings={k: v for k, v in validated.warnings.items()},
+            )
+
+    # ---- stages (worker threads) ---------------------------------------------------------
+    def _receive_and_validate(self, body: bytes, content_type: str | None, content_encoding: str | None) -> Validated:
+        raw = receive.parse(receive.decompress(body, content_encoding, self.settings.max_decompressed_bytes), content_type)
+        return validate_batch(raw, self.settings.max_batch_spans)
+
+    def _decode_and_serialize(self, validated: Validated, spans: list[dict[str, Any]]) -> tuple[list[SpoolRow], int, list[Rejection]]:
+        batch = validated.batch
+        tokens = 0
+        token2text = self.settings.token2text if batch.token2text is None else batch.token2text
+        name = batch.tokenizer or self.settings.tokenizer
+        if token2text and spans:
+            if name is None:
+                self.metrics.decode_failures.labels(reason="no_tokenizer").inc()
+                for span in spans:
+                    validated.warnings.setdefault(span["span_id"], []).append("tokenizer: token2text is on but no tokenizer is configured (TRACECAR_TOKENIZER)")
+            else:
+                try:
+                    tokens = decode_spans(spans, self.tokenizers.get(name), validated.warnings)
+                except TokenizerNotFound as exc:
+                    self.metrics.decode_failures.labels(reason="tokenizer_not_found").inc()
+                    for span in spans:
+                        validated.warnings.setdefault(span["span_id"], []).append(f"tokenizer: {exc}")
+        rows, too_big = [], []
+        limit = self.settings.max_span_bytes
+        for span in spans:
+            warnings = validated.warnings.get(span["span_id"])
+            if warnings:
+                span["warnings"] = warnings
+            try:
+                payload = orjson.dumps(span, default=_json_default, option=_DUMP_OPTS)
+            except orjson.JSONEncodeError as exc:
+                index = validated.index_of[span["span_id"]]
+                too_big.append(Rejection(index, span["span_id"], f"spans[{index}].inputs", f"cannot be stored: {exc}"))
+                continue
+            if len(payload) > limit:
+                index = validated.index_of[span["span_id"]]
+                too_big.append(Rejection(index, span["span_id"], f"spans[{index}]", f"{len(payload)} bytes exceed TRACECAR_MAX_SPAN_BYTES={limit}"))
+                continue
+            rows.append(SpoolRow(span, payload, warnings))
+        return rows, tokens, too_big
+
+    def close(self) -> None:
+        self.cpu.shutdown(wait=True, cancel_futures=True)
+        self.writer.shutdown(wait=True)
+
+
+def _reason_label(rejection: Rejection) -> str:
+    field_name = rejection.field.split(".", 1)[1] if "." in rejection.field else rejection.field
+    return field_name.split(".")[0].split("[")[0] or "span"
+
+
+def _warning_kind(warning: str) -> str:
+    head = warning.split(":", 1)[0]
+    return head.split(".", 1)[-1] if head.startswith("output.") else head.split(".", 1)[0]
+

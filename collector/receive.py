@@ -1,0 +1,84 @@
+"""Receive: turn a raw HTTP body into Python data, with every size bound enforced.
+
+The body is read raw (not through FastAPI's pydantic body parsing, which costs about half the
+throughput), decompressed incrementally so a zip bomb stops at the bound instead of filling RAM,
+and parsed with msgpack or orjson by its content type.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import orjson
+import zstandard
+
+from tracecar.client.wire import unpack_ext
+
+_CHUNK = 256 * 1024
+
+
+@dataclass
+class BodyError(Exception):
+    """A body-level problem: the whole request is refused with this status and message."""
+
+    status: int
+    field: str
+    reason: str
+
+
+def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """Undoes Content-Encoding (identity, gzip, deflate, zstd), stopping at ``limit`` bytes."""
+    encoding = (encoding or "identity").strip().lower()
+    if encoding in ("identity", ""):
+        return body
+    if encoding in ("gzip", "x-gzip", "deflate"):
+        wbits = 16 + zlib.MAX_WBITS if encoding != "deflate" else zlib.MAX_WBITS
+        inflater = zlib.decompressobj(wbits)
+        try:
+            out = inflater.decompress(body, limit + 1)
+        except zlib.error as exc:
+            raise BodyError(400, "Content-Encoding", f"body is not valid {encoding}: {exc}") from None
+        if len(out) > limit or inflater.unconsumed_tail:
+            raise _too_big(limit)
+        if not inflater.eof:
+            raise BodyError(400, "Content-Encoding", f"{encoding} body is truncated")
+        return out
+    if encoding == "zstd":
+        try:
+            reader = zstandard.ZstdDecompressor().stream_reader(body)
+            parts, total = [], 0
+            while chunk := reader.read(_CHUNK):
+                total += len(chunk)
+                if total > limit:
+                    raise _too_big(limit)
+                parts.append(chunk)
+            return b"".join(parts)
+        except zstandard.ZstdError as exc:
+            raise BodyError(400, "Content-Encoding", f"body is not valid zstd: {exc}") from None
+    raise BodyError(415, "Content-Encoding", f"unsupported content encoding {encoding!r}; use gzip, deflate, zstd or identity")
+
+
+def _too_big(limit: int) -> BodyError:
+    return BodyError(413, "body", f"decompressed body exceeds TRACECAR_MAX_DECOMPRESSED_BYTES={limit}")
+
+
+def parse(body: bytes, content_type: str | None) -> Any:
+    """Parses JSON or msgpack by Content-Type; anything else is a 415 naming what is accepted."""
+    media = (content_type or "application/json").split(";")[0].strip().lower()
+    if media in ("application/json", "text/json"):
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise BodyError(400, "body", f"invalid JSON: {exc}") from None
+    if media in ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack"):
+        try:
+            return msgpack.unpackb(
+                body, raw=False, ext_hook=unpack_ext, strict_map_key=False,
+                unicode_errors="replace", max_bin_len=len(body), max_str_len=len(body),
+            )
+        except Exception as exc:  # noqa: BLE001 - msgpack raises several types for bad input
+            raise BodyError(400, "body", f"invalid msgpack: {exc}") from None
+    raise BodyError(415, "Content-Type", f"unsupported content type {media!r}; use application/json or application/msgpack")

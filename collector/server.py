@@ -1,0 +1,72 @@
+"""Runs the collector under uvicorn with a sidecar-friendly shutdown.
+
+SIGTERM/SIGINT: /readyz turns unready at once, then uvicorn stops accepting and finishes
+in-flight requests, then the lifespan drains the spool to the backend until
+``shutdown_drain_s`` and leaves the rest on disk for the next start.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from typing import Any
+
+import uvicorn
+
+from tracecar.client import __version__
+
+from .app import create_app
+from .logs import setup_logging
+from .settings import CollectorSettings
+
+log = logging.getLogger("tracecar.collector")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _DrainingServer(uvicorn.Server):
+    """Marks the collector unready before uvicorn begins its own shutdown."""
+
+    def __init__(self, config: uvicorn.Config, collector: Any) -> None:
+        super().__init__(config)
+        self.collector = collector
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.collector.mark_unready()
+        log.info("shutdown requested", extra={"event": "shutdown", "signal": sig})
+        super().handle_exit(sig, frame)
+
+
+def build_server(settings: CollectorSettings) -> _DrainingServer:
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+        loop="auto", http="auto", timeout_graceful_shutdown=max(1, int(settings.shutdown_drain_s)),
+        lifespan="on",
+    )
+    return _DrainingServer(config, app.state.collector)
+
+
+def serve(settings: CollectorSettings) -> None:
+    setup_logging(settings.log_level)
+    if not _is_loopback(settings.host) and settings.token is None:
+        log.warning("binding to a non-loopback address without TRACECAR_TOKEN: anyone who can reach "
+                    f"{settings.host}:{settings.port} can write traces", extra={"event": "insecure_bind"})
+    server = build_server(settings)
+    c = server.collector
+    log.info("tracecar collector starting", extra={
+        "event": "startup", "version": __version__, "bind": f"{settings.host}:{settings.port}",
+        "store": str(settings.spool_path), "backend": settings.effective_backend,
+        "token2text": settings.token2text, "tokenizer": settings.tokenizer,
+        "max_samples_per_step_per_worker": settings.max_samples_per_step_per_worker,
+        "spool_max_bytes": settings.spool_max_bytes, "auth": settings.token is not None,
+        "spool_depth_at_start": c.spool.pending_count,
+    })
+    server.run()
