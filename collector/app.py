@@ -51,7 +51,7 @@ class Collector:
         self.settings = settings
         self.metrics = Metrics()
         self.sink = sink if sink is not None else make_sink(settings)
-        self.spool = Spool(settings.spool_path, local_only=isinstance(self.sink, NullSink))
+        self.spool = Spool(settings.spool_path, local_only=isinstance(self.sink, NullSink), sync=settings.spool_sync)
         self.pipeline = IngestPipeline(settings, self.spool, self.metrics)
         self.forwarder = Forwarder(
             self.spool, self.sink, self.metrics, batch_spans=settings.forward_batch_spans,

@@ -119,11 +119,10 @@ def _row_params(row: SpoolRow, state: int, now: float) -> tuple[Any, ...]:
 class Spool:
     """Thread-safe spool. Writes are serialised by a lock (callers run them in one executor)."""
 
-    def __init__(self, path: Path, *, local_only: bool, sync: str | None = None) -> None:
+    def __init__(self, path: Path, *, local_only: bool, sync: str = "normal") -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.local_only = local_only
-        sync = sync or os.environ.get("TRACECAR_SPOOL_SYNC", "normal")
         self._write = _connect(path, sync)
         self._write.executescript(SCHEMA)
         self._read = _connect(path, sync)

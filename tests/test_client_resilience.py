@@ -1,0 +1,54 @@
+"""The generation loop is sacred: with the collector down, traced code runs and nothing raises."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from tracecar.client import rollout_trace_attr, rollout_trace_op
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when the block exits: connections are refused
+
+
+class Loop:
+    @rollout_trace_op
+    async def run(self, prompt_ids: list[int]) -> dict[str, list[int]]:
+        await asyncio.sleep(0)
+        return {"response_ids": [i + 1 for i in prompt_ids]}
+
+    @rollout_trace_op
+    def fails(self, x: int) -> int:
+        raise KeyError(x)
+
+
+def test_collector_down_traced_function_returns_its_result(tracer_to):
+    tracer = tracer_to(f"http://127.0.0.1:{_closed_port()}", queue_max_spans=50, retry_max_elapsed_s=0.5,
+                       retry_initial_s=0.05, http_timeout_s=0.5)
+    loop = Loop()
+
+    async def main() -> list[dict[str, list[int]]]:
+        outs = []
+        for i in range(200):
+            with rollout_trace_attr(sample_index=i, step=1, rollout_n=0):
+                outs.append(await loop.run([i, i + 1]))
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs == [{"response_ids": [i + 1, i + 2]} for i in range(200)]
+    with pytest.raises(KeyError):  # the function's own exception still reaches the caller
+        loop.fails(3)
+    assert tracer.flush(10)  # bounded: retries give up after retry_max_elapsed_s
+    stats = tracer.stats()
+    # 401 spans were produced; the queue holds 50, so most were dropped at once, the rest after retries
+    dropped = stats["dropped"]
+    assert dropped.get("queue_full", 0) >= 401 - 50
+    assert stats["sent"] == 0 and stats["queued"] == 0
+    assert sum(dropped.values()) == 401

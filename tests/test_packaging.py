@@ -1,0 +1,64 @@
+"""The thin client installs without the collector's dependencies, under distinct import names."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from email.parser import Parser
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT)], check=True)
+    [built] = out.glob("tracecar-*.whl")
+    return built
+
+
+def test_bare_install_is_the_thin_client(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as zf:
+        meta = Parser().parsestr(zf.read(next(n for n in zf.namelist() if n.endswith("METADATA"))).decode())
+    requires = meta.get_all("Requires-Dist") or []
+    bare = sorted(r.split(";")[0].split(">")[0].split("=")[0].strip() for r in requires if "extra ==" not in r)
+    assert bare == ["httpx", "msgpack"]
+    collector_extra = " ".join(r for r in requires if 'extra == "collector"' in r)
+    for dep in ("fastapi", "uvicorn", "pydantic", "weave", "wandb", "tokenizers", "prometheus-client"):
+        assert dep in collector_extra
+
+
+def test_import_names_are_namespaced(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+    top = {n.split("/")[0] for n in names if not n.startswith("tracecar-")}
+    assert top == {"tracecar"}  # never a bare `client` or `collector` in site-packages
+    assert "tracecar/client/tracing.py" in names and "tracecar/collector/app.py" in names
+
+
+def test_client_imports_without_collector_dependencies(tmp_path: Path) -> None:
+    """Import the client with fastapi/pydantic/weave/tokenizers made unimportable."""
+    blocker = tmp_path / "sitecustomize_block.py"
+    blocker.write_text(
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in {'fastapi','pydantic','weave','wandb','tokenizers','uvicorn','orjson','prometheus_client'}:\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import tracecar.client as c\n"
+        "assert c.get_tracer() is None\n"
+        "@c.rollout_trace_op\n"
+        "def f(x): return x + 1\n"
+        "assert f(1) == 2\n"
+        "print('ok', sorted(m for m in sys.modules if m.split('.')[0] in {'fastapi','pydantic','weave'}))\n"
+    )
+    out = subprocess.run([sys.executable, str(blocker)], capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok []"
