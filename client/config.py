@@ -45,13 +45,14 @@ class ClientConfig:
     tokenizer: str | None = None
     queue_max_spans: int = 20_000
     batch_max_spans: int = 512
-    batch_max_bytes: int = 4 * 2**20
+    batch_max_bytes: int = 2**20
     flush_interval_s: float = 0.2
     http_timeout_s: float = 5.0
     retry_initial_s: float = 0.5
     retry_max_s: float = 30.0
     retry_max_elapsed_s: float = 300.0
     shutdown_timeout_s: float = 5.0
+    compression: str = "none"
     compress_min_bytes: int = 8 * 1024
     max_string_chars: int = 1_000_000
     max_depth: int = 32
@@ -76,6 +77,7 @@ class ClientConfig:
             retry_max_s=_env_float(env, "RETRY_MAX_S", cls.retry_max_s),
             retry_max_elapsed_s=_env_float(env, "RETRY_MAX_ELAPSED_S", cls.retry_max_elapsed_s),
             shutdown_timeout_s=_env_float(env, "SHUTDOWN_TIMEOUT_S", cls.shutdown_timeout_s),
+            compression=(env.get("TRACECAR_COMPRESSION") or cls.compression).strip().lower(),
             compress_min_bytes=_env_int(env, "COMPRESS_MIN_BYTES", cls.compress_min_bytes),
         )
         known = {f.name for f in fields(cls)}

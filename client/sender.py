@@ -1,7 +1,7 @@
 """Background sender: a bounded queue drained by one daemon thread that batches and posts.
 
 The caller's path only appends to a deque (and counts a drop when it is full). Everything
-else — argument binding, flattening, msgpack, compression, HTTP, retries — happens here, on a
+else — argument binding, flattening, JSON packing, compression, HTTP, retries — happens here, on a
 thread that the training process never waits for except in a bounded ``flush``.
 """
 
@@ -14,15 +14,15 @@ import random
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
-import msgpack
+import orjson
 
 from .config import ClientConfig, default_worker_id
 from .spans import SpanRecord
-from .wire import MSGPACK_CONTENT_TYPE, WIRE_VERSION, WireEncoder
+from .wire import JSON_CONTENT_TYPE, WIRE_VERSION, WireEncoder, batch_body, pack_span
 
 log = logging.getLogger("tracecar.client")
 
@@ -150,7 +150,7 @@ class Sender:
         while queue and len(parts) < cfg.batch_max_spans and size < cfg.batch_max_bytes:
             record = queue.popleft()
             try:
-                packed = msgpack.packb(record.to_wire(self.encoder), use_bin_type=True)
+                packed = pack_span(record.to_wire(), self.encoder, cfg.max_string_chars)
             except Exception as exc:  # noqa: BLE001 - one unserialisable span must not cost the batch
                 log.warning("tracecar: span %s could not be encoded: %s", record.name, exc)
                 with self._lock:
@@ -162,21 +162,19 @@ class Sender:
                 continue
             parts.append(packed)
             size += len(packed)
+            time.sleep(0)  # hand the GIL to the generation loop between spans, not every 5 ms
         if not parts:
             return None
-        packer = msgpack.Packer(use_bin_type=True)
-        header = packer.pack_map_header(6)
-        for key, value in (
-            ("v", WIRE_VERSION), ("worker", self.worker_id), ("project", cfg.project),
-            ("entity", cfg.entity), ("tokenizer", cfg.tokenizer),
-        ):
-            header += packer.pack(key) + packer.pack(value)
-        header += packer.pack("spans") + packer.pack_array_header(len(parts))
-        return header + b"".join(parts), len(parts)
+        return batch_body(self._header(), parts), len(parts)
+
+    def _header(self) -> dict[str, Any]:
+        cfg = self.config
+        return {"v": WIRE_VERSION, "worker": self.worker_id, "project": cfg.project,
+                "entity": cfg.entity, "tokenizer": cfg.tokenizer}
 
     def _client(self) -> httpx.Client:
         if self._http is None:
-            headers = {"Content-Type": MSGPACK_CONTENT_TYPE, "User-Agent": "tracecar-client/1"}
+            headers = {"Content-Type": JSON_CONTENT_TYPE, "User-Agent": "tracecar-client/1"}
             if self.config.token:
                 headers["Authorization"] = f"Bearer {self.config.token}"
             self._http = httpx.Client(
@@ -194,7 +192,7 @@ class Sender:
         """
         cfg = self.config
         headers = {}
-        if len(body) >= cfg.compress_min_bytes:
+        if cfg.compression == "gzip" and len(body) >= cfg.compress_min_bytes:
             body = gzip.compress(body, compresslevel=1)
             headers["Content-Encoding"] = "gzip"
         started, delay = time.monotonic(), cfg.retry_initial_s
@@ -235,21 +233,16 @@ class Sender:
                 return False
 
     def _split_and_resend(self, n: int) -> bool:
-        """The collector said 413: put the spans back as two smaller batches."""
+        """The collector said 413: resend the same spans as two smaller batches, and shrink later ones."""
         body, _ = self._pending_body  # type: ignore[misc]
-        spans = msgpack.unpackb(body, raw=False, strict_map_key=False)["spans"]
+        spans = orjson.loads(body)["spans"]
         half = max(1, n // 2)
-        self.config = _smaller_batches(self.config, half)
-        # Re-pack the already-encoded spans directly; they are plain msgpack values now.
+        self.config = replace(self.config, batch_max_spans=max(1, min(self.config.batch_max_spans, half)))
         for chunk in (spans[:half], spans[half:]):
             if chunk:
-                packed = msgpack.packb(
-                    {"v": WIRE_VERSION, "worker": self.worker_id, "project": self.config.project,
-                     "entity": self.config.entity, "tokenizer": self.config.tokenizer, "spans": chunk},
-                    use_bin_type=True,
-                )
-                self._pending_body = (packed, len(chunk))
-                if not self._post_with_retries(packed, len(chunk)):
+                smaller = batch_body(self._header(), [orjson.dumps(s) for s in chunk])
+                self._pending_body = (smaller, len(chunk))
+                if not self._post_with_retries(smaller, len(chunk)):
                     return False
         return True
 
@@ -265,12 +258,6 @@ class Sender:
             if rejected:
                 self.stats.rejected_by_collector += rejected
                 self.stats.drop("rejected_by_collector", rejected)
-
-
-def _smaller_batches(config: ClientConfig, max_spans: int) -> ClientConfig:
-    from dataclasses import replace
-
-    return replace(config, batch_max_spans=max(1, min(config.batch_max_spans, max_spans)))
 
 
 def _retry_after_seconds(value: str | None) -> float | None:

@@ -15,7 +15,6 @@ import threading
 from itertools import count
 from typing import Any, Callable
 
-from .wire import WireEncoder
 
 KIND_OP = "op"
 KIND_TRAJECTORY = "trajectory"
@@ -79,8 +78,8 @@ class SpanRecord:
     def span_id(self) -> str:
         return f"{self.prefix}{self.number:016x}"
 
-    def to_wire(self, encoder: WireEncoder) -> dict[str, Any]:
-        """Wire dict for this span; runs on the sender thread."""
+    def to_wire(self) -> dict[str, Any]:
+        """Wire dict for this span (values as captured); runs on the sender thread."""
         parent = self.parent
         exc = self.exception
         return {
@@ -91,9 +90,9 @@ class SpanRecord:
             "kind": self.kind,
             "start_time": self.start,
             "end_time": self.end,
-            "attributes": encoder.encode(self.attributes or {}),
-            "inputs": encoder.encode(self._inputs()),
-            "output": encoder.encode(self.output),
+            "attributes": self.attributes or {},
+            "inputs": self._inputs(),
+            "output": self.output,
             "exception": None if exc is None else (exc if isinstance(exc, str) else _describe(exc)),
         }
 
@@ -135,27 +134,76 @@ def _restore_lists(
 
 
 class _LazySignature:
-    """inspect.signature of a traced callable, computed once, on the sender thread."""
+    """How to bind a traced callable's arguments, planned once, on the sender thread.
 
-    __slots__ = ("func", "_sig", "_lock")
+    ``inspect.Signature.bind`` costs tens of microseconds a call; this plan binds the common
+    shapes (positional, keyword, defaults, ``*args``, ``**kwargs``) with dict operations and
+    falls back to ``inspect`` for anything it cannot place.
+    """
+
+    __slots__ = ("func", "_plan", "_lock")
 
     def __init__(self, func: Callable[..., Any]) -> None:
         self.func = func
-        self._sig: inspect.Signature | None = None
+        self._plan: _BindPlan | None = None
         self._lock = threading.Lock()
 
     def bind_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """Bound arguments with defaults applied, minus ``self``/``cls`` (as VERL does)."""
-        sig = self._sig
-        if sig is None:
+        plan = self._plan
+        if plan is None:
             with self._lock:
-                sig = self._sig = self._sig or inspect.signature(self.func)
-        try:
-            bound = sig.bind(*args, **kwargs)
-            bound.apply_defaults()
-            inputs = dict(bound.arguments)
-        except TypeError:
-            inputs = {"args": list(args), **kwargs}
+                plan = self._plan = self._plan or _BindPlan(inspect.signature(self.func))
+        inputs = plan.bind(args, kwargs)
         inputs.pop("self", None)
         inputs.pop("cls", None)
         return inputs
+
+
+class _BindPlan:
+    __slots__ = ("signature", "positional", "named", "var_positional", "var_keyword", "defaults")
+
+    def __init__(self, signature: inspect.Signature) -> None:
+        P = inspect.Parameter
+        params = list(signature.parameters.values())
+        self.signature = signature
+        self.positional = [p.name for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+        self.named = {p.name for p in params if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)}
+        self.var_positional = next((p.name for p in params if p.kind is P.VAR_POSITIONAL), None)
+        self.var_keyword = next((p.name for p in params if p.kind is P.VAR_KEYWORD), None)
+        self.defaults = [(p.name, p.default) for p in params if p.default is not P.empty]
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        positional = self.positional
+        inputs = dict(zip(positional, args))
+        if len(args) > len(positional):
+            if self.var_positional is None:
+                return self._slow(args, kwargs)
+            inputs[self.var_positional] = args[len(positional):]
+        extra = {}
+        for key, value in kwargs.items():
+            if key in self.named and key not in inputs:
+                inputs[key] = value
+            else:
+                extra[key] = value
+        if extra:
+            if self.var_keyword is None or any(k in inputs for k in extra):
+                return self._slow(args, kwargs)
+            inputs[self.var_keyword] = extra
+        for name, default in self.defaults:
+            if name not in inputs:
+                inputs[name] = default
+        if self.var_positional is not None and self.var_positional not in inputs:
+            inputs[self.var_positional] = ()
+        if self.var_keyword is not None and self.var_keyword not in inputs:
+            inputs[self.var_keyword] = {}
+        return inputs
+
+    def _slow(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """What inspect makes of it; a call the function itself would reject is kept raw."""
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return dict(bound.arguments)
+        except TypeError:
+            return {"args": list(args), **kwargs}

@@ -266,7 +266,8 @@ def _worker_id() -> str:
     if explicit:
         return explicit
     ray = sys.modules.get("ray")
-    if ray is not None:
+    # ray.get_runtime_context() would auto-start a local Ray cluster when Ray is not initialised
+    if ray is not None and getattr(ray, "is_initialized", lambda: False)():
         try:
             ctx = ray.get_runtime_context()
             actor_id = ctx.get_actor_id()

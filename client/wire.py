@@ -1,63 +1,38 @@
-"""Wire format shared by the client and the collector.
+"""Wire format: how the client packs spans (the collector accepts JSON and msgpack).
 
-A batch is a msgpack map ``{"v": 1, "worker": str, "project": str|None, "entity": str|None,
-"tokenizer": str|None, "spans": [span, ...]}``; JSON with the same shape is accepted too.
-Lists of token ids travel as msgpack ext type 1 (packed little-endian int32), about 4 bytes
-an id and one memcpy to build, instead of 1-5 bytes and a Python loop per id.
+A batch is ``{"v": 1, "worker": str, "project": str|None, "entity": str|None,
+"tokenizer": str|None, "spans": [span, ...]}``. The client sends JSON built by orjson: on this
+kind of machine it packs a 2,000-id list about 4× faster than msgpack's C packer, and token ids
+stay ids (never decoded in the worker). Each span is packed once, on the sender thread, and the
+batch body is the packed spans joined, so batches are cut by exact byte counts.
+
+Two ways to pack a span: the fast path hands the captured structure to orjson with a
+``default`` hook for non-builtin values (pydantic models, numpy, objects); anything that path
+cannot take (cycles, nesting past 254 levels, integers past 64 bits), a non-finite top-level
+number (orjson would turn a NaN reward into null), or a result larger than the string bound
+goes through :class:`WireEncoder`, which walks the value in Python and applies every bound.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import sys
-from array import array
 from typing import Any, Callable
 
-import msgpack
+import orjson
 
 WIRE_VERSION = 1
-EXT_INT32_ARRAY = 1
-MSGPACK_CONTENT_TYPE = "application/msgpack"
 JSON_CONTENT_TYPE = "application/json"
-MIN_PACKED_LEN = 8
-_LITTLE = sys.byteorder == "little"
 _TRUNCATED = "…[truncated by tracecar: {n} chars]"
-
-
-def pack_int_list(values: list[int]) -> msgpack.ExtType | None:
-    """Packs a list of ints as int32 LE, or returns None when it isn't one (bools, big ints)."""
-    first = values[0]
-    if type(first) is not int or type(values[-1]) is not int:
-        return None
-    try:
-        packed = array("i", values)
-    except (TypeError, OverflowError):
-        return None
-    if not _LITTLE:
-        packed.byteswap()
-    return msgpack.ExtType(EXT_INT32_ARRAY, packed.tobytes())
-
-
-def unpack_ext(code: int, data: bytes) -> Any:
-    """msgpack ext_hook for the collector: packed ids back to a list of ints."""
-    if code == EXT_INT32_ARRAY:
-        if len(data) % 4:
-            raise ValueError("packed int32 array length is not a multiple of 4")
-        values = array("i")
-        values.frombytes(data)
-        if not _LITTLE:
-            values.byteswap()
-        return values.tolist()
-    return msgpack.ExtType(code, data)
+_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
 
 class WireEncoder:
-    """Turns arbitrary traced values into msgpack-able data, on the sender thread only.
+    """Turns arbitrary traced values into JSON-able data within explicit bounds (slow path).
 
-    Pydantic models, dataclasses, numpy/torch values and plain objects are flattened; strings
-    longer than ``max_string_chars`` are cut with a marker; nesting deeper than ``max_depth`` and
-    cycles become a repr, so a hostile or huge output can never stall or crash the sender.
+    Strings longer than ``max_string_chars`` are cut with a marker; nesting deeper than
+    ``max_depth`` and cycles become a repr; non-finite floats become the strings ``nan``,
+    ``inf``, ``-inf``; so a hostile or huge output can never stall or crash the sender.
     """
 
     def __init__(self, max_string_chars: int = 1_000_000, max_depth: int = 32) -> None:
@@ -66,8 +41,10 @@ class WireEncoder:
 
     def encode(self, value: Any, depth: int = 0) -> Any:
         kind = type(value)
-        if value is None or kind is bool or kind is int:
+        if value is None or kind is bool:
             return value
+        if kind is int:
+            return value if -(2**63) <= value < 2**64 else str(value)
         if kind is float:
             return value if math.isfinite(value) else repr(value)
         if kind is str:
@@ -75,15 +52,11 @@ class WireEncoder:
         if depth >= self.max_depth:
             return self._cut(repr(value))
         if kind is list or kind is tuple:
-            if len(value) >= MIN_PACKED_LEN:
-                packed = pack_int_list(value if kind is list else list(value))
-                if packed is not None:
-                    return packed
             return [self.encode(v, depth + 1) for v in value]
         if kind is dict:
             return {str(k): self.encode(v, depth + 1) for k, v in value.items()}
         if kind is bytes or kind is bytearray:
-            return bytes(value[: self.max_string_chars])
+            return self._cut(bytes(value).decode("utf-8", "replace"))
         return self.encode(_flatten(value), depth + 1)
 
     def _cut(self, text: str) -> str:
@@ -104,27 +77,43 @@ def _flatten(value: Any) -> Any:
             return repr(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)}
-    tolist = getattr(value, "tolist", None)  # numpy arrays and scalars, torch tensors
+    tolist = getattr(value, "tolist", None)  # numpy values orjson can't take, torch tensors
     if callable(tolist) and type(value).__module__.split(".")[0] in ("numpy", "torch"):
         try:
             return tolist()
         except Exception:  # noqa: BLE001
             return repr(value)
-    if isinstance(value, (set, frozenset)):
+    if isinstance(value, (set, frozenset, tuple, list)):
         return list(value)
     if isinstance(value, dict):
         return dict(value)
-    if isinstance(value, (list, tuple)):
-        return list(value)
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "replace")
     attrs = getattr(value, "__dict__", None)
     if isinstance(attrs, dict):
         return {k: v for k, v in attrs.items() if not k.startswith("_")}
     return repr(value)
 
 
-def packb(value: Any) -> bytes:
-    return msgpack.packb(value, use_bin_type=True)
+def _has_non_finite(values: Any) -> bool:
+    if not isinstance(values, dict):
+        return False
+    return any(type(v) is float and not math.isfinite(v) for v in values.values())
 
 
-def unpackb(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, ext_hook=unpack_ext, strict_map_key=False)
+def pack_span(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> bytes:
+    """Packs one span as JSON: the fast path when it can, the bounded Python walk when it must."""
+    if not (_has_non_finite(wire.get("output")) or _has_non_finite(wire.get("attributes"))):
+        try:
+            packed = orjson.dumps(wire, default=_flatten, option=_OPTIONS)
+            if len(packed) <= size_limit:
+                return packed
+        except (orjson.JSONEncodeError, TypeError, OverflowError, RecursionError):
+            pass
+    return orjson.dumps(encoder.encode(wire), option=_OPTIONS)
+
+
+def batch_body(header: dict[str, Any], packed_spans: list[bytes]) -> bytes:
+    """The request body: the envelope with the already-packed spans spliced in."""
+    head = orjson.dumps({**header, "spans": []})
+    return head[:-3] + b"[" + b",".join(packed_spans) + b"]}"

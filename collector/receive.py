@@ -7,7 +7,9 @@ and parsed with msgpack or orjson by its content type.
 
 from __future__ import annotations
 
+import sys
 import zlib
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,9 +17,22 @@ import msgpack
 import orjson
 import zstandard
 
-from tracecar.client.wire import unpack_ext
 
 _CHUNK = 256 * 1024
+EXT_INT32_ARRAY = 1  # msgpack ext type: packed little-endian int32 token ids
+
+
+def unpack_ext(code: int, data: bytes) -> Any:
+    """msgpack ext_hook: packed int32 ids (ext type 1) back to a list of ints."""
+    if code == EXT_INT32_ARRAY:
+        if len(data) % 4:
+            raise ValueError("packed int32 array length is not a multiple of 4")
+        values = array("i")
+        values.frombytes(data)
+        if sys.byteorder != "little":
+            values.byteswap()
+        return values.tolist()
+    return msgpack.ExtType(code, data)
 
 
 @dataclass

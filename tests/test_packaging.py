@@ -27,7 +27,7 @@ def test_bare_install_is_the_thin_client(wheel: Path) -> None:
         meta = Parser().parsestr(zf.read(next(n for n in zf.namelist() if n.endswith("METADATA"))).decode())
     requires = meta.get_all("Requires-Dist") or []
     bare = sorted(r.split(";")[0].split(">")[0].split("=")[0].strip() for r in requires if "extra ==" not in r)
-    assert bare == ["httpx", "msgpack"]
+    assert bare == ["httpx", "orjson"]
     collector_extra = " ".join(r for r in requires if 'extra == "collector"' in r)
     for dep in ("fastapi", "uvicorn", "pydantic", "weave", "wandb", "tokenizers", "prometheus-client"):
         assert dep in collector_extra
@@ -48,7 +48,7 @@ def test_client_imports_without_collector_dependencies(tmp_path: Path) -> None:
         "import sys\n"
         "class Block:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] in {'fastapi','pydantic','weave','wandb','tokenizers','uvicorn','orjson','prometheus_client'}:\n"
+        "        if name.split('.')[0] in {'fastapi','pydantic','weave','wandb','tokenizers','uvicorn','msgpack','prometheus_client'}:\n"
         "            raise ImportError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "import tracecar.client as c\n"

@@ -1,0 +1,36 @@
+"""The README's tables stay in step with the code: every setting and metric is documented."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from pathlib import Path
+
+from tracecar.client.config import ClientConfig
+from tracecar.collector.metrics import Metrics
+from tracecar.collector.settings import CollectorSettings
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+
+def test_every_collector_setting_is_in_the_readme():
+    missing = []
+    for name, info in CollectorSettings.model_fields.items():
+        names = list(info.validation_alias.choices) if info.validation_alias else [f"TRACECAR_{name.upper()}"]
+        if not any(f"`{n}`" in README for n in names):
+            missing.append(names[0])
+    assert missing == []
+
+
+def test_every_client_setting_is_in_the_readme():
+    source = (Path(__file__).resolve().parents[1] / "client" / "config.py").read_text()
+    env_names = set(re.findall(r'"(TRACECAR_[A-Z_]+)"', source)) | {f"TRACECAR_{n}" for n in re.findall(r'_env_(?:int|float)\(env, "([A-Z_]+)"', source)}
+    assert len(env_names) >= len(fields(ClientConfig)) - 3
+    assert sorted(n for n in env_names if n not in README) == []
+
+
+def test_every_metric_is_in_the_readme():
+    names = set()
+    for metric in Metrics().registry.collect():
+        names.add(metric.name + ("_total" if metric.type == "counter" else ""))
+    assert sorted(n for n in names if f"`{n}`" not in README) == []
