@@ -42,15 +42,11 @@ def rollout_trace_op(func: F) -> F:
             try:
                 result = await func(*args, **kwargs)
             except BaseException as exc:
-                record.exception = exc
-                record.end = _now()
-                tracer.emit(record)
+                _close(tracer, record, None, exc)
                 raise
             finally:
                 current.reset(token)
-            record.output = result
-            record.end = _now()
-            tracer.emit(record)
+            _close(tracer, record, result, None)
             return result
 
         return async_wrapper  # type: ignore[return-value]
@@ -66,18 +62,22 @@ def rollout_trace_op(func: F) -> F:
         try:
             result = func(*args, **kwargs)
         except BaseException as exc:
-            record.exception = exc
-            record.end = _now()
-            tracer.emit(record)
+            _close(tracer, record, None, exc)
             raise
         finally:
             current.reset(token)
-        record.output = result
-        record.end = _now()
-        tracer.emit(record)
+        _close(tracer, record, result, None)
         return result
 
     return wrapper  # type: ignore[return-value]
+
+
+def _close(tracer: _tracer.Tracer, record: SpanRecord, output: Any, exception: BaseException | None) -> None:
+    """Ends a call's span and queues it: references only, everything else is the sender's job."""
+    record.output = output
+    record.exception = exception
+    record.end = _now()
+    tracer.emit(record)
 
 
 def _attributes_of(parent: SpanRecord | None) -> dict[str, Any] | None:
