@@ -60,13 +60,17 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from . import tracer
     from .demo import run_demo
 
-    tr = tracer.configure(url=_url(args), experiment=args.experiment, project=args.project)
+    experiment = args.experiment or os.environ.get("TRACECAR_EXPERIMENT") or "demo"
+    project = args.project or os.environ.get("TRACECAR_PROJECT") or "tracecar-demo"
+    tr = tracer.configure(url=_url(args), experiment=experiment, project=project)
     started = time.perf_counter()
     n = asyncio.run(run_demo(args.steps, args.samples, args.rollout_n, args.seed))
     drained = tracer.flush(30)
     stats = tr.stats() if tr else {}
     print(f"demo: {n} trajectories in {time.perf_counter() - started:.2f}s; sent {stats.get('sent', 0)} spans, "
-          f"dropped {stats.get('dropped_total', 0)}{'' if drained else ' (flush timed out)'}")
+          f"dropped {stats.get('dropped_total', 0)} {stats.get('dropped', {})}{'' if drained else ' (flush timed out)'}")
+    if not drained or stats.get("dropped_total", 0) or not stats.get("sent"):
+        sys.exit(1)
 
 
 def _get(args: argparse.Namespace, path: str, params: dict[str, Any] | None = None) -> Any:
@@ -149,11 +153,12 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
         else:
             sys.exit("tracecar: the collector did not become ready within 60 s")
         print(f"collector ready at {url} (store: {args.data_dir}/spool.sqlite3)")
-        demo = argparse.Namespace(url=url, experiment=args.experiment, project="tracecar-demo",
+        experiment = args.experiment or "demo"
+        demo = argparse.Namespace(url=url, experiment=experiment, project="tracecar-demo",
                                   steps=args.steps, samples=args.samples, rollout_n=args.rollout_n, seed=0)
         cmd_demo(demo)
-        print_trajectories(_get(demo, "/v1/trajectories", {"experiment": args.experiment, "limit": 10, "sort": "reward"}))
-        print(f"\nList them:  tracecar trajectories --url {url} --experiment {args.experiment} --step 2")
+        print_trajectories(_get(demo, "/v1/trajectories", {"experiment": experiment, "limit": 10, "sort": "reward"}))
+        print(f"\nList them:  tracecar trajectories --url {url} --experiment {experiment} --step 2")
         print(f"Show one:   tracecar show --url {url} TRACE_ID")
         print(f"Browse:     {url}/ui/")
         if args.exit:
@@ -191,14 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config)
 
     def add_demo_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--experiment", default="demo")
+        p.add_argument("--experiment", help="experiment name (default $TRACECAR_EXPERIMENT or demo)")
         p.add_argument("--steps", type=int, default=3)
         p.add_argument("--samples", type=int, default=8, help="prompts per step")
         p.add_argument("--rollout-n", type=int, default=4, help="rollouts per prompt")
 
     p = sub.add_parser("demo", help="run a simulated tool-using rollout that feeds a running collector")
     p.add_argument("--url", help=f"collector URL (default $TRACECAR_URL or {DEFAULT_URL})")
-    p.add_argument("--project", default="tracecar-demo")
+    p.add_argument("--project", help="W&B project (default $TRACECAR_PROJECT or tracecar-demo)")
     p.add_argument("--seed", type=int, default=0)
     add_demo_args(p)
     p.set_defaults(func=cmd_demo)
