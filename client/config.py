@@ -43,6 +43,10 @@ class ClientConfig:
     experiment: str | None = None
     worker_id: str | None = None
     tokenizer: str | None = None
+    # Job-level preferences sent with each batch (the VERL adapter sets them from VERL's trace
+    # config); the collector applies them where its own settings leave the choice open.
+    token2text: bool | None = None
+    max_samples_per_step_per_worker: int | None = None
     queue_max_spans: int = 20_000
     batch_max_spans: int = 512
     batch_max_bytes: int = 2**20

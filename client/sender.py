@@ -65,6 +65,7 @@ class Sender:
         self.stats = SenderStats()
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._stop = threading.Event()  # the only thing that cuts a retry backoff short
         self._idle = threading.Event()
         self._idle.set()
         self._stopping = False
@@ -107,6 +108,7 @@ class Sender:
         """Flushes within the deadline, then stops; what is left is counted as dropped."""
         drained = self.flush(timeout_s)
         self._stopping = True
+        self._stop.set()
         self._wake.set()
         if not drained:
             with self._lock:
@@ -169,8 +171,13 @@ class Sender:
 
     def _header(self) -> dict[str, Any]:
         cfg = self.config
-        return {"v": WIRE_VERSION, "worker": self.worker_id, "project": cfg.project,
-                "entity": cfg.entity, "tokenizer": cfg.tokenizer}
+        header = {"v": WIRE_VERSION, "worker": self.worker_id, "project": cfg.project,
+                  "entity": cfg.entity, "tokenizer": cfg.tokenizer}
+        if cfg.token2text is not None:
+            header["token2text"] = cfg.token2text
+        if cfg.max_samples_per_step_per_worker is not None:
+            header["max_samples_per_step_per_worker"] = cfg.max_samples_per_step_per_worker
+        return header
 
     def _client(self) -> httpx.Client:
         if self._http is None:
@@ -227,8 +234,8 @@ class Sender:
             delay = min(delay * 2, cfg.retry_max_s)
             if self._stopping:
                 return False
-            self._wake.wait(min(wait, cfg.retry_max_s))
-            self._wake.clear()
+            # not _wake: flush() and enqueue() set it every few ms, which would defeat Retry-After
+            self._stop.wait(min(wait, cfg.retry_max_s))
             if self._stopping:
                 return False
 

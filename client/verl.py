@@ -7,7 +7,7 @@ A VERL user switches to tracecar by configuration only::
     actor_rollout_ref.model.external_lib=tracecar.client.verl                          # (a)
     +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=tracecar.client.verl.install  # (b)
     # and the collector's address in the workers' environment:
-    +ray_kwargs.ray_init.runtime_env.env_vars.TRACECAR_URL=http://127.0.0.1:4318
+    +ray_kwargs.ray_init.runtime_env.env_vars.TRACECAR_URL=http://127.0.0.1:9470
 
 How it works
 ------------
@@ -38,9 +38,14 @@ unknown backend string such as ``"tracecar"`` is accepted silently by
   the collector instead (VERL is told ``None``, so every sample is captured and sent), and
   the collector samples per (experiment, step, worker).  ``TRACECAR_VERL_WORKER_SAMPLING=1``
   keeps VERL's cheap worker-side pre-selection (unchosen samples are then never sent).
-* ``token2text``: VERL's unknown-backend branch never decodes in the worker; the flag is
-  forwarded to the collector, which decodes the ``prompt_ids`` / ``response_ids`` /
-  ``token_ids`` it finds in span outputs and inputs.
+* ``token2text``: VERL's unknown-backend branch never decodes in the worker; the collector
+  decodes the ``prompt_ids`` / ``response_ids`` / ``token_ids`` it finds in span outputs and
+  inputs, with the tokenizer named by the job's ``model_config.tokenizer_path`` (read off the
+  AgentLoopWorker calling init and sent as the client's ``tokenizer``).  ``token2text`` and
+  the budget are offered to ``configure()`` too; the client passes on only the settings its
+  ``ClientConfig`` has, so until it carries them the collector's own settings decide.
+* Environment wins over VERL's config for ``TRACECAR_PROJECT``, ``TRACECAR_EXPERIMENT`` and
+  ``TRACECAR_CLIENT_TOKENIZER``; ``TRACECAR_URL`` (read by the client) turns sending on.
 
 This module does not import ``verl`` (nor ``tracecar.client``) at import time, except that
 importing it *inside a process where VERL's ``verl.utils.rollout_trace`` is already loaded*
@@ -52,6 +57,7 @@ never raises because of tracing problems: tracing must not take a training run d
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import inspect
@@ -80,6 +86,7 @@ class _State:
         self.rt: types.ModuleType | None = None  # verl.utils.rollout_trace
         self.orig_init: Callable | None = None  # bound classmethod RolloutTraceConfig.init
         self.orig_init_raw: Any = None  # the classmethod object as found in the class dict
+        self.orig_reset_raw: Any = None
         self.orig_op: Callable | None = None
         self.orig_attr: Callable | None = None
         self.orig_attr_params: frozenset[str] = frozenset()
@@ -157,6 +164,19 @@ def install() -> bool:
             return _patched_init(cls, orig_init, *args, **kwargs)
 
         cfg_cls.init = classmethod(init)
+
+        # RolloutTraceConfig.reset() (tests, re-initialisation) also turns our routing off, so
+        # that a later init(backend=...) decides afresh.
+        _state.orig_reset_raw = cfg_cls.__dict__.get("reset")
+        orig_reset = getattr(cfg_cls, "reset", None)
+        if orig_reset is not None:
+
+            @functools.wraps(orig_reset)
+            def reset(cls, *args, **kwargs):
+                _deactivate()
+                return orig_reset(*args, **kwargs)
+
+            cfg_cls.reset = classmethod(reset)
         _state.installed = True
 
         # Late install: VERL already initialised tracing with our backend.
@@ -185,14 +205,15 @@ def uninstall() -> None:
         rt = _state.rt
         if _state.installed and rt is not None:
             cfg_cls = rt.RolloutTraceConfig
-            if _state.orig_init_raw is not None:
-                cfg_cls.init = _state.orig_init_raw
-            else:  # pragma: no cover
-                with contextlib.suppress(AttributeError):
-                    del cfg_cls.init
+            for name, raw in (("init", _state.orig_init_raw), ("reset", _state.orig_reset_raw)):
+                if raw is not None:
+                    setattr(cfg_cls, name, raw)
+                else:  # the method was inherited: drop our override
+                    with contextlib.suppress(AttributeError):
+                        delattr(cfg_cls, name)
         _state.installed = False
         _state.rt = None
-        _state.orig_init = _state.orig_init_raw = None
+        _state.orig_init = _state.orig_init_raw = _state.orig_reset_raw = None
         _state.orig_op = _state.orig_attr = None
         _state.wrapper_codes = ()
         _state.settings = {}
@@ -243,16 +264,18 @@ def _patched_init(cls, orig_init: Callable, *args, **kwargs):
 
 
 def _caller_tokenizer(frame) -> str | None:
-    """Best effort: the tokenizer the AgentLoopWorker calling init uses, for the collector."""
-    explicit = os.environ.get("TRACECAR_TOKENIZER")
-    if explicit:
-        return explicit
+    """Best effort: the tokenizer of the AgentLoopWorker calling init, named for the collector.
+
+    ``AgentLoopWorker.__init__`` holds ``self.model_config`` (``HFModelConfig``); its
+    ``tokenizer_path`` is the HF name or path the job was given (a remote ``hdfs://`` path is
+    skipped in favour of the local copy VERL made).
+    """
     try:
         owner = frame.f_locals.get("self") if frame is not None else None
         model_config = getattr(owner, "model_config", None)
-        for attr in ("tokenizer_path", "path", "local_tokenizer_path"):
+        for attr in ("tokenizer_path", "path", "local_tokenizer_path", "local_path"):
             value = getattr(model_config, attr, None)
-            if isinstance(value, str) and value:
+            if isinstance(value, str) and value and "://" not in value:
                 return value
         tok = getattr(owner, "tokenizer", None)
         value = getattr(tok, "name_or_path", None)
@@ -261,42 +284,32 @@ def _caller_tokenizer(frame) -> str | None:
         return None
 
 
-def _worker_id() -> str:
-    explicit = os.environ.get("TRACECAR_WORKER_ID")
-    if explicit:
-        return explicit
-    ray = sys.modules.get("ray")
-    # ray.get_runtime_context() would auto-start a local Ray cluster when Ray is not initialised
-    if ray is not None and getattr(ray, "is_initialized", lambda: False)():
-        try:
-            ctx = ray.get_runtime_context()
-            actor_id = ctx.get_actor_id()
-            if actor_id:
-                return f"ray-actor:{actor_id}"
-        except Exception:
-            pass
-    import socket
-
-    return f"{socket.gethostname()}:{os.getpid()}"
+# Environment variables that, when set, win over what VERL's config says.
+_ENV_WINS = {"project": "TRACECAR_PROJECT", "experiment": "TRACECAR_EXPERIMENT", "tokenizer": "TRACECAR_CLIENT_TOKENIZER"}
 
 
-def _configure_client(tc, **wanted: Any) -> None:
-    """Call ``tracecar.client.configure`` with the keyword arguments it accepts."""
-    configure = getattr(tc, "configure", None)
-    if configure is None:
-        logger.warning("tracecar.verl: tracecar.client has no configure(); using its defaults")
-        return
-    wanted = {k: v for k, v in wanted.items() if v is not None}
-    try:
-        params = inspect.signature(configure).parameters
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            dropped = sorted(set(wanted) - set(params))
-            if dropped:
-                logger.info("tracecar.verl: configure() does not take %s; not passed", dropped)
-            wanted = {k: v for k, v in wanted.items() if k in params}
-    except (TypeError, ValueError):
-        pass
-    configure(**wanted)
+def _configure_client(tc, **wanted: Any) -> Any:
+    """(Re)configure the tracecar client with VERL's settings; returns the tracer (or None).
+
+    Values are dropped when None, when the matching ``TRACECAR_*`` variable is set (the
+    operator's explicit choice wins over VERL's config), or when the client's configuration
+    has no such field (logged once).  An already configured tracer keeps its settings (URL
+    included) and only gains the fields VERL supplies.
+    """
+    wanted = {k: v for k, v in wanted.items() if v is not None and not os.environ.get(_ENV_WINS.get(k, ""), "")}
+    config_cls = getattr(tc, "ClientConfig", None)
+    if config_cls is not None and dataclasses.is_dataclass(config_cls):
+        known = {f.name for f in dataclasses.fields(config_cls)}
+        dropped = sorted(set(wanted) - known)
+        if dropped:
+            logger.info("tracecar.verl: the client has no setting %s; not passed on", dropped)
+        wanted = {k: v for k, v in wanted.items() if k in known}
+        current = tc.get_tracer() if hasattr(tc, "get_tracer") else None
+        if current is not None and getattr(current, "config", None) is not None:
+            if not wanted:
+                return current
+            return tc.configure(dataclasses.replace(current.config, **wanted))
+    return tc.configure(**wanted)
 
 
 def _activate(*, project, experiment, token2text: bool, max_samples, caller) -> None:
@@ -305,7 +318,6 @@ def _activate(*, project, experiment, token2text: bool, max_samples, caller) -> 
             return
         import tracecar.client as tc  # lazily: the client pulls in httpx
 
-        url = os.environ.get("TRACECAR_URL") or None
         worker_sampling = _env_flag("TRACECAR_VERL_WORKER_SAMPLING", False)
         _state.settings = {
             "project": project,
@@ -313,26 +325,22 @@ def _activate(*, project, experiment, token2text: bool, max_samples, caller) -> 
             "token2text": token2text,
             "max_samples_per_step_per_worker": max_samples,
             "worker_sampling": worker_sampling,
-            "url": url,
             "tokenizer": _caller_tokenizer(caller),
-            "worker": _worker_id(),
         }
-        _configure_client(
+        tracer = _configure_client(
             tc,
-            url=url,
             project=project,
             experiment=experiment,
-            token2text=token2text,
-            # the collector samples; with worker-side sampling VERL already did it
-            max_samples_per_step_per_worker=None if worker_sampling else max_samples,
             tokenizer=_state.settings["tokenizer"],
-            worker=_state.settings["worker"],
-            framework="verl",
+            # Forwarded for the collector (per-batch token2text / budget) once the client
+            # carries them; until then the collector's own settings apply.
+            token2text=token2text,
+            max_samples_per_step_per_worker=None if worker_sampling else max_samples,
         )
-        if url is None:
+        if tracer is None:
             logger.warning(
                 "tracecar.verl: trace.backend=tracecar but TRACECAR_URL is not set in this "
-                "process (pid %s); the client decides whether anything is sent",
+                "process (pid %s); VERL runs untraced",
                 os.getpid(),
             )
         _state.active = True
@@ -487,8 +495,8 @@ def _rollout_trace_attr(
             name=name,
             validate=bool(_plain(validate)),
             trace=bool(trace),
-        ):
-            yield
+        ) as record:
+            yield record
 
 
 def _patch_module_names() -> None:

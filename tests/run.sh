@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
 # The test command (README "Set-up", command 2; .ci/run calls exactly this).
 # Creates ./.venv if needed, installs tracecar with its collector and dev extras, runs pytest.
+# With TRACECAR_TEST_VERL=1 it first runs the VERL adapter tests against the real verl package
+# in ./.venv-verl (CPU torch 2.13.0 from this machine's wheel directory; about 2 GB, 3 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+if [ "${TRACECAR_TEST_VERL:-0}" = 1 ]; then
+  [ -x .venv-verl/bin/python ] || "$PYTHON" -m venv .venv-verl
+  .venv-verl/bin/python -m pip install -q --upgrade pip
+  .venv-verl/bin/python -m pip install -q torch==2.13.0          # first, so verl never pulls a CUDA build
+  .venv-verl/bin/python -m pip install -q verl==0.9.1 cachetools uvicorn fastapi -e ".[dev]"
+  .venv-verl/bin/python -m pytest -p no:cacheprovider -q tests/test_verl_adapter.py
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[dev]"
