@@ -96,7 +96,9 @@ class DemoToolAgentLoop:
         response_ids: list[int] = []
         turns = self.rng.randint(1, 3)
         final = None
+        calls = 0
         for turn in range(turns):
+            calls += 1
             wrong = self.rng.random() < 0.3
             call = expression if not wrong else expression.replace("*", "x")
             reply = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{call}"}}}}</tool_call>'
@@ -116,7 +118,7 @@ class DemoToolAgentLoop:
         response_ids += out.token_ids
         return AgentLoopOutput(
             prompt_ids=prompt_ids, response_ids=response_ids, response_mask=[1] * len(response_ids),
-            num_turns=turns + 1, metrics={"generate_calls": turns + 1, "answer": final},
+            num_turns=calls + 1, metrics={"generate_calls": calls + 1, "answer": final},
         )
 
 

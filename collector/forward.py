@@ -25,13 +25,13 @@ log = logging.getLogger("tracecar.collector.forward")
 
 @dataclass
 class SendResult:
-    """What a sink did with one batch, by span id."""
+    """What a sink did with one batch: every span id lands in exactly one field."""
 
     delivered: list[str] = field(default_factory=list)
     retryable: list[str] = field(default_factory=list)
-    rejected: dict[str, str] = field(default_factory=dict)
-    retry_after_s: float | None = None
-    error: str | None = None
+    rejected: dict[str, str] = field(default_factory=dict)  # span_id -> reason (dead-lettered)
+    retry_after: float | None = None  # seconds, the largest Retry-After the backend sent
+    retry_reason: str | None = None  # the last retryable failure, for logs (never holds secrets)
 
 
 class Sink(Protocol):
@@ -58,6 +58,7 @@ class Forwarder:
         self._stop = asyncio.Event()
         self.backoff_s = 0.0
         self.last_error: str | None = None
+        self.last_send_s = 0.0  # how long the last delivered batch took (drain planning)
 
     def notify(self) -> None:
         """Called after each committed ingest so new spans go out without polling delay."""
@@ -72,7 +73,8 @@ class Forwarder:
         loop = asyncio.get_running_loop()
         delay = self.retry_initial_s
         while not self._stop.is_set() or deadline is not None:
-            if deadline is not None and loop.time() >= deadline:
+            # draining: start no batch that would likely be cut at the deadline (and sent twice)
+            if deadline is not None and loop.time() + self.last_send_s >= deadline:
                 return
             rows = await asyncio.to_thread(self.spool.next_pending, self.batch_spans)
             if not rows:
@@ -84,7 +86,13 @@ class Forwarder:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            ok, retry_after = await self._forward(rows)
+            try:
+                ok, retry_after = await self._forward(rows)
+            except Exception as exc:  # noqa: BLE001 - one failing batch must not end forwarding for good
+                log.exception("forward: batch failed; retrying after backoff")
+                self.metrics.forward_failures.labels(kind="internal_error").inc()
+                self.last_error = f"internal error: {type(exc).__name__}"
+                ok, retry_after = False, None
             if ok:
                 delay, self.backoff_s = self.retry_initial_s, 0.0
                 continue
@@ -102,6 +110,7 @@ class Forwarder:
     async def _forward(self, rows: list[tuple[int, bytes]]) -> tuple[bool, float | None]:
         spans = [orjson.loads(payload) for _, payload in rows]
         seq_of = {span["span_id"]: seq for (seq, _), span in zip(rows, spans)}
+        sent_at = asyncio.get_running_loop().time()
         try:
             result = await self.sink.send(spans)
         except Exception as exc:  # noqa: BLE001 - a sink bug must not kill forwarding
@@ -111,6 +120,7 @@ class Forwarder:
             return False, None
         delivered = [seq_of[sid] for sid in result.delivered if sid in seq_of]
         if delivered:
+            self.last_send_s = asyncio.get_running_loop().time() - sent_at
             await asyncio.to_thread(self.spool.mark_forwarded, delivered, self.keep_forwarded)
             self.metrics.forwarded.labels(backend=self.sink.name).inc(len(delivered))
         if result.rejected:
@@ -124,8 +134,8 @@ class Forwarder:
             log.warning("forward: %d spans dead-lettered: %s", len(dead), next(iter(result.rejected.values())))
         if result.retryable:
             self.metrics.forward_failures.labels(kind="retryable").inc()
-            self.last_error = getattr(result, "error", None) or "retryable failure"
-            return False, result.retry_after_s
+            self.last_error = result.retry_reason or "retryable failure"
+            return False, result.retry_after
         self.last_error = None
         return True, None
 
