@@ -127,6 +127,34 @@ def cmd_show(args: argparse.Namespace) -> None:
         print(f"  annotation: {note.get('inputs')}")
 
 
+def cmd_decisions(args: argparse.Namespace) -> None:
+    params = {k: v for k, v in {"step": args.step, "experiment": args.experiment, "validate": args.validate}.items() if v is not None}
+    page = _get(args, "/v1/decisions", params)
+    if args.json:
+        print(json.dumps(page, indent=2))
+        return
+    print_decisions(page)
+
+
+def print_decisions(page: dict[str, Any]) -> None:
+    rules = ", ".join(f"{k} {v}" for k, v in sorted(page["kept_by_rule"].items())) or "-"
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(page["dropped_by_reason"].items())) or "-"
+    print(f"step {page['step']} of experiment {page['experiment']!r} (mode {page['mode']}, budget {page['budget'] or 'none'}): "
+          f"kept {page['kept']} ({rules}); dropped {page['dropped']} ({reasons})")
+    for o in page.get("open", []):
+        print(f"  held, undecided (round {o['round']}{', validation' if o['validate'] else ''}): {o['held_trajectories']} trajectories, "
+              f"{o['with_root']} with root, {o['with_reward']} with reward, idle {o['idle_s']} s")
+    print(f"{'trace_id':34} {'idx':>4} {'n':>3} {'worker':16} {'reward':>8} {'err':>3} {'kept':>4}  why")
+    for d in page["decisions"]:
+        reward = "" if d["reward"] is None else f"{d['reward']:.3f}"
+        why = d["rule"] if d["keep"] else d["reason"]
+        if d["truncated"]:
+            why += " (truncated)"
+        print(f"{d['trace_id']:34} {d['sample_index'] if d['sample_index'] is not None else '':>4} "
+              f"{d['rollout_n'] if d['rollout_n'] is not None else '':>3} {str(d['worker'])[:16]:16} {reward:>8} "
+              f"{'yes' if d['has_error'] else '':>3} {'yes' if d['keep'] else 'no':>4}  {why}")
+
+
 def cmd_dead_letters(args: argparse.Namespace) -> None:
     print(json.dumps(_get(args, "/v1/dead-letters", {"limit": args.limit}), indent=2))
 
@@ -234,6 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("decisions", help="show the tail-based sampling decisions of one step (kept because / dropped why)")
+    p.add_argument("--step", type=int, required=True)
+    p.add_argument("--experiment")
+    p.add_argument("--validate", choices=["true", "false"], help="only validation (true) or training (false) steps")
+    p.add_argument("--url")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_decisions)
 
     p = sub.add_parser("dead-letters", help="list spans the backend rejected permanently")
     p.add_argument("--url")

@@ -83,6 +83,8 @@ class ClientConfig:
             shutdown_timeout_s=_env_float(env, "SHUTDOWN_TIMEOUT_S", cls.shutdown_timeout_s),
             compression=(env.get("TRACECAR_COMPRESSION") or cls.compression).strip().lower(),
             compress_min_bytes=_env_int(env, "COMPRESS_MIN_BYTES", cls.compress_min_bytes),
+            max_string_chars=_env_int(env, "MAX_STRING_CHARS", cls.max_string_chars),
+            max_depth=_env_int(env, "MAX_DEPTH", cls.max_depth),
         )
         known = {f.name for f in fields(cls)}
         return replace(base, **{k: v for k, v in overrides.items() if k in known and v is not None})

@@ -72,6 +72,7 @@ class Sender:
         self._thread: threading.Thread | None = None
         self._http: httpx.Client | None = None
         self._pending_body: tuple[bytes, int] | None = None
+        self._abandoned = 0
         self.worker_id = self.config.worker_id or default_worker_id()
 
     # ---- caller's path -------------------------------------------------------------------
@@ -112,8 +113,9 @@ class Sender:
         self._wake.set()
         if not drained:
             with self._lock:
-                left = len(self.queue) + (self._pending_body[1] if self._pending_body else 0)
-                self.stats.drop("shutdown_timeout", left)
+                in_flight = self._pending_body[1] if self._pending_body else 0
+                self.stats.drop("shutdown_timeout", len(self.queue) + in_flight)
+                self._abandoned = in_flight  # a post still in flight may yet succeed
                 self.queue.clear()
                 self._pending_body = None
         return drained
@@ -260,6 +262,9 @@ class Sender:
         except Exception:  # noqa: BLE001 - a success without a readable body still counts as sent
             pass
         with self._lock:
+            if self._abandoned:  # shutdown counted this batch as dropped; it made it after all
+                self.stats.drop("shutdown_timeout", -min(n, self._abandoned))
+                self._abandoned = 0
             self.stats.sent += n - rejected
             self.stats.batches_sent += 1
             if rejected:

@@ -332,9 +332,10 @@ def _activate(*, project, experiment, token2text: bool, max_samples, caller) -> 
             project=project,
             experiment=experiment,
             tokenizer=_state.settings["tokenizer"],
-            # Forwarded for the collector (per-batch token2text / budget) once the client
-            # carries them; until then the collector's own settings apply.
-            token2text=token2text,
+            # Sent with every batch: the collector decodes when the job asks for it (otherwise
+            # its own TRACECAR_TOKEN2TEXT decides) and applies the job's budget where its own
+            # settings set none.
+            token2text=True if token2text else None,
             max_samples_per_step_per_worker=None if worker_sampling else max_samples,
         )
         if tracer is None:

@@ -24,6 +24,7 @@ from .settings import CollectorSettings
 from .spool import Spool
 from .store_query import TrajectoryFilter, get_trajectory, list_trajectories
 from .validate import EnvelopeError
+from .viewer import build_router as build_viewer_router
 
 log = logging.getLogger("tracecar.collector")
 
@@ -65,9 +66,12 @@ class Collector:
         )
         self.ready = False
         self._forward_task: asyncio.Task[None] | None = None
+        self._select_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self._forward_task = asyncio.create_task(self.forwarder.run(), name="tracecar-forwarder")
+        if self.pipeline.selection is not None:  # tail-based budgets: decide held steps
+            self._select_task = asyncio.create_task(self.pipeline.run_selection(), name="tracecar-selection")
         self.ready = True
         self.metrics.ready.set(1)
 
@@ -78,13 +82,24 @@ class Collector:
     async def stop(self) -> None:
         """Drains to the backend up to the deadline; whatever is left stays in the spool."""
         self.mark_unready()
-        self.forwarder.stop()
-        if self._forward_task is not None:
+        if self._select_task is not None:
+            self._select_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._forward_task
+                await self._select_task
+            await self.pipeline.finish_selection()
+        self.forwarder.stop()
         loop = asyncio.get_running_loop()
         started = loop.time()
-        await self.forwarder.run(deadline=started + self.settings.shutdown_drain_s)
+        deadline = started + self.settings.shutdown_drain_s
+        if self._forward_task is not None:
+            # A forward in flight counts against the drain budget (a hung backend must not hold
+            # SIGTERM for the sink's whole timeout); cut off, its batch simply stays pending.
+            await asyncio.wait({self._forward_task}, timeout=self.settings.shutdown_drain_s)
+            self._forward_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._forward_task
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.forwarder.run(deadline=deadline), timeout=max(0.0, deadline - loop.time()))
         log.info("drained", extra={"event": "drained", "left_in_spool": self.spool.pending_count,
                                    "drain_s": round(loop.time() - started, 3)})
         await self.sink.aclose()
@@ -158,12 +173,19 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
             raise HTTPException(404, detail={"field": "trace_id", "reason": f"no trajectory {trace_id!r} in the store"})
         return found
 
+    @app.get("/v1/decisions", dependencies=[Depends(auth)])
+    async def decisions(step: int, experiment: str | None = None, validate: bool | None = None) -> Any:
+        """Tail-based sampling decisions of one step: kept/dropped per trajectory, with rule or reason."""
+        return await collector.pipeline.decisions(experiment, step, validate)
+
     @app.get("/v1/dead-letters", dependencies=[Depends(auth)])
     async def dead_letters(limit: int = Query(100, ge=1, le=10000)) -> Any:
         """Spans the backend rejected permanently, with its reason."""
         rows = await asyncio.to_thread(collector.spool.dead_letters, limit)
         return {"count": await asyncio.to_thread(collector.spool.dead_count), "dead_letters": rows}
 
+    # the local trajectory viewer (/ui/): read-only, same token
+    app.include_router(build_viewer_router(collector, settings.token.get_secret_value() if settings.token else None))
     return app
 
 

@@ -35,6 +35,22 @@ class Metrics:
         self.spool_file_bytes = Gauge("tracecar_spool_file_bytes", "Size of the spool/store file on disk.", registry=r)
         self.dead_letters = Gauge("tracecar_dead_letters", "Rows in the dead-letter table.", registry=r)
         self.ready = Gauge("tracecar_ready", "1 when accepting spans, 0 while starting or draining.", registry=r)
+        # tail-based budgets (tracecar.collector.selection)
+        self.trajectories_kept = Counter("tracecar_trajectories_kept", "Trajectories a tail-based decision kept, by the rule that kept them.", ["rule"], registry=r)
+        self.trajectories_dropped = Counter("tracecar_trajectories_dropped", "Trajectories a tail-based decision dropped, by reason (the limit that stopped them, incomplete, ...).", ["reason"], registry=r)
+        self.trajectories_truncated = Counter("tracecar_trajectories_truncated", "Kept trajectories cut under TRACECAR_MAX_TRAJECTORY_BYTES.", registry=r)
+        self.step_decisions = Counter("tracecar_step_decisions", "Step decisions (one per step and round), by what closed the step.", ["closed_by"], registry=r)
+        self.held_spans = Gauge("tracecar_held_spans", "Spans held in the spool awaiting their step's decision.", registry=r)
+        self.held_bytes = Gauge("tracecar_held_bytes", "Bytes of spans awaiting their step's decision.", registry=r)
+        self.held_trajectories = Gauge("tracecar_held_trajectories", "Trajectories awaiting their step's decision (summaries in memory).", registry=r)
+        self.open_steps = Gauge("tracecar_open_steps", "Steps (rounds) held open awaiting a decision.", registry=r)
+
+    def bind_selection(self, held_spans: Callable[[], float], held_bytes: Callable[[], float],
+                       held_trajectories: Callable[[], float], open_steps: Callable[[], float]) -> None:
+        self.held_spans.set_function(held_spans)
+        self.held_bytes.set_function(held_bytes)
+        self.held_trajectories.set_function(held_trajectories)
+        self.open_steps.set_function(open_steps)
 
     def bind_spool(self, depth: Callable[[], float], pending_bytes: Callable[[], float], file_bytes: Callable[[], float], dead: Callable[[], float]) -> None:
         self.spool_depth.set_function(depth)

@@ -2,13 +2,16 @@
 
 CPU stages run in worker threads so the event loop keeps answering health checks; the sampling
 step runs on the loop itself (pure dict work) so decisions never race. A request is answered
-only after its spans are committed to the spool.
+only after its spans are committed to the spool. Under a tail-based budget the spans it claims
+are routed (held / pass / drop) on the spool's writer thread, where its step decisions also run
+(tracecar.collector.selection); with no budget none of that is built.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,14 +20,16 @@ import msgpack
 import orjson
 
 from . import receive
-from .decoding import TokenizerNotFound, TokenizerRegistry, decode_spans
+from .decoding import TokenizerNotFound, TokenizerRegistry, collect_jobs, decode_spans
 from .metrics import Metrics
 from .sampling import StepBudgetSampler
+from .selection import Policies, TailSelector
 from .settings import CollectorSettings
 from .spool import Spool, SpoolFull, SpoolRow
 from .validate import EnvelopeError, Rejection, Validated, validate_batch
 
 _DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+log = logging.getLogger("tracecar.collector.pipeline")
 
 
 class Backpressure(Exception):
@@ -65,7 +70,21 @@ class IngestPipeline:
         self.spool = spool
         self.metrics = metrics
         self.tokenizers = TokenizerRegistry()
-        self.sampler = StepBudgetSampler(settings.max_samples_per_step_per_worker, spool.load_decisions)
+        self.policies = Policies(settings)
+        self.selection: TailSelector | None = None
+        if self.policies.any_tail:
+            self.selection = TailSelector(settings, spool, metrics, policies=self.policies)
+            metrics.bind_selection(lambda: spool.held_count, lambda: spool.held_bytes,
+                                   lambda: self.selection.held_trajectories if self.selection else 0,
+                                   lambda: len(self.selection.open) if self.selection else 0)
+        if self.selection is None and not settings.budgets and settings.validation_budget is None:
+            self.sampler = StepBudgetSampler(settings.max_samples_per_step_per_worker, spool.load_decisions)
+        else:  # per-experiment overrides: the head sampler applies only where the mode is head
+            def head_limit(experiment: Any, validate: Any) -> int | None:
+                budget = self.policies.get(experiment, validate)
+                return budget.max_samples_per_step_per_worker if budget.mode == "head" else None
+
+            self.sampler = StepBudgetSampler(None, spool.load_decisions, limit_for=head_limit)
         self.cpu = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="tracecar-cpu")
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracecar-spool")
         self.inflight = asyncio.Semaphore(settings.max_inflight_requests)
@@ -74,7 +93,7 @@ class IngestPipeline:
     def check_capacity(self) -> None:
         """Refuses new work while the spool (or, in local mode, the store) is at its bound."""
         limit = self.settings.spool_max_bytes
-        used = self.spool.pending_bytes if not self.spool.local_only else self.spool.stored_bytes
+        used = self.spool.pending_bytes + self.spool.held_bytes if not self.spool.local_only else self.spool.stored_bytes
         if used >= limit:
             raise Backpressure("spool_bytes", f"spool holds {used} bytes, at TRACECAR_SPOOL_MAX_BYTES={limit}")
         if self.inflight.locked():
@@ -89,15 +108,28 @@ class IngestPipeline:
             m.spans_received.inc(len(validated.spans) + len(validated.rejected))
             for rejection in validated.rejected:
                 m.spans_rejected.labels(reason=_reason_label(rejection)).inc()
-            sampled = self.sampler.sample(validated.spans)
+            selection = self.selection
+            job_limit = validated.batch.max_samples_per_step_per_worker
+            if selection is None:
+                sampled = self.sampler.sample(validated.spans, job_limit)
+                spans = sampled.kept
+            else:  # spans the tail selector claims skip the head sampler, in arrival order
+                sampled = self.sampler.sample([s for s in validated.spans if not selection.claims(s)], job_limit)
+                gone = {id(s) for s in sampled.dropped}
+                spans = [s for s in validated.spans if id(s) not in gone]
             if sampled.dropped:
                 m.spans_sampled_out.labels(budget="max_samples_per_step_per_worker").inc(len(sampled.dropped))
-            rows, tokens, too_big = await loop.run_in_executor(self.cpu, self._decode_and_serialize, validated, sampled.kept)
+            rows, tokens, too_big = await loop.run_in_executor(self.cpu, self._decode_and_serialize, validated, spans)
             for rejection in too_big:
                 m.spans_rejected.labels(reason="span_too_large").inc()
             m.decoded_tokens.inc(tokens)
+            tail_dropped = 0
             try:
-                written = await loop.run_in_executor(self.writer, self.spool.write, rows, sampled.new_decisions)
+                if selection is None:
+                    written = await loop.run_in_executor(self.writer, self.spool.write, rows, sampled.new_decisions)
+                else:
+                    written, tail_dropped = await loop.run_in_executor(
+                        self.writer, selection.write, rows, sampled.new_decisions, [s["trace_id"] for s in sampled.dropped])
             except SpoolFull as exc:
                 self.sampler.forget(sampled.new_decisions)
                 raise Backpressure("disk_full", f"spool disk is full: {exc}") from None
@@ -112,7 +144,7 @@ class IngestPipeline:
             for callback in self.on_committed:
                 callback()
             return IngestResult(
-                accepted=written.inserted, duplicates=written.duplicates, sampled_out=len(sampled.dropped),
+                accepted=written.inserted, duplicates=written.duplicates, sampled_out=len(sampled.dropped) + tail_dropped,
                 rejected=validated.rejected + too_big,
                 warnings={k: v for k, v in validated.warnings.items()},
             )
@@ -141,6 +173,7 @@ class IngestPipeline:
                         validated.warnings.setdefault(span["span_id"], []).append(f"tokenizer: {exc}")
         rows, too_big = [], []
         limit = self.settings.max_span_bytes
+        count_tokens = self.selection is not None
         for span in spans:
             warnings = validated.warnings.get(span["span_id"])
             if warnings:
@@ -155,8 +188,69 @@ class IngestPipeline:
                 index = validated.index_of[span["span_id"]]
                 too_big.append(Rejection(index, span["span_id"], f"spans[{index}]", f"{len(payload)} bytes exceed TRACECAR_MAX_SPAN_BYTES={limit}"))
                 continue
-            rows.append(SpoolRow(span, payload, warnings))
+            row = SpoolRow(span, payload, warnings)
+            if count_tokens:  # for max_tokens_per_step: token ids the span carries
+                row.tokens = sum(len(job.ids) for job in collect_jobs(span))
+            rows.append(row)
         return rows, tokens, too_big
+
+    # ---- tail-based decisions -------------------------------------------------------------
+    async def run_selection(self) -> None:
+        """Decides ready steps every tick until cancelled; wakes the forwarder when spans are released."""
+        selection = self.selection
+        if selection is None:
+            return
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(selection.tick_s)
+            try:
+                released = await loop.run_in_executor(self.writer, selection.tick)
+            except Exception:  # noqa: BLE001 - e.g. disk full: the step stays held, retried next tick
+                log.exception("selection: deciding failed; held spans stay held")
+                continue
+            if released:
+                for callback in self.on_committed:
+                    callback()
+
+    async def finish_selection(self) -> None:
+        """On shutdown: decides the steps whose trajectories are all complete; the rest stay held."""
+        if self.selection is None:
+            return
+        try:
+            released = await asyncio.get_running_loop().run_in_executor(self.writer, self.selection.tick, True)
+        except Exception:  # noqa: BLE001
+            log.exception("selection: shutdown decision failed; held spans stay held")
+            return
+        if released:
+            for callback in self.on_committed:
+                callback()
+
+    async def decisions(self, experiment: str | None, step: int, validate: bool | None) -> dict[str, Any]:
+        """The decisions of one step and its open rounds (read on the writer thread: consistent)."""
+        def read() -> dict[str, Any]:
+            rows = self.spool.step_decisions(experiment, validate, step)
+            open_rounds = self.selection.describe(experiment, step, validate) if self.selection else []
+            return {"rows": rows, "open": open_rounds}
+
+        got = await asyncio.get_running_loop().run_in_executor(self.writer, read)
+        rows = got["rows"]
+        by_rule: dict[str, int] = {}
+        by_reason: dict[str, int] = {}
+        for row in rows:
+            row["keep"] = bool(row["keep"])
+            row["validate"] = bool(row["validate"])
+            row["has_error"] = bool(row["has_error"])
+            row["truncated"] = bool(row["truncated"])
+            if row["keep"]:
+                by_rule[row["rule"]] = by_rule.get(row["rule"], 0) + 1
+            else:
+                by_reason[row["reason"]] = by_reason.get(row["reason"], 0) + 1
+        budget = self.policies.get(experiment, bool(validate))
+        return {
+            "experiment": experiment, "step": step, "validate": validate, "mode": budget.mode,
+            "budget": budget.limits(), "kept": sum(by_rule.values()), "dropped": sum(by_reason.values()),
+            "kept_by_rule": by_rule, "dropped_by_reason": by_reason, "open": got["open"], "decisions": rows,
+        }
 
     def close(self) -> None:
         self.cpu.shutdown(wait=True, cancel_futures=True)

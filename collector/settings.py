@@ -11,10 +11,34 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
 MiB = 2**20
+
+
+class BudgetOverride(BaseModel):
+    """Budget settings for one experiment (``budgets:``) or for validation steps.
+
+    Same names and meanings as the CollectorSettings fields; a field left out inherits, a field
+    given as ``null`` removes that limit. ``validation`` overrides further for validate=True steps.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    tail_sampling: bool | None = None
+    max_samples_per_step_per_worker: int | None = Field(None, ge=0)
+    max_trajectories_per_step: int | None = Field(None, ge=0)
+    max_groups_per_step: int | None = Field(None, ge=0)
+    max_bytes_per_step: int | None = Field(None, ge=0)
+    max_tokens_per_step: int | None = Field(None, ge=0)
+    max_trajectory_bytes: int | None = Field(None, ge=4096)
+    trajectories_per_step: int | None = Field(None, ge=1)
+    keep_errors_share: float = Field(0.25, ge=0, le=1)
+    keep_reward_extremes: int = Field(1, ge=0)
+    keep_spread_groups: int = Field(1, ge=0)
+    sampling_seed: int = 0
+    validation: "BudgetOverride | None" = None
 
 
 class CollectorSettings(BaseSettings):
@@ -34,6 +58,23 @@ class CollectorSettings(BaseSettings):
     token2text: bool = Field(False, description="Decode prompt_ids/response_ids to prompt_text/response_text (VERL's token2text).")
     tokenizer: str | None = Field(None, description="Default tokenizer: a tokenizer.json path, a directory holding one, or a Hugging Face name found offline in the local cache.")
     max_samples_per_step_per_worker: int | None = Field(None, ge=0, description="VERL-compatible budget: distinct sample indices kept per (experiment, step, worker); unset keeps all, 0 keeps none.")
+    tail_sampling: bool | None = Field(None, description="Decide budgets on whole steps (hold spans, keep the interesting trajectories); unset: on whenever a budget other than max_samples_per_step_per_worker is set.")
+    max_trajectories_per_step: int | None = Field(None, ge=0, description="Global budget: trajectories kept per (experiment, step) across all workers (tail-based).")
+    max_groups_per_step: int | None = Field(None, ge=0, description="Global budget: sample groups (all rollouts of one sample index) kept per (experiment, step) (tail-based).")
+    max_bytes_per_step: int | None = Field(None, ge=0, description="Volume budget: stored bytes of kept trajectories per (experiment, step) (tail-based).")
+    max_tokens_per_step: int | None = Field(None, ge=0, description="Volume budget: token ids in kept trajectories per (experiment, step) (tail-based).")
+    max_trajectory_bytes: int | None = Field(None, ge=4096, description="Per-trajectory size cap: larger kept trajectories have inputs/outputs truncated with a marker (tail-based).")
+    trajectories_per_step: int | None = Field(None, ge=1, description="Trajectories this collector receives per step, when known: the step is decided as soon as that many are complete.")
+    keep_errors_share: float = Field(0.25, ge=0, le=1, description="Rule quota: share of each step budget (rounded up) reserved for trajectories with an exception or a failed tool call.")
+    keep_reward_extremes: int = Field(1, ge=0, description="Rule quota: the N highest and N lowest reward trajectories (or groups) of each step are kept first.")
+    keep_spread_groups: int = Field(1, ge=0, description="Rule quota: the N sample groups with the widest reward spread (max - min) are kept whole.")
+    sampling_seed: int = Field(0, description="Seed of the hash that fills the rest of a budget; equal seeds make reruns and collectors choose alike.")
+    reward_wait_s: float = Field(30.0, ge=0, description="After a trajectory's root arrives, how long to wait for its reward annotation before deciding without it.")
+    step_idle_s: float = Field(120.0, ge=0, description="A held step whose trajectories are complete is decided after this long without new spans (when no later step or count closes it first).")
+    decision_wait_s: float = Field(600.0, gt=0, description="A held step is decided after this long without new spans even if trajectories are incomplete (those are dropped).")
+    max_held_trajectories: int = Field(200_000, ge=1, description="Bound on trajectories awaiting a decision (their summaries are in memory); above it the oldest step is decided early.")
+    validation_budget: BudgetOverride | None = Field(None, description="Budget overrides for validate=True steps (JSON/YAML mapping of the budget settings); they are always counted apart from training steps.")
+    budgets: dict[str, BudgetOverride] = Field(default_factory=dict, description="Per-experiment budget overrides: experiment name -> mapping of budget settings (with an optional `validation` mapping).")
     max_body_bytes: int = Field(20 * MiB, ge=1024, description="Largest request body accepted on the wire (413 above).")
     max_decompressed_bytes: int = Field(100 * MiB, ge=1024, description="Largest body after gzip/zstd decompression (413 above; stops zip bombs).")
     max_batch_spans: int = Field(8192, ge=1, description="Most spans in one request (413 above).")
@@ -89,6 +130,10 @@ class CollectorSettings(BaseSettings):
                 value = "***set***"
             elif isinstance(value, Path):
                 value = str(value)
+            elif isinstance(value, BaseModel):
+                value = value.model_dump(exclude_unset=True)
+            elif name == "budgets":
+                value = {k: v.model_dump(exclude_unset=True) for k, v in value.items()}
             out[name] = value
         out["effective_backend"] = self.effective_backend
         return out

@@ -3,7 +3,10 @@
 A span is answered 2xx only after its row is committed (WAL; with ``synchronous=NORMAL`` a
 commit survives a killed process, ``TRACECAR_SPOOL_SYNC=full`` also survives power loss).
 Rows move pending → done (forwarded, or kept locally) or → dead (a permanent backend
-rejection, kept with its reason). ``span_id`` is unique, so a client's retry of a batch the
+rejection, kept with its reason). Under a tail-based budget rows start held (awaiting their
+step's decision, see tracecar.collector.selection): a decision moves a kept trajectory's rows to
+pending and deletes a dropped one's, in the same transaction as its ``trajectory_decisions``
+rows, so budgets stay exact across restarts. ``span_id`` is unique, so a client's retry of a batch the
 collector already took is dropped as a duplicate instead of being forwarded twice.
 All writes go through one connection on one thread; reads use their own connection.
 """
@@ -20,7 +23,7 @@ from typing import Any, Iterable, Sequence
 
 import orjson
 
-PENDING, DONE, DEAD = 0, 1, 2
+PENDING, DONE, DEAD, HELD = 0, 1, 2, 3
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS spans (
@@ -46,7 +49,8 @@ CREATE TABLE IF NOT EXISTS spans (
     state INTEGER NOT NULL,
     received_at REAL NOT NULL,
     warnings TEXT,
-    payload BLOB NOT NULL
+    payload BLOB NOT NULL,
+    tokens INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS spans_pending ON spans(seq) WHERE state = 0;
 CREATE INDEX IF NOT EXISTS spans_trace ON spans(trace_id);
@@ -58,6 +62,28 @@ CREATE TABLE IF NOT EXISTS dead_letters (
     reason TEXT NOT NULL,
     failed_at REAL NOT NULL
 );
+CREATE INDEX IF NOT EXISTS spans_held ON spans(seq) WHERE state = 3;
+CREATE TABLE IF NOT EXISTS trajectory_decisions (
+    trace_id TEXT PRIMARY KEY,
+    experiment TEXT,
+    validate INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    round INTEGER NOT NULL,
+    worker TEXT,
+    sample_index INTEGER,
+    rollout_n INTEGER,
+    keep INTEGER NOT NULL,
+    rule TEXT,
+    reason TEXT,
+    reward REAL,
+    has_error INTEGER NOT NULL,
+    nbytes INTEGER NOT NULL,
+    tokens INTEGER NOT NULL,
+    truncated INTEGER NOT NULL DEFAULT 0,
+    closed_by TEXT,
+    decided_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS trajectory_decisions_step ON trajectory_decisions(step, experiment, validate);
 CREATE TABLE IF NOT EXISTS sample_decisions (
     budget_key TEXT NOT NULL,
     sample_index INTEGER NOT NULL,
@@ -78,6 +104,8 @@ class SpoolRow:
     span: dict[str, Any]
     payload: bytes
     warnings: list[str] | None
+    tokens: int = 0
+    held: bool = False
 
 
 @dataclass
@@ -111,8 +139,8 @@ def _row_params(row: SpoolRow, state: int, now: float) -> tuple[Any, ...]:
         _attr(s, "sample_index"), _attr(s, "rollout_n"), None if validate is None else int(bool(validate)),
         s["start_time"], s["end_time"], int(s["exception"] is not None),
         reward if type(reward) in (int, float) else None,
-        len(row.payload), state, now,
-        orjson.dumps(row.warnings).decode() if row.warnings else None, row.payload,
+        len(row.payload), HELD if row.held else state, now,
+        orjson.dumps(row.warnings).decode() if row.warnings else None, row.payload, row.tokens,
     )
 
 
@@ -125,19 +153,29 @@ class Spool:
         self.local_only = local_only
         self._write = _connect(path, sync)
         self._write.executescript(SCHEMA)
+        columns = {name for _, name, *_ in self._write.execute("PRAGMA table_info(spans)")}
+        if "tokens" not in columns:  # spools written before tail-based budgets
+            self._write.execute("ALTER TABLE spans ADD COLUMN tokens INTEGER NOT NULL DEFAULT 0")
         self._read = _connect(path, sync)
         self._write_lock = threading.Lock()
         self._read_lock = threading.Lock()
-        self.pending_count, self.pending_bytes, self.stored_bytes = self._write.execute(
+        self.pending_count, self.pending_bytes, self.stored_bytes, self.held_count, self.held_bytes = self._write.execute(
             "SELECT COALESCE(SUM(state = 0), 0), COALESCE(SUM(CASE WHEN state = 0 THEN nbytes END), 0),"
-            " COALESCE(SUM(nbytes), 0) FROM spans"
+            " COALESCE(SUM(nbytes), 0), COALESCE(SUM(state = 3), 0),"
+            " COALESCE(SUM(CASE WHEN state = 3 THEN nbytes END), 0) FROM spans"
         ).fetchone()
 
     # ---- ingest --------------------------------------------------------------------------
-    def write(self, rows: Sequence[SpoolRow], decisions: Iterable[tuple[str, int, bool]] = ()) -> WriteResult:
-        """Commits new spans and sampling decisions in one transaction; known span ids are skipped."""
+    def write(self, rows: Sequence[SpoolRow], decisions: Iterable[tuple[str, int, bool]] = (),
+              now: float | None = None, late: frozenset[str] | set[str] = frozenset()) -> WriteResult:
+        """Commits new spans and sampling decisions in one transaction; known span ids are skipped.
+
+        Rows marked ``held`` are stored held (awaiting a tail-based decision), the rest pending.
+        ``late`` names spans of already decided, kept trajectories: their bytes and tokens are
+        added to the trajectory's decision row in the same transaction (budgets stay exact).
+        """
         state = DONE if self.local_only else PENDING
-        now = time.time()
+        now = time.time() if now is None else now
         with self._write_lock:
             conn = self._write
             try:
@@ -147,13 +185,18 @@ class Spool:
                 conn.executemany(
                     "INSERT INTO spans (span_id, trace_id, parent_id, name, kind, worker, project, entity,"
                     " experiment, step, sample_index, rollout_n, validate, start_time, end_time, has_error, reward,"
-                    " nbytes, state, received_at, warnings, payload) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    " nbytes, state, received_at, warnings, payload, tokens) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     [_row_params(r, state, now) for r in fresh],
                 )
                 conn.executemany(
                     "INSERT OR IGNORE INTO sample_decisions (budget_key, sample_index, keep) VALUES (?,?,?)",
                     [(k, i, int(keep)) for k, i, keep in decisions],
                 )
+                if late:
+                    conn.executemany(
+                        "UPDATE trajectory_decisions SET nbytes = nbytes + ?, tokens = tokens + ? WHERE trace_id = ?",
+                        [(len(r.payload), r.tokens, r.span["trace_id"]) for r in fresh if r.span["span_id"] in late],
+                    )
                 conn.execute("COMMIT")
             except sqlite3.OperationalError as exc:
                 _rollback(conn)
@@ -164,10 +207,14 @@ class Spool:
                 _rollback(conn)
                 raise
             new_bytes = sum(len(r.payload) for r in fresh)
+            held = [r for r in fresh if r.held]
+            held_bytes = sum(len(r.payload) for r in held)
             self.stored_bytes += new_bytes
+            self.held_count += len(held)
+            self.held_bytes += held_bytes
             if state == PENDING:
-                self.pending_count += len(fresh)
-                self.pending_bytes += new_bytes
+                self.pending_count += len(fresh) - len(held)
+                self.pending_bytes += new_bytes - held_bytes
         duplicate_ids = [r.span["span_id"] for r in rows if r.span["span_id"] in known]
         return WriteResult(inserted=len(fresh), duplicates=len(duplicate_ids), duplicate_ids=duplicate_ids)
 
@@ -190,6 +237,141 @@ class Spool:
                     "SELECT sample_index, keep FROM sample_decisions WHERE budget_key = ?", (budget_key,)
                 )
             }
+
+    # ---- held spans and tail-based decisions (tracecar.collector.selection) ---------------
+    def release(self, kept: Sequence[str], dropped: Sequence[str], decisions: Sequence[tuple[Any, ...]] = (),
+                patches: Sequence[tuple[str, bytes]] = ()) -> tuple[int, int, int]:
+        """One decision, in one transaction: held rows of ``kept`` traces become pending (done
+        in local mode) with ``patches`` (span_id, new payload) applied, those of ``dropped``
+        traces are deleted, and the ``trajectory_decisions`` rows are recorded.
+
+        Returns (spans released, spans dropped, bytes dropped).
+        """
+        target = DONE if self.local_only else PENDING
+        with self._write_lock:
+            conn = self._write
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                delta_bytes = 0
+                for span_id, payload in patches:
+                    old = conn.execute("SELECT nbytes FROM spans WHERE span_id = ? AND state = 3", (span_id,)).fetchone()
+                    if old is None:
+                        continue
+                    conn.execute("UPDATE spans SET payload = ?, nbytes = ? WHERE span_id = ?", (payload, len(payload), span_id))
+                    delta_bytes += len(payload) - old[0]
+                moved = moved_bytes = gone = gone_bytes = 0
+                for i in range(0, len(kept), 500):
+                    chunk = list(kept[i:i + 500])
+                    marks = ",".join("?" * len(chunk))
+                    n, nbytes = conn.execute(
+                        f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans WHERE state = 3 AND trace_id IN ({marks})", chunk
+                    ).fetchone()
+                    conn.execute(f"UPDATE spans SET state = ? WHERE state = 3 AND trace_id IN ({marks})", (target, *chunk))
+                    moved, moved_bytes = moved + n, moved_bytes + nbytes
+                for i in range(0, len(dropped), 500):
+                    chunk = list(dropped[i:i + 500])
+                    marks = ",".join("?" * len(chunk))
+                    n, nbytes = conn.execute(
+                        f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans WHERE state = 3 AND trace_id IN ({marks})", chunk
+                    ).fetchone()
+                    conn.execute(f"DELETE FROM spans WHERE state = 3 AND trace_id IN ({marks})", chunk)
+                    gone, gone_bytes = gone + n, gone_bytes + nbytes
+                conn.executemany(
+                    "INSERT OR REPLACE INTO trajectory_decisions (trace_id, experiment, validate, step, round, worker,"
+                    " sample_index, rollout_n, keep, rule, reason, reward, has_error, nbytes, tokens, truncated,"
+                    " closed_by, decided_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    decisions,
+                )
+                conn.execute("COMMIT")
+            except sqlite3.OperationalError as exc:
+                _rollback(conn)
+                if "full" in str(exc).lower() or "disk" in str(exc).lower():
+                    raise SpoolFull(str(exc)) from None
+                raise
+            except BaseException:
+                _rollback(conn)
+                raise
+            self.held_bytes += delta_bytes
+            self.stored_bytes += delta_bytes - gone_bytes
+            self.held_count -= moved + gone
+            self.held_bytes -= moved_bytes + gone_bytes
+            if target == PENDING:
+                self.pending_count += moved
+                self.pending_bytes += moved_bytes
+        return moved, gone, gone_bytes
+
+    def held_rows(self) -> list[tuple[Any, ...]]:
+        """Index columns of every held span, oldest first: what a restart rebuilds its summaries from."""
+        with self._read_lock:
+            return self._read.execute(
+                "SELECT span_id, trace_id, parent_id, kind, worker, experiment, validate, step, sample_index,"
+                " rollout_n, has_error, reward, nbytes, tokens, received_at, start_time FROM spans"
+                " WHERE state = 3 ORDER BY seq"
+            ).fetchall()
+
+    def held_payloads(self, trace_ids: Sequence[str], roots_only: bool) -> list[tuple[str, str, bytes]]:
+        """(span_id, trace_id, payload) of held spans of these traces (only their roots, or all)."""
+        out: list[tuple[str, str, bytes]] = []
+        extra = " AND span_id = trace_id" if roots_only else ""
+        with self._read_lock:
+            for i in range(0, len(trace_ids), 500):
+                chunk = list(trace_ids[i:i + 500])
+                out.extend(self._read.execute(
+                    f"SELECT span_id, trace_id, payload FROM spans WHERE state = 3{extra}"
+                    f" AND trace_id IN ({','.join('?' * len(chunk))}) ORDER BY seq", chunk
+                ))
+        return out
+
+    def decided_usage(self, trace_id: str) -> tuple[Any, ...] | None:
+        """(experiment, validate, step, trajectory bytes, step kept bytes, step kept tokens) of a decided trajectory."""
+        with self._read_lock:
+            row = self._read.execute(
+                "SELECT experiment, validate, step, nbytes FROM trajectory_decisions WHERE trace_id = ?", (trace_id,)
+            ).fetchone()
+            if row is None:
+                return None
+            kept_bytes, kept_tokens = self._read.execute(
+                "SELECT COALESCE(SUM(nbytes), 0), COALESCE(SUM(tokens), 0) FROM trajectory_decisions"
+                " WHERE step = ? AND experiment IS ? AND validate = ? AND keep = 1", (row[2], row[0], row[1]),
+            ).fetchone()
+        return (row[0], bool(row[1]), row[2], row[3], kept_bytes, kept_tokens)
+
+    def trace_verdict(self, trace_id: str) -> bool | None:
+        """Whether a decided trajectory was kept; None if it was never decided."""
+        with self._read_lock:
+            row = self._read.execute("SELECT keep FROM trajectory_decisions WHERE trace_id = ?", (trace_id,)).fetchone()
+        return None if row is None else bool(row[0])
+
+    def trace_seen_unheld(self, trace_id: str) -> bool:
+        """True if spans of this trace are stored but not held (it was never under a tail budget)."""
+        with self._read_lock:
+            return self._read.execute("SELECT 1 FROM spans WHERE trace_id = ? AND state != 3 LIMIT 1", (trace_id,)).fetchone() is not None
+
+    def step_last_round(self, experiment: Any, validate: bool, step: int) -> int:
+        with self._read_lock:
+            row = self._read.execute(
+                "SELECT MAX(round) FROM trajectory_decisions WHERE step = ? AND experiment IS ? AND validate = ?",
+                (step, experiment, int(validate)),
+            ).fetchone()
+        return row[0] or 0
+
+    def step_decisions(self, experiment: Any, validate: bool | None, step: int) -> list[dict[str, Any]]:
+        """The decision records of one step (every round), kept ones first."""
+        sql = ("SELECT trace_id, experiment, validate, step, round, worker, sample_index, rollout_n, keep, rule,"
+               " reason, reward, has_error, nbytes, tokens, truncated, closed_by, decided_at FROM trajectory_decisions"
+               " WHERE step = ? AND experiment IS ?")
+        params: list[Any] = [step, experiment]
+        if validate is not None:
+            sql += " AND validate = ?"
+            params.append(int(validate))
+        return self.query(sql + " ORDER BY keep DESC, sample_index, rollout_n, trace_id", params)
+
+    def latest_decided_steps(self) -> list[tuple[Any, str, int]]:
+        """(experiment, worker, highest decided step): where each worker had got to."""
+        with self._read_lock:
+            return self._read.execute(
+                "SELECT experiment, worker, MAX(step) FROM trajectory_decisions GROUP BY experiment, worker"
+            ).fetchall()
 
     # ---- forwarding ----------------------------------------------------------------------
     def next_pending(self, limit: int) -> list[tuple[int, bytes]]:

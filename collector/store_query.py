@@ -106,7 +106,7 @@ def get_trajectory(spool: Spool, trace_id: str) -> dict[str, Any] | None:
     for row in rows:
         span = orjson.loads(row["payload"])
         span["children"] = []
-        span["forward_state"] = {0: "pending", 1: "done", 2: "dead"}.get(row["state"], "unknown")
+        span["forward_state"] = {0: "pending", 1: "done", 2: "dead", 3: "held"}.get(row["state"], "unknown")
         if row["kind"] == "annotation":
             annotations.append(span)
         else:

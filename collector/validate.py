@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 SpanKind = Literal["op", "trajectory", "annotation"]
 _ID = Field(pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
 _INT_ATTRS = ("step", "sample_index", "rollout_n")
+_INT64 = (-(2**63), 2**63 - 1)  # what an SQLite INTEGER column (the store's index) can hold
 
 
 class SpanIn(BaseModel):
@@ -42,6 +43,11 @@ class SpanIn(BaseModel):
             value = attrs.get(key)
             if value is not None and (type(value) is not int):
                 raise ValueError(f"attributes.{key} must be an integer, got {type(value).__name__}")
+            if value is not None and not _INT64[0] <= value <= _INT64[1]:
+                raise ValueError(f"attributes.{key} must fit in a signed 64-bit integer, got {value}")
+        reward = attrs.get("reward")
+        if type(reward) is int and not _INT64[0] <= reward <= _INT64[1]:
+            raise ValueError(f"attributes.reward must fit in a signed 64-bit integer, got {reward}")
         if "validate" in attrs and type(attrs["validate"]) is not bool:
             raise ValueError("attributes.validate must be a boolean")
         if "experiment_name" in attrs and attrs["experiment_name"] is not None and not isinstance(attrs["experiment_name"], str):
@@ -70,6 +76,7 @@ class BatchIn(BaseModel):
     entity: str | None = Field(None, max_length=256)
     tokenizer: str | None = Field(None, max_length=1024)
     token2text: bool | None = None
+    max_samples_per_step_per_worker: int | None = Field(None, ge=0)
     spans: list[Any]
 
 

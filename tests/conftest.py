@@ -186,3 +186,241 @@ def small_bpe_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     tok.save(str(path))
     return str(path)
+
+
+# ---- fault-injection kit for tests/test_fault_*.py ----------------------------------------
+# Appended for the "nothing acknowledged is lost" suite; nothing above changes behaviour.
+
+FAKE_WANDB_KEY = "fakewandbkey" + "0123456789abcdef0123456789ab"  # 40 chars, like a W&B key
+
+
+class FaultKit:
+    """Span builders, wire encoding, posting and metric reading shared by the fault tests."""
+
+    WANDB_KEY = FAKE_WANDB_KEY
+    free_port = staticmethod(free_port)
+
+    def __init__(self) -> None:
+        import secrets
+
+        self.prefix = secrets.token_hex(8)
+        self.counter = 0
+
+    def new_id(self) -> str:
+        self.counter += 1
+        return f"{self.prefix}{self.counter:016x}"
+
+    def trajectory(self, children: int = 3, *, step: int = 1, sample_index: int = 0, rollout_n: int = 0,
+                   payload_bytes: int = 0, experiment: str = "exp-fault") -> list[dict[str, Any]]:
+        """One trajectory as the client emits it: children first (as they finish), root last."""
+        root = self.new_id()
+        t0 = time.time()
+        attrs = {"step": step, "sample_index": sample_index, "rollout_n": rollout_n, "validate": False,
+                 "experiment_name": experiment}
+        spans = [
+            {"span_id": self.new_id(), "trace_id": root, "parent_id": root, "name": "Agent.generate", "kind": "op",
+             "start_time": t0 + i * 0.001, "end_time": t0 + i * 0.001 + 0.0005, "attributes": attrs,
+             "inputs": {"turn": i, "blob": "x" * payload_bytes}, "output": {"token_ids": list(range(8))},
+             "exception": None}
+            for i in range(children)
+        ]
+        spans.append({"span_id": root, "trace_id": root, "parent_id": None, "name": "agent_loop", "kind": "trajectory",
+                      "start_time": t0, "end_time": t0 + 1, "attributes": attrs, "inputs": {}, "output": None,
+                      "exception": None})
+        return spans
+
+    @staticmethod
+    def encode(spans: list[Any], fmt: str = "json", worker: str = "w-fault", **envelope: Any) -> tuple[bytes, dict[str, str]]:
+        import msgpack
+        import orjson
+
+        batch = {"v": 1, "worker": worker, "project": None, "entity": None, "tokenizer": None, "spans": spans, **envelope}
+        if fmt == "json":
+            return orjson.dumps(batch), {"Content-Type": "application/json"}
+        return msgpack.packb(batch, use_bin_type=True), {"Content-Type": "application/msgpack"}
+
+    def post(self, url: str, spans: list[Any], *, client: httpx.Client | None = None, fmt: str = "json",
+             token: str | None = None, timeout: float = 10.0, **envelope: Any) -> httpx.Response:
+        body, headers = self.encode(spans, fmt, **envelope)
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        poster = client.post if client is not None else httpx.post
+        return poster(url + "/v1/spans", content=body, headers=headers, timeout=timeout)
+
+    @staticmethod
+    def metric(text: str, name: str, **labels: str) -> float:
+        """Sum of the samples of ``name`` whose labels include ``labels`` (0.0 when absent)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        total = 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    total += sample.value
+        return total
+
+    def metrics(self, url: str, name: str, **labels: str) -> float:
+        return self.metric(httpx.get(url + "/metrics", timeout=10).text, name, **labels)
+
+    @staticmethod
+    def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05) -> Any:
+        """Polls ``predicate`` until truthy (returned) or ``timeout`` passes (returns the last value)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate()
+            if value or time.monotonic() >= deadline:
+                return value
+            time.sleep(interval)
+
+
+@pytest.fixture
+def kit() -> FaultKit:
+    return FaultKit()
+
+
+def _weave_stub_module() -> Any:
+    try:
+        import weave_stub
+    except ImportError:  # tests/ turned into a package
+        from tests import weave_stub  # type: ignore[no-redef]
+    return weave_stub
+
+
+def make_faulty_weave_stub(port: int = 0) -> Any:
+    """A WeaveStub (tests/weave_stub.py) with state-driven faults for the fault tests.
+
+    ``outage``: every request answers that status (None: normal); ``delay_s``: calls/complete
+    answers after a sleep; ``poison``: span ids whose calls/complete batch answers
+    ``poison_status`` (422, as Weave does for an invalid call); ``hold``: the next calls/complete request is read, then
+    left unanswered until ``release`` is set (to kill the collector with a forward in flight).
+    ``delivered()`` lists span ids in the order the stub accepted them.
+    """
+    import io
+    import json as _json
+
+    ws = _weave_stub_module()
+    try:  # the base stub digests with weave's helpers, imported on first use (~1.5 s): pay it here
+        import weave.trace.serialization.digest  # noqa: F401
+    except ImportError:
+        pass
+
+    class FaultyWeaveStub(ws.WeaveStub):
+        def __init__(self, port: int = 0) -> None:
+            super().__init__(port=port)
+            self.outage: int | None = None
+            self.outage_headers: dict[str, str] = {}
+            self.delay_s = 0.0
+            self.poison: set[str] = set()
+            self.poison_status = 422
+            self.hold = threading.Event()
+            self.held = threading.Event()
+            self.release = threading.Event()
+            self.complete_times: list[tuple[float, int | None]] = []
+            self.timeline: list[tuple[float, str, int | None]] = []  # (monotonic time, path, status) per request
+
+        def _handle(self, h: Any) -> None:
+            path = h.path.split("?", 1)[0]
+            arrived = time.monotonic()
+            is_complete = ws.CALLS_COMPLETE_RE.match(path) is not None
+            length = int(h.headers.get("Content-Length") or 0)
+            raw = h.rfile.read(length) if length else b""
+            status: int | None = None
+            headers: dict[str, str] = {}
+            if is_complete and self.hold.is_set():
+                self.hold.clear()
+                self._record(h, path, raw, None)
+                self.held.set()
+                self.release.wait(60)
+                h.close_connection = True
+                return
+            if is_complete and self.delay_s:
+                time.sleep(self.delay_s)
+            if self.outage is not None:
+                status, headers = self.outage, dict(self.outage_headers)
+            elif is_complete and self.poison:
+                try:
+                    ids = {c["attributes"]["tracecar"]["span_id"] for c in _json.loads(raw)["batch"]}
+                except (ValueError, KeyError, TypeError):
+                    ids = set()
+                if ids & self.poison:
+                    status = self.poison_status
+            if status is None:  # the base stub answers (and records) as usual
+                original, h.rfile = h.rfile, io.BytesIO(raw)
+                try:
+                    ws.WeaveStub._handle(self, h)
+                finally:
+                    h.rfile = original
+                with self._lock:
+                    status = self.requests[-1].status
+                    self.timeline.append((arrived, path, status))
+                    if is_complete:
+                        self.complete_times.append((time.monotonic(), status))
+                return
+            body = _json.dumps({"detail": f"stub fault {status}", "echo_authorization": h.headers.get("Authorization")}).encode()
+            self._record(h, path, raw, status)
+            with self._lock:
+                self.timeline.append((arrived, path, status))
+                if is_complete:
+                    self.complete_times.append((time.monotonic(), status))
+            h.send_response(status)
+            h.send_header("Content-Type", "application/json")
+            h.send_header("Content-Length", str(len(body)))
+            for k, v in headers.items():
+                h.send_header(k, v)
+            h.end_headers()
+            h.wfile.write(body)
+
+        def _record(self, h: Any, path: str, raw: bytes, status: int | None) -> None:
+            try:
+                body = _json.loads(raw) if raw else None
+            except ValueError:
+                body = None
+            rec = ws.RecordedRequest(h.command, path, {k.lower(): v for k, v in h.headers.items()}, raw, body, status)
+            with self._lock:
+                self.requests.append(rec)
+
+        def delivered(self) -> list[str]:
+            return [c["attributes"]["tracecar"]["span_id"] for c in self.completed_calls()]
+
+    return FaultyWeaveStub(port)
+
+
+@pytest.fixture
+def faulty_weave_stub() -> Iterator[Any]:
+    """A started FaultyWeaveStub on 127.0.0.1, stopped after the test."""
+    stub = make_faulty_weave_stub().start()
+    yield stub
+    stub.release.set()
+    stub.stop()
+
+
+@pytest.fixture
+def weave_collector_process(collector_process: Callable[..., ProcessCollector]) -> Callable[..., ProcessCollector]:
+    """Factory: a `tracecar serve` process forwarding (backend=weave) to a loopback stub URL."""
+
+    def make(stub_url: str, **env: Any) -> ProcessCollector:
+        base = {
+            "TRACECAR_BACKEND": "weave", "WANDB_API_KEY": FAKE_WANDB_KEY, "WF_TRACE_SERVER_URL": stub_url,
+            "TRACECAR_WANDB_ENTITY": "ent", "TRACECAR_WANDB_PROJECT": "proj",
+            "TRACECAR_FORWARD_RETRY_INITIAL_S": "0.05", "TRACECAR_FORWARD_RETRY_MAX_S": "0.5",
+        }
+        base.update({k: str(v) for k, v in env.items()})
+        return collector_process(**base)
+
+    return make
+
+
+@pytest.fixture
+def faulty_weave_stub_at() -> Iterator[Callable[[int], Any]]:
+    """Factory: faulty_weave_stub_at(port) starts a FaultyWeaveStub on that port (to end an outage)."""
+    stubs: list[Any] = []
+
+    def start(port: int) -> Any:
+        stub = make_faulty_weave_stub(port).start()
+        stubs.append(stub)
+        return stub
+
+    yield start
+    for stub in stubs:
+        stub.release.set()
+        stub.stop()

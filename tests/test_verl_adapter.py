@@ -16,7 +16,6 @@ Set up (see the adapter's docstring):  python3 -m venv V && V/bin/pip install to
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import subprocess
 import sys
@@ -229,12 +228,6 @@ def adapter(monkeypatch: pytest.MonkeyPatch) -> Any:
     tracer.shutdown(5)
 
 
-def client_forwards(field: str) -> bool:
-    from tracecar.client import ClientConfig
-
-    return field in {f.name for f in dataclasses.fields(ClientConfig)}
-
-
 def trajectories(url: str, **params: Any) -> list[dict[str, Any]]:
     listing = httpx.get(url + "/v1/trajectories", params={"experiment": EXPERIMENT, "limit": 100, **params}).json()
     return listing["trajectories"]
@@ -322,11 +315,6 @@ def test_budget_from_collector_settings_keeps_whole_samples(adapter, start_colle
     assert sorted(t["rollout_n"] for t in trajs) == [0, 1]  # all rollouts of the kept sample
 
 
-@pytest.mark.xfail(
-    not client_forwards("max_samples_per_step_per_worker"),
-    reason="the client does not yet carry VERL's max_samples_per_step_per_worker to the collector",
-    strict=True,
-)
 def test_budget_from_verl_config_is_honoured_by_collector(adapter, start_collector, monkeypatch, model_dir, hf_tokenizer):
     col = start_collector()  # no budget of its own: VERL's config must reach it
     monkeypatch.setenv("TRACECAR_URL", col.url)
@@ -379,7 +367,9 @@ def test_late_install_after_verl_init_still_traces(adapter, start_collector, mon
     assert verl_rt.RolloutTraceConfig.get_instance().max_samples_per_step_per_worker is None
     asyncio.run(worker.generate_sequences(make_batch()))
     flush()
-    assert len(trajectories(col.url, step=STEP)) == 4
+    trajs = trajectories(col.url, step=STEP)  # every sample was sent; the collector kept VERL's budget of 1
+    assert len(trajs) == 2 and len({t["sample_index"] for t in trajs}) == 1
+    assert sorted(t["rollout_n"] for t in trajs) == [0, 1]
 
 
 def test_validation_batches_are_marked(adapter, start_collector, monkeypatch, model_dir, hf_tokenizer):

@@ -1,0 +1,264 @@
+"""Shared helpers for the bench scripts: loopback services, weave set-up, payloads, statistics.
+
+Every service a bench starts is a subprocess bound to 127.0.0.1 and stopped by its pid when the
+bench ends. Weave is only ever initialised against the loopback stub (bench/sink_stub.py), with a
+dummy key, stdin closed and its PyPI version check and error reporting switched off, so no bench
+sends a byte off this machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import httpx
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+PY = sys.executable
+DUMMY_WANDB_KEY = "0123456789abcdef0123456789abcdef01234567"  # 40 chars, like a real key; never valid
+WEAVE_PROJECT = "bench-project"
+WEAVE_ENTITY = "bench-entity"  # what bench/sink_stub.py answers as the viewer's default entity
+DEAD_PROXY = "http://127.0.0.1:9"  # any stray non-loopback HTTP request fails here, on this machine
+VOCAB = 100_000  # below the deepseek tokenizer's 129k vocabulary
+
+
+# ---- processes -------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pin(cpus: set[int] | None) -> Any:
+    """A preexec_fn that pins a child (and every thread it starts) to ``cpus``; None: no pinning."""
+    if not cpus or not hasattr(os, "sched_setaffinity") or max(cpus) >= (os.cpu_count() or 1):
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+WORKER_CPUS, SIDECAR_CPUS = {0}, {1}  # on 2 cores: the traced worker on one, collector and stub on the other
+
+
+def clean_env(**extra: Any) -> dict[str, str]:
+    """This environment without TRACECAR_/WANDB_/WF_/WEAVE_ settings, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRACECAR_", "WANDB_", "WF_", "WEAVE_"))}
+    env.update({k: str(v) for k, v in extra.items() if v is not None})
+    return env
+
+
+@dataclass
+class Service:
+    """A subprocess serving HTTP on 127.0.0.1; stopped (SIGTERM, then SIGKILL) by its pid."""
+
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def log_tail(self, n: int = 20) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout}s")
+
+
+def start_stub(rate: float | None = None, workdir: Path | None = None, cpus: set[int] | None = None) -> Service:
+    """bench/sink_stub.py in its own process; ``rate`` caps calls/complete at that many calls/s."""
+    port = free_port()
+    args = [PY, str(BENCH / "sink_stub.py"), "--port", str(port)]
+    if rate:
+        args += ["--rate", str(rate)]
+    log = (workdir or Path(tempfile.mkdtemp(prefix="tracecar-bench-"))) / f"stub-{port}.log"
+    proc = subprocess.Popen(args, env=clean_env(), stdout=subprocess.DEVNULL, stderr=log.open("wb"), preexec_fn=pin(cpus))
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/server_info", proc)
+    return Service("stub", url, proc, log)
+
+
+def start_collector(data_dir: Path, cpus: set[int] | None = None, **settings: Any) -> Service:
+    """``python -m tracecar.client.cli serve`` with TRACECAR_* settings (keys without the prefix)."""
+    port = free_port()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    env = clean_env(TRACECAR_HOST="127.0.0.1", TRACECAR_PORT=port, TRACECAR_DATA_DIR=data_dir,
+                    TRACECAR_BACKEND="local", TRACECAR_LOG_LEVEL="warning", NO_PROXY="127.0.0.1,localhost")
+    for key, value in settings.items():
+        if value is None:
+            continue
+        name = key if key.isupper() else "TRACECAR_" + key.upper()
+        env[name] = str(value).lower() if isinstance(value, bool) else str(value)
+    log = data_dir / f"collector-{port}.log"
+    proc = subprocess.Popen([PY, "-m", "tracecar.client.cli", "serve"], env=env, cwd=str(REPO),
+                            stdout=subprocess.DEVNULL, stderr=log.open("wb"), preexec_fn=pin(cpus))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/readyz", proc)
+    except Exception:
+        proc.kill()
+        raise RuntimeError(f"collector did not start:\n{log.read_text(errors='replace')[-3000:]}") from None
+    return Service("collector", url, proc, log)
+
+
+@contextlib.contextmanager
+def services(*started: Service) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for s in reversed(started):
+            s.stop()
+
+
+# ---- weave ---------------------------------------------------------------------------
+def weave_env(stub_url: str) -> dict[str, str]:
+    """Environment that points weave (and W&B's GraphQL) at the loopback stub."""
+    return {
+        "WANDB_BASE_URL": stub_url, "WF_TRACE_SERVER_URL": stub_url, "WANDB_API_KEY": DUMMY_WANDB_KEY,
+        "WEAVE_PRINT_CALL_LINK": "false", "WEAVE_LOG_LEVEL": "WARNING", "WANDB_ERROR_REPORTING": "false",
+        "WEAVE_USE_SERVER_CACHE": "false", "WANDB_SILENT": "true",
+        "HTTP_PROXY": DEAD_PROXY, "HTTPS_PROXY": DEAD_PROXY, "NO_PROXY": "127.0.0.1,localhost",
+    }
+
+
+def init_weave_like_verl(project: str = WEAVE_PROJECT) -> Any:
+    """``weave.init(project)`` as VERL's RolloutTraceConfig.init calls it, made safe to run here.
+
+    Refuses unless weave would talk to loopback with a key already set (a bare ``weave.init``
+    prompts for a key on stdin), closes stdin anyway, and turns off the one request weave makes
+    elsewhere (its PyPI version check in the init message).
+    """
+    for name in ("WANDB_BASE_URL", "WF_TRACE_SERVER_URL"):
+        if not os.environ.get(name, "").startswith("http://127.0.0.1:"):
+            raise RuntimeError(f"{name} must point at the loopback stub before weave.init")
+    if len(os.environ.get("WANDB_API_KEY", "")) != 40:
+        raise RuntimeError("WANDB_API_KEY (dummy, 40 chars) must be set before weave.init")
+    sys.stdin = open(os.devnull)  # noqa: SIM115 - a prompt must fail, never block
+    import weave
+    from weave.trace import init_message
+
+    init_message._print_version_check = lambda: None  # the PyPI lookup: not loopback, not per call
+    return weave.init(project)
+
+
+# ---- payloads -------------------------------------------------------------------------
+def token_ids(n: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def tool_call(rng: random.Random) -> dict[str, Any]:
+    return {"name": "python_interpreter", "arguments": {"code": f"print(sum(range({rng.randint(1, 10_000)})))",
+                                                       "timeout_s": 10}, "id": f"call_{rng.getrandbits(48):012x}"}
+
+
+# ---- statistics -----------------------------------------------------------------------
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of ``values`` (q in 0..100)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
+    return ordered[k]
+
+
+def median(values: Sequence[float]) -> float:
+    return percentile(values, 50)
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else math.inf
+
+
+def table(rows: list[Sequence[Any]], headers: Sequence[str]) -> str:
+    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return str(value)
+        return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.2f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def machine_note() -> str:
+    """Cores and load: on a shared machine other processes take cores from the bench."""
+    import psutil
+
+    load = os.getloadavg()
+    return (f"machine: {os.cpu_count()} cores, load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1/5/15 min), "
+            f"CPU busy {psutil.cpu_percent(interval=0.5):.0f}% just now; python {sys.version.split()[0]}")
+
+
+def header(title: str) -> None:
+    print(f"\n=== {title} ===", flush=True)
+
+
+# ---- collector metrics -----------------------------------------------------------------
+@dataclass
+class Metrics:
+    """A /metrics scrape: samples by name, with their labels."""
+
+    samples: dict[str, list[tuple[dict[str, str], float]]] = field(default_factory=dict)
+
+    def total(self, name: str, **labels: str) -> float:
+        return sum(v for lab, v in self.samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
+
+    def by_label(self, name: str, label: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for lab, v in self.samples.get(name, []):
+            out[lab.get(label, "")] = out.get(lab.get(label, ""), 0.0) + v
+        return out
+
+
+def scrape(url: str) -> Metrics:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    m = Metrics()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            m.samples.setdefault(s.name, []).append((dict(s.labels), s.value))
+    return m

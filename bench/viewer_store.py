@@ -1,0 +1,136 @@
+"""Viewer at scale: the trajectory list's page queries on a store of a million spans.
+
+Builds a spool of demo-shaped trajectories (root, agent-loop run, 2-4 generate calls with
+token ids and decoded text, 1-3 tool calls, a reward annotation: about 7 spans each), then
+times, per query, the viewer's list (collector/viewer_index.py) against the same filter and
+sort through ``store_query.list_trajectories`` (the /v1/trajectories API: SQL over the spans),
+run in this process on the same file. Prints each ratio (baseline ms / viewer ms), the index's
+one-time catch-up, and its page of EXPLAIN QUERY PLAN.
+
+    /work/venv/bin/python bench/viewer_store.py [--spans 1000000] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+
+from tracecar.collector.spool import Spool, SpoolRow
+from tracecar.collector.store_query import TrajectoryFilter, list_trajectories
+from tracecar.collector.viewer_index import ListFilter, TrajectoryIndex
+
+
+def trajectory(rng: random.Random, t: int, per_step: int) -> list[dict]:
+    trace = f"{t:032x}"
+    attrs = {"experiment_name": f"exp{t // 40_000}", "step": t // per_step + 1, "sample_index": (t % per_step) // 4,
+             "rollout_n": t % 4, "validate": False}
+    if t % 5:
+        attrs["kept_because"] = ("reward_max", "reward_min", "error", "fill")[t % 4]
+    base = {"trace_id": trace, "worker": "bench", "project": "p", "entity": None, "attributes": attrs, "exception": None}
+    start = 1_700_000_000.0 + t
+    spans, prompt = [], list(range(40))
+    run = f"{trace}r"
+    turns = rng.randint(2, 4)
+    for i in range(turns):
+        reply = [rng.randrange(100_000) for _ in range(rng.randint(8, 40))]
+        spans.append({**base, "span_id": f"{trace}g{i}", "parent_id": run, "name": "LLMServerClient.generate", "kind": "op",
+                      "start_time": start + i, "end_time": start + i + 0.5, "inputs": {"prompt_ids": prompt},
+                      "output": {"token_ids": reply, "prompt_text": "p" * len(prompt), "response_text": "r" * len(reply)}})
+        prompt = prompt + reply
+        if i < turns - 1:
+            failed = rng.random() < 0.2
+            spans.append({**base, "span_id": f"{trace}t{i}", "parent_id": run, "name": "CalculatorTool.execute", "kind": "op",
+                          "start_time": start + i + 0.5, "end_time": start + i + 0.6, "inputs": {"parameters": {"expression": "1+1"}},
+                          "output": None if failed else {"result": 2}, "exception": "ValueError: bad" if failed else None})
+    spans.append({**base, "span_id": run, "parent_id": trace, "name": "ToolAgentLoop.run", "kind": "op", "start_time": start,
+                  "end_time": start + turns, "inputs": {}, "output": {"response_ids": prompt[40:], "num_turns": turns}})
+    spans.append({**base, "span_id": trace, "parent_id": None, "name": "agent_loop", "kind": "trajectory", "start_time": start,
+                  "end_time": start + turns + rng.random(), "inputs": {}, "output": None})
+    spans.append({**base, "span_id": f"{trace}a", "parent_id": None, "name": "annotation", "kind": "annotation",
+                  "start_time": start + turns + 1, "end_time": start + turns + 1, "attributes": {"reward": round(rng.uniform(-1, 1), 3)},
+                  "inputs": {}, "output": None})
+    return spans
+
+
+def build(path: Path, target: int) -> tuple[int, int]:
+    spool = Spool(path, local_only=True, sync="normal")
+    rng = random.Random(0)
+    n = t = 0
+    batch: list[SpoolRow] = []
+    while n < target:
+        for span in trajectory(rng, t, 256):
+            batch.append(SpoolRow(span, orjson.dumps(span), None))
+        t += 1
+        if len(batch) >= 5000:
+            spool.write(batch)
+            n += len(batch)
+            batch = []
+    if batch:
+        spool.write(batch)
+        n += len(batch)
+    spool.close()
+    return n, t
+
+
+def timed(fn, repeat: int = 5) -> float:
+    fn()  # warm the page cache
+    samples = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples) * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spans", type=int, default=1_000_000)
+    parser.add_argument("--keep", type=Path, help="build (or reuse) the store in this directory")
+    args = parser.parse_args()
+    folder = args.keep or Path(tempfile.mkdtemp(prefix="tracecar-viewer-bench-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "spool.sqlite3"
+    if not path.exists():
+        started = time.perf_counter()
+        spans, trajectories = build(path, args.spans)
+        print(f"built {spans:,} spans / {trajectories:,} trajectories in {time.perf_counter() - started:.0f}s "
+              f"({path.stat().st_size / 2**20:,.0f} MiB)")
+    (folder / "viewer-index.sqlite3").unlink(missing_ok=True)
+    index = TrajectoryIndex(path)
+    started = time.perf_counter()
+    while not index.refresh(5.0):
+        pass
+    print(f"viewer index: one-time catch-up {time.perf_counter() - started:.1f}s, then incremental")
+    spool = Spool(path, local_only=True)
+    cases = [
+        ("newest first, no filter", {}, "start", True),
+        ("best reward, no filter", {}, "reward", True),
+        ("worst reward, no filter", {}, "reward", False),
+        ("longest duration, no filter", {}, "duration", True),
+        ("one step, worst reward", {"experiment": "exp1", "step": 200}, "reward", False),
+        ("step range, best reward", {"step_min": 10, "step_max": 20}, "reward", True),
+        ("reward range, newest", {"reward_min": 0.9}, "start", True),
+    ]
+    print(f"{'query (page of 50)':32} {'store_query ms':>15} {'viewer ms':>10} {'ratio':>8}")
+    for name, filters, sort, descending in cases:
+        base = timed(lambda: list_trajectories(spool, TrajectoryFilter(**filters), limit=50, sort=sort, descending=descending), 3)
+        view = timed(lambda: index.list(ListFilter(**filters), sort=sort, descending=descending, limit=50))
+        print(f"{name:32} {base:15.1f} {view:10.1f} {base / view:7.1f}x")
+    view = timed(lambda: index.list(ListFilter(), sort="turns", limit=50))
+    print(f"{'most turns, no filter':32} {'(no such sort)':>15} {view:10.1f}")
+    index._cache.clear()
+    print(f"{'step overview of one experiment':32} {'':>15} {timed(lambda: (index._cache.clear(), index.overview('exp1'))):10.1f}")
+    sql, params = index.list_sql(ListFilter(), "reward", True, nulls=False)
+    print("plan, best reward:", " | ".join(r[3] for r in index._db().execute("EXPLAIN QUERY PLAN " + sql, [*params, 50, 0])))
+    index.close()
+    spool.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,622 @@
+// tracecar viewer: vanilla JS, one file, no build step. Talks only to this collector (api/...).
+// Views (hash routes): #/ steps overview, #/list trajectories, #/t/ID one trajectory,
+// #/compare?ids=A,B side by side. Every piece of span data is put in the page as text
+// (textContent), never parsed as HTML.
+"use strict";
+(() => {
+  const app = document.getElementById("app");
+  const statusEl = document.getElementById("index-status");
+  const NONE = "\u2205"; // how the page names "no experiment_name" in its own addresses
+  const selected = new Set(); // trajectories ticked in the list, for "compare selected"
+  let charts = [];
+  let renderSeq = 0;
+  let refreshTimer = null;
+
+  // ---- small helpers -------------------------------------------------------------------
+  function h(tag, props, ...children) {
+    const el = document.createElement(tag);
+    for (const [key, value] of Object.entries(props || {})) {
+      if (value === null || value === undefined || value === false) continue;
+      if (key === "class") el.className = value;
+      else if (key === "text") el.textContent = value;
+      else if (key.startsWith("on")) el.addEventListener(key.slice(2), value);
+      else el.setAttribute(key, value === true ? "" : value);
+    }
+    for (const child of children.flat(Infinity)) {
+      if (child === null || child === undefined || child === false) continue;
+      el.append(child instanceof Node ? child : document.createTextNode(String(child)));
+    }
+    return el;
+  }
+
+  const fmt = {
+    reward: (v) => (v === null || v === undefined ? "—" : Number(v).toFixed(3)),
+    dur: (s) => (s === null || s === undefined ? "—" : s < 1 ? (s * 1000).toFixed(1) + " ms" : s.toFixed(2) + " s"),
+    int: (v) => (v === null || v === undefined ? "—" : Number(v).toLocaleString("en-US")),
+    time: (t) => (t ? new Date(t * 1000).toISOString().replace("T", " ").slice(0, 19) + "Z" : "—"),
+    id: (id) => (id && id.length > 12 ? "…" + id.slice(-8) : id),
+    exp: (e) => (e === null || e === undefined ? "(no experiment)" : e),
+    value: (v) => (typeof v === "number" ? (Number.isInteger(v) ? String(v) : v.toFixed(4)) : typeof v === "string" ? v : JSON.stringify(v)),
+  };
+
+  function clean(params) {
+    const out = {};
+    for (const [key, value] of Object.entries(params || {})) {
+      if (value !== undefined && value !== null && value !== "") out[key] = String(value);
+    }
+    return out;
+  }
+
+  class ApiError extends Error {
+    constructor(message, status) { super(message); this.status = status; }
+  }
+
+  async function api(path, params, keepEmpty) {
+    const query = new URLSearchParams(clean(params));
+    for (const key of keepEmpty || []) if (params && params[key] === "") query.set(key, "");
+    const qs = query.toString();
+    const response = await fetch("api/" + path + (qs ? "?" + qs : ""), { headers: { Accept: "application/json" }, credentials: "same-origin" });
+    if (!response.ok) {
+      let reason = response.status + " " + response.statusText;
+      try {
+        const body = await response.json();
+        if (body && body.error) reason = body.error.reason || JSON.stringify(body.error);
+      } catch (_) { /* not JSON */ }
+      if (response.status === 401) reason += " — open this page as /ui/?token=YOUR_TOKEN";
+      throw new ApiError(reason, response.status);
+    }
+    const body = await response.json();
+    if (body && body.index) noteIndex(body.index);
+    return body;
+  }
+
+  // The experiment filter as the API wants it: NONE means experiment= (no experiment name).
+  function expParam(exp) { return exp === NONE ? "" : exp; }
+  function expKey(exp) { return exp === null || exp === undefined ? NONE : exp; }
+
+  function href(path, params) {
+    const qs = new URLSearchParams(clean(params)).toString();
+    return "#" + path + (qs ? "?" + qs : "");
+  }
+  function go(path, params) { location.hash = href(path, params); }
+
+  function noteIndex(index) {
+    if (!index || index.caught_up) { statusEl.textContent = ""; return; }
+    statusEl.textContent = "indexing the store… " + fmt.int(index.behind_spans) + " spans to go";
+    // the lists grow while the index catches up; a trajectory or a comparison is already complete
+    const { path } = parseHash();
+    if (refreshTimer === null && (path === "/" || path === "/list")) refreshTimer = setTimeout(() => { refreshTimer = null; render(); }, 1500);
+  }
+
+  function errorBox(err) {
+    return h("div", { class: "error-box", "data-testid": "error" }, String(err.message || err));
+  }
+
+  function pretty(value, full) {
+    return JSON.stringify(value, (key, v) => {
+      if (!full && Array.isArray(v) && v.length > 24 && v.every((x) => typeof x === "number")) {
+        return "[" + v.slice(0, 12).join(", ") + ", … " + v.length + " numbers]";
+      }
+      return v;
+    }, 2);
+  }
+
+  function jsonBlock(value) {
+    if (value === null || value === undefined) return h("span", { class: "muted" }, "—");
+    let full = false;
+    const pre = h("pre", { class: "json" }, pretty(value, full));
+    const text = pretty(value, false);
+    if (text === pretty(value, true)) return pre;
+    const toggle = h("button", { type: "button", onclick: () => { full = !full; pre.textContent = pretty(value, full); toggle.textContent = full ? "abbreviate" : "show all numbers"; } }, "show all numbers");
+    return h("div", null, pre, toggle);
+  }
+
+  function rewardBadge(reward, cls) {
+    return h("span", { class: "badge " + (cls || "") }, "reward " + fmt.reward(reward));
+  }
+
+  // ---- router ----------------------------------------------------------------------------
+  function parseHash() {
+    const raw = location.hash.replace(/^#/, "") || "/";
+    const at = raw.indexOf("?");
+    const path = at < 0 ? raw : raw.slice(0, at);
+    const params = Object.fromEntries(new URLSearchParams(at < 0 ? "" : raw.slice(at + 1)));
+    return { path, params };
+  }
+
+  async function render() {
+    const seq = ++renderSeq;
+    const { path, params } = parseHash();
+    for (const link of document.querySelectorAll("[data-nav]")) {
+      const nav = link.getAttribute("data-nav");
+      link.classList.toggle("active", (nav === "overview" && path === "/") || (nav === "list" && path === "/list"));
+    }
+    const mount = [];
+    try {
+      let view;
+      if (path === "/") view = await overviewView(params, mount);
+      else if (path === "/list") view = await listView(params);
+      else if (path.startsWith("/t/")) view = await trajectoryView(decodeURIComponent(path.slice(3)));
+      else if (path === "/compare") view = await compareView((params.ids || "").split(",").filter(Boolean));
+      else view = h("p", null, "No such page. ", h("a", { href: "#/" }, "Back to the steps"));
+      if (seq !== renderSeq) return; // a newer navigation won
+      for (const chart of charts) chart.destroy();
+      charts = [];
+      app.replaceChildren(view);
+      for (const fn of mount) fn();
+    } catch (err) {
+      if (seq === renderSeq) app.replaceChildren(errorBox(err));
+      if (!(err instanceof ApiError)) console.error(err);
+    }
+  }
+
+  // ---- charts ------------------------------------------------------------------------------
+  const PALETTE = ["#2563eb", "#16a34a", "#dc2626", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777"];
+
+  function chartsAvailable() { return typeof window.Chart === "function"; }
+
+  function makeChart(canvas, config) {
+    config.options = Object.assign({ animation: false, responsive: true, maintainAspectRatio: false }, config.options || {});
+    const chart = new window.Chart(canvas, config);
+    charts.push(chart);
+    return chart;
+  }
+
+  function rewardChart(canvas, ov, onPick) {
+    const steps = ov.steps;
+    const pick = (key) => steps.map((s) => (s[key] === undefined ? null : s[key]));
+    const dense = steps.length > 60; // many steps: lines, no dots
+    return makeChart(canvas, {
+      type: "line",
+      data: {
+        labels: steps.map((s) => s.step),
+        datasets: [
+          { label: "p10–p90", data: pick("p90"), borderWidth: 0, pointRadius: 0, backgroundColor: "rgba(37,99,235,0.15)", fill: "+1" },
+          { label: "p10", data: pick("p10"), borderWidth: 0, pointRadius: 0, fill: false },
+          { label: "mean", data: pick("mean"), borderColor: "#2563eb", backgroundColor: "#2563eb", pointRadius: dense ? 0 : 3, borderWidth: dense ? 1.5 : 3 },
+          { label: "best", data: pick("max"), showLine: dense, borderWidth: 1, borderColor: "#16a34a", backgroundColor: "#16a34a", pointStyle: "triangle", pointRadius: dense ? 0 : 5 },
+          { label: "worst", data: pick("min"), showLine: dense, borderWidth: 1, borderColor: "#dc2626", backgroundColor: "#dc2626", pointStyle: "triangle", rotation: 180, pointRadius: dense ? 0 : 5 },
+        ],
+      },
+      options: {
+        interaction: { mode: "index", intersect: false },
+        plugins: { legend: { labels: { filter: (item) => item.text !== "p10", boxWidth: 12 } } },
+        scales: { x: { title: { display: true, text: "step" } }, y: { title: { display: true, text: "reward" } } },
+        onClick: (event, elements) => { if (elements.length) onPick(steps[elements[0].index].step); },
+      },
+    });
+  }
+
+  function keptChart(canvas, ov) {
+    return makeChart(canvas, {
+      type: "bar",
+      data: {
+        labels: ov.steps.map((s) => s.step),
+        datasets: ov.rules.map((rule, i) => ({ label: rule, data: ov.steps.map((s) => s.kept[rule] || 0), backgroundColor: PALETTE[i % PALETTE.length] })),
+      },
+      options: {
+        plugins: { legend: { labels: { boxWidth: 12 } } },
+        scales: { x: { stacked: true, title: { display: true, text: "step" } }, y: { stacked: true, beginAtZero: true, title: { display: true, text: "trajectories kept" } } },
+      },
+    });
+  }
+
+  function histChart(canvas, ov, step) {
+    const edges = ov.bin_edges;
+    const labels = edges.slice(0, -1).map((e, i) => e.toFixed(2) + "…" + edges[i + 1].toFixed(2));
+    return makeChart(canvas, {
+      type: "bar",
+      data: { labels, datasets: [{ label: "step " + step.step, data: step.hist, backgroundColor: "#60a5fa" }] },
+      options: { plugins: { legend: { display: false } }, scales: { x: { title: { display: true, text: "reward" } }, y: { beginAtZero: true, ticks: { precision: 0 }, title: { display: true, text: "trajectories" } } } },
+    });
+  }
+
+  // ---- #/ : steps overview -------------------------------------------------------------------
+  async function overviewView(params, mount) {
+    const facets = await api("facets");
+    if (!facets.experiments.length) {
+      return h("div", { "data-testid": "empty" }, h("h1", null, "No trajectories yet"),
+        h("p", null, "Point rollout workers at this collector (TRACECAR_URL), or feed it the demo: ",
+          h("code", null, "tracecar demo --url " + location.origin)));
+    }
+    const exp = params.experiment !== undefined ? params.experiment : expKey(facets.experiments[0].experiment);
+    const entry = facets.experiments.find((e) => expKey(e.experiment) === exp) || facets.experiments[0];
+    const split = params.split || (entry.train ? "train" : "all");
+    const ov = await api("overview", { experiment: expParam(expKey(entry.experiment)), split }, ["experiment"]);
+    const steps = ov.steps;
+    const expArg = expKey(entry.experiment);
+
+    const controls = h("div", { class: "controls" },
+      h("label", null, "experiment", h("select", { "data-testid": "overview-experiment", onchange: (e) => go("/", { experiment: e.target.value, split }) },
+        facets.experiments.map((e) => h("option", { value: expKey(e.experiment), selected: e === entry }, fmt.exp(e.experiment) + " (" + fmt.int(e.trajectories) + ")")))),
+      h("label", null, "rollouts", h("select", { onchange: (e) => go("/", { experiment: expArg, split: e.target.value }) },
+        [["train", "training (" + fmt.int(entry.train) + ")"], ["validation", "validation (" + fmt.int(entry.validation) + ")"], ["all", "all"]]
+          .map(([v, label]) => h("option", { value: v, selected: v === split }, label)))),
+      h("a", { class: "button", href: href("/list", { experiment: expArg, sort: "reward", order: "desc" }) }, "All trajectories of this experiment →"));
+
+    if (!steps.length) return h("div", { "data-testid": "overview" }, h("h1", null, fmt.exp(entry.experiment)), controls, h("p", { class: "muted" }, "No " + split + " trajectories in this experiment."));
+
+    let chosen = steps.find((s) => String(s.step) === params.step) || steps[steps.length - 1];
+    const histTitle = h("h3", null, "");
+    const histCanvas = h("canvas", { "data-testid": "hist-chart" });
+    let hist = null;
+    const rows = new Map();
+    const perPage = 25;
+    let pageStart = Math.max(0, Math.floor(steps.indexOf(chosen) / perPage) * perPage);
+    const tbody = h("tbody");
+    const pager = h("div", { class: "pager" });
+
+    function choose(stepNumber) {
+      chosen = steps.find((s) => s.step === stepNumber) || chosen;
+      histTitle.textContent = "Reward histogram, step " + chosen.step;
+      if (hist) { hist.destroy(); charts = charts.filter((c) => c !== hist); }
+      if (chartsAvailable()) hist = histChart(histCanvas, ov, chosen);
+      const index = steps.indexOf(chosen);
+      if (index < pageStart || index >= pageStart + perPage) { pageStart = Math.floor(index / perPage) * perPage; drawTable(); }
+      for (const [s, tr] of rows) tr.classList.toggle("selected-step", s === chosen.step);
+    }
+
+    function drawTable() {
+      rows.clear();
+      tbody.replaceChildren(...steps.slice(pageStart, pageStart + perPage).map((s) => {
+        const listLink = href("/list", { experiment: expArg, step: s.step, sort: "reward", order: "asc", validate: split === "all" ? undefined : String(split === "validation") });
+        const tr = h("tr", { "data-testid": "step-row", "data-step": s.step },
+          h("td", null, h("a", { href: listLink, title: "list this step's trajectories, worst first" }, "step " + s.step)),
+          h("td", { class: "num" }, fmt.int(s.trajectories)),
+          h("td", { class: "num" }, s.scored === s.trajectories ? fmt.int(s.scored) : h("span", { class: "bad", title: "trajectories without a reward" }, fmt.int(s.scored))),
+          h("td", { class: "num" }, fmt.reward(s.mean)),
+          h("td", { class: "num" }, fmt.reward(s.p50)),
+          h("td", { class: "num" }, s.worst ? h("a", { href: "#/t/" + encodeURIComponent(s.worst.trace_id), class: "bad", "data-testid": "worst-link", title: "open the worst trajectory" }, fmt.reward(s.worst.reward)) : "—"),
+          h("td", { class: "num" }, s.best ? h("a", { href: "#/t/" + encodeURIComponent(s.best.trace_id), class: "good", "data-testid": "best-link", title: "open the best trajectory" }, fmt.reward(s.best.reward)) : "—"),
+          h("td", null, Object.entries(s.kept).map(([rule, n]) => h("span", { class: "badge rule" }, rule + " " + n)), " "),
+          h("td", null, s.best && s.worst && s.best.trace_id !== s.worst.trace_id
+            ? h("a", { class: "button primary", "data-testid": "compare-best-worst", href: href("/compare", { ids: s.best.trace_id + "," + s.worst.trace_id }) }, "Compare best vs worst")
+            : null));
+        tr.addEventListener("click", (e) => { if (!e.target.closest("a")) choose(s.step); });
+        rows.set(s.step, tr);
+        return tr;
+      }));
+      for (const [s, tr] of rows) tr.classList.toggle("selected-step", s === chosen.step);
+      pager.replaceChildren();
+      if (steps.length > perPage) {
+        pager.append(
+          h("button", { type: "button", disabled: pageStart === 0, onclick: () => { pageStart = Math.max(0, pageStart - perPage); drawTable(); } }, "← earlier"),
+          h("span", { class: "muted" }, "steps " + steps[pageStart].step + "–" + steps[Math.min(steps.length, pageStart + perPage) - 1].step + " of " + steps.length),
+          h("button", { type: "button", disabled: pageStart + perPage >= steps.length, onclick: () => { pageStart += perPage; drawTable(); } }, "later →"));
+      }
+    }
+    drawTable();
+
+    const rewardCanvas = h("canvas", { "data-testid": "reward-chart" });
+    const keptCanvas = h("canvas", { "data-testid": "kept-chart" });
+    const scored = steps.reduce((n, s) => n + s.scored, 0);
+    mount.push(() => {
+      if (!chartsAvailable()) return;
+      rewardChart(rewardCanvas, ov, choose);
+      if (ov.rules.length) keptChart(keptCanvas, ov);
+      choose(chosen.step);
+    });
+    return h("div", { "data-testid": "overview" },
+      h("h1", null, fmt.exp(entry.experiment)),
+      controls,
+      h("p", { class: "muted" }, fmt.int(ov.trajectories) + { train: " training", validation: " validation", all: "" }[split] + " trajectories over " + steps.length + " step" + (steps.length === 1 ? "" : "s") + ", " + fmt.int(scored) + " with a reward."),
+      chartsAvailable() ? null : errorBox(new Error("the chart library did not load (static/vendor/chart.umd.min.js)")),
+      h("div", { class: "cards" },
+        h("div", { class: "card" }, h("h3", null, "Reward per step"), h("div", { class: "chart-box" }, rewardCanvas)),
+        h("div", { class: "card" }, h("h3", null, "Trajectories kept per rule"), ov.rules.length
+          ? h("div", { class: "chart-box" }, keptCanvas)
+          : h("p", { class: "muted" }, "No trajectory carries a kept_because attribute (every span the sampler admits is kept).")),
+        h("div", { class: "card" }, histTitle, h("div", { class: "chart-box" }, histCanvas))),
+      h("h2", null, "Steps"),
+      h("table", { "data-testid": "steps-table" },
+        h("thead", null, h("tr", null, h("th", null, "step"), h("th", { class: "num" }, "trajectories"), h("th", { class: "num" }, "scored"),
+          h("th", { class: "num" }, "mean"), h("th", { class: "num" }, "median"), h("th", { class: "num" }, "worst"), h("th", { class: "num" }, "best"),
+          h("th", null, "kept because"), h("th", null, ""))),
+        tbody),
+      pager);
+  }
+
+  // ---- #/list : trajectories ----------------------------------------------------------------
+  const FILTERS = [
+    ["step", "step"], ["step_min", "step ≥"], ["step_max", "step ≤"], ["sample_index", "sample"], ["rollout_n", "rollout"],
+    ["reward_min", "reward ≥"], ["reward_max", "reward ≤"],
+  ];
+  const SORTABLE = { reward: "reward", turns: "turns", duration: "duration", step: "step", start: "started", tools: "tools", tokens: "tokens" };
+
+  async function listView(params) {
+    const facets = await api("facets");
+    const limit = Number(params.limit || 50);
+    const offset = Number(params.offset || 0);
+    const sort = params.sort || "start";
+    const order = params.order || "desc";
+    const query = { ...params, sort, order, limit, offset };
+    if (query.experiment !== undefined) query.experiment = expParam(query.experiment);
+    const page = await api("trajectories", query, ["experiment"]);
+    const nav = (changes) => go("/list", { ...params, ...changes });
+
+    const form = h("form", { class: "controls", "data-testid": "filter-form" },
+      h("label", null, "experiment", h("select", { name: "experiment" }, h("option", { value: "" }, "any"),
+        facets.experiments.map((e) => h("option", { value: expKey(e.experiment), selected: params.experiment === expKey(e.experiment) }, fmt.exp(e.experiment))))),
+      FILTERS.map(([name, label]) => h("label", null, label, h("input", { type: "number", name, step: name.startsWith("reward") ? "any" : "1", value: params[name] || "" }))),
+      h("label", null, "rollouts", h("select", { name: "validate" },
+        [["", "any"], ["false", "training"], ["true", "validation"]].map(([v, l]) => h("option", { value: v, selected: (params.validate || "") === v }, l)))),
+      h("label", null, "kept because", h("select", { name: "kept_because" }, h("option", { value: "" }, "any"),
+        facets.kept_because.map((r) => h("option", { value: r.rule, selected: params.kept_because === r.rule }, r.rule + " (" + fmt.int(r.trajectories) + ")")))),
+      h("label", null, "errors", h("select", { name: "has_error" },
+        [["", "any"], ["true", "with errors"], ["false", "without"]].map(([v, l]) => h("option", { value: v, selected: (params.has_error || "") === v }, l)))),
+      h("label", null, "sort", h("select", { name: "sort" }, Object.entries(SORTABLE).map(([v, l]) => h("option", { value: v, selected: sort === v }, l)))),
+      h("label", null, "order", h("select", { name: "order" }, [["desc", "high → low"], ["asc", "low → high"]].map(([v, l]) => h("option", { value: v, selected: order === v }, l)))),
+      h("button", { type: "submit", class: "primary", "data-testid": "apply-filters" }, "Apply"),
+      h("a", { class: "button", href: "#/list" }, "Reset"));
+    form.addEventListener("submit", (e) => {
+      e.preventDefault();
+      const next = {};
+      for (const [key, value] of new FormData(form).entries()) if (value !== "") next[key] = value;
+      go("/list", { ...next, limit: params.limit });
+    });
+
+    const compareButton = h("button", { type: "button", class: "primary", "data-testid": "compare-selected", disabled: selected.size < 2,
+      onclick: () => go("/compare", { ids: [...selected].join(",") }) }, "Compare selected (" + selected.size + ")");
+    const clearButton = h("button", { type: "button", onclick: () => { selected.clear(); render(); } }, "Clear selection");
+    const updateSelection = () => { compareButton.textContent = "Compare selected (" + selected.size + ")"; compareButton.disabled = selected.size < 2; };
+
+    const head = (key, label, cls) => {
+      if (!SORTABLE[key]) return h("th", { class: cls }, label);
+      const active = sort === key;
+      return h("th", { class: (cls || "") + " sortable" + (active ? " sorted" : ""), "data-sort": key, title: "sort by " + label,
+        onclick: () => nav({ sort: key, order: active && order === "desc" ? "asc" : "desc", offset: 0 }) },
+        label + (active ? (order === "desc" ? " ▼" : " ▲") : ""));
+    };
+    const rows = page.trajectories.map((t) => {
+      const box = h("input", { type: "checkbox", "aria-label": "select for comparison", checked: selected.has(t.trace_id),
+        onchange: (e) => { if (e.target.checked) selected.add(t.trace_id); else selected.delete(t.trace_id); updateSelection(); } });
+      const tr = h("tr", { class: "clickable", "data-testid": "traj-row", "data-trace-id": t.trace_id },
+        h("td", null, box),
+        h("td", { class: "mono" }, h("a", { href: "#/t/" + encodeURIComponent(t.trace_id), title: t.trace_id }, fmt.id(t.trace_id))),
+        h("td", null, fmt.exp(t.experiment)),
+        h("td", { class: "num" }, t.step ?? "—"), h("td", { class: "num" }, t.sample_index ?? "—"), h("td", { class: "num" }, t.rollout_n ?? "—"),
+        h("td", null, t.validate ? h("span", { class: "badge" }, "val") : ""),
+        h("td", null, t.kept_because ? h("span", { class: "badge rule" }, t.kept_because) : ""),
+        h("td", { class: "num" }, t.turns),
+        h("td", { class: "num" }, t.tool_calls, t.tool_errors ? h("span", { class: "bad", title: "tool calls that raised" }, " (" + t.tool_errors + " err)") : ""),
+        h("td", { class: "num" }, fmt.int(t.response_tokens)),
+        h("td", { class: "num" }, fmt.dur(t.duration)),
+        h("td", { class: "num" + (t.has_error ? " bad" : "") }, t.has_error ? "error" : ""),
+        h("td", { class: "num", "data-testid": "reward" }, fmt.reward(t.reward)));
+      tr.addEventListener("click", (e) => { if (!e.target.closest("a, input")) go("/t/" + encodeURIComponent(t.trace_id)); });
+      return tr;
+    });
+    const last = Math.min(page.total, offset + page.trajectories.length);
+    const pager = h("div", { class: "pager", "data-testid": "pager" },
+      h("button", { type: "button", disabled: offset === 0, onclick: () => nav({ offset: Math.max(0, offset - limit) }) }, "← previous"),
+      h("span", { "data-testid": "page-info" }, page.total ? (offset + 1) + "–" + last + " of " + fmt.int(page.total) : "no trajectories match"),
+      h("button", { type: "button", disabled: offset + limit >= page.total, onclick: () => nav({ offset: offset + limit }) }, "next →"),
+      h("label", { class: "muted" }, " per page ", h("select", { onchange: (e) => nav({ limit: e.target.value, offset: 0 }) },
+        [25, 50, 100, 200].map((n) => h("option", { value: n, selected: n === limit }, n)))));
+    return h("div", { "data-testid": "list" },
+      h("h1", null, "Trajectories"), form,
+      h("div", { class: "row" }, compareButton, clearButton, h("span", { class: "muted" }, "tick two or more rows to compare them side by side")),
+      pager,
+      h("table", { "data-testid": "list-table" },
+        h("thead", null, h("tr", null, h("th", null, ""), h("th", null, "trajectory"), h("th", null, "experiment"), head("step", "step", "num"),
+          h("th", { class: "num" }, "sample"), h("th", { class: "num" }, "rollout"), h("th", null, ""), h("th", null, "kept because"),
+          head("turns", "turns", "num"), head("tools", "tools", "num"), head("tokens", "resp. tokens", "num"), head("duration", "duration", "num"),
+          h("th", null, ""), head("reward", "reward", "num"))),
+        h("tbody", null, rows)));
+  }
+
+  // ---- #/t/ID : one trajectory ----------------------------------------------------------------
+  function textBlock(text, cls, fallback) {
+    if (text === null || text === undefined) return h("p", { class: "muted" }, fallback);
+    return h("pre", { class: "text " + (cls || "") }, text === "" ? "(empty)" : text);
+  }
+
+  function eventCard(e) {
+    const isTool = e.type === "tool";
+    return h("div", { class: "tool" + (isTool ? "" : " op") + (e.error ? " error" : ""), "data-testid": isTool ? "tool-call" : "op-call" },
+      h("div", { class: "row" }, h("strong", null, (isTool ? "tool call: " : "") + e.name), h("span", { class: "muted" }, fmt.dur(e.duration)),
+        e.error ? h("span", { class: "badge bad" }, "error") : null),
+      h("div", { class: "grid" },
+        h("div", null, h("div", { class: "label" }, "arguments"), jsonBlock(e.arguments)),
+        h("div", null, h("div", { class: "label" }, e.error ? "error" : "result"), e.error ? h("div", { class: "err-text" }, e.error) : jsonBlock(e.result))));
+  }
+
+  function turnCard(turn) {
+    const tokens = (turn.prompt_tokens !== null ? fmt.int(turn.prompt_tokens) + " prompt tokens" : "prompt tokens not sent") + " → " +
+      (turn.response_tokens !== null ? fmt.int(turn.response_tokens) + " response tokens" : "response tokens not sent");
+    const noText = "no decoded text (start the collector with TRACECAR_TOKEN2TEXT=true and a tokenizer to see it)";
+    const first = turn.index === 1;
+    return h("section", { class: "turn", "data-testid": "turn" },
+      h("header", null, h("strong", null, "Turn " + turn.index), h("span", { class: "muted" }, turn.name), h("span", null, fmt.dur(turn.duration)),
+        h("span", { class: "muted" }, tokens), turn.stop_reason ? h("span", { class: "badge" }, "stop: " + turn.stop_reason) : null,
+        turn.error ? h("span", { class: "badge bad" }, "error") : null),
+      h("div", { class: "body" },
+        h("div", { class: "label" }, first ? "prompt" : "new context since the previous turn"),
+        textBlock(first ? turn.prompt_text : turn.new_context, "", noText),
+        !first && turn.prompt_text !== null ? h("details", null, h("summary", { class: "muted" }, "full prompt of this turn"), textBlock(turn.prompt_text, "")) : null,
+        h("div", { class: "label" }, "response"),
+        textBlock(turn.response_text, "response", noText),
+        turn.error ? h("div", { class: "err-text" }, turn.error) : null,
+        turn.after.map(eventCard)));
+  }
+
+  function spanTree(span) {
+    const duration = span.end_time && span.start_time ? span.end_time - span.start_time : null;
+    const details = h("details", { class: "span" },
+      h("summary", null, h("span", { class: "name" }, span.name), " ", h("span", { class: "badge" }, span.kind), " ",
+        h("span", { class: "muted" }, fmt.dur(duration)), span.exception ? h("span", { class: "badge bad" }, "error") : null,
+        span.parent_missing ? h("span", { class: "badge bad", title: "its parent span never arrived" }, "parent missing") : null,
+        h("span", { class: "muted mono" }, " " + span.span_id)));
+    details.addEventListener("toggle", () => {
+      if (!details.open || details.dataset.filled) return;
+      details.dataset.filled = "1";
+      const { children, ...fields } = span;
+      details.append(h("div", { class: "body" }, jsonBlock(fields)));
+    });
+    return h("li", null, details, span.children && span.children.length ? h("ul", { class: "tree" }, span.children.map(spanTree)) : null);
+  }
+
+  async function trajectoryView(id) {
+    const t = await api("trajectories/" + encodeURIComponent(id));
+    const a = t.attributes || {};
+    const s = t.summary || {};
+    const actions = h("div", { class: "actions", "data-testid": "actions" });
+    if (a.step !== undefined) {
+      const base = { experiment: a.experiment_name === undefined ? "" : a.experiment_name, step: a.step, validate: a.validate === undefined ? undefined : String(a.validate) };
+      const [best, worst, rollouts] = await Promise.all([
+        api("trajectories", { ...base, sort: "reward", order: "desc", limit: 1 }, ["experiment"]),
+        api("trajectories", { ...base, sort: "reward", order: "asc", limit: 1 }, ["experiment"]),
+        a.sample_index !== undefined ? api("trajectories", { ...base, sample_index: a.sample_index, sort: "rollout_n", order: "asc", limit: 64 }, ["experiment"]) : null,
+      ]);
+      const other = (page, label, testid) => {
+        const top = page.trajectories[0];
+        if (!top || top.trace_id === t.trace_id) return null;
+        return h("a", { class: "button primary", "data-testid": testid, href: href("/compare", { ids: t.trace_id + "," + top.trace_id }) }, label + " (" + fmt.reward(top.reward) + ")");
+      };
+      actions.append(...[
+        other(best, "Compare with the best of step " + a.step, "compare-with-best"),
+        other(worst, "Compare with the worst of step " + a.step, "compare-with-worst"),
+        rollouts && rollouts.trajectories.length > 1 ? h("a", { class: "button", "data-testid": "compare-rollouts",
+          href: href("/compare", { ids: rollouts.trajectories.map((r) => r.trace_id).join(",") }) }, "Compare all " + rollouts.trajectories.length + " rollouts of sample " + a.sample_index) : null,
+        a.sample_index !== undefined ? h("a", { class: "button", href: href("/list", { experiment: expKey(a.experiment_name), sample_index: a.sample_index, rollout_n: a.rollout_n, sort: "step", order: "asc" }) }, "This sample at other steps") : null,
+        h("a", { class: "button", href: href("/list", { experiment: expKey(a.experiment_name), step: a.step, sort: "reward", order: "desc" }) }, "All of step " + a.step),
+      ].filter(Boolean));
+    }
+    const kv = (pairs) => h("dl", { class: "kv" }, pairs.filter(([, v]) => v !== undefined && v !== null && v !== "").map(([k, v]) => [h("dt", null, k), h("dd", null, v)]));
+    const extraAttributes = Object.entries(a).filter(([k]) => !["experiment_name", "step", "sample_index", "rollout_n", "validate", "kept_because", "reward"].includes(k));
+    const metrics = t.metrics.length
+      ? h("table", null, h("thead", null, h("tr", null, h("th", null, "source"), h("th", null, "metric"), h("th", { class: "num" }, "value"))),
+        h("tbody", null, t.metrics.map((m) => h("tr", null, h("td", { class: "muted" }, m.source), h("td", null, m.key), h("td", { class: "num mono" }, fmt.value(m.value))))))
+      : h("p", { class: "muted" }, "No metrics.");
+    const annotations = t.annotations.length
+      ? h("table", null, h("thead", null, h("tr", null, h("th", null, "annotated at"), h("th", null, "values"))),
+        h("tbody", null, t.annotations.map((n) => h("tr", null, h("td", { class: "muted" }, fmt.time(n.start_time)), h("td", { class: "mono" }, JSON.stringify(n.values))))))
+      : h("p", { class: "muted" }, "No annotation (no reward attached yet).");
+    return h("div", { "data-testid": "trajectory", "data-trace-id": t.trace_id },
+      h("div", { class: "head" },
+        h("div", null,
+          h("h1", null, (t.name || "trajectory") + " ", h("span", { class: "muted mono" }, t.trace_id)),
+          kv([["experiment", fmt.exp(a.experiment_name)], ["step", a.step], ["sample", a.sample_index], ["rollout", a.rollout_n],
+            ["rollouts", a.validate === undefined ? undefined : a.validate ? "validation" : "training"],
+            ["kept because", t.kept_because ? h("span", { class: "badge rule" }, fmt.value(t.kept_because)) : undefined],
+            ["worker", s.worker], ["started", fmt.time(t.start_time)],
+            ...extraAttributes.map(([k, v]) => [k, fmt.value(v)]),
+            ["root", t.root_received ? undefined : h("span", { class: "bad" }, "not received yet (still running, or lost)")]])),
+        h("div", null,
+          h("div", { class: "muted" }, "reward"), h("div", { class: "big", "data-testid": "reward" }, fmt.reward(t.reward)),
+          kv([["duration", fmt.dur(t.duration)], ["turns", t.turn_count], ["tool calls", t.tool_calls + (t.tool_errors ? " (" + t.tool_errors + " failed)" : "")],
+            ["response tokens", fmt.int(t.response_tokens)], ["spans", t.span_count], ["error", t.error ? h("span", { class: "bad" }, t.error) : undefined]]))),
+      actions,
+      h("h2", null, "Conversation"),
+      t.before_first_turn.map(eventCard),
+      t.turns.length ? t.turns.map(turnCard) : h("p", { class: "muted" }, "No LLM call in this trajectory (no span whose output carries response_ids / token_ids)."),
+      h("h2", null, "Reward and metrics"),
+      h("div", { class: "cards" }, h("div", { class: "card" }, h("h3", null, "Annotations"), annotations), h("div", { class: "card" }, h("h3", null, "Metrics"), metrics)),
+      h("h2", null, "Span tree"),
+      h("p", { class: "muted" }, "Every span as stored; open one to see its attributes, inputs and output."),
+      h("ul", { class: "tree top", "data-testid": "span-tree" }, spanTree(t.tree)));
+  }
+
+  // ---- #/compare : side by side, aligned by turn ------------------------------------------------
+  function tokenize(text) { return text.match(/\s+|[A-Za-z0-9_]+|[^\sA-Za-z0-9_]/g) || []; }
+
+  // The text with the words that are not in `ref` marked (longest common subsequence of tokens).
+  function diffNodes(text, ref) {
+    if (ref === null || ref === undefined || text === ref) return [text];
+    const a = tokenize(text);
+    const b = tokenize(ref);
+    const n = a.length;
+    const m = b.length;
+    if (n * m > 400000) return [h("mark", { class: "chg" }, text)];
+    const w = m + 1;
+    const dp = new Int32Array((n + 1) * w);
+    for (let i = n - 1; i >= 0; i--) {
+      for (let j = m - 1; j >= 0; j--) dp[i * w + j] = a[i] === b[j] ? dp[(i + 1) * w + j + 1] + 1 : Math.max(dp[(i + 1) * w + j], dp[i * w + j + 1]);
+    }
+    const out = [];
+    let plain = "";
+    let marked = "";
+    const flush = () => {
+      if (plain) { out.push(plain); plain = ""; }
+      if (marked) { out.push(h("mark", { class: "chg" }, marked)); marked = ""; }
+    };
+    let i = 0;
+    let j = 0;
+    while (i < n) {
+      if (j < m && a[i] === b[j]) { if (marked) flush(); plain += a[i]; i++; j++; }
+      else if (j < m && dp[(i + 1) * w + j] < dp[i * w + j + 1]) j++;
+      else { if (plain) flush(); marked += a[i]; i++; }
+    }
+    flush();
+    return out;
+  }
+
+  function toolLine(e) {
+    const args = e.arguments === undefined ? "" : JSON.stringify(e.arguments);
+    return e.name + " " + args + (e.error ? "  ✗ " + e.error : "  → " + JSON.stringify(e.result));
+  }
+
+  async function compareView(ids) {
+    if (ids.length < 2) return h("p", null, "Pick two or more trajectories to compare (tick them in the ", h("a", { href: "#/list" }, "list"), ").");
+    const ts = await Promise.all(ids.map((id) => api("trajectories/" + encodeURIComponent(id), { tree: "false" })));
+    const letters = ts.map((_, i) => String.fromCharCode(65 + (i % 26)) + (i >= 26 ? String(Math.floor(i / 26)) : ""));
+    const rewards = ts.map((t) => t.reward).filter((r) => r !== null);
+    const top = rewards.length ? Math.max(...rewards) : null;
+    const bottom = rewards.length ? Math.min(...rewards) : null;
+    const refOf = (i) => (i === 0 ? 1 : 0); // A is compared with B; every other column with A
+    const columns = "9em " + ts.map(() => "minmax(16em, 1fr)").join(" ");
+    const grid = h("div", { class: "compare-grid", "data-testid": "compare-grid" });
+    grid.style.gridTemplateColumns = columns;
+
+    grid.append(h("div", { class: "rowhead colhead" }, ""));
+    ts.forEach((t, i) => {
+      const a = t.attributes || {};
+      const tag = top !== bottom && t.reward === top ? h("span", { class: "badge good" }, "best") : top !== bottom && t.reward === bottom ? h("span", { class: "badge bad" }, "worst") : null;
+      grid.append(h("div", { class: "colhead", "data-testid": "compare-col", "data-trace-id": t.trace_id },
+        h("div", { class: "row" }, h("strong", null, letters[i]), h("a", { class: "mono", href: "#/t/" + encodeURIComponent(t.trace_id), title: t.trace_id }, fmt.id(t.trace_id)), tag),
+        h("div", { class: "muted" }, "step " + (a.step ?? "—") + " · sample " + (a.sample_index ?? "—") + " · rollout " + (a.rollout_n ?? "—")),
+        h("div", null, "reward ", h("strong", { "data-testid": "compare-reward" }, fmt.reward(t.reward)))));
+    });
+
+    const fields = [
+      ["reward", (t) => fmt.reward(t.reward)], ["turns", (t) => t.turn_count], ["tool calls", (t) => t.tool_calls],
+      ["failed tool calls", (t) => t.tool_errors], ["response tokens", (t) => fmt.int(t.response_tokens)], ["duration", (t) => fmt.dur(t.duration)],
+      ["kept because", (t) => (t.kept_because ? fmt.value(t.kept_because) : "—")], ["error", (t) => t.error || "—"],
+      ["experiment", (t) => fmt.exp((t.attributes || {}).experiment_name)],
+    ];
+    for (const [label, get] of fields) {
+      const values = ts.map(get);
+      grid.append(h("div", { class: "rowhead" }, label));
+      values.forEach((v, i) => grid.append(h("div", { class: String(v) !== String(values[refOf(i)]) ? "differs" : "" }, String(v))));
+    }
+
+    const maxTurns = Math.max(...ts.map((t) => t.turns.length));
+    for (let k = 0; k < maxTurns; k++) {
+      grid.append(h("div", { class: "rowhead" }, "turn " + (k + 1)));
+      ts.forEach((t, i) => {
+        const turn = t.turns[k];
+        if (!turn) { grid.append(h("div", { class: "missing", "data-testid": "compare-cell" }, "no turn " + (k + 1))); return; }
+        const ref = ts[refOf(i)].turns[k];
+        const response = turn.response_text;
+        const refResponse = ref ? ref.response_text : null;
+        const tools = turn.after.filter((e) => e.type === "tool").map(toolLine);
+        const refTools = ref ? ref.after.filter((e) => e.type === "tool").map(toolLine) : [];
+        const differs = !ref || response !== refResponse || tools.join("\n") !== refTools.join("\n");
+        grid.append(h("div", { class: differs ? "differs" : "", "data-testid": "compare-cell" },
+          h("div", { class: "muted" }, fmt.dur(turn.duration) + " · " + fmt.int(turn.response_tokens) + " tokens" + (turn.error ? " · error" : "")),
+          !turn.index || turn.index === 1 ? null : turn.new_context ? h("details", null, h("summary", { class: "muted" }, "context added"), h("pre", { class: "text" }, turn.new_context)) : null,
+          response === null ? h("p", { class: "muted" }, "no decoded text") : h("pre", { class: "text response" }, ref ? diffNodes(response, refResponse) : response),
+          tools.map((line, j) => h("div", { class: "tool" + (turn.after.filter((e) => e.type === "tool")[j].error ? " error" : "") },
+            h("span", { class: "mono" }, ref ? diffNodes(line, refTools[j] === undefined ? "" : refTools[j]) : line)))));
+      });
+    }
+    return h("div", { "data-testid": "compare" },
+      h("h1", null, "Compare " + ts.length + " trajectories"),
+      h("p", { class: "legend" }, h("span", { class: "swatch" }, "cell"), " differs from the reference column (A for the others, B for A); ",
+        h("mark", { class: "chg" }, "marked"), " words are not in the reference. Turns are aligned by number."),
+      grid);
+  }
+
+  window.addEventListener("hashchange", render);
+  render();
+})();

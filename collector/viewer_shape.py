@@ -1,0 +1,166 @@
+"""What a trajectory means to an RL engineer: turns, tool calls, reward and metrics.
+
+The store holds generic spans; the viewer needs the conversation. One set of rules, used by
+both the trajectory index (per span, for sorting by turns) and the trajectory page (per tree):
+
+* an *LLM call* (one turn) is an op span whose output carries generated tokens
+  (``response_ids`` / ``token_ids`` ids or a decoded ``response_text``) and that has no child
+  spans; an op with token output *and* children is the agent loop aggregating its turns
+  (VERL's ``ToolAgentLoop.run`` returns all ``response_ids``) and is not a turn;
+* a *tool call* is an op span without token output whose method is ``execute`` (VERL's
+  ``BaseTool.execute``) or names a tool, or whose class ends in ``Tool`` (not a tool *parser*);
+* the *reward* is the root's ``attributes.reward`` if numeric, else the latest annotation's
+  (the same precedence as :mod:`store_query`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+RESPONSE_ID_KEYS = ("response_ids", "token_ids")
+TOOL_METHODS = frozenset({"execute", "call_tool", "run_tool", "invoke_tool"})
+
+
+def int_list(value: Any) -> list[int] | None:
+    if isinstance(value, list) and value and type(value[0]) is int and type(value[-1]) is int:
+        return value
+    return None
+
+
+def token_output(kind: str, output: Any) -> bool:
+    """True when an op span's output carries generated tokens (ids or decoded text)."""
+    if kind != "op" or not isinstance(output, dict):
+        return False
+    return isinstance(output.get("response_text"), str) or any(int_list(output.get(k)) is not None for k in RESPONSE_ID_KEYS)
+
+
+def token_counts(span: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(prompt tokens, response tokens) of an LLM call; None where the ids were not sent."""
+    output = span.get("output") if isinstance(span.get("output"), dict) else {}
+    inputs = span.get("inputs") if isinstance(span.get("inputs"), dict) else {}
+    prompt = int_list(output.get("prompt_ids")) or int_list(inputs.get("prompt_ids"))
+    response = next((ids for ids in (int_list(output.get(k)) for k in RESPONSE_ID_KEYS) if ids is not None), None)
+    return (len(prompt) if prompt else None), (len(response) if response else None)
+
+
+def is_tool(kind: str, name: str, output: Any) -> bool:
+    if kind != "op" or token_output(kind, output):
+        return False
+    owner, _, method = name.lower().rpartition(".")
+    if "pars" in name.lower():  # ToolParser.extract_tool_calls reads calls, it does not make one
+        return False
+    return method in TOOL_METHODS or owner.endswith("tool") or "tool" in method
+
+
+def numeric(value: Any) -> float | None:
+    return float(value) if type(value) in (int, float) else None
+
+
+def _walk(span: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield span
+    for child in span.get("children", ()):
+        yield from _walk(child)
+
+
+def _duration(span: dict[str, Any]) -> float | None:
+    start, end = span.get("start_time"), span.get("end_time")
+    return end - start if isinstance(start, (int, float)) and isinstance(end, (int, float)) else None
+
+
+def _new_context(prompt: str | None, previous: dict[str, Any] | None) -> str | None:
+    """The part of a turn's prompt the previous turn had not seen (e.g. the tool responses)."""
+    if prompt is None or previous is None:
+        return prompt
+    for seen in ((previous.get("prompt_text") or "") + (previous.get("response_text") or ""), previous.get("prompt_text") or ""):
+        if seen and prompt.startswith(seen):
+            return prompt[len(seen):]
+    return prompt
+
+
+def _arguments(inputs: Any) -> Any:
+    if isinstance(inputs, dict) and isinstance(inputs.get("parameters"), dict):
+        return inputs["parameters"]
+    return inputs
+
+
+def shape(tree: dict[str, Any]) -> dict[str, Any]:
+    """The conversation view of one :func:`store_query.get_trajectory` result."""
+    root = tree["root"]
+    spans = [s for s in _walk(root) if s is not root]
+    turns: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+    for span in spans:
+        kind, name, output = span.get("kind", ""), span.get("name", ""), span.get("output")
+        base = {"span_id": span["span_id"], "name": name, "start_time": span.get("start_time"),
+                "duration": _duration(span), "error": span.get("exception")}
+        if token_output(kind, output) and not span.get("children"):
+            prompt_tokens, response_tokens = token_counts(span)
+            turns.append({**base, "prompt_text": output.get("prompt_text"), "response_text": output.get("response_text"),
+                          "prompt_tokens": prompt_tokens, "response_tokens": response_tokens,
+                          "stop_reason": output.get("stop_reason", output.get("finish_reason"))})
+        elif is_tool(kind, name, output):
+            events.append({**base, "type": "tool", "arguments": _arguments(span.get("inputs")), "result": output})
+        elif kind == "op" and not span.get("children"):
+            events.append({**base, "type": "op", "arguments": span.get("inputs"), "result": output})
+    turns.sort(key=lambda t: t["start_time"] or 0)
+    events.sort(key=lambda e: e["start_time"] or 0)
+    previous = None
+    for number, turn in enumerate(turns, 1):
+        turn["index"] = number
+        turn["new_context"] = _new_context(turn["prompt_text"], previous)
+        turn["after"] = []
+        previous = turn
+    before: list[dict[str, Any]] = []
+    for event in events:  # each tool call belongs to the last turn that started before it
+        owner = None
+        for turn in turns:
+            if (turn["start_time"] or 0) <= (event["start_time"] or 0):
+                owner = turn
+        (owner["after"] if owner is not None else before).append(event)
+    reward, metrics = _reward_and_metrics(root, spans, tree.get("annotations", []))
+    tools = [e for e in events if e["type"] == "tool"]
+    attributes = root.get("attributes") or {}
+    return {
+        "trace_id": tree["trace_id"],
+        "name": root.get("name"),
+        "attributes": attributes,
+        "kept_because": attributes.get("kept_because"),
+        "root_received": root.get("kind") != "missing",
+        "start_time": root.get("start_time"),
+        "duration": _duration(root),
+        "error": root.get("exception"),
+        "reward": reward,
+        "metrics": metrics,
+        "annotations": [{"span_id": a["span_id"], "start_time": a.get("start_time"), "values": a.get("attributes") or {}}
+                        for a in tree.get("annotations", [])],
+        "span_count": tree.get("span_count"),
+        "has_error": any(s.get("exception") for s in _walk(root)),
+        "turn_count": len(turns),
+        "tool_calls": len(tools),
+        "tool_errors": sum(1 for t in tools if t["error"]),
+        "response_tokens": sum(t["response_tokens"] or 0 for t in turns),
+        "before_first_turn": before,
+        "turns": turns,
+    }
+
+
+def _reward_and_metrics(root: dict[str, Any], spans: list[dict[str, Any]], annotations: list[dict[str, Any]]) -> tuple[float | None, list[dict[str, Any]]]:
+    metrics: list[dict[str, Any]] = []
+    reward = numeric((root.get("attributes") or {}).get("reward"))
+    annotated = None
+    for note in annotations:  # stored oldest first: the latest value wins
+        values = note.get("attributes") or {}
+        if numeric(values.get("reward")) is not None:
+            annotated = numeric(values["reward"])
+        for key, value in values.items():
+            if key != "reward":
+                metrics.append({"source": "annotation", "key": key, "value": value})
+    for span in spans:
+        output = span.get("output")
+        if isinstance(output, dict) and span.get("children"):
+            if isinstance(output.get("metrics"), dict):
+                metrics.extend({"source": span["name"], "key": k, "value": v} for k, v in output["metrics"].items())
+            for key in ("num_turns", "reward_score"):
+                if output.get(key) is not None:
+                    metrics.append({"source": span["name"], "key": key, "value": output[key]})
+    return (reward if reward is not None else annotated), metrics

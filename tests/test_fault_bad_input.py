@@ -1,0 +1,375 @@
+"""Guarantee 6: hostile batches get a clear 4xx naming the field, good spans survive, no 5xx.
+
+One real collector (uvicorn on 127.0.0.1, token2text on with a real BPE tokenizer, small
+bounds) takes a table of hostile requests. Span-level problems reject only that span (the
+good spans of the same batch are stored); body-level problems refuse the request with the
+field named; suspicious-but-real values are stored with a recorded warning. After every case
+the collector still takes a good batch. A property-based fuzz test then throws random
+mutations and random bodies at it and finds no 5xx.
+"""
+
+from __future__ import annotations
+
+import gzip
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import httpx
+import msgpack
+import orjson
+import pytest
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.timeout(180)
+
+KiB, MiB = 1024, 2**20
+LIMITS = dict(max_body_bytes=256 * KiB, max_decompressed_bytes=1 * MiB, max_span_bytes=64 * KiB, max_batch_spans=50)
+
+
+@dataclass
+class Case:
+    """One hostile request: what to send and what the collector must answer."""
+
+    name: str
+    build: Callable[[Any], tuple[Any, dict[str, str], list[str]]]  # kit -> (spans or raw body, headers, good ids)
+    status: int
+    fields: list[str] = field(default_factory=list)  # rejected fields (span level) or the error field (body level)
+    warnings: list[str] = field(default_factory=list)  # warning prefixes recorded on stored spans
+    fmt: str = "json"
+
+
+def good(kit: Any) -> list[dict[str, Any]]:
+    """A valid child + root pair; both must be stored whatever sits next to them."""
+    return kit.trajectory(children=1)
+
+
+def with_bad(mutate: Callable[[Any, dict[str, Any]], Any]) -> Callable[[Any], tuple[list[Any], dict[str, str], list[str]]]:
+    """Batch [good child, hostile span (a mutated op span), good root]."""
+
+    def build(kit: Any) -> tuple[list[Any], dict[str, str], list[str]]:
+        child, root = good(kit)
+        bad = dict(child, span_id=kit.new_id(), attributes=dict(child["attributes"]), inputs={}, output=None)
+        result = mutate(kit, bad)
+        return [child, bad if result is None else result, root], {}, [child["span_id"], root["span_id"]]
+
+    return build
+
+
+def setting(key: str, value: Any) -> Callable[[Any, dict[str, Any]], None]:
+    def mutate(kit: Any, span: dict[str, Any]) -> None:
+        target, _, sub = key.partition(".")
+        if sub:
+            span[target][sub] = value
+        elif value is _DELETE:
+            del span[target]
+        else:
+            span[target] = value
+
+    return mutate
+
+
+_DELETE = object()
+
+
+def nested(depth: int) -> Any:
+    value: Any = "leaf"
+    for _ in range(depth):
+        value = {"d": value}
+    return value
+
+
+def raw(body: bytes, content_type: str = "application/json", encoding: str | None = None) -> Callable[[Any], tuple[bytes, dict[str, str], list[str]]]:
+    def build(kit: Any) -> tuple[bytes, dict[str, str], list[str]]:
+        headers = {"Content-Type": content_type}
+        if encoding:
+            headers["Content-Encoding"] = encoding
+        return body, headers, []
+
+    return build
+
+
+def envelope(**overrides: Any) -> Callable[[Any], tuple[bytes, dict[str, str], list[str]]]:
+    def build(kit: Any) -> tuple[bytes, dict[str, str], list[str]]:
+        batch = {"v": 1, "worker": "w", "spans": good(kit), **overrides}
+        batch = {k: v for k, v in batch.items() if v is not _DELETE}
+        return orjson.dumps(batch), {"Content-Type": "application/json"}, []
+
+    return build
+
+
+def good_body(kit: Any, compress: Callable[[bytes], bytes], encoding: str) -> tuple[bytes, dict[str, str], list[str]]:
+    body, headers = kit.encode(good(kit))
+    return compress(body), {**headers, "Content-Encoding": encoding}, []
+
+
+ZEROS = b"[" + b" " * (60 * MiB) + b"]"  # 60 MiB of JSON whitespace: compresses to ~60 KiB
+
+
+def cycle(kit: Any) -> tuple[list[Any], dict[str, str], list[str]]:
+    child, root = good(kit)
+    a, b = kit.new_id(), kit.new_id()
+    base = dict(child, attributes=dict(child["attributes"]))
+    return [child, dict(base, span_id=a, parent_id=b), dict(base, span_id=b, parent_id=a), root], {}, [child["span_id"], root["span_id"]]
+
+
+def orphan(kit: Any) -> tuple[list[Any], dict[str, str], list[str]]:
+    """Stored as is (the parent may come later); the store view flags it parent_missing."""
+    child, root = good(kit)
+    lost = dict(child, span_id=kit.new_id(), parent_id=kit.new_id())
+    return [child, lost, root], {}, [child["span_id"], lost["span_id"], root["span_id"]]
+
+
+def duplicate_in_batch(kit: Any) -> tuple[list[Any], dict[str, str], list[str]]:
+    child, root = good(kit)
+    return [child, root, dict(child, name="again")], {}, [child["span_id"], root["span_id"]]
+
+
+def stored_too(build: Callable[[Any], tuple[list[Any], dict[str, str], list[str]]]) -> Callable[[Any], tuple[list[Any], dict[str, str], list[str]]]:
+    """The hostile span is stored as well (with a warning where one is due)."""
+
+    def wrapped(kit: Any) -> tuple[list[Any], dict[str, str], list[str]]:
+        spans, headers, good_ids = build(kit)
+        return spans, headers, good_ids + [spans[1]["span_id"]]
+
+    return wrapped
+
+
+CASES = [
+    # ---- span level: that span is rejected by field, its neighbours stored ----------------
+    Case("step is a string", with_bad(setting("attributes.step", "3")), 200, ["spans[1].attributes.step"]),
+    Case("step is a bool", with_bad(setting("attributes.step", True)), 200, ["spans[1].attributes.step"]),
+    Case("step beyond 64 bits", with_bad(setting("attributes.step", 2**64 - 1)), 200, ["spans[1].attributes.step"], fmt="msgpack"),
+    Case("sample_index beyond int64", with_bad(setting("attributes.sample_index", 2**63)), 200, ["spans[1].attributes.sample_index"], fmt="msgpack"),
+    Case("integer reward beyond int64", with_bad(setting("attributes.reward", 2**64 - 1)), 200, ["spans[1].attributes.reward"], fmt="msgpack"),
+    Case("validate not a bool", with_bad(setting("attributes.validate", "yes")), 200, ["spans[1].attributes.validate"]),
+    Case("experiment_name not a string", with_bad(setting("attributes.experiment_name", 7)), 200, ["spans[1].attributes.experiment_name"]),
+    Case("attributes not an object", with_bad(setting("attributes", [1, 2])), 200, ["spans[1].attributes"]),
+    Case("inputs not an object", with_bad(setting("inputs", "text")), 200, ["spans[1].inputs"]),
+    Case("missing span_id", with_bad(setting("span_id", _DELETE)), 200, ["spans[1].span_id"]),
+    Case("span_id with spaces", with_bad(setting("span_id", "a b")), 200, ["spans[1].span_id"]),
+    Case("span_id of 200 chars", with_bad(setting("span_id", "a" * 200)), 200, ["spans[1].span_id"]),
+    Case("span_id a number", with_bad(setting("span_id", 12)), 200, ["spans[1].span_id"]),
+    Case("missing trace_id", with_bad(setting("trace_id", _DELETE)), 200, ["spans[1].trace_id"]),
+    Case("missing name", with_bad(setting("name", _DELETE)), 200, ["spans[1].name"]),
+    Case("empty name", with_bad(setting("name", "")), 200, ["spans[1].name"]),
+    Case("unknown kind", with_bad(setting("kind", "weird")), 200, ["spans[1].kind"]),
+    Case("start_time a string", with_bad(setting("start_time", "yesterday")), 200, ["spans[1].start_time"]),
+    Case("start_time negative", with_bad(setting("start_time", -5.0)), 200, ["spans[1].start_time"]),
+    Case("start_time NaN", with_bad(setting("start_time", math.nan)), 200, ["spans[1].start_time"], fmt="msgpack"),
+    Case("end_time infinite", with_bad(setting("end_time", math.inf)), 200, ["spans[1].end_time"], fmt="msgpack"),
+    Case("ends before it starts", with_bad(setting("end_time", 1.0)), 200, ["spans[1].end_time"]),
+    Case("own parent", with_bad(lambda kit, s: dict(s, parent_id=s["span_id"])), 200, ["spans[1].parent_id"]),
+    Case("root with a foreign trace_id", with_bad(lambda kit, s: dict(s, parent_id=None)), 200, ["spans[1].trace_id"]),
+    Case("span not an object", with_bad(lambda kit, s: 42), 200, ["spans[1]"]),
+    Case("duplicate span id in the batch", duplicate_in_batch, 200, ["spans[2].span_id"]),
+    Case("parent cycle", cycle, 200, ["spans[1].parent_id", "spans[2].parent_id"]),
+    Case("span over TRACECAR_MAX_SPAN_BYTES", with_bad(setting("inputs", {"blob": "x" * (80 * KiB)})), 200, ["spans[1]"]),
+    Case("inputs nested 600 deep", with_bad(setting("inputs", nested(600))), 200, ["spans[1].inputs"], fmt="msgpack"),
+    # ---- stored with a recorded warning: the value is real signal ------------------------
+    Case("NaN reward", stored_too(with_bad(setting("attributes.reward", math.nan))), 200, warnings=["attributes.reward"], fmt="msgpack"),
+    Case("infinite output value", stored_too(with_bad(setting("output", {"score": -math.inf}))), 200, warnings=["output.score"], fmt="msgpack"),
+    Case("token ids outside the vocabulary", stored_too(with_bad(setting("output", {"response_ids": [5, 7, 10**6, -3, 9, 11, 12, 13]}))), 200,
+         warnings=["output.response_text"]),
+    Case("non-UTF-8 msgpack text", stored_too(with_bad(setting("name", "placeholder"))), 200, fmt="msgpack-bad-utf8"),
+    Case("unknown msgpack ext type and bytes", stored_too(with_bad(setting("inputs", {"ext": msgpack.ExtType(5, b"\x00\x01"), "raw": b"\xff\xfe"}))), 200, fmt="msgpack"),
+    Case("a child whose parent never arrives", orphan, 200),
+    # ---- body level: the request is refused, the field named ------------------------------
+    Case("invalid JSON", raw(b'{"worker": "w", "spans": [}'), 400, ["body"]),
+    Case("invalid msgpack", raw(b"\xc1\xc1\xc1", "application/msgpack"), 400, ["body"]),
+    Case("non-UTF-8 JSON", raw(b'{"worker": "w\xff\xfe", "spans": []}'), 400, ["body"]),
+    Case("lone surrogate in JSON", raw(b'{"worker": "\\ud800", "spans": []}'), 400, ["body"]),
+    Case("JSON nested 5000 deep", raw(b"[" * 5000 + b"]" * 5000), 400, ["body"]),
+    Case("msgpack nested 5000 deep", raw(b"\x91" * 5000 + b"\xc0", "application/msgpack"), 400, ["body"]),
+    Case("msgpack packed ids of odd length", raw(msgpack.packb({"worker": "w", "spans": [msgpack.ExtType(1, b"\x01\x02\x03")]}), "application/msgpack"), 400, ["body"]),
+    Case("msgpack map with a list key", raw(b"\x81\x91\x01\x01", "application/msgpack"), 400, ["body"]),
+    Case("a JSON array, not an object", raw(b"[1, 2, 3]"), 400, ["body"]),
+    Case("envelope without worker", envelope(worker=_DELETE), 400, ["worker"]),
+    Case("worker not a string", envelope(worker=5), 400, ["worker"]),
+    Case("spans not a list", envelope(spans={"a": 1}), 400, ["spans"]),
+    Case("more spans than TRACECAR_MAX_BATCH_SPANS", lambda kit: (kit.trajectory(children=60), {}, []), 400, ["spans"]),
+    Case("unknown content type", raw(b"hello", "text/plain"), 415, ["Content-Type"]),
+    Case("unknown content encoding", lambda kit: good_body(kit, lambda b: b, "br"), 415, ["Content-Encoding"]),
+    Case("garbage gzip", raw(b"\x1f\x8bnot gzip at all", encoding="gzip"), 400, ["Content-Encoding"]),
+    Case("truncated gzip", lambda kit: good_body(kit, lambda b: gzip.compress(b)[:-12], "gzip"), 400, ["Content-Encoding"]),
+    Case("gzip bomb", raw(gzip.compress(ZEROS, 9), encoding="gzip"), 413, ["body"]),
+    Case("deflate bomb", raw(zlib.compress(ZEROS, 9), encoding="deflate"), 413, ["body"]),
+    Case("zstd bomb", raw(zstandard.ZstdCompressor(level=19).compress(ZEROS), encoding="zstd"), 413, ["body"]),
+    Case("body over TRACECAR_MAX_BODY_BYTES", raw(b" " * (300 * KiB)), 413, ["body"]),
+]
+
+
+def _send(kit: Any, url: str, case: Case, client: httpx.Client) -> tuple[httpx.Response, list[str]]:
+    built, headers, good_ids = case.build(kit)
+    if isinstance(built, bytes):
+        body = built
+    else:
+        fmt = "msgpack" if case.fmt.startswith("msgpack") else case.fmt
+        body, enc_headers = kit.encode(built, fmt)
+        if case.fmt == "msgpack-bad-utf8":  # the hostile span's name becomes invalid UTF-8 on the wire
+            body = body.replace(msgpack.packb("placeholder"), msgpack.packb("placeholder")[:1] + b"pl\xff\xfeceholde")
+        headers = {**enc_headers, **headers}
+    return client.post(url + "/v1/spans", content=body, headers=headers, timeout=30), good_ids
+
+
+@pytest.fixture
+def hostile_collector(start_collector, small_bpe_path):
+    return start_collector(token2text=True, tokenizer=small_bpe_path, **LIMITS)
+
+
+def test_hostile_batches_get_a_4xx_naming_the_field_and_good_spans_survive(hostile_collector, kit):
+    col = hostile_collector
+    spool = col.collector.spool
+    outcomes: list[str] = []
+    with httpx.Client() as client:
+        for case in CASES:
+            r, good_ids = _send(kit, col.url, case, client)
+            outcomes.append(f"{case.name}: {r.status_code}")
+            assert r.status_code == case.status, (case.name, r.status_code, r.text[:500])
+            payload = r.json()
+            if case.status >= 400:  # body level: refused whole, the field named
+                assert payload["error"]["field"] == case.fields[0], (case.name, payload)
+                assert payload["error"]["reason"], case.name
+            else:
+                got = sorted(x["field"] for x in payload["rejected"])
+                assert got == sorted(case.fields), (case.name, payload["rejected"])
+                assert all(x["reason"] for x in payload["rejected"]), case.name
+                assert payload["accepted"] == len(good_ids), (case.name, payload)
+                stored = {row["span_id"] for row in spool.query(
+                    f"SELECT span_id FROM spans WHERE span_id IN ({','.join('?' * len(good_ids))})", good_ids)}
+                assert stored == set(good_ids), case.name
+                for prefix in case.warnings:
+                    recorded = [w for ws in payload["warnings"].values() for w in ws]
+                    assert any(w.startswith(prefix) for w in recorded), (case.name, recorded)
+            # the collector keeps serving: a good batch right after each hostile one
+            ok = kit.post(col.url, good(kit), client=client)
+            assert ok.status_code == 200 and ok.json()["accepted"] == 2, case.name
+
+    metrics = httpx.get(col.url + "/metrics").text
+    five_xx = sum(kit.metric(metrics, "tracecar_requests_total", status=str(s)) for s in range(500, 600))
+    print(f"\nbad input: {len(CASES)} hostile cases, {len(CASES)} good follow-ups, 5xx={five_xx}; " + "; ".join(outcomes))
+    assert five_xx == 0
+    assert kit.metric(metrics, "tracecar_requests_total", status="200") >= 2 * len(CASES) - 30
+
+
+def test_stored_warnings_and_orphans_are_visible_in_the_store(hostile_collector, kit):
+    col = hostile_collector
+    child, root = good(kit)
+    lost_parent = kit.new_id()
+    orphan_span = dict(child, span_id=kit.new_id(), parent_id=lost_parent)
+    child["attributes"] = dict(child["attributes"], reward=math.nan)
+    r = kit.post(col.url, [child, orphan_span, root], fmt="msgpack")
+    assert r.status_code == 200 and r.json()["accepted"] == 3
+    tree = httpx.get(f"{col.url}/v1/trajectories/{root['span_id']}").json()
+    assert tree["span_count"] == 3
+    by_id = {s["span_id"]: s for s in tree["root"]["children"]}
+    assert by_id[orphan_span["span_id"]]["parent_missing"] is True  # attached to the root, flagged
+    assert by_id[child["span_id"]]["attributes"]["reward"] == "nan"
+    assert any(w.startswith("attributes.reward") for w in by_id[child["span_id"]]["warnings"])
+
+    # invalid UTF-8 in msgpack text is stored with U+FFFD in place of the bad bytes
+    child, root = good(kit)
+    body, headers = kit.encode([dict(child, name="Agent.XXXX"), root], "msgpack")
+    r = httpx.post(col.url + "/v1/spans", content=body.replace(b"Agent.XXXX", b"Agent.\xff\xfeXX"), headers=headers)
+    assert r.status_code == 200 and r.json()["accepted"] == 2
+    tree = httpx.get(f"{col.url}/v1/trajectories/{root['span_id']}").json()
+    assert tree["root"]["children"][0]["name"] == "Agent.\ufffd\ufffdXX"
+
+
+# ---- property-based fuzz ------------------------------------------------------------------
+_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**64), max_value=2**64), st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=40), st.binary(max_size=20),
+)
+_values = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                       max_leaves=12)
+_SPAN_KEYS = ["span_id", "trace_id", "parent_id", "name", "kind", "start_time", "end_time", "attributes", "inputs",
+              "output", "exception"]
+_ATTR_KEYS = ["step", "sample_index", "rollout_n", "validate", "experiment_name", "reward"]
+_ENV_KEYS = ["v", "worker", "project", "entity", "tokenizer", "token2text", "spans"]
+
+
+def _msgpack_safe(value: Any) -> Any:
+    """msgpack cannot carry ints beyond 64 bits: clamp them (JSON keeps them as they are)."""
+    if isinstance(value, bool) or not isinstance(value, (int, list, dict)):
+        return value
+    if isinstance(value, int):
+        return max(-(2**63), min(value, 2**64 - 1))
+    if isinstance(value, list):
+        return [_msgpack_safe(v) for v in value]
+    return {k: _msgpack_safe(v) for k, v in value.items()}
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("latin-1")
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return max(-(2**63), min(value, 2**64 - 1))
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    return value
+
+
+mutations = st.lists(
+    st.tuples(st.sampled_from(["span", "attr", "envelope", "drop"]), st.integers(0, 3),
+              st.sampled_from(_SPAN_KEYS + _ATTR_KEYS + _ENV_KEYS), _values),
+    min_size=1, max_size=5,
+)
+
+
+def test_fuzzed_batches_never_get_a_5xx(hostile_collector, kit):
+    col = hostile_collector
+    client = httpx.Client()
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+    @given(muts=mutations, fmt=st.sampled_from(["json", "msgpack"]))
+    def mutated(muts: list[tuple[str, int, str, Any]], fmt: str) -> None:
+        spans = kit.trajectory(children=3)
+        batch: dict[str, Any] = {"v": 1, "worker": "w-fuzz", "spans": spans}
+        for where, index, key, value in muts:
+            span = spans[index % len(spans)]
+            if where == "span" and key in _SPAN_KEYS:
+                span[key] = value
+            elif where == "attr" and isinstance(span.get("attributes"), dict):
+                span["attributes"] = dict(span["attributes"], **{key: value})
+            elif where == "envelope" and key in _ENV_KEYS:
+                batch[key] = value
+            elif where == "drop":
+                span.pop(key, None)
+        if fmt == "json":
+            body, ctype = orjson.dumps(_json_safe(batch), option=orjson.OPT_NON_STR_KEYS), "application/json"
+        else:
+            body, ctype = msgpack.packb(_msgpack_safe(batch), use_bin_type=True), "application/msgpack"
+        r = client.post(col.url + "/v1/spans", content=body, headers={"Content-Type": ctype}, timeout=30)
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code < 500, r.text[:500]
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+    @given(body=st.binary(max_size=300), ctype=st.sampled_from(["application/json", "application/msgpack", "text/plain", ""]),
+           encoding=st.sampled_from([None, "gzip", "deflate", "zstd", "identity", "br"]))
+    def random_bodies(body: bytes, ctype: str, encoding: str | None) -> None:
+        headers = {"Content-Type": ctype} if ctype else {}
+        if encoding:
+            headers["Content-Encoding"] = encoding
+        r = client.post(col.url + "/v1/spans", content=body, headers=headers, timeout=30)
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code < 500, r.text[:500]
+
+    try:
+        mutated()
+        random_bodies()
+        assert httpx.get(col.url + "/healthz").status_code == 200
+        ok = kit.post(col.url, good(kit), client=client)
+        assert ok.status_code == 200 and ok.json()["accepted"] == 2
+    finally:
+        client.close()
+    print(f"\nfuzz: statuses {dict(sorted(seen.items()))}")
+    assert sum(seen.values()) >= 300 and not any(s >= 500 for s in seen)
