@@ -47,7 +47,7 @@ class ClientConfig:
     # config); the collector applies them where its own settings leave the choice open.
     token2text: bool | None = None
     max_samples_per_step_per_worker: int | None = None
-    queue_max_spans: int = 20_000
+    queue_max_spans: int = 4096
     batch_max_spans: int = 512
     batch_max_bytes: int = 2**20
     flush_interval_s: float = 0.2

@@ -127,8 +127,9 @@ def _restore_lists(
     args_list, kwargs = list(args), dict(kwargs)
     for key, n in lens:
         if isinstance(key, int):
-            args_list[key] = args_list[key][:n]
-        else:
+            if len(args_list[key]) != n:  # grown since the call: slice back to what it saw
+                args_list[key] = args_list[key][:n]
+        elif len(kwargs[key]) != n:
             kwargs[key] = kwargs[key][:n]
     return tuple(args_list), kwargs
 

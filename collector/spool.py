@@ -13,13 +13,14 @@ All writes go through one connection on one thread; reads use their own connecti
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import orjson
 
@@ -157,13 +158,35 @@ class Spool:
         if "tokens" not in columns:  # spools written before tail-based budgets
             self._write.execute("ALTER TABLE spans ADD COLUMN tokens INTEGER NOT NULL DEFAULT 0")
         self._read = _connect(path, sync)
-        self._write_lock = threading.Lock()
+        self._write_lock = threading.RLock()
         self._read_lock = threading.Lock()
         self.pending_count, self.pending_bytes, self.stored_bytes, self.held_count, self.held_bytes = self._write.execute(
             "SELECT COALESCE(SUM(state = 0), 0), COALESCE(SUM(CASE WHEN state = 0 THEN nbytes END), 0),"
             " COALESCE(SUM(nbytes), 0), COALESCE(SUM(state = 3), 0),"
             " COALESCE(SUM(CASE WHEN state = 3 THEN nbytes END), 0) FROM spans"
         ).fetchone()
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction on the writer connection (under the write lock, re-entrant).
+
+        Rolled back on any error; a full disk surfaces as :class:`SpoolFull` so ingest answers
+        503 instead of 500 and nothing partial is stored.
+        """
+        with self._write_lock:
+            conn = self._write
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                yield conn
+                conn.execute("COMMIT")
+            except sqlite3.OperationalError as exc:
+                _rollback(conn)
+                if "full" in str(exc).lower() or "disk" in str(exc).lower():
+                    raise SpoolFull(str(exc)) from None
+                raise
+            except BaseException:
+                _rollback(conn)
+                raise
 
     # ---- ingest --------------------------------------------------------------------------
     def write(self, rows: Sequence[SpoolRow], decisions: Iterable[tuple[str, int, bool]] = (),
@@ -177,9 +200,7 @@ class Spool:
         state = DONE if self.local_only else PENDING
         now = time.time() if now is None else now
         with self._write_lock:
-            conn = self._write
-            try:
-                conn.execute("BEGIN IMMEDIATE")
+            with self._transaction() as conn:
                 known = self._existing_ids(conn, [r.span["span_id"] for r in rows])
                 fresh = [r for r in rows if r.span["span_id"] not in known]
                 conn.executemany(
@@ -197,15 +218,6 @@ class Spool:
                         "UPDATE trajectory_decisions SET nbytes = nbytes + ?, tokens = tokens + ? WHERE trace_id = ?",
                         [(len(r.payload), r.tokens, r.span["trace_id"]) for r in fresh if r.span["span_id"] in late],
                     )
-                conn.execute("COMMIT")
-            except sqlite3.OperationalError as exc:
-                _rollback(conn)
-                if "full" in str(exc).lower() or "disk" in str(exc).lower():
-                    raise SpoolFull(str(exc)) from None
-                raise
-            except BaseException:
-                _rollback(conn)
-                raise
             new_bytes = sum(len(r.payload) for r in fresh)
             held = [r for r in fresh if r.held]
             held_bytes = sum(len(r.payload) for r in held)
@@ -249,9 +261,7 @@ class Spool:
         """
         target = DONE if self.local_only else PENDING
         with self._write_lock:
-            conn = self._write
-            try:
-                conn.execute("BEGIN IMMEDIATE")
+            with self._transaction() as conn:
                 delta_bytes = 0
                 for span_id, payload in patches:
                     old = conn.execute("SELECT nbytes FROM spans WHERE span_id = ? AND state = 3", (span_id,)).fetchone()
@@ -282,15 +292,6 @@ class Spool:
                     " closed_by, decided_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     decisions,
                 )
-                conn.execute("COMMIT")
-            except sqlite3.OperationalError as exc:
-                _rollback(conn)
-                if "full" in str(exc).lower() or "disk" in str(exc).lower():
-                    raise SpoolFull(str(exc)) from None
-                raise
-            except BaseException:
-                _rollback(conn)
-                raise
             self.held_bytes += delta_bytes
             self.stored_bytes += delta_bytes - gone_bytes
             self.held_count -= moved + gone
@@ -389,38 +390,24 @@ class Spool:
         if not dead:
             return
         now = time.time()
-        with self._write_lock:
-            conn = self._write
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                conn.executemany(
-                    "INSERT OR REPLACE INTO dead_letters (span_id, trace_id, name, reason, failed_at) VALUES (?,?,?,?,?)",
-                    [(sid, tid, name, reason, now) for _, sid, tid, name, reason in dead],
-                )
-                self._set_state(conn, [d[0] for d in dead], DEAD)
-                conn.execute("COMMIT")
-            except BaseException:
-                _rollback(conn)
-                raise
+        with self._transaction() as conn:
+            conn.executemany(
+                "INSERT OR REPLACE INTO dead_letters (span_id, trace_id, name, reason, failed_at) VALUES (?,?,?,?,?)",
+                [(sid, tid, name, reason, now) for _, sid, tid, name, reason in dead],
+            )
+            self._set_state(conn, [d[0] for d in dead], DEAD)
 
     def _finish(self, seqs: Sequence[int], keep: bool) -> None:
         if not seqs:
             return
-        with self._write_lock:
-            conn = self._write
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                if keep:
-                    self._set_state(conn, seqs, DONE)
-                else:
-                    self._account(conn, seqs, deleting=True)
-                    for i in range(0, len(seqs), 500):
-                        chunk = seqs[i:i + 500]
-                        conn.execute(f"DELETE FROM spans WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
-                conn.execute("COMMIT")
-            except BaseException:
-                _rollback(conn)
-                raise
+        with self._transaction() as conn:
+            if keep:
+                self._set_state(conn, seqs, DONE)
+            else:
+                self._account(conn, seqs, deleting=True)
+                for i in range(0, len(seqs), 500):
+                    chunk = seqs[i:i + 500]
+                    conn.execute(f"DELETE FROM spans WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
 
     def _set_state(self, conn: sqlite3.Connection, seqs: Sequence[int], state: int) -> None:
         self._account(conn, seqs)

@@ -126,7 +126,7 @@ def validate_batch(raw: Any, max_spans: int) -> Validated:
         span_id = item.get("span_id") if isinstance(item, dict) else None
         span_id = span_id if isinstance(span_id, str) else None
         try:
-            span = SpanIn.model_validate(item).model_dump()
+            span = dict(SpanIn.model_validate(item).__dict__)  # no model_dump: it deep-copies inputs/output
         except ValidationError as exc:
             err = exc.errors()[0]
             field_name, reason = _describe_error(index, err)
