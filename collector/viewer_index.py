@@ -565,7 +565,7 @@ class TrajectoryIndex:
 
     @staticmethod
     def overview_sql(experiment: str | None, validate: bool | None) -> tuple[str, list[Any]]:
-        sql = f"SELECT step, reward, kept_because, trace_id FROM trajectories WHERE {ROOT} AND experiment IS ?"
+        sql = f"SELECT step, reward, kept_because, trace_id, rowid FROM trajectories WHERE {ROOT} AND experiment IS ?"
         params: list[Any] = [experiment]
         if validate is not None:
             sql += " AND validate = ?"
@@ -592,6 +592,10 @@ class TrajectoryIndex:
         for step, group in by_step.items():
             rewards = [(r[1], r[3]) for r in group if r[1] is not None]
             values = [r for r, _ in rewards]
+            # ties broken by rowid, as the list's reward sort does, so best/worst are its two ends
+            scored_rows = [r for r in group if r[1] is not None]
+            worst_row = min(scored_rows, key=lambda r: (r[1], r[4]), default=None)
+            best_row = max(scored_rows, key=lambda r: (r[1], r[4]), default=None)
             kept: dict[str, int] = {}
             for r in group:
                 if r[2] is not None:
@@ -605,8 +609,8 @@ class TrajectoryIndex:
                     mean=sum(values) / len(values), min=values[0], max=values[-1],
                     p10=_quantile(values, 0.1), p25=_quantile(values, 0.25), p50=_quantile(values, 0.5),
                     p75=_quantile(values, 0.75), p90=_quantile(values, 0.9),
-                    worst={"trace_id": rewards[0][1], "reward": values[0]},
-                    best={"trace_id": rewards[-1][1], "reward": values[-1]},
+                    worst={"trace_id": worst_row[3], "reward": worst_row[1]},
+                    best={"trace_id": best_row[3], "reward": best_row[1]},
                 )
             steps.append(entry)
         result = {"experiment": experiment, "validate": validate, "trajectories": len(rows),
