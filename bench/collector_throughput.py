@@ -15,7 +15,7 @@ per 4). Three phases, each fed by ``--feeders`` processes:
 Beside it, the raw decode limit: the same tokenizer's ``decode_batch`` over the same id lists,
 batched as the collector batches them, in a plain loop in this process.
 
-    /work/venv/bin/python bench/collector_throughput.py [--seconds 12] [--feeders 2] [--local]
+    .venv/bin/python bench/collector_throughput.py [--seconds 12] [--feeders 2] [--local]
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ import psutil
 
 from common import (DUMMY_WANDB_KEY, WEAVE_ENTITY, WEAVE_PROJECT, header, machine_note, ratio, scrape, services,
                     start_collector, start_stub, table)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PROMPT, RESPONSE = 1500, 500
 
@@ -219,7 +221,7 @@ def self_time(raw: Path, top: int = 10) -> tuple[list[tuple[str, int, float]], i
             continue
         leaf = stack.split(";")[-1]
         leaf = re.sub(r"\(/.*?site-packages/", "(", leaf)
-        leaf = re.sub(r"\(/work/main/", "(", leaf)
+        leaf = re.sub(r"\(" + re.escape(str(ROOT)) + "/", "(", leaf)
         if leaf in WAITING:
             waiting += int(count)
             continue

@@ -17,7 +17,7 @@ between traced calls). perf_counter_ns brackets each call after warm-up. Backgro
 process CPU time minus the calling thread's, over the timed calls, then over the flush. The
 caller is pinned to CPU 0, the collector and stub to CPU 1 (``--no-pin`` turns that off).
 
-    /work/venv/bin/python bench/hot_path.py [--calls 5000] [--weave-seconds 20] [--gap-us 100]
+    .venv/bin/python bench/hot_path.py [--calls 5000] [--weave-seconds 20] [--gap-us 100]
 """
 
 from __future__ import annotations

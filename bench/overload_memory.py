@@ -11,7 +11,7 @@ and a probe request every 2 s (does it answer 503 with Retry-After?).
 Bounds used (smaller than the defaults so that each is reached within the run; flags change them):
 client TRACECAR_QUEUE_MAX_SPANS=--client-queue, collector TRACECAR_SPOOL_MAX_BYTES=--spool-mib.
 
-    /work/venv/bin/python bench/overload_memory.py [--seconds 60] [--sink-rate 25] [--feed-factor 10]
+    .venv/bin/python bench/overload_memory.py [--seconds 60] [--sink-rate 25] [--feed-factor 10]
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ run untraced, and such a step's slowdown is reported as a lower bound.
 The worker processes are pinned to CPU 0 and the collector and stub to CPU 1 (``--no-pin``),
 as a sidecar with its own CPU budget would be; other processes on the machine are not.
 
-    /work/venv/bin/python bench/rollout_loop.py [--rounds 3] [--cpu-ms 0,1] [--scale 1.0]
+    .venv/bin/python bench/rollout_loop.py [--rounds 3] [--cpu-ms 0,1] [--scale 1.0]
 """
 
 from __future__ import annotations

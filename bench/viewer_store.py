@@ -7,7 +7,7 @@ sort through ``store_query.list_trajectories`` (the /v1/trajectories API: SQL ov
 run in this process on the same file. Prints each ratio (baseline ms / viewer ms), the index's
 one-time catch-up, and its page of EXPLAIN QUERY PLAN.
 
-    /work/venv/bin/python bench/viewer_store.py [--spans 1000000] [--keep DIR]
+    .venv/bin/python bench/viewer_store.py [--spans 1000000] [--keep DIR]
 """
 
 from __future__ import annotations
