@@ -34,8 +34,10 @@ def rollout_trace_op(func: F) -> F:
         @functools.wraps(func)
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
             tracer = _tracer.active
+            if tracer is None:  # tracing off: one global read
+                return await func(*args, **kwargs)
             parent = current.get()
-            if tracer is None or parent is _tracer.DISABLED:
+            if parent is _tracer.DISABLED:
                 return await func(*args, **kwargs)
             record = SpanRecord(name, KIND_OP, _now(), parent, _attributes_of(parent), signature, args, kwargs)
             token = current.set(record)
@@ -54,8 +56,10 @@ def rollout_trace_op(func: F) -> F:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         tracer = _tracer.active
+        if tracer is None:  # tracing off: one global read
+            return func(*args, **kwargs)
         parent = current.get()
-        if tracer is None or parent is _tracer.DISABLED:
+        if parent is _tracer.DISABLED:
             return func(*args, **kwargs)
         record = SpanRecord(name, KIND_OP, _now(), parent, _attributes_of(parent), signature, args, kwargs)
         token = current.set(record)
