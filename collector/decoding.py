@@ -102,11 +102,27 @@ def collect_jobs(span: dict[str, Any]) -> list[_Job]:
     return jobs
 
 
-def _in_vocab(ids: list[Any], vocab: int) -> bool:
+def _below_vocab(ids: list[Any], vocab: int) -> bool:
+    """The one check on the fast path: tokenizers silently drops ids past the vocabulary.
+
+    Negative or non-integer ids make ``decode_batch`` raise instead, which sends the batch to
+    the one-by-one path, where :func:`_keep_in_vocab` names them.
+    """
     try:
-        return min(ids) >= 0 and max(ids) < vocab
+        return max(ids) < vocab
     except TypeError:
         return False
+
+
+def _keep_in_vocab(job: _Job, ids: list[Any], vocab: int, warnings: dict[str, list[str]]) -> list[int]:
+    """The ids the tokenizer can decode; the others are named in a warning and left out."""
+    bad = [i for i in ids if type(i) is not int or not 0 <= i < vocab]
+    if not bad:
+        return ids
+    warnings.setdefault(job.span["span_id"], []).append(
+        f"output.{job.target}: {len(bad)} token id(s) outside the vocabulary (size {vocab}), e.g. {bad[:3]}; left out of the text"
+    )
+    return [i for i in ids if type(i) is int and 0 <= i < vocab]
 
 
 def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: dict[str, list[str]]) -> int:
@@ -119,27 +135,18 @@ def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: di
     if not jobs:
         return 0
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    sequences = []
-    for job in jobs:
-        ids = job.ids
-        if not _in_vocab(ids, vocab):
-            bad = [i for i in ids if type(i) is not int or not 0 <= i < vocab]
-            warnings.setdefault(job.span["span_id"], []).append(
-                f"output.{job.target}: {len(bad)} token id(s) outside the vocabulary (size {vocab}), e.g. {bad[:3]}; left out of the text"
-            )
-            ids = [i for i in ids if type(i) is int and 0 <= i < vocab]
-        sequences.append(ids)
+    sequences = [job.ids if _below_vocab(job.ids, vocab) else _keep_in_vocab(job, job.ids, vocab, warnings) for job in jobs]
     try:
         texts = tokenizer.decode_batch(sequences, skip_special_tokens=False)
-    except Exception as exc:  # noqa: BLE001 - fall back to one by one so one bad sequence is named
+    except Exception:  # noqa: BLE001 - one by one, so one bad sequence is named and the rest decoded
         texts = []
-        for job, ids in zip(jobs, sequences):
+        for i, job in enumerate(jobs):
+            sequences[i] = _keep_in_vocab(job, sequences[i], vocab, warnings)
             try:
-                texts.append(tokenizer.decode(ids, skip_special_tokens=False))
+                texts.append(tokenizer.decode(sequences[i], skip_special_tokens=False))
             except Exception as one:  # noqa: BLE001
                 warnings.setdefault(job.span["span_id"], []).append(f"output.{job.target}: decode failed: {one}")
                 texts.append(None)
-        del exc
     tokens = 0
     for job, text, ids in zip(jobs, texts, sequences):
         if text is not None:

@@ -34,6 +34,29 @@ class SendResult:
     retry_reason: str | None = None  # the last retryable failure, for logs (never holds secrets)
 
 
+class RawJSON(bytes):
+    """A JSON value serialised at ingest, handed to the sink as bytes to splice, never re-parsed."""
+
+    def parse(self) -> Any:
+        return orjson.loads(bytes(self))
+
+
+def span_from_row(payload: bytes, inputs_at: int | None, output_at: int | None) -> dict[str, Any]:
+    """A spooled span for the sink: its small head parsed, inputs/output kept as raw JSON.
+
+    Payloads without offsets (rewritten by a tail-based decision, or from an older spool) are
+    parsed whole.
+    """
+    if inputs_at is None or output_at is None:
+        return orjson.loads(payload)
+    view = memoryview(payload)
+    head_end = inputs_at - len(b',"inputs":')
+    span = orjson.loads(bytes(view[:head_end]) + b"}")
+    span["inputs"] = RawJSON(view[inputs_at:output_at - len(b',"output":')])
+    span["output"] = RawJSON(view[output_at:-1])
+    return span
+
+
 class Sink(Protocol):
     name: str
 
@@ -107,9 +130,9 @@ class Forwarder:
             else:
                 await asyncio.sleep(max(0.0, min(wait, deadline - loop.time())))
 
-    async def _forward(self, rows: list[tuple[int, bytes]]) -> tuple[bool, float | None]:
-        spans = [orjson.loads(payload) for _, payload in rows]
-        seq_of = {span["span_id"]: seq for (seq, _), span in zip(rows, spans)}
+    async def _forward(self, rows: list[tuple[int, bytes, int | None, int | None]]) -> tuple[bool, float | None]:
+        spans = [span_from_row(payload, inputs_at, output_at) for _, payload, inputs_at, output_at in rows]
+        seq_of = {span["span_id"]: row[0] for row, span in zip(rows, spans)}
         sent_at = asyncio.get_running_loop().time()
         try:
             result = await self.sink.send(spans)

@@ -64,6 +64,27 @@ def _json_default(value: Any) -> Any:
     return repr(value)
 
 
+_INPUTS_KEY, _OUTPUT_KEY = b'"inputs":', b',"output":'
+
+
+def pack_payload(span: dict[str, Any]) -> tuple[bytes, int, int]:
+    """The span as one JSON object, with the byte offsets of its inputs and output values.
+
+    The object is ``{...every other field..., "inputs": I, "output": O}``: any reader can
+    parse it whole, and the forwarder can parse just the small head and splice ``I`` and ``O``
+    into the backend request as they are (they hold the token ids and decoded text: most of the
+    bytes, and most of the parsing time).
+    """
+    head = orjson.dumps({k: v for k, v in span.items() if k != "inputs" and k != "output"},
+                        default=_json_default, option=_DUMP_OPTS)
+    inputs = orjson.dumps(span["inputs"], default=_json_default, option=_DUMP_OPTS)
+    output = orjson.dumps(span["output"], default=_json_default, option=_DUMP_OPTS)
+    prefix = head[:-1] + b"," + _INPUTS_KEY
+    inputs_at = len(prefix)
+    output_at = inputs_at + len(inputs) + len(_OUTPUT_KEY)
+    return prefix + inputs + _OUTPUT_KEY + output + b"}", inputs_at, output_at
+
+
 class IngestPipeline:
     def __init__(self, settings: CollectorSettings, spool: Spool, metrics: Metrics) -> None:
         self.settings = settings
@@ -179,7 +200,7 @@ class IngestPipeline:
             if warnings:
                 span["warnings"] = warnings
             try:
-                payload = orjson.dumps(span, default=_json_default, option=_DUMP_OPTS)
+                payload, inputs_at, output_at = pack_payload(span)
             except orjson.JSONEncodeError as exc:
                 index = validated.index_of[span["span_id"]]
                 too_big.append(Rejection(index, span["span_id"], f"spans[{index}].inputs", f"cannot be stored: {exc}"))
@@ -188,7 +209,7 @@ class IngestPipeline:
                 index = validated.index_of[span["span_id"]]
                 too_big.append(Rejection(index, span["span_id"], f"spans[{index}]", f"{len(payload)} bytes exceed TRACECAR_MAX_SPAN_BYTES={limit}"))
                 continue
-            row = SpoolRow(span, payload, warnings)
+            row = SpoolRow(span, payload, warnings, inputs_at=inputs_at, output_at=output_at)
             if count_tokens:  # for max_tokens_per_step: token ids the span carries
                 row.tokens = sum(len(job.ids) for job in collect_jobs(span))
             rows.append(row)

@@ -51,7 +51,9 @@ CREATE TABLE IF NOT EXISTS spans (
     received_at REAL NOT NULL,
     warnings TEXT,
     payload BLOB NOT NULL,
-    tokens INTEGER NOT NULL DEFAULT 0
+    tokens INTEGER NOT NULL DEFAULT 0,
+    inputs_at INTEGER,
+    output_at INTEGER
 );
 CREATE INDEX IF NOT EXISTS spans_pending ON spans(seq) WHERE state = 0;
 CREATE INDEX IF NOT EXISTS spans_trace ON spans(trace_id);
@@ -107,6 +109,10 @@ class SpoolRow:
     warnings: list[str] | None
     tokens: int = 0
     held: bool = False
+    # Byte offsets of the serialised inputs/output inside ``payload`` (see pipeline.pack_payload):
+    # the forwarder splices them into the backend request without parsing them again.
+    inputs_at: int | None = None
+    output_at: int | None = None
 
 
 @dataclass
@@ -142,6 +148,7 @@ def _row_params(row: SpoolRow, state: int, now: float) -> tuple[Any, ...]:
         reward if type(reward) in (int, float) else None,
         len(row.payload), HELD if row.held else state, now,
         orjson.dumps(row.warnings).decode() if row.warnings else None, row.payload, row.tokens,
+        row.inputs_at, row.output_at,
     )
 
 
@@ -157,6 +164,9 @@ class Spool:
         columns = {name for _, name, *_ in self._write.execute("PRAGMA table_info(spans)")}
         if "tokens" not in columns:  # spools written before tail-based budgets
             self._write.execute("ALTER TABLE spans ADD COLUMN tokens INTEGER NOT NULL DEFAULT 0")
+        for column in ("inputs_at", "output_at"):  # spools written before the splicing forwarder
+            if column not in columns:
+                self._write.execute(f"ALTER TABLE spans ADD COLUMN {column} INTEGER")
         self._read = _connect(path, sync)
         self._write_lock = threading.RLock()
         self._read_lock = threading.Lock()
@@ -206,7 +216,8 @@ class Spool:
                 conn.executemany(
                     "INSERT INTO spans (span_id, trace_id, parent_id, name, kind, worker, project, entity,"
                     " experiment, step, sample_index, rollout_n, validate, start_time, end_time, has_error, reward,"
-                    " nbytes, state, received_at, warnings, payload, tokens) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    " nbytes, state, received_at, warnings, payload, tokens, inputs_at, output_at)"
+                    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     [_row_params(r, state, now) for r in fresh],
                 )
                 conn.executemany(
@@ -267,7 +278,8 @@ class Spool:
                     old = conn.execute("SELECT nbytes FROM spans WHERE span_id = ? AND state = 3", (span_id,)).fetchone()
                     if old is None:
                         continue
-                    conn.execute("UPDATE spans SET payload = ?, nbytes = ? WHERE span_id = ?", (payload, len(payload), span_id))
+                    conn.execute("UPDATE spans SET payload = ?, nbytes = ?, inputs_at = NULL, output_at = NULL"
+                                 " WHERE span_id = ?", (payload, len(payload), span_id))
                     delta_bytes += len(payload) - old[0]
                 moved = moved_bytes = gone = gone_bytes = 0
                 for i in range(0, len(kept), 500):
@@ -375,11 +387,15 @@ class Spool:
             ).fetchall()
 
     # ---- forwarding ----------------------------------------------------------------------
-    def next_pending(self, limit: int) -> list[tuple[int, bytes]]:
-        """Oldest pending spans first, so each trace is delivered in arrival order."""
+    def next_pending(self, limit: int) -> list[tuple[int, bytes, int | None, int | None]]:
+        """Oldest pending spans first, so each trace is delivered in arrival order.
+
+        Rows are (seq, payload, inputs_at, output_at); the offsets are None for payloads that
+        were rewritten after ingest (tail-based decisions) or written by an older version.
+        """
         with self._read_lock:
             return self._read.execute(
-                "SELECT seq, payload FROM spans WHERE state = 0 ORDER BY seq LIMIT ?", (limit,)
+                "SELECT seq, payload, inputs_at, output_at FROM spans WHERE state = 0 ORDER BY seq LIMIT ?", (limit,)
             ).fetchall()
 
     def mark_forwarded(self, seqs: Sequence[int], keep: bool) -> None:

@@ -35,7 +35,7 @@ import httpx
 import orjson
 import pydantic_core
 
-from .forward import SendResult
+from .forward import RawJSON, SendResult
 
 if TYPE_CHECKING:  # weave's request model; importing weave at runtime costs ~1.5 s
     from weave.vendor.weave_server_sdk.types.v2_call_complete_params import Batch as WeaveCall
@@ -229,7 +229,7 @@ def to_weave_call(
     inputs = span.get("inputs")
     if inputs is None:
         inputs = {}
-    elif not isinstance(inputs, dict):
+    elif not isinstance(inputs, (dict, RawJSON)):  # RawJSON inputs are an object: validated at ingest
         inputs = {"inputs": inputs}
     display_name = None
     if op_name is None:
@@ -298,10 +298,13 @@ def _json_default(obj: Any) -> Any:
 
 def encode_call(call: Mapping[str, Any]) -> bytes:
     """JSON for one call; NaN/inf become null as in weave (``to_json(inf_nan_mode="null")``)."""
-    try:
-        return orjson.dumps(call, default=_json_default, option=_ORJSON_OPTS)
+    raw = {k: call[k] for k in ("inputs", "output") if isinstance(call.get(k), RawJSON)}
+    try:  # spooled inputs/output go in as they were stored (orjson.Fragment), not re-encoded
+        spliced = {**call, **{k: orjson.Fragment(bytes(v)) for k, v in raw.items()}} if raw else call
+        return orjson.dumps(spliced, default=_json_default, option=_ORJSON_OPTS)
     except TypeError:  # e.g. an int beyond 64 bits: the slower encoder copes
-        return pydantic_core.to_json(call, inf_nan_mode="null", bytes_mode="base64", fallback=_json_default)
+        parsed = {**call, **{k: v.parse() for k, v in raw.items()}}
+        return pydantic_core.to_json(parsed, inf_nan_mode="null", bytes_mode="base64", fallback=_json_default)
 
 
 def batch_body(encoded_calls: Iterable[bytes]) -> bytes:
