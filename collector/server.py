@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import threading
 from typing import Any
 
 import uvicorn
@@ -32,15 +33,30 @@ def _is_loopback(host: str) -> bool:
 
 
 class _DrainingServer(uvicorn.Server):
-    """Marks the collector unready before uvicorn begins its own shutdown."""
+    """Marks the collector unready before uvicorn begins its own shutdown.
 
-    def __init__(self, config: uvicorn.Config, collector: Any) -> None:
+    With ``unready_s`` > 0 the first signal only turns /readyz (and ingest) to 503 and keeps
+    the listener open that long, so Kubernetes endpoints and load balancers stop sending before
+    the socket closes; a second signal skips the wait.
+    """
+
+    def __init__(self, config: uvicorn.Config, collector: Any, unready_s: float = 0.0) -> None:
         super().__init__(config)
         self.collector = collector
+        self.unready_s = unready_s
+        self._unready_timer: threading.Timer | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        first = self._unready_timer is None
         self.collector.mark_unready()
-        log.info("shutdown requested", extra={"event": "shutdown", "signal": sig})
+        log.info("shutdown requested", extra={"event": "shutdown", "signal": sig, "unready_s": self.unready_s})
+        if first and self.unready_s > 0:
+            self._unready_timer = threading.Timer(self.unready_s, super().handle_exit, (sig, frame))
+            self._unready_timer.daemon = True
+            self._unready_timer.start()
+            return
+        if self._unready_timer is not None:
+            self._unready_timer.cancel()
         super().handle_exit(sig, frame)
 
 
@@ -51,7 +67,7 @@ def build_server(settings: CollectorSettings) -> _DrainingServer:
         loop="auto", http="auto", timeout_graceful_shutdown=max(1, int(settings.shutdown_drain_s)),
         lifespan="on",
     )
-    return _DrainingServer(config, app.state.collector)
+    return _DrainingServer(config, app.state.collector, settings.shutdown_unready_s)
 
 
 def serve(settings: CollectorSettings) -> None:

@@ -88,6 +88,7 @@ class CollectorSettings(BaseSettings):
     forward_retry_max_s: float = Field(30.0, gt=0, description="Backoff cap for forwarding retries.")
     decode_threads: int = Field(2, ge=1, description="Threads decoding tokens (tokenizers releases the GIL).")
     keep_forwarded: bool = Field(True, description="Keep forwarded spans in the local store (queryable); false deletes them once Weave has them.")
+    shutdown_unready_s: float = Field(0.0, ge=0, description="On SIGTERM, stay up this long answering /readyz and ingest with 503 before closing the listener (lets endpoints and load balancers stop sending first); a second signal skips it.")
     shutdown_drain_s: float = Field(10.0, ge=0, description="On SIGTERM, how long to keep forwarding before exit; the rest stays in the spool.")
     log_level: str = Field("info", description="Log level (JSON lines on stderr).")
 

@@ -76,7 +76,7 @@ def start_collector(tmp_path: Path) -> Iterator[Callable[..., ThreadCollector]]:
         settings = CollectorSettings(host="127.0.0.1", **overrides)
         app = create_app(settings, sink=sink)
         config = uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_config=None, access_log=False, lifespan="on")
-        server = _DrainingServer(config, app.state.collector)
+        server = _DrainingServer(config, app.state.collector, settings.shutdown_unready_s)
         server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()

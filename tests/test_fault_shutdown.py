@@ -142,3 +142,16 @@ def test_unready_is_set_before_the_server_stops(start_collector):
     assert col.collector.metrics.ready._value.get() == 0
     col.thread.join(30)
     assert not col.thread.is_alive()
+
+
+def test_unready_window_keeps_serving_503_before_the_listener_closes(start_collector):
+    """TRACECAR_SHUTDOWN_UNREADY_S: after SIGTERM the collector still answers, unready, then stops."""
+    col = start_collector(shutdown_unready_s=1.5)
+    col.server.handle_exit(signal.SIGTERM, None)
+    ready = httpx.get(col.url + "/readyz")  # the listener is still open: readiness is observable
+    assert ready.status_code == 503 and ready.json()["ready"] is False
+    ingest = httpx.post(col.url + "/v1/spans", json={"worker": "w", "spans": []})
+    assert ingest.status_code == 503 and ingest.headers["Retry-After"]
+    assert col.thread.is_alive()
+    col.thread.join(30)
+    assert not col.thread.is_alive()
