@@ -50,6 +50,7 @@ class ClientConfig:
     queue_max_spans: int = 4096
     batch_max_spans: int = 512
     batch_max_bytes: int = 2**20
+    max_span_bytes: int = 8 * 2**20
     flush_interval_s: float = 0.2
     http_timeout_s: float = 5.0
     retry_initial_s: float = 0.5
@@ -75,6 +76,7 @@ class ClientConfig:
             queue_max_spans=_env_int(env, "QUEUE_MAX_SPANS", cls.queue_max_spans),
             batch_max_spans=_env_int(env, "BATCH_MAX_SPANS", cls.batch_max_spans),
             batch_max_bytes=_env_int(env, "BATCH_MAX_BYTES", cls.batch_max_bytes),
+            max_span_bytes=_env_int(env, "MAX_SPAN_BYTES", cls.max_span_bytes),
             flush_interval_s=_env_float(env, "FLUSH_INTERVAL_S", cls.flush_interval_s),
             http_timeout_s=_env_float(env, "HTTP_TIMEOUT_S", cls.http_timeout_s),
             retry_initial_s=_env_float(env, "RETRY_INITIAL_S", cls.retry_initial_s),

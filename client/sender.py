@@ -152,7 +152,12 @@ class Sender:
         self._idle.set()
 
     def _build_body(self) -> tuple[bytes, int] | None:
-        """Packs up to batch_max_spans / batch_max_bytes spans into one msgpack body."""
+        """Packs up to batch_max_spans / batch_max_bytes spans into one JSON body.
+
+        The byte bound is checked before each span, so a batch ends with at most one span past
+        it: a long-context span (a 128k-token prompt is ~0.8 MB of ids) still goes out whole.
+        Only a span over ``max_span_bytes`` is dropped (and counted).
+        """
         cfg, queue, parts, size = self.config, self.queue, [], 0
         last_yield = time.perf_counter()
         while queue and len(parts) < cfg.batch_max_spans and size < cfg.batch_max_bytes:
@@ -164,7 +169,7 @@ class Sender:
                 with self._lock:
                     self.stats.drop("encode_error")
                 continue
-            if len(packed) > cfg.batch_max_bytes:
+            if len(packed) > cfg.max_span_bytes:
                 with self._lock:
                     self.stats.drop("span_too_large")
                 continue

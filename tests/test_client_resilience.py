@@ -54,3 +54,25 @@ def test_collector_down_traced_function_returns_its_result(tracer_to):
     assert dropped["queue_full"] > 0 and dropped["retries_exhausted"] > 0
     assert stats["sent"] == 0 and stats["queued"] == 0
     assert sum(dropped.values()) == 401
+
+
+def test_a_long_context_span_larger_than_a_batch_still_goes_out(start_collector, tracer_to):
+    """128k-token prompts are ~0.8 MB of ids: bigger than a batch, far from the span bound."""
+    col = start_collector()
+    tracer = tracer_to(col.url, batch_max_bytes=64 * 1024)
+    loop = Loop()
+    prompt = list(range(100_000, 228_000))
+
+    async def main() -> None:
+        with rollout_trace_attr(sample_index=0, step=1, rollout_n=0):
+            await loop.run(prompt)
+
+    asyncio.run(main())
+    assert tracer.flush(20)
+    stats = tracer.stats()
+    assert stats["dropped_total"] == 0 and stats["sent"] == 2
+    import httpx
+
+    [traj] = httpx.get(col.url + "/v1/trajectories").json()["trajectories"]
+    tree = httpx.get(f"{col.url}/v1/trajectories/{traj['trace_id']}").json()
+    assert tree["root"]["children"][0]["inputs"]["prompt_ids"] == prompt
