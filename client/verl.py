@@ -347,7 +347,43 @@ def _activate(*, project, experiment, token2text: bool, max_samples, caller) -> 
         _state.active = True
         n = _swap_existing_wrappers(tc)
         _patch_module_names()
-        logger.info("tracecar.verl: active (project=%s experiment=%s, %d VERL ops)", project, experiment, n)
+        rewards = _hook_rewards(tc)
+        logger.info("tracecar.verl: active (project=%s experiment=%s, %d VERL ops, rewards %s)",
+                    project, experiment, n, "hooked" if rewards else "not hooked")
+
+
+def _hook_rewards(tc) -> bool:
+    """Attach each trajectory's reward to it, so the collector can sample on rewards.
+
+    VERL scores a trajectory in ``AgentLoopWorker._compute_score``, called from
+    ``_agent_loop_postprocess`` while the trajectory's ``rollout_trace_attr`` is still open, and
+    puts the score on ``outputs[-1].reward_score`` (only with the async reward loop; otherwise
+    the trainer scores whole batches later and no reward reaches the agent loop). No VERL span
+    carries it, so this wraps ``_compute_score`` and sends the score as an annotation of the
+    current trajectory. Restored by :func:`uninstall`.
+    """
+    module = sys.modules.get("verl.experimental.agent_loop.agent_loop")
+    worker_cls = getattr(module, "AgentLoopWorker", None)
+    original = getattr(worker_cls, "_compute_score", None)
+    if original is None or getattr(original, _SHIM_FLAG, False) or not inspect.iscoroutinefunction(original):
+        return False
+
+    @functools.wraps(original)
+    async def compute_score(self, outputs, *args, **kwargs):
+        result = await original(self, outputs, *args, **kwargs)
+        if _state.active and _verl_trace_enabled():
+            try:
+                score = getattr(outputs[-1], "reward_score", None) if outputs else None
+                if isinstance(score, (int, float)) and not isinstance(score, bool):
+                    tc.annotate(reward=float(score))
+            except Exception:  # noqa: BLE001 - tracing never fails a rollout
+                logger.debug("tracecar.verl: reward not attached", exc_info=True)
+        return result
+
+    setattr(compute_score, _SHIM_FLAG, True)
+    worker_cls._compute_score = compute_score
+    _state.patched_names.append((worker_cls, "_compute_score", original))
+    return True
 
 
 def _deactivate() -> None:

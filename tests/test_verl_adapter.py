@@ -326,6 +326,38 @@ def test_budget_from_verl_config_is_honoured_by_collector(adapter, start_collect
     assert len({t["sample_index"] for t in trajs}) == 1 and len(trajs) == 2
 
 
+class FakeRewardLoop:
+    """Stands in for VERL's reward-loop worker handle: ``await handle.compute_score.remote(data)``."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.compute_score = self
+
+    def remote(self, data: Any) -> Any:
+        self.calls += 1
+        score = 0.25 * self.calls
+
+        async def answer() -> dict[str, Any]:
+            return {"reward_score": score, "reward_extra_info": {}}
+
+        return answer()
+
+
+def test_rewards_scored_in_the_agent_loop_reach_the_trajectory(adapter, start_collector, monkeypatch, model_dir, hf_tokenizer):
+    col = start_collector()
+    monkeypatch.setenv("TRACECAR_URL", col.url)
+    adapter.install()
+    worker, _ = make_worker(verl_config(model_dir), hf_tokenizer)
+    reward_loop = FakeRewardLoop()
+    worker.reward_loop_worker_handles = [reward_loop]  # VERL's async reward path, inside the trajectory
+    out = asyncio.run(worker.generate_sequences(make_batch()))
+    flush()
+    trajs = trajectories(col.url, step=STEP)
+    assert reward_loop.calls == 4 and len(trajs) == 4
+    assert sorted(t["reward"] for t in trajs) == [0.25, 0.5, 0.75, 1.0]
+    assert out is not None  # VERL's own result is untouched
+
+
 def test_worker_sampling_opt_in_skips_unchosen_samples_in_the_worker(
     adapter, start_collector, monkeypatch, model_dir, hf_tokenizer
 ):
@@ -436,7 +468,11 @@ def test_other_backends_are_left_alone_and_uninstall_restores(adapter, model_dir
     assert func_cell.cell_contents is not original_func
     assert agent_loop_module.rollout_trace_attr is not original_attr
 
+    from verl.experimental.agent_loop import AgentLoopWorker
+
+    assert getattr(AgentLoopWorker._compute_score, "__tracecar_shim__", False)
     adapter.uninstall()
+    assert not getattr(AgentLoopWorker._compute_score, "__tracecar_shim__", False)
     assert func_cell.cell_contents is original_func
     assert agent_loop_module.rollout_trace_attr is original_attr
     assert verl_rt.rollout_trace_op is VERL_ROLLOUT_TRACE_OP and rollout_trace_op is VERL_ROLLOUT_TRACE_OP
