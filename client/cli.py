@@ -208,18 +208,33 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tracecar", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="tracecar",
+        description="tracecar: out-of-process rollout tracing. Serve the collector, feed it a demo rollout, "
+                    "read what it stored.",
+        epilog="examples:\n"
+               "  tracecar quickstart                      # collector on the local store + demo rollout\n"
+               "  tracecar serve --token2text --tokenizer /models/qwen/tokenizer.json\n"
+               "  TRACECAR_URL=http://127.0.0.1:9470 tracecar demo --steps 5\n"
+               "  tracecar trajectories --experiment demo --step 2 --sort reward\n"
+               "  tracecar show TRACE_ID\n"
+               "every collector setting is a TRACECAR_* variable; `tracecar config` prints them (README: settings table)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run the collector (settings: TRACECAR_* env vars, --config YAML, flags)")
     p.add_argument("--config", help="YAML file of settings (same names as the env vars, lower case, no prefix)")
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
+    p.add_argument("--host", help="bind address (default 127.0.0.1; elsewhere set TRACECAR_TOKEN)")
+    p.add_argument("--port", type=int, help="port (default 9470)")
     p.add_argument("--data-dir", help="directory of the spool/store (default ./tracecar-data)")
-    p.add_argument("--backend", choices=["auto", "local", "weave"])
+    p.add_argument("--backend", choices=["auto", "local", "weave"],
+                   help="weave when WANDB_API_KEY is set (auto, the default), or the embedded local store only")
     p.add_argument("--tokenizer", help="tokenizer.json path, a directory with one, or an HF name in the local cache")
-    p.add_argument("--token2text", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--max-samples-per-step-per-worker", type=int)
+    p.add_argument("--token2text", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode prompt_ids/response_ids to text (VERL's token2text)")
+    p.add_argument("--max-samples-per-step-per-worker", type=int,
+                   help="VERL's budget: distinct sample indices kept per (experiment, step, worker)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("config", help="print the effective collector configuration (secrets masked)")
