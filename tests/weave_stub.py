@@ -331,12 +331,15 @@ httpd.serve_forever(0.05)
 def weave_server_python() -> str | None:
     """The python of a venv with weave 0.52.42 and :data:`WEAVE_SERVER_EXTRAS`, if any.
 
-    ``TRACECAR_WEAVE_SERVER_PYTHON`` names it; else ``venv-weave52`` beside the repository.
+    ``TRACECAR_WEAVE_SERVER_PYTHON`` names it; else ``.venv-weave52`` in the repository (what
+    ``TRACECAR_TEST_WEAVE_SERVER=1 bash tests/run.sh`` makes) or ``venv-weave52`` beside it.
     Make one with ``python -m venv V && V/bin/pip install weave==0.52.42 emoji sqlparse
     redis clickhouse_connect ddtrace``.
     """
+    repo = Path(__file__).resolve().parents[1]
     candidates = [os.environ.get("TRACECAR_WEAVE_SERVER_PYTHON"),
-                  str(Path(__file__).resolve().parents[2] / "venv-weave52" / "bin" / "python")]
+                  str(repo / ".venv-weave52" / "bin" / "python"),
+                  str(repo.parent / "venv-weave52" / "bin" / "python")]
     for c in candidates:
         if c and Path(c).is_file():
             return c
