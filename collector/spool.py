@@ -281,23 +281,8 @@ class Spool:
                     conn.execute("UPDATE spans SET payload = ?, nbytes = ?, inputs_at = NULL, output_at = NULL"
                                  " WHERE span_id = ?", (payload, len(payload), span_id))
                     delta_bytes += len(payload) - old[0]
-                moved = moved_bytes = gone = gone_bytes = 0
-                for i in range(0, len(kept), 500):
-                    chunk = list(kept[i:i + 500])
-                    marks = ",".join("?" * len(chunk))
-                    n, nbytes = conn.execute(
-                        f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans WHERE state = 3 AND trace_id IN ({marks})", chunk
-                    ).fetchone()
-                    conn.execute(f"UPDATE spans SET state = ? WHERE state = 3 AND trace_id IN ({marks})", (target, *chunk))
-                    moved, moved_bytes = moved + n, moved_bytes + nbytes
-                for i in range(0, len(dropped), 500):
-                    chunk = list(dropped[i:i + 500])
-                    marks = ",".join("?" * len(chunk))
-                    n, nbytes = conn.execute(
-                        f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans WHERE state = 3 AND trace_id IN ({marks})", chunk
-                    ).fetchone()
-                    conn.execute(f"DELETE FROM spans WHERE state = 3 AND trace_id IN ({marks})", chunk)
-                    gone, gone_bytes = gone + n, gone_bytes + nbytes
+                moved, moved_bytes = _apply_to_held(conn, kept, "UPDATE spans SET state = ?", (target,))
+                gone, gone_bytes = _apply_to_held(conn, dropped, "DELETE FROM spans", ())
                 conn.executemany(
                     "INSERT OR REPLACE INTO trajectory_decisions (trace_id, experiment, validate, step, round, worker,"
                     " sample_index, rollout_n, keep, rule, reason, reward, has_error, nbytes, tokens, truncated,"
@@ -474,6 +459,19 @@ class Spool:
             self._write.close()
         with self._read_lock:
             self._read.close()
+
+
+def _apply_to_held(conn: sqlite3.Connection, trace_ids: Sequence[str], statement: str,
+                   params: tuple[Any, ...]) -> tuple[int, int]:
+    """Runs ``statement`` on the held rows of ``trace_ids`` (in chunks); returns (rows, bytes) it hit."""
+    rows = nbytes = 0
+    for i in range(0, len(trace_ids), 500):
+        chunk = list(trace_ids[i:i + 500])
+        where = f" WHERE state = 3 AND trace_id IN ({','.join('?' * len(chunk))})"
+        n, size = conn.execute(f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans{where}", chunk).fetchone()
+        conn.execute(statement + where, (*params, *chunk))
+        rows, nbytes = rows + n, nbytes + size
+    return rows, nbytes
 
 
 def _rollback(conn: sqlite3.Connection) -> None:
