@@ -108,7 +108,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     if context is not None:
         context.__exit__(None, None, None)
     flush()
-    proc2, thread2, wall2 = time.process_time(), time.thread_time(), time.perf_counter()
+    proc2, wall2 = time.process_time(), time.perf_counter()
     n = len(durations)
     us = [d / 1000 for d in durations]
     return {

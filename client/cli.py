@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -80,17 +80,21 @@ def _get(args: argparse.Namespace, path: str, params: dict[str, Any] | None = No
     return response.json()
 
 
+def _show(args: argparse.Namespace, page: dict[str, Any], printer: Callable[[dict[str, Any]], None]) -> None:
+    """``--json`` prints the API's answer as is; otherwise the command's own table."""
+    if args.json:
+        print(json.dumps(page, indent=2))
+    else:
+        printer(page)
+
+
 def cmd_trajectories(args: argparse.Namespace) -> None:
     params = {k: v for k, v in {
         "experiment": args.experiment, "step": args.step, "sample_index": args.sample_index,
         "rollout_n": args.rollout_n, "validate": args.validate, "sort": args.sort, "order": args.order,
         "limit": args.limit, "offset": args.offset,
     }.items() if v is not None}
-    page = _get(args, "/v1/trajectories", params)
-    if args.json:
-        print(json.dumps(page, indent=2))
-        return
-    print_trajectories(page)
+    _show(args, _get(args, "/v1/trajectories", params), print_trajectories)
 
 
 def print_trajectories(page: dict[str, Any]) -> None:
@@ -129,11 +133,7 @@ def cmd_show(args: argparse.Namespace) -> None:
 
 def cmd_decisions(args: argparse.Namespace) -> None:
     params = {k: v for k, v in {"step": args.step, "experiment": args.experiment, "validate": args.validate}.items() if v is not None}
-    page = _get(args, "/v1/decisions", params)
-    if args.json:
-        print(json.dumps(page, indent=2))
-        return
-    print_decisions(page)
+    _show(args, _get(args, "/v1/decisions", params), print_decisions)
 
 
 def print_decisions(page: dict[str, Any]) -> None:

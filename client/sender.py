@@ -21,6 +21,7 @@ import httpx
 import orjson
 
 from .config import ClientConfig, default_worker_id
+from .retry_after import parse_retry_after
 from .spans import SpanRecord
 from .wire import JSON_CONTENT_TYPE, WIRE_VERSION, WireEncoder, batch_body, pack_span
 
@@ -236,7 +237,7 @@ class Sender:
                         self.stats.drop(f"http_{status}", n)
                     return True
                 reason = f"http_{status}"
-                retry_after = _retry_after_seconds(response.headers.get("Retry-After"))
+                retry_after = parse_retry_after(response.headers.get("Retry-After"))
             if time.monotonic() - started > cfg.retry_max_elapsed_s:
                 log.warning("tracecar: giving up on %d spans after retries (%s)", n, reason)
                 with self._lock:
@@ -282,12 +283,3 @@ class Sender:
             if rejected:
                 self.stats.rejected_by_collector += rejected
                 self.stats.drop("rejected_by_collector", rejected)
-
-
-def _retry_after_seconds(value: str | None) -> float | None:
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        return None

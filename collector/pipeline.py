@@ -26,7 +26,7 @@ from .sampling import StepBudgetSampler
 from .selection import Policies, TailSelector
 from .settings import CollectorSettings
 from .spool import Spool, SpoolFull, SpoolRow
-from .validate import EnvelopeError, Rejection, Validated, validate_batch
+from .validate import Rejection, Validated, validate_batch
 
 _DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 log = logging.getLogger("tracecar.collector.pipeline")

@@ -27,13 +27,14 @@ import hashlib
 import json
 import logging
 import re
-from dataclasses import dataclass, field
-from email.utils import parsedate_to_datetime
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import httpx
 import orjson
 import pydantic_core
+
+from tracecar.client.retry_after import parse_retry_after
 
 from .forward import RawJSON, SendResult
 
@@ -328,23 +329,6 @@ def pack(sizes: list[int], max_bytes: int) -> list[tuple[int, int]]:
     if start < len(sizes):
         runs.append((start, len(sizes)))
     return runs
-
-
-def parse_retry_after(value: str | None) -> float | None:
-    """Retry-After as seconds (delta-seconds or an HTTP date), None if absent or unreadable."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=_dt.timezone.utc)
-    return max(0.0, (when - _dt.datetime.now(_dt.timezone.utc)).total_seconds())
 
 
 async def resolve_default_entity(api_key: str, wandb_base_url: str = "https://api.wandb.ai", timeout_s: float = 30.0) -> str | None:

@@ -362,13 +362,7 @@ def make_faulty_weave_stub(port: int = 0) -> Any:
                 self.timeline.append((arrived, path, status))
                 if is_complete:
                     self.complete_times.append((time.monotonic(), status))
-            h.send_response(status)
-            h.send_header("Content-Type", "application/json")
-            h.send_header("Content-Length", str(len(body)))
-            for k, v in headers.items():
-                h.send_header(k, v)
-            h.end_headers()
-            h.wfile.write(body)
+            self._reply(h, status, headers, body)
 
         def _record(self, h: Any, path: str, raw: bytes, status: int | None) -> None:
             try:

@@ -186,13 +186,18 @@ class WeaveStub:
         else:
             status, headers, payload = 200, {}, json.dumps(self._answer(path, rec)).encode()
         rec.status = status
+        self._reply(h, status, headers, payload)
+
+    @staticmethod
+    def _reply(h: BaseHTTPRequestHandler, status: int, headers: dict[str, str], body: bytes) -> None:
+        """Writes one JSON answer (shared with the fault-injecting subclass in conftest)."""
         h.send_response(status)
         h.send_header("Content-Type", "application/json")
-        h.send_header("Content-Length", str(len(payload)))
+        h.send_header("Content-Length", str(len(body)))
         for k, v in headers.items():
             h.send_header(k, v)
         h.end_headers()
-        h.wfile.write(payload)
+        h.wfile.write(body)
 
     def _answer(self, path: str, rec: RecordedRequest) -> Any:
         if path == "/graphql":  # W&B API: the DefaultEntity viewer query weave.init sends
