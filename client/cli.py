@@ -127,8 +127,9 @@ def cmd_show(args: argparse.Namespace) -> None:
 
     print(f"trajectory {tree['trace_id']} ({tree['span_count']} spans) attributes: {tree['root'].get('attributes')}")
     walk(tree["root"], 0)
-    for note in tree.get("annotations", []):
-        print(f"  annotation: {note.get('inputs')}")
+    for note in tree.get("annotations", []):  # annotate() sends its values (the reward) as attributes
+        values = {**(note.get("inputs") or {}), **(note.get("attributes") or {})}
+        print("  annotation: " + (", ".join(f"{k}={v}" for k, v in values.items()) or "(empty)"))
 
 
 def cmd_decisions(args: argparse.Namespace) -> None:
@@ -265,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url")
     p.add_argument("--experiment")
     p.add_argument("--step", type=int)
-    p.add_argument("--sample-index", type=int)
+    p.add_argument("--sample-index", help="sample index (VERL's extra_info.index): an integer or a string")
     p.add_argument("--rollout-n", type=int)
     p.add_argument("--validate", choices=["true", "false"])
     p.add_argument("--sort", choices=["start", "step", "reward", "duration", "spans", "sample_index"])

@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterator, TypeVar
 from . import tracer as _tracer
 from .spans import KIND_ANNOTATION, KIND_OP, KIND_TRAJECTORY, SpanRecord, _LazySignature
 
+KIND_MEMBERSHIP = "membership"
+
 F = TypeVar("F", bound=Callable[..., Any])
 _now = time.time
 
@@ -90,7 +92,7 @@ def _attributes_of(parent: SpanRecord | None) -> dict[str, Any] | None:
 
 @contextlib.contextmanager
 def rollout_trace_attr(
-    sample_index: int | None = None,
+    sample_index: int | str | None = None,
     step: int | None = None,
     rollout_n: int | None = None,
     name: str = "rollout_trace",
@@ -136,6 +138,28 @@ def rollout_trace_attr(
         current.reset(token)
         record.end = _now()
         tracer.emit(record)
+
+
+def announce_step(step: int, sample_indices: Any, *, validate: bool = False, **extra_attributes: Any) -> None:
+    """Tells the collector every sample index one rollout call of ``step`` will trace.
+
+    Call it before the call's trajectories start (VERL's adapter does, per
+    ``generate_sequences``): with the whole list the collector's head budget keeps a uniform,
+    seeded choice of N indices (as VERL's ``np.random.choice``), whichever trajectory finishes
+    first. Repeated indices (``rollout_n`` rollouts of one sample) are sent once. Never stored
+    or forwarded; without it the budget falls back to first come.
+    """
+    tracer = _tracer.active
+    if tracer is None:
+        return
+    attributes: dict[str, Any] = {"step": step, "validate": bool(validate),
+                                  "sample_indices": list(dict.fromkeys(sample_indices))}
+    if tracer.config.experiment is not None:
+        attributes["experiment_name"] = tracer.config.experiment
+    attributes.update({k: v for k, v in extra_attributes.items() if v is not None})
+    record = SpanRecord("step_membership", KIND_MEMBERSHIP, _now(), None, attributes)
+    record.end = record.start
+    tracer.emit(record)
 
 
 def current_trajectory_id() -> str | None:

@@ -94,6 +94,8 @@ class _State:
         self.swapped_cells: list[tuple[types.CellType, Any]] = []
         self.patched_names: list[tuple[types.ModuleType, str, Any]] = []
         self.settings: dict[str, Any] = {}
+        # fully-async VERL (step -1): the newest parameter version this worker's rollouts reported
+        self.policy_version: int | None = None
 
 
 _state = _State()
@@ -348,6 +350,7 @@ def _activate(*, project, experiment, token2text: bool, max_samples, caller) -> 
         n = _swap_existing_wrappers(tc)
         _patch_module_names()
         rewards = _hook_rewards(tc)
+        _hook_membership(tc)
         logger.info("tracecar.verl: active (project=%s experiment=%s, %d VERL ops, rewards %s)",
                     project, experiment, n, "hooked" if rewards else "not hooked")
 
@@ -383,6 +386,51 @@ def _hook_rewards(tc) -> bool:
     setattr(compute_score, _SHIM_FLAG, True)
     worker_cls._compute_score = compute_score
     _state.patched_names.append((worker_cls, "_compute_score", original))
+    return True
+
+
+def _hook_membership(tc) -> bool:
+    """Announce each ``generate_sequences`` call's sample indices, and learn policy versions.
+
+    VERL picks ``max_samples_per_step_per_worker`` samples uniformly from the call's indices;
+    the collector can do the same, independent of which trajectory finishes first, only if it
+    knows them all: this sends the list (``tc.announce_step``) before any trajectory runs. Not
+    for ``step == -1`` (fully-async: one sample per call, no step to announce). The call's
+    output carries ``max_global_steps`` (the parameter version each rollout finished with):
+    the newest becomes the ``policy_version`` of the worker's next fully-async trajectories.
+    """
+    module = sys.modules.get("verl.experimental.agent_loop.agent_loop")
+    worker_cls = getattr(module, "AgentLoopWorker", None)
+    original = getattr(worker_cls, "generate_sequences", None)
+    if original is None or getattr(original, _SHIM_FLAG, False) or not inspect.iscoroutinefunction(original):
+        return False
+    announce = getattr(tc, "announce_step", None)
+
+    @functools.wraps(original)
+    async def generate_sequences(self, batch, *args, **kwargs):
+        if _state.active and announce is not None and not _env_flag("TRACECAR_VERL_WORKER_SAMPLING", False):
+            try:
+                meta = getattr(batch, "meta_info", None) or {}
+                step = _plain(meta.get("global_steps", -1))
+                index = (getattr(batch, "non_tensor_batch", None) or {}).get("index")
+                if type(step) is int and step != -1:
+                    indices = [_plain(i) for i in index] if index is not None else list(range(len(batch)))
+                    announce(step, indices, validate=bool(_plain(meta.get("validate", False))))
+            except Exception:  # noqa: BLE001 - tracing never fails a rollout
+                logger.debug("tracecar.verl: step membership not sent", exc_info=True)
+        output = await original(self, batch, *args, **kwargs)
+        try:
+            versions = (getattr(output, "non_tensor_batch", None) or {}).get("max_global_steps")
+            seen = [v for v in (_plain(v) for v in versions) if type(v) is int] if versions is not None else []
+            if seen and (_state.policy_version is None or max(seen) > _state.policy_version):
+                _state.policy_version = max(seen)
+        except Exception:  # noqa: BLE001
+            logger.debug("tracecar.verl: policy version not read", exc_info=True)
+        return output
+
+    setattr(generate_sequences, _SHIM_FLAG, True)
+    worker_cls.generate_sequences = generate_sequences
+    _state.patched_names.append((worker_cls, "generate_sequences", original))
     return True
 
 
@@ -525,13 +573,16 @@ def _rollout_trace_attr(
             return
         import tracecar.client as tc
 
+        step = _plain(step)
         with tc.rollout_trace_attr(
             sample_index=_plain(sample_index),
-            step=_plain(step),
+            step=step,
             rollout_n=_plain(rollout_n),
             name=name,
             validate=bool(_plain(validate)),
             trace=bool(trace),
+            # fully-async (step -1): the collector budgets per policy version instead of per step
+            policy_version=_state.policy_version if step == -1 else None,
         ) as record:
             yield record
 

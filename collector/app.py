@@ -60,6 +60,9 @@ class Collector:
             keep_forwarded=settings.keep_forwarded,
         )
         self.pipeline.on_committed.append(self.forwarder.notify)
+        if self.spool.local_only:  # the store is the destination: count what reaches it as forwarded
+            stored = self.metrics.forwarded.labels(backend="local")
+            self.spool.on_stored = stored.inc
         self.metrics.bind_spool(
             lambda: self.spool.pending_count, lambda: self.spool.pending_bytes,
             self.spool.size_bytes, self.spool.dead_count,
@@ -152,7 +155,7 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
     @app.get("/v1/trajectories", dependencies=[Depends(auth)])
     async def trajectories(
         experiment: str | None = None, step: int | None = None, step_min: int | None = None,
-        step_max: int | None = None, sample_index: int | None = None, rollout_n: int | None = None,
+        step_max: int | None = None, sample_index: str | None = Query(None, max_length=256), rollout_n: int | None = None,
         validate: bool | None = None, worker: str | None = None, has_error: bool | None = None,
         reward_min: float | None = None, reward_max: float | None = None,
         sort: str = Query("start", pattern="^(start|step|reward|duration|spans|sample_index)$"),

@@ -79,7 +79,8 @@ class _Job:
 
 
 def _int_list(value: Any) -> list[int] | None:
-    if isinstance(value, list) and value and all(type(v) is int for v in (value[0], value[-1])):
+    """Token ids, or None. An empty list is ids too: VERL decodes it to ``""``."""
+    if isinstance(value, list) and (not value or all(type(v) is int for v in (value[0], value[-1]))):
         return value
     return None
 
@@ -131,7 +132,13 @@ def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: di
     Runs in a worker thread. Ids outside the vocabulary are left out of the text and named in a
     warning rather than failing the span.
     """
-    jobs = [job for span in spans for job in collect_jobs(span)]
+    jobs = []
+    for span in spans:
+        for job in collect_jobs(span):
+            if job.ids:
+                jobs.append(job)
+            else:  # nothing to decode (a turn that generated no token): VERL's text is ""
+                span["output"][job.target] = ""
     if not jobs:
         return 0
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)

@@ -14,6 +14,9 @@ class Metrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("tracecar_requests", "Ingest requests by HTTP status.", ["status"], registry=r)
         self.spans_received = Counter("tracecar_spans_received", "Spans received in well-formed batches.", registry=r)
+        self.memberships_received = Counter(
+            "tracecar_memberships_received", "Step membership announcements (a step's sample indices) received; consumed by the head sampler, never stored.",
+            registry=r)
         self.spans_accepted = Counter("tracecar_spans_accepted", "Spans committed to the spool (acknowledged).", registry=r)
         self.spans_rejected = Counter("tracecar_spans_rejected", "Spans refused, by reason.", ["reason"], registry=r)
         self.batches_rejected = Counter("tracecar_batches_rejected", "Whole requests refused (body, encoding, envelope), by reason.", ["reason"], registry=r)

@@ -22,7 +22,7 @@ import orjson
 from . import receive
 from .decoding import TokenizerNotFound, TokenizerRegistry, collect_jobs, decode_spans
 from .metrics import Metrics
-from .sampling import StepBudgetSampler
+from .sampling import MEMBERSHIP, StepBudgetSampler
 from .selection import Policies, TailSelector
 from .settings import CollectorSettings
 from .spool import Spool, SpoolFull, SpoolRow
@@ -99,13 +99,14 @@ class IngestPipeline:
                                    lambda: self.selection.held_trajectories if self.selection else 0,
                                    lambda: len(self.selection.open) if self.selection else 0)
         if self.selection is None and not settings.budgets and settings.validation_budget is None:
-            self.sampler = StepBudgetSampler(settings.max_samples_per_step_per_worker, spool.load_decisions)
+            self.sampler = StepBudgetSampler(settings.max_samples_per_step_per_worker, spool.load_decisions,
+                                             seed=settings.sampling_seed)
         else:  # per-experiment overrides: the head sampler applies only where the mode is head
             def head_limit(experiment: Any, validate: Any) -> int | None:
                 budget = self.policies.get(experiment, validate)
                 return budget.max_samples_per_step_per_worker if budget.mode == "head" else None
 
-            self.sampler = StepBudgetSampler(None, spool.load_decisions, limit_for=head_limit)
+            self.sampler = StepBudgetSampler(None, spool.load_decisions, limit_for=head_limit, seed=settings.sampling_seed)
         self.cpu = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="tracecar-cpu")
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracecar-spool")
         self.inflight = asyncio.Semaphore(settings.max_inflight_requests)
@@ -126,11 +127,16 @@ class IngestPipeline:
             loop = asyncio.get_running_loop()
             validated = await loop.run_in_executor(self.cpu, self._receive_and_validate, body, content_type, content_encoding)
             m = self.metrics
+            memberships = [s for s in validated.spans if s["kind"] == MEMBERSHIP]
+            if memberships:  # a step's sample indices: consumed by the head sampler, never stored
+                validated.spans = [s for s in validated.spans if s["kind"] != MEMBERSHIP]
+                m.memberships_received.inc(len(memberships))
             m.spans_received.inc(len(validated.spans) + len(validated.rejected))
             for rejection in validated.rejected:
                 m.spans_rejected.labels(reason=_reason_label(rejection)).inc()
             selection = self.selection
             job_limit = validated.batch.max_samples_per_step_per_worker
+            announced = self.sampler.announce(memberships, job_limit) if memberships else []
             if selection is None:
                 sampled = self.sampler.sample(validated.spans, job_limit)
                 spans = sampled.kept
@@ -138,6 +144,7 @@ class IngestPipeline:
                 sampled = self.sampler.sample([s for s in validated.spans if not selection.claims(s)], job_limit)
                 gone = {id(s) for s in sampled.dropped}
                 spans = [s for s in validated.spans if id(s) not in gone]
+            sampled.new_decisions[:0] = announced
             if sampled.dropped:
                 m.spans_sampled_out.labels(budget="max_samples_per_step_per_worker").inc(len(sampled.dropped))
             rows, tokens, too_big = await loop.run_in_executor(self.cpu, self._decode_and_serialize, validated, spans)

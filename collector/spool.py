@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import orjson
 
@@ -39,7 +39,7 @@ CREATE TABLE IF NOT EXISTS spans (
     entity TEXT,
     experiment TEXT,
     step INTEGER,
-    sample_index INTEGER,
+    sample_index,  -- no type on purpose: VERL's index is an int or a string, kept as sent
     rollout_n INTEGER,
     validate INTEGER,
     start_time REAL,
@@ -73,7 +73,7 @@ CREATE TABLE IF NOT EXISTS trajectory_decisions (
     step INTEGER NOT NULL,
     round INTEGER NOT NULL,
     worker TEXT,
-    sample_index INTEGER,
+    sample_index,
     rollout_n INTEGER,
     keep INTEGER NOT NULL,
     rule TEXT,
@@ -89,7 +89,7 @@ CREATE TABLE IF NOT EXISTS trajectory_decisions (
 CREATE INDEX IF NOT EXISTS trajectory_decisions_step ON trajectory_decisions(step, experiment, validate);
 CREATE TABLE IF NOT EXISTS sample_decisions (
     budget_key TEXT NOT NULL,
-    sample_index INTEGER NOT NULL,
+    sample_index NOT NULL,
     keep INTEGER NOT NULL,
     PRIMARY KEY (budget_key, sample_index)
 );
@@ -168,6 +168,8 @@ class Spool:
             if column not in columns:
                 self._write.execute(f"ALTER TABLE spans ADD COLUMN {column} INTEGER")
         self._read = _connect(path, sync)
+        # Local mode: called with the number of rows that just reached the store (state done)
+        self.on_stored: Callable[[int], None] | None = None
         self._write_lock = threading.RLock()
         self._read_lock = threading.Lock()
         self.pending_count, self.pending_bytes, self.stored_bytes, self.held_count, self.held_bytes = self._write.execute(
@@ -238,6 +240,8 @@ class Spool:
             if state == PENDING:
                 self.pending_count += len(fresh) - len(held)
                 self.pending_bytes += new_bytes - held_bytes
+            elif self.on_stored is not None and len(fresh) > len(held):
+                self.on_stored(len(fresh) - len(held))
         duplicate_ids = [r.span["span_id"] for r in rows if r.span["span_id"] in known]
         return WriteResult(inserted=len(fresh), duplicates=len(duplicate_ids), duplicate_ids=duplicate_ids)
 
@@ -296,6 +300,8 @@ class Spool:
             if target == PENDING:
                 self.pending_count += moved
                 self.pending_bytes += moved_bytes
+            elif self.on_stored is not None and moved:
+                self.on_stored(moved)
         return moved, gone, gone_bytes
 
     def held_rows(self) -> list[tuple[Any, ...]]:

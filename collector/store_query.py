@@ -15,13 +15,26 @@ SORTS = {
 }
 
 
+def sample_index_values(value: int | str) -> list[int | str]:
+    """What a ``sample_index`` filter matches: VERL's index is an int or a string, and a query
+    parameter is always a string, so ``"7"`` matches both the int 7 and the string ``"7"``."""
+    if type(value) is int:
+        return [value, str(value)]
+    text = str(value)
+    try:
+        number = int(text)
+    except ValueError:
+        return [text]
+    return [number, text] if str(number) == text and -(2**63) <= number < 2**63 else [text]
+
+
 @dataclass
 class TrajectoryFilter:
     experiment: str | None = None
     step: int | None = None
     step_min: int | None = None
     step_max: int | None = None
-    sample_index: int | None = None
+    sample_index: int | str | None = None
     rollout_n: int | None = None
     validate: bool | None = None
     worker: str | None = None
@@ -33,12 +46,16 @@ class TrajectoryFilter:
         clauses = ["r.parent_id IS NULL", "r.kind != 'annotation'"]
         params: list[Any] = []
         for column, value in (
-            ("r.experiment", self.experiment), ("r.step", self.step), ("r.sample_index", self.sample_index),
+            ("r.experiment", self.experiment), ("r.step", self.step),
             ("r.rollout_n", self.rollout_n), ("r.worker", self.worker),
         ):
             if value is not None:
                 clauses.append(f"{column} = ?")
                 params.append(value)
+        if self.sample_index is not None:
+            values = sample_index_values(self.sample_index)
+            clauses.append(f"r.sample_index IN ({','.join('?' * len(values))})")
+            params.extend(values)
         if self.validate is not None:
             clauses.append("r.validate = ?")
             params.append(int(self.validate))

@@ -13,9 +13,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-SpanKind = Literal["op", "trajectory", "annotation"]
+SpanKind = Literal["op", "trajectory", "annotation", "membership"]  # membership: a step's sample indices
 _ID = Field(pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
-_INT_ATTRS = ("step", "sample_index", "rollout_n")
+_INT_ATTRS = ("step", "rollout_n")
+#: VERL passes ``extra_info.index`` through unchanged: an int, or a string (uuid datasets).
+MAX_SAMPLE_INDEX_CHARS = 256
 _INT64 = (-(2**63), 2**63 - 1)  # what an SQLite INTEGER column (the store's index) can hold
 
 
@@ -45,6 +47,18 @@ class SpanIn(BaseModel):
                 raise ValueError(f"attributes.{key} must be an integer, got {type(value).__name__}")
             if value is not None and not _INT64[0] <= value <= _INT64[1]:
                 raise ValueError(f"attributes.{key} must fit in a signed 64-bit integer, got {value}")
+        index = attrs.get("sample_index")
+        if index is not None:
+            if type(index) is str:
+                if not 0 < len(index) <= MAX_SAMPLE_INDEX_CHARS:
+                    raise ValueError(f"attributes.sample_index must be 1 to {MAX_SAMPLE_INDEX_CHARS} characters, got {len(index)}")
+            elif type(index) is not int:
+                raise ValueError(f"attributes.sample_index must be an integer or a string, got {type(index).__name__}")
+            elif not _INT64[0] <= index <= _INT64[1]:
+                raise ValueError(f"attributes.sample_index must fit in a signed 64-bit integer, got {index}")
+        members = attrs.get("sample_indices")
+        if members is not None and (not isinstance(members, list) or any(type(i) not in (int, str) for i in members)):
+            raise ValueError("attributes.sample_indices must be a list of integers or strings")
         reward = attrs.get("reward")
         if type(reward) is int and not _INT64[0] <= reward <= _INT64[1]:
             raise ValueError(f"attributes.reward must fit in a signed 64-bit integer, got {reward}")

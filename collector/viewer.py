@@ -167,7 +167,7 @@ def build_router(collector: "Collector", token: str | None) -> APIRouter:
     @guarded.get("/api/trajectories")
     async def trajectories(
         experiment: str | None = None, step: int | None = None, step_min: int | None = None,
-        step_max: int | None = None, sample_index: int | None = None, rollout_n: int | None = None,
+        step_max: int | None = None, sample_index: str | None = Query(None, max_length=256), rollout_n: int | None = None,
         validate: bool | None = None, kept_because: str | None = None, reward_min: float | None = None,
         reward_max: float | None = None, has_error: bool | None = None, worker: str | None = None,
         sort: str = Query("start", pattern=SORT_PATTERN), order: str = Query("desc", pattern="^(asc|desc)$"),

@@ -32,11 +32,12 @@ from typing import Any
 
 import orjson
 
+from .store_query import sample_index_values
 from .viewer_shape import is_tool, token_counts, token_output
 
 log = logging.getLogger("tracecar.collector.viewer")
 
-INDEX_VERSION = "2"
+INDEX_VERSION = "3"  # 3: sample_index has no column type (VERL indices are ints or strings)
 ROOT = "root_seq IS NOT NULL"  # every query names it, so the partial indexes apply
 
 SCHEMA = f"""
@@ -47,7 +48,7 @@ CREATE TABLE IF NOT EXISTS trajectories (
     name TEXT,
     experiment TEXT,
     step INTEGER,
-    sample_index INTEGER,
+    sample_index,
     rollout_n INTEGER,
     validate INTEGER,
     worker TEXT,
@@ -149,7 +150,7 @@ class ListFilter:
     step: int | None = None
     step_min: int | None = None
     step_max: int | None = None
-    sample_index: int | None = None
+    sample_index: int | str | None = None
     rollout_n: int | None = None
     validate: bool | None = None
     kept_because: str | None = None
@@ -162,11 +163,15 @@ class ListFilter:
         clauses, params = [ROOT], []
         if self.experiment == "":  # the page's name for "no experiment_name"
             clauses.append("experiment IS NULL")
-        for name in ("experiment", "step", "sample_index", "rollout_n", "kept_because", "worker"):
+        for name in ("experiment", "step", "rollout_n", "kept_because", "worker"):
             value = getattr(self, name)
             if value is not None and value != "":
                 clauses.append(f"{name} = ?")
                 params.append(value)
+        if self.sample_index is not None and self.sample_index != "":
+            values = sample_index_values(self.sample_index)
+            clauses.append(f"sample_index IN ({','.join('?' * len(values))})")
+            params.extend(values)
         for column, op, value in (("step", ">=", self.step_min), ("step", "<=", self.step_max),
                                   ("reward", ">=", self.reward_min), ("reward", "<=", self.reward_max)):
             if value is not None:

@@ -38,6 +38,9 @@ from typing import Any, Iterable
 
 from .policy import Budget
 
+#: A VERL sample index: ``extra_info.index`` as the dataset has it, an int or a string.
+SampleIndex = int | str
+
 #: Bytes a root grows by when ``kept_because`` is written into it (a bound, counted in the cost).
 KEPT_MARK_BYTES = 48
 
@@ -50,7 +53,7 @@ class Candidate:
 
     trace_id: str
     worker: str
-    sample_index: int
+    sample_index: SampleIndex
     rollout_n: int | None
     has_error: bool
     reward: float | None
@@ -74,8 +77,8 @@ class Usage:
     trajectories: int = 0
     bytes: int = 0
     tokens: int = 0
-    groups: set[int] = field(default_factory=set)
-    worker_samples: dict[str, set[int]] = field(default_factory=dict)
+    groups: set[SampleIndex] = field(default_factory=set)
+    worker_samples: dict[str, set[SampleIndex]] = field(default_factory=dict)
 
     def copy(self) -> "Usage":
         return Usage(self.trajectories, self.bytes, self.tokens, set(self.groups),
@@ -101,7 +104,7 @@ class Usage:
             return "max_groups_per_step"
         n = limits.get("max_samples_per_step_per_worker")
         if n is not None:
-            new: dict[str, set[int]] = {}
+            new: dict[str, set[SampleIndex]] = {}
             for c in unit.members:
                 if c.sample_index not in self.worker_samples.get(c.worker, ()):
                     new.setdefault(c.worker, set()).add(c.sample_index)
@@ -123,7 +126,7 @@ class Prior:
     usage: Usage = field(default_factory=Usage)
     error_usage: Usage = field(default_factory=Usage)
     rule_units: dict[str, int] = field(default_factory=dict)
-    groups: dict[int, bool] = field(default_factory=dict)  # sample_index -> kept (group unit only)
+    groups: dict[SampleIndex, bool] = field(default_factory=dict)  # sample_index -> kept (group unit only)
 
 
 @dataclass
@@ -141,10 +144,19 @@ class Unit:
         return [c.reward for c in self.members if c.reward is not None]
 
 
-def sample_hash(seed: int, experiment: Any, step: int, sample_index: int) -> int:
-    """The fill order: same (seed, experiment, step, sample_index) → same rank everywhere."""
+def sample_hash(seed: int, experiment: Any, step: int, sample_index: SampleIndex) -> int:
+    """The fill order: same (seed, experiment, step, sample_index) → same rank everywhere.
+
+    Also the head mode's uniform choice over a step's announced sample indices
+    (:mod:`tracecar.collector.sampling`), so both modes pick the same samples for one seed.
+    """
     key = f"{seed}\x1f{experiment}\x1f{step}\x1f{sample_index}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
+
+
+def index_order(sample_index: SampleIndex) -> tuple[int, int, str]:
+    """A sort key for a mix of int and string indices (ints first, then strings)."""
+    return (0, sample_index, "") if type(sample_index) is int else (1, 0, str(sample_index))
 
 
 def trajectory_cost(c: Candidate, cap: int | None) -> int:
@@ -167,13 +179,13 @@ def decide(candidates: Iterable[Candidate], budget: Budget, experiment: Any, ste
     cap = budget.max_trajectory_bytes
     seed = budget.sampling_seed
     verdicts: dict[str, Verdict] = {}
-    hashes: dict[int, int] = {}
+    hashes: dict[SampleIndex, int] = {}
 
     def order_of(c: Candidate) -> tuple[Any, ...]:
         h = hashes.get(c.sample_index)
         if h is None:
             h = hashes[c.sample_index] = sample_hash(seed, experiment, step, c.sample_index)
-        return (h, c.sample_index, -1 if c.rollout_n is None else c.rollout_n, c.trace_id)
+        return (h, index_order(c.sample_index), -1 if c.rollout_n is None else c.rollout_n, c.trace_id)
 
     def make_unit(members: list[Candidate]) -> Unit:
         members.sort(key=order_of)
@@ -186,7 +198,7 @@ def decide(candidates: Iterable[Candidate], budget: Budget, experiment: Any, ste
             complete.append(c)
         else:
             verdicts[c.trace_id] = Verdict(c.trace_id, False, reason="incomplete")
-    by_sample: dict[int, list[Candidate]] = {}
+    by_sample: dict[SampleIndex, list[Candidate]] = {}
     for c in complete:
         by_sample.setdefault(c.sample_index, []).append(c)
     if budget.group_unit:
@@ -259,7 +271,7 @@ def decide(candidates: Iterable[Candidate], budget: Budget, experiment: Any, ste
         if budget.group_unit:
             groups = [(u, u.rewards(), [u]) for u in open_units if id(u) not in kept]
         else:
-            open_by_sample: dict[int, list[Unit]] = {}
+            open_by_sample: dict[SampleIndex, list[Unit]] = {}
             for u in open_units:
                 if id(u) not in kept:
                     open_by_sample.setdefault(u.members[0].sample_index, []).append(u)

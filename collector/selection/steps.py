@@ -34,7 +34,7 @@ class Traj:
     __slots__ = ("worker", "sample_index", "rollout_n", "has_error", "reward", "reward_key",
                  "root_at", "nbytes", "tokens", "spans")
 
-    def __init__(self, worker: str, sample_index: int, rollout_n: int | None) -> None:
+    def __init__(self, worker: str, sample_index: int | str, rollout_n: int | None) -> None:
         self.worker = worker
         self.sample_index = sample_index
         self.rollout_n = rollout_n

@@ -4,7 +4,8 @@ Runs on the spool's single writer thread (ingest writes, decisions and the endpo
 all queue there), so routing a span, committing it and deciding its step never race: a span is
 either committed before a decision (and is part of it) or routed after it (and follows it).
 
-Routing a span of a tail-budgeted experiment (one with int ``step`` and ``sample_index``):
+Routing a span of a tail-budgeted experiment (one with an int ``step`` and an int or string
+``sample_index``):
 
 - its step is open → **held** (state HELD in the spool; a small summary in memory);
 - its trajectory was decided → follows that verdict: kept → pending (a *late* span, counted
@@ -95,7 +96,7 @@ class TailSelector:
         if span["kind"] == "annotation":
             return True
         attrs = span["attributes"]
-        if type(attrs.get("step")) is not int or type(attrs.get("sample_index")) is not int:
+        if type(attrs.get("step")) is not int or type(attrs.get("sample_index")) not in (int, str):
             return False
         return self.policies.get(attrs.get("experiment_name"), attrs.get("validate")).mode == "tail"
 
@@ -408,7 +409,7 @@ class TailSelector:
         """What earlier rounds of this step kept, from the decision rows (exact after a restart)."""
         prior = Prior()
         rule_units: dict[str, set[Any]] = {}
-        groups: dict[int, bool] = {}
+        groups: dict[Any, bool] = {}
         for row in self.spool.step_decisions(key[0], key[1], key[2]):
             c = Candidate(row["trace_id"], row["worker"] or "", row["sample_index"], row["rollout_n"],
                           bool(row["has_error"]), row["reward"], row["nbytes"], row["tokens"], True)
