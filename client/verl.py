@@ -443,6 +443,7 @@ def _deactivate() -> None:
             setattr(module, name, original)
         _state.patched_names.clear()
         _state.active = False
+        _state.policy_version = None
 
 
 # --------------------------------------------------------------------------------------------

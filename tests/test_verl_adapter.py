@@ -190,7 +190,7 @@ def make_worker(config: Any, tokenizer: Any) -> tuple[Any, FakeServer]:
     return worker, server
 
 
-def make_batch(validate: bool = False) -> Any:
+def make_batch(validate: bool = False, index: Any = None) -> Any:
     """Two prompts, n=2 rollouts each, interleaved like ``DataProto.repeat(n, interleave=True)``."""
     from verl.protocol import DataProto
 
@@ -200,7 +200,7 @@ def make_batch(validate: bool = False) -> Any:
         non_tensor_batch={
             "raw_prompt": np.array([tool_prompt, tool_prompt, plain_prompt, plain_prompt], dtype=object),
             "agent_name": np.array(["tool_agent"] * 2 + ["single_turn_agent"] * 2, dtype=object),
-            "index": np.array([0, 0, 1, 1]),
+            "index": np.array([0, 0, 1, 1]) if index is None else index,
         },
         meta_info={"global_steps": STEP, "validate": validate},
     )
@@ -309,10 +309,30 @@ def test_budget_from_collector_settings_keeps_whole_samples(adapter, start_colle
     assert adapter.settings()["max_samples_per_step_per_worker"] == 1
     asyncio.run(worker.generate_sequences(make_batch()))
     stats = flush()
-    assert stats["sent"] == 2 * 7 + 2 * 3  # ... and every span of every rollout went out
+    # ... and every span of every rollout went out, after the step's membership announcement
+    assert stats["sent"] == 1 + 2 * 7 + 2 * 3
     trajs = trajectories(col.url, step=STEP)
     assert len({t["sample_index"] for t in trajs}) == 1
     assert sorted(t["rollout_n"] for t in trajs) == [0, 1]  # all rollouts of the kept sample
+    # the adapter announced the call's indices: the kept one is the seeded hash choice, not the first back
+    from tracecar.collector.selection import sample_hash
+
+    assert {t["sample_index"] for t in trajs} == {min((0, 1), key=lambda i: sample_hash(0, EXPERIMENT, STEP, i))}
+
+
+def test_string_dataset_indices_are_traced_and_budgeted(adapter, start_collector, monkeypatch, model_dir, hf_tokenizer):
+    """VERL passes extra_info.index through unchanged; uuid strings (a numpy object column) are kept as such."""
+    col = start_collector(max_samples_per_step_per_worker=1)
+    monkeypatch.setenv("TRACECAR_URL", col.url)
+    adapter.install()
+    worker, _ = make_worker(verl_config(model_dir), hf_tokenizer)
+    uuids = ["9b1d-uuid-a", "9b1d-uuid-a", "3c2e-uuid-b", "3c2e-uuid-b"]
+    asyncio.run(worker.generate_sequences(make_batch(index=np.array(uuids, dtype=object))))
+    flush()
+    trajs = trajectories(col.url, step=STEP)
+    assert len(trajs) == 2 and len({t["sample_index"] for t in trajs}) == 1
+    assert trajs[0]["sample_index"] in uuids and sorted(t["rollout_n"] for t in trajs) == [0, 1]
+    assert "tracecar_spans_rejected_total{" not in httpx.get(col.url + "/metrics").text  # no span refused
 
 
 def test_budget_from_verl_config_is_honoured_by_collector(adapter, start_collector, monkeypatch, model_dir, hf_tokenizer):
@@ -507,7 +527,7 @@ def test_config_only_switch_via_model_external_lib(start_collector, model_dir):
         env=env, capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "SENT 20" in proc.stdout
+    assert "SENT 21" in proc.stdout  # 20 spans + the step's membership announcement
     assert len(trajectories(col.url, step=STEP)) == 4
 
 
