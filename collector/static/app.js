@@ -337,7 +337,10 @@
     const form = h("form", { class: "controls", "data-testid": "filter-form" },
       h("label", null, "experiment", h("select", { name: "experiment" }, h("option", { value: "" }, "any"),
         facets.experiments.map((e) => h("option", { value: expKey(e.experiment), selected: params.experiment === expKey(e.experiment) }, fmt.exp(e.experiment))))),
-      FILTERS.map(([name, label]) => h("label", null, label, h("input", { type: "number", name, step: name.startsWith("reward") ? "any" : "1", value: params[name] || "" }))),
+      FILTERS.map(([name, label]) => h("label", null, label, name === "sample_index"
+        // VERL's sample index is an int or a string (uuid datasets): a text field
+        ? h("input", { type: "text", name, maxlength: "256", value: params[name] || "" })
+        : h("input", { type: "number", name, step: name.startsWith("reward") ? "any" : "1", value: params[name] || "" }))),
       h("label", null, "rollouts", h("select", { name: "validate" },
         [["", "any"], ["false", "training"], ["true", "validation"]].map(([v, l]) => h("option", { value: v, selected: (params.validate || "") === v }, l)))),
       h("label", null, "kept because", h("select", { name: "kept_because" }, h("option", { value: "" }, "any"),
