@@ -106,7 +106,8 @@ class IngestPipeline:
                 budget = self.policies.get(experiment, validate)
                 return budget.max_samples_per_step_per_worker if budget.mode == "head" else None
 
-            self.sampler = StepBudgetSampler(None, spool.load_decisions, limit_for=head_limit, seed=settings.sampling_seed)
+            self.sampler = StepBudgetSampler(None, spool.load_decisions, limit_for=head_limit, seed=settings.sampling_seed,
+                                             seed_for=lambda e, v: self.policies.get(e, v).sampling_seed)
         self.cpu = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="tracecar-cpu")
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracecar-spool")
         self.inflight = asyncio.Semaphore(settings.max_inflight_requests)

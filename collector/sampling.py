@@ -89,6 +89,7 @@ class StepBudgetSampler:
         limit_for: Callable[[Any, Any], int | None] | None = None,
         seed: int = 0,
         max_traces: int = 262144,
+        seed_for: Callable[[Any, Any], int] | None = None,
     ) -> None:
         self.limit = max_samples_per_step_per_worker
         self._limit_for = limit_for  # per (experiment, validate) limit, when overrides exist
@@ -96,6 +97,7 @@ class StepBudgetSampler:
         self._cache: OrderedDict[str, dict[SampleIndex, bool]] = OrderedDict()
         self._max_cached_keys = max_cached_keys
         self.seed = seed
+        self._seed_for = seed_for  # per (experiment, validate) seed, when overrides exist
         # trace_id -> kept, so a trajectory's reward annotation (no step attributes) follows it
         self._traces: OrderedDict[str, bool] = OrderedDict()
         self._max_traces = max_traces
@@ -120,8 +122,10 @@ class StepBudgetSampler:
             key = budget_key(attrs.get("experiment_name"), step, span["worker"], attrs.get("validate"), version)
             decisions = self._decisions(key)
             hash_step = step if version is None else version
-            for index, keep in choose([i for i in indices if is_sample_index(i)], decisions, limit, self.seed,
-                                      attrs.get("experiment_name"), hash_step).items():
+            experiment = attrs.get("experiment_name")
+            seed = self.seed if self._seed_for is None else self._seed_for(experiment, attrs.get("validate"))
+            for index, keep in choose([i for i in indices if is_sample_index(i)], decisions, limit, seed,
+                                      experiment, hash_step).items():
                 decisions[index] = keep
                 out.append((key, index, keep))
         return out

@@ -334,3 +334,18 @@ def test_cli_show_prints_the_reward(start_collector):
     assert out.returncode == 0, out.stderr
     assert "annotation: reward=0.75" in out.stdout
     assert "annotation: {}" not in out.stdout
+
+
+def test_announced_choice_uses_the_experiments_own_seed(start_collector):
+    col = start_collector(budgets={"seeded": {"max_samples_per_step_per_worker": 2, "sampling_seed": 7}})
+    tracer = configure(col.url, "w0", "seeded")
+
+    async def main() -> None:
+        announce_step(1, list(range(8)))
+        for i in range(8):
+            await trajectory(1, i)
+
+    asyncio.run(main())
+    assert tracer.flush(20)
+    expected = set(sorted(range(8), key=lambda i: sample_hash(7, "seeded", 1, i))[:2])
+    assert {r["sample_index"] for r in listing(col.url, experiment="seeded")} == expected
