@@ -88,7 +88,7 @@ class StepBudgetSampler:
         max_cached_keys: int = 4096,
         limit_for: Callable[[Any, Any], int | None] | None = None,
         seed: int = 0,
-        max_traces: int = 262144,
+        max_traces: int = 65536,
         seed_for: Callable[[Any, Any], int] | None = None,
     ) -> None:
         self.limit = max_samples_per_step_per_worker
