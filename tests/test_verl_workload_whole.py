@@ -5,7 +5,8 @@ Three worker processes (tests/verl_workload_worker.py, the real client over HTTP
 training steps with int indices (announced, ``rollout_n`` = 2), a validation pass reusing step 2
 with string indices, fully-async rollouts (``step = -1``) under two policy versions, a
 ``trace=False`` sample, failing tools and reward annotations, with trajectories finishing out of
-order. The collector (real, on 127.0.0.1) budgets ``max_samples_per_step_per_worker = 2``.
+order. The collector (real, on 127.0.0.1) budgets ``max_samples_per_step_per_worker = 2``, once
+head-based (at ingest, with the announced memberships) and once tail-based (held, decided per step).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -38,8 +40,12 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
-def test_several_workers_every_trajectory_whole_and_exact_metrics(start_collector, tmp_path):
-    col = start_collector(max_samples_per_step_per_worker=N, sampling_seed=SEED)
+@pytest.mark.parametrize("mode", ["head", "tail"])
+def test_several_workers_every_trajectory_whole_and_exact_metrics(start_collector, tmp_path, mode):
+    """head: VERL's budget at ingest (announced steps: the seeded choice; step -1 per policy version).
+    tail: the same limit decided on whole held steps (step -1 is one step there)."""
+    extra = {} if mode == "head" else {"tail_sampling": True, "step_idle_s": 0.5, "reward_wait_s": 0.2}
+    col = start_collector(max_samples_per_step_per_worker=N, sampling_seed=SEED, **extra)
     procs = []
     for k in range(WORKERS):
         path = tmp_path / f"manifest-{k}.json"
@@ -55,9 +61,16 @@ def test_several_workers_every_trajectory_whole_and_exact_metrics(start_collecto
     # 3 workers x (2 steps x 5 samples x 2 rollouts + 4 validation + 2 x 3 async) = 3 x 30 trajectories
     assert len(manifest) == WORKERS * 30
 
+    if mode == "tail":  # held steps are decided once idle: wait until nothing is held
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (metrics(col.url)["tracecar_held_spans"] or metrics(col.url)["tracecar_open_steps"]):
+            time.sleep(0.2)
+        assert metrics(col.url)["tracecar_held_spans"] == 0
+
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
     for t in manifest:
-        groups[(t["worker"], t["step"], t["validate"], t["policy_version"])].append(t)
+        version = t["policy_version"] if mode == "head" else None
+        groups[(t["worker"], t["step"], t["validate"], version)].append(t)
 
     kept_spans = dropped_spans = 0
     for key, members in groups.items():
@@ -78,7 +91,7 @@ def test_several_workers_every_trajectory_whole_and_exact_metrics(start_collecto
             kept_spans += t["spans"]
         assert not kept_indices & dropped_indices, f"{key}: a sample group split"
         assert len(kept_indices) == N, key
-        if step != -1:  # announced: exactly the seeded hash choice over the announced indices
+        if step != -1 and mode == "head":  # announced: exactly the seeded hash choice over the announced indices
             indices = sorted({t["sample_index"] for t in members}, key=str)
             expected = set(sorted(indices, key=lambda i: sample_hash(SEED, "multi", step, i))[:N])
             assert kept_indices == expected, key
@@ -89,9 +102,16 @@ def test_several_workers_every_trajectory_whole_and_exact_metrics(start_collecto
 
     m = metrics(col.url)
     assert m["tracecar_spans_received_total"] == kept_spans + dropped_spans == WORKERS * 30 * 6
-    assert m["tracecar_spans_accepted_total"] == kept_spans
-    assert m['tracecar_spans_sampled_out_total{budget="max_samples_per_step_per_worker"}'] == dropped_spans
+    # head: decided before the commit, so only kept spans are accepted; tail: every span is
+    # acknowledged (held in the spool), the decision then deletes the dropped ones
+    assert m["tracecar_spans_accepted_total"] == (kept_spans if mode == "head" else kept_spans + dropped_spans)
+    sampled_out = sum(v for k, v in m.items() if k.startswith("tracecar_spans_sampled_out_total{"))
+    assert sampled_out == dropped_spans
+    if mode == "head":
+        assert m['tracecar_spans_sampled_out_total{budget="max_samples_per_step_per_worker"}'] == dropped_spans
+    else:
+        assert m['tracecar_spans_sampled_out_total{budget="tail"}'] == dropped_spans
     assert sum(v for k, v in m.items() if k.startswith("tracecar_spans_rejected_total")) == 0
     assert m["tracecar_spans_duplicate_total"] == 0
     assert m["tracecar_memberships_received_total"] == WORKERS * 3  # steps 1, 2 and the validation pass
-    assert m['tracecar_spans_forwarded_total{backend="local"}'] == kept_spans
+    assert m['tracecar_spans_forwarded_total{backend="local"}'] == kept_spans  # what reached the store
