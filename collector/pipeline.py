@@ -14,7 +14,7 @@ import base64
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import orjson
@@ -30,6 +30,10 @@ from .validate import Rejection, Validated, validate_batch
 
 _DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 log = logging.getLogger("tracecar.collector.pipeline")
+
+
+# body, Content-Type, Content-Encoding -> validated spans; runs in a worker thread
+Receiver = Callable[[bytes, str | None, str | None], Validated]
 
 
 class Backpressure(Exception):
@@ -120,11 +124,13 @@ class IngestPipeline:
         if self.inflight.locked():
             raise Backpressure("inflight_requests", f"{self.settings.max_inflight_requests} requests already in flight (TRACECAR_MAX_INFLIGHT_REQUESTS)")
 
-    async def ingest(self, body: bytes, content_type: str | None, content_encoding: str | None) -> IngestResult:
+    async def ingest(self, body: bytes, content_type: str | None, content_encoding: str | None,
+                     receiver: Receiver | None = None) -> IngestResult:
+        """``receiver`` turns the body into validated spans (default: tracecar's wire format)."""
         self.check_capacity()
         async with self.inflight:
             loop = asyncio.get_running_loop()
-            validated = await loop.run_in_executor(self.cpu, self._receive_and_validate, body, content_type, content_encoding)
+            validated = await loop.run_in_executor(self.cpu, receiver or self._receive_and_validate, body, content_type, content_encoding)
             m = self.metrics
             m.spans_received.inc(len(validated.spans) + len(validated.rejected))
             for rejection in validated.rejected:

@@ -1,0 +1,351 @@
+"""OTLP in: vLLM-shaped engine spans join the rollout; other OTLP producers are traces of their own.
+
+Spans are made the way vLLM makes them (vllm/tracing/otel.py ``init_otel_tracer`` and
+vllm/v1/engine/output_processor.py ``do_tracing``): an opentelemetry-sdk TracerProvider with
+vLLM's resource attributes, a BatchSpanProcessor over the OTLP/HTTP protobuf exporter (what
+``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf`` selects), the parent context extracted
+from ``trace_headers`` with the W3C propagator, one ``llm_request`` SERVER span per request
+started at the request's arrival, with vLLM's ``gen_ai.*`` attribute names. They are exported
+to a real collector on 127.0.0.1 and read back through its HTTP API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import os
+import re
+import time
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from google.protobuf import json_format
+from google.rpc import status_pb2
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
+from opentelemetry.proto.trace.v1 import trace_pb2
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from tracecar.client import rollout_trace_attr, rollout_trace_op, trace_headers, traceparent
+
+pytestmark = pytest.mark.timeout(120)
+
+MiB = 2**20
+PROTOBUF = {"Content-Type": "application/x-protobuf"}
+TRACEPARENT = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-0[01]$")
+
+
+class VllmEngine:
+    """vLLM's request tracing, reproduced with the same OpenTelemetry calls and names."""
+
+    def __init__(self, endpoint: str, headers: dict[str, str] | None = None) -> None:
+        resource = Resource.create({"vllm.instrumenting_module_name": "vllm.llm_engine",
+                                    "vllm.process_id": str(os.getpid())})
+        self.provider = TracerProvider(resource=resource)
+        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, headers=headers)))
+        self.tracer = self.provider.get_tracer("vllm.llm_engine")
+
+    def request(self, trace_headers: dict[str, str] | None, request_id: str, prompt_tokens: int,
+                completion_tokens: int, arrival: float, error: BaseException | None = None) -> None:
+        """``OutputProcessor.do_tracing`` for one finished request."""
+        context = TraceContextTextMapPropagator().extract(trace_headers) if trace_headers else None
+        queued, ttft, decode = 0.004, 0.031, 0.120
+        attributes: dict[str, Any] = {
+            "gen_ai.latency.time_to_first_token": ttft,
+            "gen_ai.latency.e2e": ttft + decode,
+            "gen_ai.latency.time_in_queue": queued,
+            "gen_ai.usage.prompt_tokens": prompt_tokens,
+            "gen_ai.usage.completion_tokens": completion_tokens,
+            "gen_ai.latency.time_in_model_prefill": ttft - queued,
+            "gen_ai.latency.time_in_model_decode": decode,
+            "gen_ai.latency.time_in_model_inference": ttft - queued + decode,
+            "gen_ai.request.id": request_id,
+            "gen_ai.response.finish_reasons": orjson.dumps(["stop"]).decode(),
+            "gen_ai.request.top_p": 1.0,
+            "gen_ai.request.max_tokens": 512,
+            "gen_ai.request.temperature": 0.7,
+            "gen_ai.request.n": 1,
+        }
+        span = self.tracer.start_span("llm_request", context=context, start_time=int(arrival * 1e9), kind=SpanKind.SERVER)
+        span.set_attributes(attributes)
+        if error is not None:
+            span.record_exception(error)
+            span.set_status(Status(StatusCode.ERROR, str(error)))
+        span.end()
+
+    def flush(self) -> None:
+        assert self.provider.force_flush(10_000)
+
+    def close(self) -> None:
+        self.provider.shutdown()
+
+
+def _walk(span: dict[str, Any]) -> list[dict[str, Any]]:
+    out = [span]
+    for child in span.get("children", []):
+        out.extend(_walk(child))
+    return out
+
+
+def _get(url: str, path: str, **kw: Any) -> Any:
+    r = httpx.get(url + path, timeout=10, **kw)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _wait_spans(col: Any, trace_id: str, count: int, timeout: float = 15) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.get(f"{col.url}/v1/trajectories/{trace_id}", timeout=10)
+        if r.status_code == 200 and r.json()["span_count"] >= count:
+            return r.json()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"trace {trace_id}: {r.status_code} {r.text[:500]}")
+        time.sleep(0.05)
+
+
+def test_vllm_engine_span_lands_under_the_generate_call_that_caused_it(start_collector, tracer_to):
+    col = start_collector()
+    tracer = tracer_to(col.url)
+    engine = VllmEngine(col.url + "/v1/traces")
+    seen: list[str | None] = []
+
+    class Server:
+        @rollout_trace_op
+        async def generate(self, prompt_ids: list[int], request_id: str) -> dict[str, Any]:
+            seen.append(traceparent())
+            engine.request(trace_headers(), request_id, len(prompt_ids), 3, arrival=time.time())
+            return {"prompt_ids": prompt_ids, "response_ids": [7, 8, 9]}
+
+    @rollout_trace_op
+    async def run(server: Server) -> str:
+        await server.generate([1, 2, 3, 4], "req-1")
+        await server.generate([1, 2, 3, 4, 7, 8, 9, 5], "req-2")
+        return "done"
+
+    async def trajectory() -> str:
+        with rollout_trace_attr(sample_index=3, step=5, rollout_n=0, name="agent_loop") as root:
+            assert traceparent() == f"00-{root.span_id}-{root.span_id[16:]}-01"  # the root itself
+            await run(Server())
+        return root.span_id
+
+    trace_id = asyncio.run(trajectory())
+    assert traceparent() is None  # outside a trace
+    assert tracer.flush(10)  # the generate spans are stored before the engine's (as in a real run)
+    engine.flush()
+    engine.close()
+
+    assert all(tp is not None and TRACEPARENT.match(tp) and tp.endswith("-01") and tp[3:35] == trace_id for tp in seen)
+    tree = _wait_spans(col, trace_id, 6)  # trajectory, run, 2 × generate, 2 × llm_request
+    spans = _walk(tree["root"])
+    generates = sorted((s for s in spans if s["name"].endswith("Server.generate")), key=lambda s: s["start_time"])
+    assert len(generates) == 2
+    for number, generate in enumerate(generates, 1):
+        assert seen[number - 1] == f"00-{trace_id}-{generate['span_id'][16:]}-01"
+        [engine_span] = generate["children"]
+        assert engine_span["name"] == "llm_request" and not engine_span.get("parent_missing")
+        assert engine_span["parent_id"] == generate["span_id"] and engine_span["trace_id"] == trace_id
+        attrs = engine_span["attributes"]
+        assert attrs["gen_ai.request.id"] == f"req-{number}"
+        assert attrs["gen_ai.usage.prompt_tokens"] == (4, 8)[number - 1] and attrs["gen_ai.usage.completion_tokens"] == 3
+        assert attrs["gen_ai.latency.time_to_first_token"] == pytest.approx(0.031)
+        otel = attrs["otel"]
+        assert otel["kind"] == "SERVER" and otel["parent_span_id"] == generate["span_id"][16:]
+        assert otel["resource"]["vllm.instrumenting_module_name"] == "vllm.llm_engine"
+        assert otel["scope"]["name"] == "vllm.llm_engine"
+        # joined: the trajectory's budget attributes and worker, so sampling keeps it with its trajectory
+        assert (attrs["step"], attrs["sample_index"], attrs["rollout_n"], attrs["validate"]) == (5, 3, 0, False)
+        assert engine_span["worker"] == generate["worker"] == tracer.sender.worker_id
+        assert engine_span["exception"] is None
+    listed = _get(col.url, "/v1/trajectories", params={"step": 5})
+    assert listed["total"] == 1 and listed["trajectories"][0]["trace_id"] == trace_id
+    assert listed["trajectories"][0]["span_count"] == 6
+
+
+def test_a_trajectory_dropped_in_the_worker_gives_an_unsampled_traceparent_and_vllm_records_nothing(start_collector, tracer_to):
+    col = start_collector()
+    tracer_to(col.url)
+    engine = VllmEngine(col.url + "/v1/traces")
+    with rollout_trace_attr(sample_index=1, step=1, trace=False):  # VERL's pre-selection left this one out
+        header = traceparent()
+        engine.request(trace_headers(), "req-dropped", 4, 2, arrival=time.time())
+    engine.flush()
+    with rollout_trace_attr(sample_index=2, step=1) as kept:
+        engine.request(trace_headers(), "req-kept", 4, 2, arrival=time.time())
+    engine.flush()
+    engine.close()
+    assert header is not None and TRACEPARENT.match(header) and header.endswith("-00")
+    rows = col.collector.spool.query("SELECT name, trace_id, parent_id FROM spans WHERE name = 'llm_request'")
+    assert [(r["trace_id"], r["parent_id"]) for r in rows] == [(kept.span_id, kept.span_id)]  # only the sampled one
+
+
+def test_traceparent_is_none_with_tracing_off():
+    from tracecar.client import tracer
+
+    assert tracer.active is None
+    with rollout_trace_attr(sample_index=0, step=0):
+        assert traceparent() is None and trace_headers() is None
+
+
+def test_spans_of_another_otlp_producer_are_a_trace_of_their_own(start_collector):
+    col = start_collector()
+    provider = TracerProvider(resource=Resource.create({"service.name": "agent"}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=col.url + "/v1/traces")))
+    otel = provider.get_tracer("my.agent", "1.2")
+    with otel.start_as_current_span("agent.run", attributes={"gen_ai.operation.name": "invoke_agent"}) as run:
+        with otel.start_as_current_span("chat gpt-x", kind=SpanKind.CLIENT, attributes={"gen_ai.usage.input_tokens": 12}):
+            pass
+        try:
+            with otel.start_as_current_span("execute_tool calculator"):
+                raise ZeroDivisionError("division by zero")
+        except ZeroDivisionError:
+            pass
+    assert provider.force_flush(10_000)
+    provider.shutdown()
+    trace_id = format(run.get_span_context().trace_id, "032x")
+    root_id = format(run.get_span_context().span_id, "016x")
+
+    listed = _get(col.url, "/v1/trajectories")
+    assert [t["trace_id"] for t in listed["trajectories"]] == [trace_id]
+    assert listed["trajectories"][0]["name"] == "agent.run" and listed["trajectories"][0]["has_error"]
+    tree = _wait_spans(col, trace_id, 3)
+    root = tree["root"]
+    assert root["name"] == "agent.run" and root["parent_id"] is None
+    assert root["span_id"] == trace_id[:16] + root_id and root["attributes"]["otel"]["span_id"] == root_id
+    assert root["worker"] == "otlp:agent" and root["attributes"]["otel"]["resource"]["service.name"] == "agent"
+    assert root["attributes"]["otel"]["scope"] == {"name": "my.agent", "version": "1.2", "attributes": {}}
+    children = {c["name"]: c for c in root["children"]}
+    assert set(children) == {"chat gpt-x", "execute_tool calculator"}
+    assert not any(c.get("parent_missing") for c in children.values())
+    assert children["chat gpt-x"]["attributes"]["gen_ai.usage.input_tokens"] == 12
+    assert children["chat gpt-x"]["attributes"]["otel"]["kind"] == "CLIENT"
+    tool = children["execute_tool calculator"]
+    assert tool["exception"].startswith("ZeroDivisionError: division by zero\nTraceback")
+    assert tool["attributes"]["otel"]["status"]["code"] == "ERROR"
+    assert tool["attributes"]["otel"]["events"][0]["name"] == "exception"
+
+
+def _request(*spans: trace_pb2.Span, service: str = "svc") -> ExportTraceServiceRequest:
+    req = ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    kv = rs.resource.attributes.add()
+    kv.key, kv.value.string_value = "service.name", service
+    ss = rs.scope_spans.add()
+    ss.scope.name = "test"
+    ss.spans.extend(spans)
+    return req
+
+
+def _span(trace_id: bytes, span_id: bytes, name: str = "op", start: float = 100.0, end: float = 101.0,
+          parent: bytes = b"") -> trace_pb2.Span:
+    return trace_pb2.Span(trace_id=trace_id, span_id=span_id, parent_span_id=parent, name=name,
+                          start_time_unix_nano=int(start * 1e9), end_time_unix_nano=int(end * 1e9))
+
+
+TID = bytes.fromhex("5b8efff798038103d269b633813fc60c")
+
+
+def test_partial_success_names_each_rejected_span_and_keeps_the_good_ones(start_collector):
+    col = start_collector()
+    req = _request(
+        _span(TID, bytes.fromhex("eee19b7ec3c1b174"), "good"),
+        _span(TID, b"\x01\x02\x03\x04", "short id"),
+        _span(TID, bytes.fromhex("eee19b7ec3c1b175"), "backwards", start=200.0, end=100.0, parent=bytes.fromhex("eee19b7ec3c1b174")),
+        _span(TID, bytes.fromhex("eee19b7ec3c1b176"), "", parent=bytes.fromhex("eee19b7ec3c1b174")),
+    )
+    r = httpx.post(col.url + "/v1/traces", content=req.SerializeToString(), headers=PROTOBUF, timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/x-protobuf"
+    response = ExportTraceServiceResponse.FromString(r.content)
+    assert response.partial_success.rejected_spans == 3
+    message = response.partial_success.error_message
+    assert "resourceSpans[0].scopeSpans[0].spans[1] (spanId 01020304): spanId: must be 8 bytes" in message
+    assert "resourceSpans[0].scopeSpans[0].spans[2] (spanId eee19b7ec3c1b175): end_time" in message
+    assert "resourceSpans[0].scopeSpans[0].spans[3] (spanId eee19b7ec3c1b176): name" in message
+    stored = col.collector.spool.query("SELECT name FROM spans")
+    assert [row["name"] for row in stored] == ["good"]
+    metrics = httpx.get(col.url + "/metrics").text
+    assert 'tracecar_requests_total{status="200"} 1.0' in metrics
+
+
+def test_otlp_json_with_hex_ids_and_gzip_answers_json(start_collector):
+    col = start_collector()
+    body = {"resourceSpans": [{"resource": {"attributes": [{"key": "service.name", "value": {"stringValue": "sglang"}}]},
+                               "scopeSpans": [{"scope": {"name": "sglang"}, "spans": [
+        {"traceId": TID.hex(), "spanId": "00f067aa0ba902b7", "name": "Req", "kind": 2,
+         "startTimeUnixNano": "1700000000000000000", "endTimeUnixNano": "1700000000500000000",
+         "attributes": [{"key": "gen_ai.usage.prompt_tokens", "value": {"intValue": "17"}},
+                        {"key": "tags", "value": {"arrayValue": {"values": [{"stringValue": "a"}, {"boolValue": True}]}}}],
+         "status": {"code": 2, "message": "aborted"}, "futureField": 1},
+        {"traceId": "not-hex", "spanId": "00f067aa0ba902b8", "name": "bad"},
+    ]}]}]}
+    r = httpx.post(col.url + "/v1/traces", content=gzip.compress(orjson.dumps(body)),
+                   headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}, timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    assert r.json() == {"partialSuccess": {"rejectedSpans": "1", "errorMessage":
+                        "resourceSpans[0].scopeSpans[0].spans[1] (spanId 00f067aa0ba902b8): traceId: "
+                        "must be 16 bytes (32 hex characters), not all zero"}}
+    tree = _wait_spans(col, TID.hex(), 1)
+    root = tree["root"]
+    assert root["name"] == "Req" and root["span_id"] == TID.hex()[:16] + "00f067aa0ba902b7"
+    assert root["start_time"] == pytest.approx(1_700_000_000.0) and root["end_time"] == pytest.approx(1_700_000_000.5)
+    assert root["attributes"]["gen_ai.usage.prompt_tokens"] == 17 and root["attributes"]["tags"] == ["a", True]
+    assert root["exception"] == "aborted" and root["worker"] == "otlp:sglang"
+
+
+def test_empty_unparsable_and_unsupported_requests(start_collector):
+    col = start_collector()
+    url = col.url + "/v1/traces"
+    empty = httpx.post(url, content=b"", headers=PROTOBUF)
+    assert empty.status_code == 200 and ExportTraceServiceResponse.FromString(empty.content) == ExportTraceServiceResponse()
+    no_spans = httpx.post(url, content=b"{}", headers={"Content-Type": "application/json"})
+    assert no_spans.status_code == 200 and no_spans.json() == {}
+    garbage = httpx.post(url, content=b"\x0a\xff\x01", headers=PROTOBUF)
+    assert garbage.status_code == 400
+    status = status_pb2.Status.FromString(garbage.content)
+    assert status.code == 3 and status.message.startswith("body: invalid OTLP protobuf")
+    bad_json = httpx.post(url, content=b"{not json", headers={"Content-Type": "application/json"})
+    assert bad_json.status_code == 400 and bad_json.json()["message"].startswith("body: invalid JSON")
+    wrong_shape = httpx.post(url, content=b'{"resourceSpans": 5}', headers={"Content-Type": "application/json"})
+    assert wrong_shape.status_code == 400 and "invalid OTLP/JSON" in wrong_shape.json()["message"]
+    bad_gzip = httpx.post(url, content=b"not gzip", headers={**PROTOBUF, "Content-Encoding": "gzip"})
+    assert bad_gzip.status_code == 400
+    other = httpx.post(url, content=b"hello", headers={"Content-Type": "text/plain"})
+    assert other.status_code == 415 and "application/x-protobuf" in other.json()["message"]
+    assert col.collector.spool.query("SELECT COUNT(*) AS n FROM spans")[0]["n"] == 0
+
+
+def test_token_auth_applies_to_otlp(start_collector):
+    col = start_collector(token="s3cret-token")
+    body = _request(_span(TID, bytes.fromhex("1111111111111111"))).SerializeToString()
+    assert httpx.post(col.url + "/v1/traces", content=body, headers=PROTOBUF).status_code == 401
+    wrong = {**PROTOBUF, "Authorization": "Bearer nope"}
+    assert httpx.post(col.url + "/v1/traces", content=body, headers=wrong).status_code == 401
+    assert col.collector.spool.query("SELECT COUNT(*) AS n FROM spans")[0]["n"] == 0
+    # the OTel exporter with the token in its headers (OTEL_EXPORTER_OTLP_TRACES_HEADERS does the same)
+    engine = VllmEngine(col.url + "/v1/traces", headers={"Authorization": "Bearer s3cret-token"})
+    engine.request(None, "req-auth", 3, 1, arrival=time.time())
+    engine.flush()
+    engine.close()
+    assert [r["name"] for r in col.collector.spool.query("SELECT name FROM spans")] == ["llm_request"]
+
+
+def test_backpressure_answers_503_with_retry_after_and_stores_nothing(start_collector):
+    col = start_collector(spool_max_bytes=MiB, retry_after_s=3)
+    big = _span(TID, bytes.fromhex("2222222222222222"), "big")
+    kv = big.attributes.add()
+    kv.key, kv.value.string_value = "blob", "x" * (MiB + 1000)
+    first = httpx.post(col.url + "/v1/traces", content=_request(big).SerializeToString(), headers=PROTOBUF, timeout=10)
+    assert first.status_code == 200 and ExportTraceServiceResponse.FromString(first.content).partial_success.rejected_spans == 0
+    small = _request(_span(TID, bytes.fromhex("3333333333333333"), "small", parent=bytes.fromhex("2222222222222222")))
+    refused = httpx.post(col.url + "/v1/traces", content=small.SerializeToString(), headers=PROTOBUF, timeout=10)
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "3"
+    status = status_pb2.Status.FromString(refused.content)
+    assert status.code == 14 and "TRACECAR_SPOOL_MAX_BYTES" in status.message
+    assert [r["name"] for r in col.collector.spool.query("SELECT name FROM spans")] == ["big"]
+    assert 'tracecar_backpressure_total{bound="spool_bytes"} 1.0' in httpx.get(col.url + "/metrics").text
