@@ -22,6 +22,7 @@ import orjson
 from . import receive
 from .decoding import TokenizerNotFound, TokenizerRegistry, collect_jobs, decode_spans
 from .metrics import Metrics
+from .receivers.joins import TrajectoryContexts
 from .sampling import StepBudgetSampler
 from .selection import Policies, TailSelector
 from .settings import CollectorSettings
@@ -95,6 +96,7 @@ class IngestPipeline:
         self.spool = spool
         self.metrics = metrics
         self.tokenizers = TokenizerRegistry()
+        self.contexts = TrajectoryContexts(spool, settings.otlp_join_traces)
         self.policies = Policies(settings)
         self.selection: TailSelector | None = None
         if self.policies.any_tail:
@@ -179,7 +181,9 @@ class IngestPipeline:
     # ---- stages (worker threads) ---------------------------------------------------------
     def _receive_and_validate(self, body: bytes, content_type: str | None, content_encoding: str | None) -> Validated:
         raw = receive.parse(receive.decompress(body, content_encoding, self.settings.max_decompressed_bytes), content_type)
-        return validate_batch(raw, self.settings.max_batch_spans)
+        validated = validate_batch(raw, self.settings.max_batch_spans)
+        self.contexts.remember(validated.spans)  # for engine spans that join these trajectories over OTLP
+        return validated
 
     def _decode_and_serialize(self, validated: Validated, spans: list[dict[str, Any]]) -> tuple[list[SpoolRow], int, list[Rejection]]:
         batch = validated.batch

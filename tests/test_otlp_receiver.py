@@ -349,3 +349,69 @@ def test_backpressure_answers_503_with_retry_after_and_stores_nothing(start_coll
     assert status.code == 14 and "TRACECAR_SPOOL_MAX_BYTES" in status.message
     assert [r["name"] for r in col.collector.spool.query("SELECT name FROM spans")] == ["big"]
     assert 'tracecar_backpressure_total{bound="spool_bytes"} 1.0' in httpx.get(col.url + "/metrics").text
+
+
+def _traced_rollouts(engine: VllmEngine, step: int, samples: list[int]) -> list[str]:
+    """One trajectory per sample index, each with one generate call that runs an engine request."""
+
+    @rollout_trace_op
+    def generate(prompt_ids: list[int]) -> dict[str, Any]:
+        engine.request(trace_headers(), f"req-{step}-{prompt_ids[0]}", len(prompt_ids), 2, arrival=time.time())
+        return {"prompt_ids": prompt_ids, "response_ids": [5, 6]}
+
+    ids = []
+    for index in samples:
+        with rollout_trace_attr(sample_index=index, step=step, rollout_n=0, name="agent_loop") as root:
+            generate([index, 1, 2])
+        ids.append(root.span_id)
+    return ids
+
+
+def test_a_head_budget_keeps_or_drops_engine_spans_with_their_trajectory(start_collector, tracer_to, kit):
+    col = start_collector(max_samples_per_step_per_worker=1)
+    tracer = tracer_to(col.url)
+    engine = VllmEngine(col.url + "/v1/traces")
+    kept, dropped = _traced_rollouts(engine, 1, [0, 1])
+    assert tracer.flush(10)
+    engine.flush()
+    engine.close()
+    rows = col.collector.spool.query("SELECT trace_id, name, parent_id, step, sample_index FROM spans ORDER BY seq")
+    assert {r["trace_id"] for r in rows} == {kept}  # the dropped trajectory: not one span, the engine's neither
+    engine_rows = [r for r in rows if r["name"] == "llm_request"]
+    assert len(engine_rows) == 1 and (engine_rows[0]["step"], engine_rows[0]["sample_index"]) == (1, 0)
+    assert kit.metrics(col.url, "tracecar_spans_sampled_out_total", budget="max_samples_per_step_per_worker") == 3
+
+
+def test_engine_spans_join_from_the_store_when_not_remembered(start_collector, tracer_to):
+    col = start_collector(otlp_join_traces=0)  # as after a restart: only the store knows the trajectory
+    tracer = tracer_to(col.url, project="proj-a")
+    engine = VllmEngine(col.url + "/v1/traces")
+    [trace_id] = _traced_rollouts(engine, 7, [4])
+    assert tracer.flush(10)
+    engine.flush()
+    engine.close()
+    [row] = col.collector.spool.query("SELECT * FROM spans WHERE name = 'llm_request'")
+    generate = col.collector.spool.query("SELECT * FROM spans WHERE trace_id = ? AND name LIKE '%generate'", [trace_id])[0]
+    assert row["parent_id"] == generate["span_id"]
+    assert (row["worker"], row["project"], row["step"], row["sample_index"]) == (generate["worker"], "proj-a", 7, 4)
+
+
+def test_a_tail_budget_decides_engine_spans_with_their_trajectory(start_collector, tracer_to, kit):
+    col = start_collector(max_trajectories_per_step=1, trajectories_per_step=2, reward_wait_s=0, keep_errors_share=0,
+                          keep_reward_extremes=0, keep_spread_groups=0)
+    tracer = tracer_to(col.url)
+    engine = VllmEngine(col.url + "/v1/traces")
+    both = _traced_rollouts(engine, 2, [0, 1])
+    assert tracer.flush(10)
+    engine.flush()  # engine spans reach the collector around the step's decision, as in a run
+    engine.close()
+    decided = kit.wait_for(lambda: (d := _get(col.url, "/v1/decisions", params={"step": 2}))["kept"] + d["dropped"] == 2 and d, 30)
+    [kept] = [row["trace_id"] for row in decided["decisions"] if row["keep"]]
+    assert kept in both
+
+    def settled() -> bool:
+        rows = col.collector.spool.query("SELECT trace_id, name, state FROM spans")
+        return {r["trace_id"] for r in rows} == {kept} and sum(r["name"] == "llm_request" for r in rows) == 1 \
+            and all(r["state"] != 3 for r in rows)
+
+    assert kit.wait_for(settled, 30)

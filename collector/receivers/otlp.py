@@ -10,8 +10,8 @@ encoding, whose ``partial_success`` counts the rejected spans and names why; err
 
 A span that joins a tracecar trajectory (see :mod:`.otlp_translate` for the ids) takes the
 trajectory's worker, project and budget attributes (experiment, step, sample_index,
-rollout_n, validate) from a span of that trajectory already in the store, so sampling keeps or
-drops it with its trajectory and it is exported to the same project.
+rollout_n, validate; :mod:`.joins`), so sampling keeps or drops it with its trajectory and it
+is exported to the same project.
 """
 
 from __future__ import annotations
@@ -31,15 +31,14 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from .. import receive
 from ..pipeline import Backpressure, IngestResult
 from ..receive import BodyError
-from ..spool import Spool
 from ..validate import EnvelopeError, Rejection, Validated, validate_batch
+from .joins import OTLP_WORKER_PREFIX, TrajectoryContext, TrajectoryContexts
 from .otlp_translate import OtlpSpanIn, Translated, hex_ids_to_base64, translate
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 _PROTOBUF_TYPES = frozenset({PROTOBUF, "application/protobuf", "application/vnd.google.protobuf"})
 _JSON_TYPES = frozenset({JSON, "text/json"})
-WORKER_PREFIX = "otlp:"  # the worker of OTLP spans that join no trajectory: otlp:<service.name>
 _MAX_MESSAGES = 10  # rejections spelled out in partial_success.error_message
 _SPAN_FIELD = re.compile(r"^spans\[(\d+)\]")
 # gRPC status codes for google.rpc.Status bodies
@@ -82,8 +81,8 @@ class OtlpRequest:
     request (``resourceSpans[0].scopeSpans[0].spans[3]``) and its OTel span id.
     """
 
-    def __init__(self, spool: Spool, max_decompressed_bytes: int, max_batch_spans: int) -> None:
-        self.spool = spool
+    def __init__(self, contexts: TrajectoryContexts, max_decompressed_bytes: int, max_batch_spans: int) -> None:
+        self.contexts = contexts
         self.max_decompressed_bytes = max_decompressed_bytes
         self.max_batch_spans = max_batch_spans
         self.translated = Translated()
@@ -93,7 +92,7 @@ class OtlpRequest:
         self.translated = translated = translate(parse_request(data, content_type))
         if translated.total > self.max_batch_spans:
             raise EnvelopeError("resourceSpans", f"{translated.total} spans exceed TRACECAR_MAX_BATCH_SPANS={self.max_batch_spans}")
-        validated = validate_batch({"worker": WORKER_PREFIX.rstrip(":"), "spans": translated.spans},
+        validated = validate_batch({"worker": OTLP_WORKER_PREFIX.rstrip(":"), "spans": translated.spans},
                                    self.max_batch_spans, span_model=OtlpSpanIn)
         positions = translated.indices  # validated indices -> positions in the request
         for rejection in validated.rejected:
@@ -103,32 +102,20 @@ class OtlpRequest:
         services = {translated.spans[i]["span_id"]: translated.services[i] for i in range(len(translated.spans))}
         for span in validated.spans:
             service = services.get(span["span_id"])
-            span["worker"] = (WORKER_PREFIX + service)[:256] if service else WORKER_PREFIX.rstrip(":")
+            span["worker"] = (OTLP_WORKER_PREFIX + service)[:256] if service else OTLP_WORKER_PREFIX.rstrip(":")
         self._join(validated)
         return validated
 
     def _join(self, validated: Validated) -> None:
         """Spans of a tracecar trajectory take its worker, project and budget attributes."""
-        found: dict[str, Any] = {}
+        found: dict[str, TrajectoryContext | None] = {}
         for span in validated.spans:
             trace_id = span["trace_id"]
             if trace_id not in found:
-                rows = self.spool.query(
-                    "SELECT worker, project, entity, experiment, step, sample_index, rollout_n, validate FROM spans"
-                    " WHERE trace_id = ? AND kind != 'annotation' ORDER BY worker LIKE ?, step IS NULL, seq LIMIT 1",
-                    [trace_id, WORKER_PREFIX + "%"])
-                found[trace_id] = rows[0] if rows and not str(rows[0]["worker"] or "").startswith(WORKER_PREFIX) else None
-            row = found[trace_id]
-            if row is None:
-                continue
-            span["worker"], span["project"], span["entity"] = row["worker"], row["project"], row["entity"]
-            attrs = span["attributes"]
-            for key, column in (("experiment_name", "experiment"), ("step", "step"), ("sample_index", "sample_index"),
-                                ("rollout_n", "rollout_n")):
-                if row[column] is not None:
-                    attrs.setdefault(key, row[column])
-            if row["validate"] is not None:
-                attrs.setdefault("validate", bool(row["validate"]))
+                found[trace_id] = self.contexts.lookup(trace_id)
+            context = found[trace_id]
+            if context is not None:
+                context.apply(span)
 
     def describe(self, rejection: Rejection) -> str:
         """One rejection in the request's own terms."""
@@ -186,7 +173,7 @@ async def _export(request: Request, collector: Any, read_body: Callable[[Request
     retry = {"Retry-After": str(settings.retry_after_s)}
     if not collector.ready:
         return status_response(503, "collector is not ready (starting or draining)", content_type, retry)
-    otlp = OtlpRequest(collector.spool, settings.max_decompressed_bytes, settings.max_batch_spans)
+    otlp = OtlpRequest(collector.pipeline.contexts, settings.max_decompressed_bytes, settings.max_batch_spans)
     try:
         collector.pipeline.check_capacity()
         body = await read_body(request, settings.max_body_bytes)
