@@ -415,3 +415,52 @@ def test_a_tail_budget_decides_engine_spans_with_their_trajectory(start_collecto
             and all(r["state"] != 3 for r in rows)
 
     assert kit.wait_for(settled, 30)
+
+
+def test_viewer_shows_each_turns_engine_timings_and_still_counts_the_turns(start_collector, tracer_to):
+    col = start_collector()
+    tracer = tracer_to(col.url)
+    engine = VllmEngine(col.url + "/v1/traces")
+
+    @rollout_trace_op
+    def generate(prompt_ids: list[int], request_id: str) -> dict[str, Any]:
+        engine.request(trace_headers(), request_id, len(prompt_ids), 2, arrival=time.time())
+        return {"prompt_ids": prompt_ids, "response_ids": [5, 6]}
+
+    @rollout_trace_op
+    def run() -> dict[str, Any]:
+        generate([1, 2, 3], "turn-1")
+        generate([1, 2, 3, 5, 6, 9], "turn-2")
+        return {"response_ids": [5, 6, 9, 5, 6], "num_turns": 2}
+
+    with rollout_trace_attr(sample_index=0, step=1, name="agent_loop") as root:
+        run()
+    assert tracer.flush(10)
+    engine.flush()
+    engine.close()
+    _wait_spans(col, root.span_id, 6)
+    view = _get(col.url, f"/ui/api/trajectories/{root.span_id}")
+    assert view["turn_count"] == 2  # an engine child does not turn a generate call into an aggregate
+    for turn, (request_id, prompt) in zip(view["turns"], (("turn-1", 3), ("turn-2", 6))):
+        [timings] = turn["engine"]
+        assert timings["request_id"] == request_id and timings["name"] == "llm_request"
+        assert timings["prompt_tokens"] == prompt and timings["completion_tokens"] == 2
+        assert timings["ttft_s"] == pytest.approx(0.031) and timings["decode_s"] == pytest.approx(0.120)
+        assert timings["queue_s"] == pytest.approx(0.004) and timings["prefill_s"] == pytest.approx(0.027)
+        assert not [e for e in turn["after"] if e["type"] in ("engine", "op")]  # not listed twice
+    [listed] = _get(col.url, "/ui/api/trajectories")["trajectories"]
+    assert listed["turns"] == 2 and listed["trace_id"] == root.span_id
+    from test_viewer import Page, _browser  # the viewer tests' headless Chromium (skips without it)
+
+    with _browser() as pw:
+        b = Page(pw, col.settings.data_dir, col.url)
+        try:
+            b.page.goto(f"{col.url}/ui/#/t/{root.span_id}")
+            b.page.wait_for_selector("[data-testid=turn] [data-testid=engine-timings]")
+            lines = b.page.locator("[data-testid=turn] [data-testid=engine-timings]").all_inner_texts()
+            assert len(lines) == 2 and all("TTFT 31.0 ms" in line and "decode 120.0 ms" in line for line in lines)
+            assert "3 → 2 tokens" in lines[0] and "6 → 2 tokens" in lines[1]
+            b.shot("engine-timings")
+            b.check_clean()
+        finally:
+            b.close()
