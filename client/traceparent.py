@@ -42,9 +42,8 @@ def traceparent() -> str | None:
     if span is _tracer.DISABLED:
         return _UNSAMPLED.format(prefix=ids.prefix)
     root = span.trace
-    trace_id = root.span_id
     parent = span if span.prefix == root.prefix else root
-    return f"00-{trace_id}-{parent.number:016x}-01"
+    return "00-%s%016x-%016x-01" % (root.prefix, root.number, parent.number)  # %-format: the cheapest here
 
 
 def trace_headers() -> dict[str, str] | None:
