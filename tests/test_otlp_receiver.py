@@ -464,3 +464,39 @@ def test_viewer_shows_each_turns_engine_timings_and_still_counts_the_turns(start
             b.check_clean()
         finally:
             b.close()
+
+
+def test_engine_spans_and_foreign_traces_are_forwarded_to_weave_like_any_other(start_collector, tracer_to, kit):
+    from weave_stub import WeaveStub  # the loopback Weave trace server stand-in of the forwarding tests
+
+    from tracecar.collector.weave_sink import weave_call_id
+
+    with WeaveStub() as stub:
+        col = start_collector(backend="weave", wandb_api_key=kit.WANDB_KEY, wandb_entity="team", wandb_project="rl",
+                              weave_server_url=stub.url, forward_retry_initial_s=0.05)
+        tracer = tracer_to(col.url, project="grpo")
+        engine = VllmEngine(col.url + "/v1/traces")
+        [trace_id] = _traced_rollouts(engine, 3, [0])
+        assert tracer.flush(10)
+        engine.flush()
+        engine.close()
+        agent = TracerProvider(resource=Resource.create({"service.name": "agent"}))
+        agent.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=col.url + "/v1/traces")))
+        with agent.get_tracer("agent").start_as_current_span("agent.run") as run:
+            with agent.get_tracer("agent").start_as_current_span("chat"):
+                pass
+        assert agent.force_flush(10_000)
+        agent.shutdown()
+        kit.wait_for(lambda: len(stub.completed_calls()) == 5, 30)
+        assert kit.metrics(col.url, "tracecar_spans_dead_lettered_total") == 0
+        calls = {c["id"]: c for c in stub.completed_calls()}
+        rows = {r["name"]: r for r in col.collector.spool.query("SELECT span_id, name, project FROM spans")}
+        generate = next(r for n, r in rows.items() if n.endswith("generate"))
+        llm = calls[weave_call_id(rows["llm_request"]["span_id"])]
+        assert llm["parent_id"] == weave_call_id(generate["span_id"]) and llm["trace_id"] == weave_call_id(trace_id)
+        assert llm["project_id"] == calls[weave_call_id(trace_id)]["project_id"]  # the trajectory's project
+        assert llm["attributes"]["gen_ai.usage.completion_tokens"] == 2
+        foreign_trace = format(run.get_span_context().trace_id, "032x")
+        root = calls[weave_call_id(rows["agent.run"]["span_id"])]
+        assert root["parent_id"] is None and root["trace_id"] == weave_call_id(foreign_trace)
+        assert calls[weave_call_id(rows["chat"]["span_id"])]["parent_id"] == root["id"]
