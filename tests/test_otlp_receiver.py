@@ -251,26 +251,37 @@ def _span(trace_id: bytes, span_id: bytes, name: str = "op", start: float = 100.
 TID = bytes.fromhex("5b8efff798038103d269b633813fc60c")
 
 
-def test_partial_success_names_each_rejected_span_and_keeps_the_good_ones(start_collector):
-    col = start_collector()
+def test_partial_success_names_each_rejected_span_and_keeps_the_good_ones(start_collector, kit):
+    col = start_collector(max_span_bytes=4096)
+    huge = _span(TID, bytes.fromhex("eee19b7ec3c1b177"), "huge", parent=bytes.fromhex("eee19b7ec3c1b174"))
+    kv = huge.attributes.add()
+    kv.key, kv.value.string_value = "blob", "x" * 5000
+    odd = _span(TID, bytes.fromhex("eee19b7ec3c1b178"), "odd step", parent=bytes.fromhex("eee19b7ec3c1b174"))
+    kv = odd.attributes.add()
+    kv.key, kv.value.string_value = "step", "retrieve"
     req = _request(
         _span(TID, bytes.fromhex("eee19b7ec3c1b174"), "good"),
         _span(TID, b"\x01\x02\x03\x04", "short id"),
         _span(TID, bytes.fromhex("eee19b7ec3c1b175"), "backwards", start=200.0, end=100.0, parent=bytes.fromhex("eee19b7ec3c1b174")),
         _span(TID, bytes.fromhex("eee19b7ec3c1b176"), "", parent=bytes.fromhex("eee19b7ec3c1b174")),
+        huge, odd,
     )
     r = httpx.post(col.url + "/v1/traces", content=req.SerializeToString(), headers=PROTOBUF, timeout=10)
     assert r.status_code == 200 and r.headers["content-type"] == "application/x-protobuf"
     response = ExportTraceServiceResponse.FromString(r.content)
-    assert response.partial_success.rejected_spans == 3
-    message = response.partial_success.error_message
-    assert "resourceSpans[0].scopeSpans[0].spans[1] (spanId 01020304): spanId: must be 8 bytes" in message
-    assert "resourceSpans[0].scopeSpans[0].spans[2] (spanId eee19b7ec3c1b175): end_time" in message
-    assert "resourceSpans[0].scopeSpans[0].spans[3] (spanId eee19b7ec3c1b176): name" in message
-    stored = col.collector.spool.query("SELECT name FROM spans")
-    assert [row["name"] for row in stored] == ["good"]
-    metrics = httpx.get(col.url + "/metrics").text
-    assert 'tracecar_requests_total{status="200"} 1.0' in metrics
+    assert response.partial_success.rejected_spans == 4
+    messages = response.partial_success.error_message.split("; ")
+    assert messages[0] == "resourceSpans[0].scopeSpans[0].spans[1] (spanId 01020304): spanId: must be 8 bytes (16 hex characters), not all zero"
+    assert messages[1] == "resourceSpans[0].scopeSpans[0].spans[2] (spanId eee19b7ec3c1b175): end_time: ends before it starts"
+    assert messages[2].startswith("resourceSpans[0].scopeSpans[0].spans[3] (spanId eee19b7ec3c1b176): name: String should have at least 1")
+    assert re.fullmatch(r"resourceSpans\[0\]\.scopeSpans\[0\]\.spans\[4\] \(spanId eee19b7ec3c1b177\): \d+ bytes exceed TRACECAR_MAX_SPAN_BYTES=4096",
+                        messages[3]), messages[3]
+    stored = {row["name"]: row for row in col.collector.spool.query("SELECT name, step, warnings FROM spans")}
+    assert set(stored) == {"good", "odd step"}
+    assert stored["odd step"]["step"] is None and "attributes.step: a str is kept" in stored["odd step"]["warnings"]
+    assert kit.metrics(col.url, "tracecar_requests_total", status="200") == 1
+    for reason in ("spanId", "end_time", "name", "span_too_large"):
+        assert kit.metrics(col.url, "tracecar_spans_rejected_total", reason=reason) == 1, reason
 
 
 def test_otlp_json_with_hex_ids_and_gzip_answers_json(start_collector):

@@ -75,7 +75,26 @@ def test_unusable_ids_are_rejected_by_their_otlp_field(fields, where):
     out = translate(_one(name="x", start_time_unix_nano=1, **fields))
     assert out.spans == [] and out.total == 1
     [rejection] = out.rejected
-    assert rejection.index == 0 and rejection.field == f"resourceSpans[0].scopeSpans[0].spans[0].{where}"
+    assert rejection.index == 0 and rejection.field == f"spans[0].{where}" and out.locations == ["resourceSpans[0].scopeSpans[0].spans[0]"]
+
+
+def test_ill_typed_tracecar_attributes_and_long_names_are_kept_with_a_warning():
+    req = _one(trace_id=TRACE, span_id=SPAN, name="n" * 600, start_time_unix_nano=1)
+    span = req.resource_spans[0].scope_spans[0].spans[0]
+    span.attributes.add(key="step").value.string_value = "retrieve"
+    span.attributes.add(key="validate").value.int_value = 1
+    span.attributes.add(key="sample_index").value.int_value = 4  # the right type: stays
+    span.attributes.add(key="otel").value.string_value = "mine"
+    out = translate(req)
+    [s] = out.spans
+    assert len(s["name"]) == 512 and s["attributes"]["sample_index"] == 4
+    assert "step" not in s["attributes"] and "validate" not in s["attributes"]
+    otel = s["attributes"]["otel"]
+    assert otel["set_aside"] == {"step": "retrieve", "validate": 1} and otel["attribute"] == "mine"
+    notes = out.warnings[s["span_id"]]
+    assert [n.split(":")[0] for n in notes] == ["attributes.step", "attributes.validate", "attributes.otel", "name"]
+    validated = validate_batch({"worker": "w", "spans": out.spans}, 10, span_model=OtlpSpanIn)
+    assert validated.rejected == [] and len(validated.spans) == 1
 
 
 def test_an_otlp_root_may_keep_its_own_ids_but_a_tracecar_root_may_not():

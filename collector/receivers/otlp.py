@@ -98,6 +98,9 @@ class OtlpRequest:
         for rejection in validated.rejected:
             rejection.index = positions[rejection.index]
         validated.rejected = translated.rejected + validated.rejected
+        for span_id, notes in translated.warnings.items():
+            if span_id in validated.index_of:
+                validated.warnings.setdefault(span_id, []).extend(notes)
         validated.index_of = {sid: positions[i] for sid, i in validated.index_of.items()}
         services = {translated.spans[i]["span_id"]: translated.services[i] for i in range(len(translated.spans))}
         for span in validated.spans:

@@ -19,7 +19,9 @@ spans only (:class:`OtlpSpanIn`), never for ``/v1/spans``.
 Attributes. The span's attributes stay flat under their own keys (``gen_ai.usage.prompt_tokens``);
 OTLP-only facts go under ``attributes["otel"]``: ``span_id``, ``parent_span_id``, ``kind``,
 ``status``, ``trace_state``, ``resource`` (the resource's attributes), ``scope`` (name,
-version, attributes), ``events`` and ``links``. An ``ERROR`` status becomes the span's
+version, attributes), ``events`` and ``links``; an attribute tracecar reads with a type
+(``step``, ``sample_index``, ``rollout_n``, ``validate``, ``experiment_name``) that has
+another type is set aside under ``set_aside`` with a warning instead of costing the span. An ``ERROR`` status becomes the span's
 ``exception`` (with the ``exception`` event's type, message and stack trace when there is one).
 """
 
@@ -35,7 +37,9 @@ from ..validate import Rejection, SpanIn
 
 _KINDS = {0: "UNSPECIFIED", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
 _STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
-_MAX_NAME = 512
+_MAX_NAME = 512  # SpanIn's bound on names
+# attributes tracecar reads with a type (budgets, the store's columns): another type is set aside
+_TYPED = {"step": (int,), "sample_index": (int,), "rollout_n": (int,), "validate": (bool,), "experiment_name": (str,)}
 
 
 class OtlpSpanIn(SpanIn):
@@ -57,7 +61,8 @@ class Translated:
     spans: list[dict[str, Any]] = field(default_factory=list)
     indices: list[int] = field(default_factory=list)  # each span's position in the request
     services: list[str | None] = field(default_factory=list)  # each span's resource service.name
-    rejected: list[Rejection] = field(default_factory=list)  # spans with unusable ids
+    rejected: list[Rejection] = field(default_factory=list)  # spans with unusable ids ("spans[<position>].spanId")
+    warnings: dict[str, list[str]] = field(default_factory=dict)  # by tracecar span id: what was changed to store it
     # per position in the request: "resourceSpans[0].scopeSpans[1].spans[2]" and the OTel span id
     locations: list[str] = field(default_factory=list)
     otel_ids: list[str | None] = field(default_factory=list)
@@ -142,14 +147,14 @@ def translate(request: Any) -> Translated:
         if trace_id is None or span_hex is None:
             name = "traceId" if trace_id is None else "spanId"
             size = 16 if trace_id is None else 8
-            out.rejected.append(Rejection(index, span.span_id.hex() or None, f"{location}.{name}",
+            out.rejected.append(Rejection(index, span.span_id.hex() or None, f"spans[{index}].{name}",
                                           f"must be {size} bytes ({2 * size} hex characters), not all zero"))
             continue
         parent_hex = None
         if span.parent_span_id:
             parent_hex = _hex_id(span.parent_span_id, 8)
             if parent_hex is None:
-                out.rejected.append(Rejection(index, span_hex, f"{location}.parentSpanId",
+                out.rejected.append(Rejection(index, span_hex, f"spans[{index}].parentSpanId",
                                               "must be empty or 8 bytes (16 hex characters), not all zero"))
                 continue
         if id(rs) not in resources:
@@ -173,8 +178,22 @@ def translate(request: Any) -> Translated:
             otel["links"] = [{"trace_id": link.trace_id.hex(), "span_id": link.span_id.hex(), "attributes": attributes(link.attributes)}
                              for link in span.links]
         attrs = attributes(span.attributes)
-        attrs.setdefault("otel", otel)
         prefix = trace_id[:16]
+        notes: list[str] = []
+        for key, types in _TYPED.items():
+            value = attrs.get(key)
+            if value is not None and (type(value) not in types):
+                otel.setdefault("set_aside", {})[key] = attrs.pop(key)
+                notes.append(f"attributes.{key}: a {type(value).__name__} is kept as attributes.otel.set_aside.{key} "
+                             f"(tracecar reads {key} as {types[0].__name__})")
+        if "otel" in attrs:
+            otel["attribute"] = attrs.pop("otel")
+            notes.append("attributes.otel: the span's own 'otel' attribute is kept as attributes.otel.attribute")
+        attrs["otel"] = otel
+        if len(span.name) > _MAX_NAME:
+            notes.append(f"name: {len(span.name)} characters cut to {_MAX_NAME}")
+        if notes:
+            out.warnings[prefix + span_hex] = notes
         out.spans.append({
             "span_id": prefix + span_hex,
             "trace_id": trace_id,
