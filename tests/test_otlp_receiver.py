@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import json
 import os
 import re
 import time
@@ -511,3 +512,41 @@ def test_engine_spans_and_foreign_traces_are_forwarded_to_weave_like_any_other(s
         root = calls[weave_call_id(rows["agent.run"]["span_id"])]
         assert root["parent_id"] is None and root["trace_id"] == weave_call_id(foreign_trace)
         assert calls[weave_call_id(rows["chat"]["span_id"])]["parent_id"] == root["id"]
+
+
+def test_hostile_otlp_bodies_never_get_a_5xx_and_good_spans_beside_them_are_kept(start_collector):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    col = start_collector()
+    good = _request(_span(TID, bytes.fromhex("4444444444444444"), "good")).SerializeToString()
+    json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+                               lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=12), kids, max_size=4),
+                               max_leaves=20)
+    span_json = st.fixed_dictionaries({"traceId": st.text(max_size=40) | st.just(TID.hex()),
+                                       "spanId": st.text(max_size=20) | st.just("5555555555555555")},
+                                      optional={"name": json_values, "kind": json_values, "startTimeUnixNano": json_values,
+                                                "endTimeUnixNano": json_values, "attributes": json_values, "status": json_values,
+                                                "events": json_values, "parentSpanId": json_values})
+    with httpx.Client(timeout=10) as client:
+        @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+        @given(noise=st.binary(max_size=200), cut=st.integers(0, len(good)))
+        def protobuf(noise: bytes, cut: int) -> None:
+            r = client.post(col.url + "/v1/traces", content=good[:cut] + noise, headers=PROTOBUF)
+            assert r.status_code in (200, 400), r.content
+
+        @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+        @given(spans=st.lists(span_json, max_size=3))
+        def otlp_json(spans: list[dict[str, Any]]) -> None:
+            body = {"resourceSpans": [{"scopeSpans": [{"spans": spans}]}]}
+            r = client.post(col.url + "/v1/traces", content=json.dumps(body).encode(),  # NaN, huge ints: as a client may send
+                            headers={"Content-Type": "application/json"})
+            assert r.status_code in (200, 400), r.content
+            if r.status_code == 200 and spans:
+                rejected = int(r.json().get("partialSuccess", {}).get("rejectedSpans", 0))
+                assert rejected <= len(spans)
+
+        protobuf()
+        otlp_json()
+    r = httpx.post(col.url + "/v1/traces", content=good, headers=PROTOBUF)
+    assert r.status_code == 200 and col.collector.spool.query("SELECT 1 FROM spans WHERE name = 'good'")
