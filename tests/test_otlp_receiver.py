@@ -22,7 +22,6 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from google.protobuf import json_format
 from google.rpc import status_pb2
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
@@ -453,7 +452,7 @@ def test_viewer_shows_each_turns_engine_timings_and_still_counts_the_turns(start
     _wait_spans(col, root.span_id, 6)
     view = _get(col.url, f"/ui/api/trajectories/{root.span_id}")
     assert view["turn_count"] == 2  # an engine child does not turn a generate call into an aggregate
-    for turn, (request_id, prompt) in zip(view["turns"], (("turn-1", 3), ("turn-2", 6))):
+    for turn, (request_id, prompt) in zip(view["turns"], (("turn-1", 3), ("turn-2", 6)), strict=True):
         [timings] = turn["engine"]
         assert timings["request_id"] == request_id and timings["name"] == "llm_request"
         assert timings["prompt_tokens"] == prompt and timings["completion_tokens"] == 2

@@ -41,8 +41,8 @@ from ..viewer_shape import is_tool, token_counts, token_output
 
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
-_KINDS = {"UNSPECIFIED": 0, "INTERNAL": 1, "SERVER": 2, "CLIENT": 3, "PRODUCER": 4, "CONSUMER": 5}
-_STATUS = {"UNSET": 0, "OK": 1, "ERROR": 2}
+_KINDS = frozenset({"UNSPECIFIED", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER"})  # SpanKind names minus SPAN_KIND_
+_STATUS = frozenset({"UNSET", "OK", "ERROR"})  # StatusCode names minus STATUS_CODE_
 SCOPE_NAME = "tracecar"
 _MAX_DEPTH = 16
 
@@ -110,7 +110,7 @@ def genai_attributes(span: Mapping[str, Any], *, aggregates: bool, content: bool
     if kind == "trajectory":
         out["gen_ai.operation.name"] = "invoke_agent"
         out["gen_ai.agent.name"] = name
-    elif token_output(kind, output) and not aggregates:
+    elif token_output(kind, output) and not aggregates and isinstance(output, dict):
         out["gen_ai.operation.name"] = "chat"
         prompt_tokens, response_tokens = token_counts(dict(span))
         if prompt_tokens is not None:
@@ -163,9 +163,11 @@ def to_otlp_span(span: Mapping[str, Any], *, aggregates: bool = False, content: 
     if isinstance(otel, dict):  # came in over OTLP: its own ids, kind and status go back out
         out.span_id = _otel_id(otel.get("span_id")) or span_id_bytes(span_id, trace_id)
         out.parent_span_id = _otel_id(otel.get("parent_span_id")) or (span_id_bytes(parent, trace_id) if parent else b"")
-        out.kind = _KINDS.get(str(otel.get("kind")), 1)
+        out.kind = trace_pb2.Span.SpanKind.Value("SPAN_KIND_" + str(otel.get("kind"))) if str(otel.get("kind")) in _KINDS \
+            else trace_pb2.Span.SPAN_KIND_INTERNAL
         status = otel.get("status") or {}
-        out.status.code = _STATUS.get(str(status.get("code")), 0)
+        code = str(status.get("code"))
+        out.status.code = trace_pb2.Status.StatusCode.Value("STATUS_CODE_" + code) if code in _STATUS else trace_pb2.Status.STATUS_CODE_UNSET
         out.status.message = str(status.get("message") or "")
         if isinstance(otel.get("trace_state"), str):
             out.trace_state = otel["trace_state"]
@@ -182,7 +184,7 @@ def to_otlp_span(span: Mapping[str, Any], *, aggregates: bool = False, content: 
     exception = span.get("exception")
     if isinstance(exception, str) and exception:
         message, event = _exception_event(exception, out.end_time_unix_nano)
-        out.status.code, out.status.message = 2, message
+        out.status.code, out.status.message = trace_pb2.Status.STATUS_CODE_ERROR, message
         out.events.append(event)
     values: dict[str, Any] = genai_attributes(span, aggregates=aggregates, content=content)
     values.update({f"tracecar.{k}": v for k, v in attrs.items()})

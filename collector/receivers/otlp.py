@@ -125,9 +125,7 @@ class OtlpRequest:
         t = self.translated
         where = t.locations[rejection.index] if 0 <= rejection.index < t.total else f"span {rejection.index}"
         otel_id = t.otel_ids[rejection.index] if 0 <= rejection.index < t.total else None
-        field = _SPAN_FIELD.sub("", rejection.field).lstrip(".")
-        if field.startswith(where):
-            field = field[len(where):].lstrip(".")
+        field = _SPAN_FIELD.sub("", rejection.field).lstrip(".")  # "spans[3].end_time" -> "end_time"
         head = f"{where} (spanId {otel_id})" if otel_id else where
         return f"{head}: {field + ': ' if field else ''}{rejection.reason}"
 
