@@ -166,6 +166,7 @@ def test_vllm_engine_span_lands_under_the_generate_call_that_caused_it(start_col
     listed = _get(col.url, "/v1/trajectories", params={"step": 5})
     assert listed["total"] == 1 and listed["trajectories"][0]["trace_id"] == trace_id
     assert listed["trajectories"][0]["span_count"] == 6
+    assert 'tracecar_otlp_spans_total{joined="memory"} 2.0' in httpx.get(col.url + "/metrics").text
 
 
 def test_a_trajectory_dropped_in_the_worker_gives_an_unsampled_traceparent_and_vllm_records_nothing(start_collector, tracer_to):
@@ -229,6 +230,7 @@ def test_spans_of_another_otlp_producer_are_a_trace_of_their_own(start_collector
     assert tool["exception"].startswith("ZeroDivisionError: division by zero\nTraceback")
     assert tool["attributes"]["otel"]["status"]["code"] == "ERROR"
     assert tool["attributes"]["otel"]["events"][0]["name"] == "exception"
+    assert 'tracecar_otlp_spans_total{joined="none"} 3.0' in httpx.get(col.url + "/metrics").text
 
 
 def _request(*spans: trace_pb2.Span, service: str = "svc") -> ExportTraceServiceRequest:
@@ -391,6 +393,7 @@ def test_a_head_budget_keeps_or_drops_engine_spans_with_their_trajectory(start_c
     engine_rows = [r for r in rows if r["name"] == "llm_request"]
     assert len(engine_rows) == 1 and (engine_rows[0]["step"], engine_rows[0]["sample_index"]) == (1, 0)
     assert kit.metrics(col.url, "tracecar_spans_sampled_out_total", budget="max_samples_per_step_per_worker") == 3
+    assert kit.metrics(col.url, "tracecar_otlp_spans_total", joined="memory") == 2  # the dropped one's too
 
 
 def test_engine_spans_join_from_the_store_when_not_remembered(start_collector, tracer_to):
@@ -405,6 +408,7 @@ def test_engine_spans_join_from_the_store_when_not_remembered(start_collector, t
     generate = col.collector.spool.query("SELECT * FROM spans WHERE trace_id = ? AND name LIKE '%generate'", [trace_id])[0]
     assert row["parent_id"] == generate["span_id"]
     assert (row["worker"], row["project"], row["step"], row["sample_index"]) == (generate["worker"], "proj-a", 7, 4)
+    assert 'tracecar_otlp_spans_total{joined="store"} 1.0' in httpx.get(col.url + "/metrics").text
 
 
 def test_a_tail_budget_decides_engine_spans_with_their_trajectory(start_collector, tracer_to, kit):

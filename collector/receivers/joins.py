@@ -79,18 +79,19 @@ class TrajectoryContexts:
             while len(items) > self.max_traces:
                 items.popitem(last=False)
 
-    def lookup(self, trace_id: str) -> TrajectoryContext | None:
-        """The trajectory's context from memory, else from a stored tracecar span of it; None if neither."""
+    def lookup(self, trace_id: str) -> tuple[TrajectoryContext | None, str]:
+        """The trajectory's context and where it was found: ``memory``, ``store``, or (None, ``none``)."""
         with self._lock:
             found = self._items.get(trace_id)
         if found is not None:
-            return found
+            return found, "memory"
         rows = self.spool.query(
             "SELECT worker, project, entity, experiment, step, sample_index, rollout_n, validate FROM spans"
             " WHERE trace_id = ? AND kind != 'annotation' ORDER BY worker LIKE ?, step IS NULL, seq LIMIT 1",
             [trace_id, OTLP_WORKER_PREFIX + "%"])
         if not rows or str(rows[0]["worker"] or "").startswith(OTLP_WORKER_PREFIX):
-            return None
+            return None, "none"
         row = rows[0]
         return TrajectoryContext(row["worker"], row["project"], row["entity"], row["experiment"], row["step"],
-                                 row["sample_index"], row["rollout_n"], None if row["validate"] is None else bool(row["validate"]))
+                                 row["sample_index"], row["rollout_n"],
+                                 None if row["validate"] is None else bool(row["validate"])), "store"

@@ -29,6 +29,7 @@ from google.rpc import status_pb2
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
 
 from .. import receive
+from ..metrics import Metrics
 from ..pipeline import Backpressure, IngestResult
 from ..receive import BodyError
 from ..validate import EnvelopeError, Rejection, Validated, validate_batch
@@ -81,8 +82,9 @@ class OtlpRequest:
     request (``resourceSpans[0].scopeSpans[0].spans[3]``) and its OTel span id.
     """
 
-    def __init__(self, contexts: TrajectoryContexts, max_decompressed_bytes: int, max_batch_spans: int) -> None:
+    def __init__(self, contexts: TrajectoryContexts, metrics: Metrics, max_decompressed_bytes: int, max_batch_spans: int) -> None:
         self.contexts = contexts
+        self.metrics = metrics
         self.max_decompressed_bytes = max_decompressed_bytes
         self.max_batch_spans = max_batch_spans
         self.translated = Translated()
@@ -111,14 +113,18 @@ class OtlpRequest:
 
     def _join(self, validated: Validated) -> None:
         """Spans of a tracecar trajectory take its worker, project and budget attributes."""
-        found: dict[str, TrajectoryContext | None] = {}
+        found: dict[str, tuple[TrajectoryContext | None, str]] = {}
+        joined: dict[str, int] = {}
         for span in validated.spans:
             trace_id = span["trace_id"]
             if trace_id not in found:
                 found[trace_id] = self.contexts.lookup(trace_id)
-            context = found[trace_id]
+            context, source = found[trace_id]
+            joined[source] = joined.get(source, 0) + 1
             if context is not None:
                 context.apply(span)
+        for source, count in joined.items():
+            self.metrics.otlp_spans.labels(joined=source).inc(count)
 
     def describe(self, rejection: Rejection) -> str:
         """One rejection in the request's own terms."""
@@ -174,7 +180,7 @@ async def _export(request: Request, collector: Any, read_body: Callable[[Request
     retry = {"Retry-After": str(settings.retry_after_s)}
     if not collector.ready:
         return status_response(503, "collector is not ready (starting or draining)", content_type, retry)
-    otlp = OtlpRequest(collector.pipeline.contexts, settings.max_decompressed_bytes, settings.max_batch_spans)
+    otlp = OtlpRequest(collector.pipeline.contexts, metrics, settings.max_decompressed_bytes, settings.max_batch_spans)
     try:
         collector.pipeline.check_capacity()
         body = await read_body(request, settings.max_body_bytes)
