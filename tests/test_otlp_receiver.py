@@ -23,6 +23,7 @@ import httpx
 import orjson
 import pytest
 from google.rpc import status_pb2
+from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
 from opentelemetry.proto.trace.v1 import trace_pb2
@@ -197,7 +198,8 @@ def test_traceparent_is_none_with_tracing_off():
 def test_spans_of_another_otlp_producer_are_a_trace_of_their_own(start_collector):
     col = start_collector()
     provider = TracerProvider(resource=Resource.create({"service.name": "agent"}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=col.url + "/v1/traces")))
+    gzipped = OTLPSpanExporter(endpoint=col.url + "/v1/traces", compression=Compression.Gzip)  # OTEL_EXPORTER_OTLP_COMPRESSION=gzip
+    provider.add_span_processor(BatchSpanProcessor(gzipped))
     otel = provider.get_tracer("my.agent", "1.2")
     with otel.start_as_current_span("agent.run", attributes={"gen_ai.operation.name": "invoke_agent"}) as run:
         with otel.start_as_current_span("chat gpt-x", kind=SpanKind.CLIENT, attributes={"gen_ai.usage.input_tokens": 12}):
