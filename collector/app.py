@@ -20,6 +20,7 @@ from .forward import Forwarder, NullSink, Sink
 from .metrics import Metrics
 from .pipeline import Backpressure, IngestPipeline
 from .receive import BodyError
+from .receivers.otlp import build_router as build_otlp_router
 from .settings import CollectorSettings
 from .spool import Spool
 from .store_query import TrajectoryFilter, get_trajectory, list_trajectories
@@ -187,6 +188,8 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         rows = await asyncio.to_thread(collector.spool.dead_letters, limit)
         return {"count": await asyncio.to_thread(collector.spool.dead_count), "dead_letters": rows}
 
+    # OTLP/HTTP in (vLLM/SGLang engine spans, any OpenTelemetry SDK): same pipeline, same token
+    app.include_router(build_otlp_router(collector, auth, _read_body))
     # the local trajectory viewer (/ui/): read-only, same token
     app.include_router(build_viewer_router(collector, settings.token.get_secret_value() if settings.token else None))
     return app

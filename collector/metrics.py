@@ -29,6 +29,7 @@ class Metrics:
         self.forward_failures = Counter("tracecar_forward_failures", "Failed forward attempts, by kind.", ["kind"], registry=r)
         self.dead_lettered = Counter("tracecar_spans_dead_lettered", "Spans the backend rejected permanently.", registry=r)
         self.backpressure = Counter("tracecar_backpressure", "Requests answered 503 because a bound was hit, by bound.", ["bound"], registry=r)
+        self.otlp_spans = Counter("tracecar_otlp_spans", "Valid OTLP spans received, by what they joined: a tracecar trajectory found in memory or in the store, or none (a trace of their own).", ["joined"], registry=r)
         self.ingest_seconds = Histogram(
             "tracecar_ingest_seconds", "Time from request read to acknowledgement.",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r,

@@ -14,7 +14,7 @@ import base64
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import orjson
@@ -22,6 +22,7 @@ import orjson
 from . import receive
 from .decoding import TokenizerNotFound, TokenizerRegistry, collect_jobs, decode_spans
 from .metrics import Metrics
+from .receivers.joins import TrajectoryContexts
 from .sampling import MEMBERSHIP, StepBudgetSampler
 from .selection import Policies, TailSelector
 from .settings import CollectorSettings
@@ -30,6 +31,10 @@ from .validate import Rejection, Validated, validate_batch
 
 _DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 log = logging.getLogger("tracecar.collector.pipeline")
+
+
+# body, Content-Type, Content-Encoding -> validated spans; runs in a worker thread
+Receiver = Callable[[bytes, str | None, str | None], Validated]
 
 
 class Backpressure(Exception):
@@ -91,6 +96,7 @@ class IngestPipeline:
         self.spool = spool
         self.metrics = metrics
         self.tokenizers = TokenizerRegistry()
+        self.contexts = TrajectoryContexts(spool, settings.otlp_join_traces)
         self.policies = Policies(settings)
         self.selection: TailSelector | None = None
         if self.policies.any_tail:
@@ -122,11 +128,13 @@ class IngestPipeline:
         if self.inflight.locked():
             raise Backpressure("inflight_requests", f"{self.settings.max_inflight_requests} requests already in flight (TRACECAR_MAX_INFLIGHT_REQUESTS)")
 
-    async def ingest(self, body: bytes, content_type: str | None, content_encoding: str | None) -> IngestResult:
+    async def ingest(self, body: bytes, content_type: str | None, content_encoding: str | None,
+                     receiver: Receiver | None = None) -> IngestResult:
+        """``receiver`` turns the body into validated spans (default: tracecar's wire format)."""
         self.check_capacity()
         async with self.inflight:
             loop = asyncio.get_running_loop()
-            validated = await loop.run_in_executor(self.cpu, self._receive_and_validate, body, content_type, content_encoding)
+            validated = await loop.run_in_executor(self.cpu, receiver or self._receive_and_validate, body, content_type, content_encoding)
             m = self.metrics
             memberships = [s for s in validated.spans if s["kind"] == MEMBERSHIP]
             if memberships:  # a step's sample indices: consumed by the head sampler, never stored
@@ -181,7 +189,9 @@ class IngestPipeline:
     # ---- stages (worker threads) ---------------------------------------------------------
     def _receive_and_validate(self, body: bytes, content_type: str | None, content_encoding: str | None) -> Validated:
         raw = receive.parse(receive.decompress(body, content_encoding, self.settings.max_decompressed_bytes), content_type)
-        return validate_batch(raw, self.settings.max_batch_spans)
+        validated = validate_batch(raw, self.settings.max_batch_spans)
+        self.contexts.remember(validated.spans)  # for engine spans that join these trajectories over OTLP
+        return validated
 
     def _decode_and_serialize(self, validated: Validated, spans: list[dict[str, Any]]) -> tuple[list[SpoolRow], int, list[Rejection]]:
         batch = validated.batch

@@ -75,6 +75,7 @@ class CollectorSettings(BaseSettings):
     max_held_trajectories: int = Field(200_000, ge=1, description="Bound on trajectories awaiting a decision (their summaries are in memory); above it the oldest step is decided early.")
     validation_budget: BudgetOverride | None = Field(None, description="Budget overrides for validate=True steps (JSON/YAML mapping of the budget settings); they are always counted apart from training steps.")
     budgets: dict[str, BudgetOverride] = Field(default_factory=dict, description="Per-experiment budget overrides: experiment name -> mapping of budget settings (with an optional `validation` mapping).")
+    otlp_join_traces: int = Field(16384, ge=0, description="Trajectories remembered so that OTLP engine spans (vLLM's llm_request) joining them take their worker, project and budget attributes, and are kept or dropped with them; past it (or after a restart) the store is asked, where dropped trajectories are not.")
     max_body_bytes: int = Field(20 * MiB, ge=1024, description="Largest request body accepted on the wire (413 above).")
     max_decompressed_bytes: int = Field(100 * MiB, ge=1024, description="Largest body after gzip/zstd decompression (413 above; stops zip bombs).")
     max_batch_spans: int = Field(8192, ge=1, description="Most spans in one request (413 above).")

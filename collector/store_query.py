@@ -129,6 +129,8 @@ def get_trajectory(spool: Spool, trace_id: str) -> dict[str, Any] | None:
         else:
             spans[row["span_id"]] = span
     root = spans.get(trace_id)
+    if root is None:  # a root from another OTLP producer keeps its own span id
+        root = next((s for s in spans.values() if s["parent_id"] is None), None)
     orphans = []
     for span in spans.values():
         if span is root:

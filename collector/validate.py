@@ -123,8 +123,11 @@ class EnvelopeError(Exception):
         self.reason = reason
 
 
-def validate_batch(raw: Any, max_spans: int) -> Validated:
-    """Validates the envelope (all-or-nothing) and each span (one by one)."""
+def validate_batch(raw: Any, max_spans: int, span_model: type[SpanIn] = SpanIn) -> Validated:
+    """Validates the envelope (all-or-nothing) and each span (one by one).
+
+    ``span_model``: the per-span checks (receivers of other formats relax tracecar's root rule).
+    """
     if not isinstance(raw, dict):
         raise EnvelopeError("body", f"expected an object with 'worker' and 'spans', got {type(raw).__name__}")
     try:
@@ -140,7 +143,7 @@ def validate_batch(raw: Any, max_spans: int) -> Validated:
         span_id = item.get("span_id") if isinstance(item, dict) else None
         span_id = span_id if isinstance(span_id, str) else None
         try:
-            span = dict(SpanIn.model_validate(item).__dict__)  # no model_dump: it deep-copies inputs/output
+            span = dict(span_model.model_validate(item).__dict__)  # no model_dump: it deep-copies inputs/output
         except ValidationError as exc:
             err = exc.errors()[0]
             field_name, reason = _describe_error(index, err)

@@ -33,11 +33,11 @@ from typing import Any
 import orjson
 
 from .store_query import sample_index_values
-from .viewer_shape import is_tool, token_counts, token_output
+from .viewer_shape import is_engine_payload, is_tool, token_counts, token_output
 
 log = logging.getLogger("tracecar.collector.viewer")
 
-INDEX_VERSION = "3"  # 3: sample_index has no column type (VERL indices are ints or strings)
+INDEX_VERSION = "4"  # 3: sample_index untyped (ints or strings); 4: engine spans never make a turn an aggregate
 ROOT = "root_seq IS NOT NULL"  # every query names it, so the partial indexes apply
 
 SCHEMA = f"""
@@ -400,7 +400,7 @@ class TrajectoryIndex:
                 continue
             delta.span_count += 1
             delta.has_error = max(delta.has_error, has_error)
-            if parent_id is not None:
+            if parent_id is not None and not is_engine_payload(payload):  # an engine span never makes a turn an aggregate
                 parent_ids.add(parent_id)
             span = self._parse(payload, root=parent_id is None)
             if parent_id is None:

@@ -10,12 +10,17 @@ both the trajectory index (per span, for sorting by turns) and the trajectory pa
 * a *tool call* is an op span without token output whose method is ``execute`` (VERL's
   ``BaseTool.execute``) or names a tool, or whose class ends in ``Tool`` (not a tool *parser*);
 * the *reward* is the root's ``attributes.reward`` if numeric, else the latest annotation's
-  (the same precedence as :mod:`store_query`).
+  (the same precedence as :mod:`store_query`);
+* an *engine span* is one that came in over OTLP (``attributes["otel"]``, e.g. vLLM's
+  ``llm_request``): it never makes its parent an aggregate; under a turn it gives that turn's
+  engine timings (queue, time to first token, prefill, decode, tokens).
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterator
+
+import orjson
 
 RESPONSE_ID_KEYS = ("response_ids", "token_ids")
 TOOL_METHODS = frozenset({"execute", "call_tool", "run_tool", "invoke_tool"})
@@ -50,6 +55,47 @@ def is_tool(kind: str, name: str, output: Any) -> bool:
     if "pars" in name.lower():  # ToolParser.extract_tool_calls reads calls, it does not make one
         return False
     return method in TOOL_METHODS or owner.endswith("tool") or "tool" in method
+
+
+# what the viewer shows of an engine span: vLLM's SpanAttributes names (vllm/tracing/utils.py)
+ENGINE_TIMINGS = (
+    ("queue_s", "gen_ai.latency.time_in_queue"), ("ttft_s", "gen_ai.latency.time_to_first_token"),
+    ("prefill_s", "gen_ai.latency.time_in_model_prefill"), ("decode_s", "gen_ai.latency.time_in_model_decode"),
+    ("inference_s", "gen_ai.latency.time_in_model_inference"), ("e2e_s", "gen_ai.latency.e2e"),
+    ("prompt_tokens", "gen_ai.usage.prompt_tokens"), ("completion_tokens", "gen_ai.usage.completion_tokens"),
+    ("request_id", "gen_ai.request.id"),
+)
+
+
+def is_engine(span: dict[str, Any]) -> bool:
+    """True for a span received over OTLP (an inference engine's, or another producer's)."""
+    return isinstance((span.get("attributes") or {}).get("otel"), dict)
+
+
+def is_engine_payload(payload: bytes | None) -> bool:
+    """:func:`is_engine` on a stored payload, parsing it only when it may be one."""
+    if not payload or b'"otel":{' not in payload:
+        return False
+    try:
+        span = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(span, dict) and is_engine(span)
+
+
+def own_children(span: dict[str, Any]) -> list[dict[str, Any]]:
+    """The span's children minus engine spans (which never make a call an aggregate)."""
+    return [c for c in span.get("children", ()) if not is_engine(c)]
+
+
+def engine_timings(span: dict[str, Any]) -> dict[str, Any]:
+    attrs = span.get("attributes") or {}
+    out: dict[str, Any] = {"span_id": span.get("span_id"), "name": span.get("name"), "duration": _duration(span),
+                           "error": span.get("exception")}
+    for key, attribute in ENGINE_TIMINGS:
+        if attrs.get(attribute) is not None:
+            out[key] = attrs[attribute]
+    return out
 
 
 def numeric(value: Any) -> float | None:
@@ -89,18 +135,25 @@ def shape(tree: dict[str, Any]) -> dict[str, Any]:
     spans = [s for s in _walk(root) if s is not root]
     turns: list[dict[str, Any]] = []
     events: list[dict[str, Any]] = []
+    in_turns: set[str] = set()
     for span in spans:
         kind, name, output = span.get("kind", ""), span.get("name", ""), span.get("output")
         base = {"span_id": span["span_id"], "name": name, "start_time": span.get("start_time"),
                 "duration": _duration(span), "error": span.get("exception")}
-        if token_output(kind, output) and not span.get("children"):
+        if is_engine(span):
+            if span["span_id"] not in in_turns and not own_children(span):
+                events.append({**base, "type": "engine", "engine": engine_timings(span)})
+        elif token_output(kind, output) and not own_children(span):
             prompt_tokens, response_tokens = token_counts(span)
+            engine = [c for c in span.get("children", ()) if is_engine(c)]
+            in_turns.update(c["span_id"] for c in engine)
             turns.append({**base, "prompt_text": output.get("prompt_text"), "response_text": output.get("response_text"),
                           "prompt_tokens": prompt_tokens, "response_tokens": response_tokens,
-                          "stop_reason": output.get("stop_reason", output.get("finish_reason"))})
+                          "stop_reason": output.get("stop_reason", output.get("finish_reason")),
+                          "engine": [engine_timings(c) for c in engine]})
         elif is_tool(kind, name, output):
             events.append({**base, "type": "tool", "arguments": _arguments(span.get("inputs")), "result": output})
-        elif kind == "op" and not span.get("children"):
+        elif kind == "op" and not own_children(span):
             events.append({**base, "type": "op", "arguments": span.get("inputs"), "result": output})
     turns.sort(key=lambda t: t["start_time"] or 0)
     events.sort(key=lambda e: e["start_time"] or 0)
@@ -157,7 +210,7 @@ def _reward_and_metrics(root: dict[str, Any], spans: list[dict[str, Any]], annot
                 metrics.append({"source": "annotation", "key": key, "value": value})
     for span in spans:
         output = span.get("output")
-        if isinstance(output, dict) and span.get("children"):
+        if isinstance(output, dict) and own_children(span):
             if isinstance(output.get("metrics"), dict):
                 metrics.extend({"source": span["name"], "key": k, "value": v} for k, v in output["metrics"].items())
             for key in ("num_turns", "reward_score"):

@@ -220,7 +220,9 @@ def to_weave_call(
     if not isinstance(start, (int, float)) or not isinstance(end, (int, float)):
         raise SpanError("unfinished span: calls/complete needs start_time and end_time")
     parent = span.get("parent_id")
-    if (parent is None) != (span_id == trace_id):
+    # OTLP roots keep their own ids (trace_id != span_id; tracecar.collector.receivers.otlp_translate)
+    otlp_root = parent is None and isinstance((span.get("attributes") or {}).get("otel"), dict)
+    if (parent is None) != (span_id == trace_id) and not otlp_root:
         raise SpanError("a trace root must have no parent_id, and a span without one must be its root")
     exc = span.get("exception")
     if counts is None:

@@ -582,3 +582,79 @@ def test_ray_worker_process_setup_hook_traces_from_an_actor(start_collector, mod
         ray.shutdown()
     assert installed_by_hook and active and sent == 20
     assert len(trajectories(col.url, step=STEP)) == 4
+
+
+# the lines README's "OpenTelemetry in" asks VERL to add to LLMServerClient.generate, verbatim
+README_VERL_LINES = '''\
+from tracecar.client import trace_headers
+if (headers := trace_headers()) is not None:
+    kwargs["trace_headers"] = headers
+'''
+_REMOTE_CALL = "output: TokenOutput = await server.generate.remote("
+
+
+def _generate_with_readme_lines() -> Any:
+    """VERL's own ``LLMServerClient.generate`` source with the README's lines put before the server call."""
+    import inspect
+    import textwrap
+
+    from verl.workers.rollout import llm_server
+
+    assert README_VERL_LINES in (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    source = textwrap.dedent(inspect.getsource(llm_server.LLMServerClient.generate.__wrapped__))
+    head, found, tail = source.partition(_REMOTE_CALL)
+    assert found, "VERL's LLMServerClient.generate changed: update README's lines and this test"
+    indent = head[head.rindex("\n") + 1:]
+    source = head.rstrip(" ") + textwrap.indent(README_VERL_LINES, indent) + indent + found + tail
+    source = "class LLMServerClient:\n" + textwrap.indent(source, "    ")  # so its qualname is VERL's
+    namespace = dict(vars(llm_server))
+    exec(compile(source, llm_server.__file__, "exec"), namespace)  # decorated by VERL's rollout_trace_op, as in VERL
+    return vars(namespace["LLMServerClient"])["generate"]
+
+
+def test_vllm_engine_spans_join_verl_generate_calls_with_the_readme_lines(adapter, start_collector, monkeypatch, model_dir,
+                                                                          hf_tokenizer):
+    import contextvars
+    import time
+
+    from test_otlp_receiver import VllmEngine  # vLLM's request tracing, with vLLM's names
+    from verl.workers.rollout.llm_server import LLMServerClient
+
+    col = start_collector()
+    monkeypatch.setenv("TRACECAR_URL", col.url)
+    monkeypatch.setattr(LLMServerClient, "generate", _generate_with_readme_lines())
+    assert adapter.install() is True
+    engine = VllmEngine(col.url + "/v1/traces")
+    worker, server = make_worker(verl_config(model_dir), hf_tokenizer)
+    scripted = server.generate.remote
+    seen: list[dict[str, str] | None] = []
+
+    async def vllm_http_server_generate(*, request_id: str, prompt_ids: list[int], sampling_params: dict,
+                                        trace_headers: dict[str, str] | None = None, **kwargs: Any) -> Any:
+        """vLLMHttpServer.generate with README's parameter, in a context of its own (another Ray actor)."""
+        async def engine_side() -> Any:
+            seen.append(trace_headers)
+            arrival = time.time()
+            output = await scripted(request_id=request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+            engine.request(trace_headers, request_id, len(prompt_ids), len(output.token_ids), arrival)  # AsyncLLM.generate's span
+            return output
+
+        return await asyncio.get_running_loop().create_task(engine_side(), context=contextvars.Context())
+
+    server.generate.remote = vllm_http_server_generate
+    out = asyncio.run(worker.generate_sequences(make_batch()))
+    assert len(out) == 4 and len(seen) == 6 and all(h is not None for h in seen)
+    flush()
+    engine.flush()
+    engine.close()
+    for summary in trajectories(col.url, step=STEP):
+        tree = httpx.get(f"{col.url}/v1/trajectories/{summary['trace_id']}").json()
+        [run] = tree["root"]["children"]
+        generates = [c for c in run["children"] if c["name"] == "LLMServerClient.generate"]
+        assert generates and len(generates) == (2 if summary["sample_index"] == 0 else 1)
+        for generate in generates:
+            [llm] = generate["children"]
+            assert llm["name"] == "llm_request" and llm["parent_id"] == generate["span_id"]
+            assert llm["attributes"]["gen_ai.usage.prompt_tokens"] == len(generate["inputs"]["prompt_ids"])
+            assert llm["attributes"]["step"] == STEP and llm["attributes"]["experiment_name"] == EXPERIMENT
+            assert {"traceparent": f"00-{summary['trace_id']}-{generate['span_id'][16:]}-01"} in seen

@@ -414,7 +414,17 @@
     return h("pre", { class: "text " + (cls || "") }, text === "" ? "(empty)" : text);
   }
 
+  // the inference engine's own timings of a turn (vLLM's llm_request span, received over OTLP)
+  function engineLine(t) {
+    const parts = [["queue", t.queue_s], ["TTFT", t.ttft_s], ["prefill", t.prefill_s], ["decode", t.decode_s], ["e2e", t.e2e_s]]
+      .filter(([, v]) => typeof v === "number").map(([k, v]) => k + " " + fmt.dur(v));
+    if (t.prompt_tokens !== undefined || t.completion_tokens !== undefined) parts.push(fmt.int(t.prompt_tokens) + " → " + fmt.int(t.completion_tokens) + " tokens");
+    return h("div", { class: "muted engine" + (t.error ? " error" : ""), "data-testid": "engine-timings" },
+      "engine " + (t.name || "") + ": " + (parts.length ? parts.join(" · ") : fmt.dur(t.duration)) + (t.error ? " · error: " + t.error : ""));
+  }
+
   function eventCard(e) {
+    if (e.type === "engine") return engineLine(e.engine);
     const isTool = e.type === "tool";
     return h("div", { class: "tool" + (isTool ? "" : " op") + (e.error ? " error" : ""), "data-testid": isTool ? "tool-call" : "op-call" },
       h("div", { class: "row" }, h("strong", null, (isTool ? "tool call: " : "") + e.name), h("span", { class: "muted" }, fmt.dur(e.duration)),
@@ -434,6 +444,7 @@
         h("span", { class: "muted" }, tokens), turn.stop_reason ? h("span", { class: "badge" }, "stop: " + turn.stop_reason) : null,
         turn.error ? h("span", { class: "badge bad" }, "error") : null),
       h("div", { class: "body" },
+        (turn.engine || []).map(engineLine),
         h("div", { class: "label" }, first ? "prompt" : "new context since the previous turn"),
         textBlock(first ? turn.prompt_text : turn.new_context, "", noText),
         !first && turn.prompt_text !== null ? h("details", null, h("summary", { class: "muted" }, "full prompt of this turn"), textBlock(turn.prompt_text, "")) : null,

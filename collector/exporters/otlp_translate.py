@@ -1,0 +1,239 @@
+"""tracecar spans → OTLP spans with OpenTelemetry GenAI semantic conventions (translation only).
+
+The push (HTTP, retries, a delivery cursor) is the exporter's transport and lives apart, as
+the OpenTelemetry Collector's exporterhelper keeps senders apart from the translation; this
+module is pure data work so any OTLP destination (Phoenix, Langfuse, Tempo, MLflow, Weave's
+``/otel/v1/traces``) can share it and tests can read what it makes.
+
+Ids are the inverse of :mod:`tracecar.collector.receivers.otlp_translate`: the trace id is
+the 32-hex tracecar trace id as 16 bytes; a span id that shares the trace's 16-hex prefix is
+sent as its 16-hex counter (the same value ``tracecar.client.traceparent()`` hands to vLLM),
+so a span the receiver stored reads back with the ids it came in with; any other id (another
+process's prefix, a free-form id from another client) is hashed to 8 bytes (BLAKE2b). Spans
+that came in over OTLP go back out with their own ids, kind, status, resource and scope.
+
+GenAI conventions (``gen_ai.*``, the names of semantic-conventions 1.37):
+
+* a trajectory root is ``invoke_agent``; an LLM call (an op whose output carries generated
+  tokens and that aggregates no other call, the viewer's rule) is ``chat`` with
+  ``gen_ai.usage.input_tokens`` / ``output_tokens`` from its token ids; a tool call is
+  ``execute_tool`` with ``gen_ai.tool.name``;
+* every span carries ``gen_ai.conversation.id`` = the trajectory id;
+* content (``gen_ai.input.messages`` / ``gen_ai.output.messages`` for LLM calls, and the
+  span's inputs and output as ``tracecar.inputs`` / ``tracecar.output`` JSON) only when asked.
+
+tracecar's own attributes go under ``tracecar.`` (``tracecar.step``, ``tracecar.reward``...),
+nested values as OTLP arrays and key-value lists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any, Iterable, Mapping
+
+import orjson
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from ..viewer_shape import is_tool, token_counts, token_output
+
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_KINDS = frozenset({"UNSPECIFIED", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER"})  # SpanKind names minus SPAN_KIND_
+_STATUS = frozenset({"UNSET", "OK", "ERROR"})  # StatusCode names minus STATUS_CODE_
+SCOPE_NAME = "tracecar"
+_MAX_DEPTH = 16
+
+
+def trace_id_bytes(trace_id: str) -> bytes:
+    """A tracecar trace id as an OTLP trace id (16 bytes)."""
+    return bytes.fromhex(trace_id) if _HEX32.match(trace_id) else _hash(trace_id, 16)
+
+
+def span_id_bytes(span_id: str, trace_id: str) -> bytes:
+    """A tracecar span id as an OTLP span id (8 bytes): the counter when it shares the trace's prefix."""
+    if _HEX32.match(span_id) and span_id[:16] == trace_id[:16]:
+        counter = bytes.fromhex(span_id[16:])
+        if any(counter):  # an all-zero span id is invalid in OTLP
+            return counter
+    return _hash(span_id, 8)
+
+
+def _hash(value: str, size: int) -> bytes:
+    digest = hashlib.blake2b(value.encode(), digest_size=size).digest()
+    return digest if any(digest) else b"\x01" * size
+
+
+def any_value(value: Any, depth: int = 0) -> AnyValue:
+    """Plain JSON data as an OTLP ``AnyValue`` (nesting bounded; anything else as its repr)."""
+    out = AnyValue()
+    if value is None:
+        return out
+    if isinstance(value, bool):
+        out.bool_value = value
+    elif isinstance(value, int):
+        if -(2**63) <= value < 2**63:
+            out.int_value = value
+        else:
+            out.string_value = str(value)
+    elif isinstance(value, float):
+        out.double_value = value
+    elif isinstance(value, str):
+        out.string_value = value
+    elif isinstance(value, (bytes, bytearray)):
+        out.bytes_value = bytes(value)
+    elif depth >= _MAX_DEPTH:
+        out.string_value = repr(value)[:4096]
+    elif isinstance(value, (list, tuple)):
+        out.array_value.values.extend(any_value(v, depth + 1) for v in value)
+    elif isinstance(value, dict):
+        out.kvlist_value.values.extend(KeyValue(key=str(k), value=any_value(v, depth + 1)) for k, v in value.items())
+    else:
+        out.string_value = repr(value)[:4096]
+    return out
+
+
+def _key_values(attributes: Mapping[str, Any]) -> list[KeyValue]:
+    return [KeyValue(key=k, value=any_value(v)) for k, v in attributes.items() if v is not None]
+
+
+def _own_children(span_id: str, children: Mapping[str, list[Mapping[str, Any]]]) -> list[Mapping[str, Any]]:
+    return [c for c in children.get(span_id, ()) if not isinstance((c.get("attributes") or {}).get("otel"), dict)]
+
+
+def genai_attributes(span: Mapping[str, Any], *, aggregates: bool, content: bool) -> dict[str, Any]:
+    """The ``gen_ai.*`` attributes of one tracecar span (``aggregates``: it has tracecar children)."""
+    kind, name, output = span.get("kind", ""), span.get("name", ""), span.get("output")
+    out: dict[str, Any] = {"gen_ai.conversation.id": span.get("trace_id")}
+    if kind == "trajectory":
+        out["gen_ai.operation.name"] = "invoke_agent"
+        out["gen_ai.agent.name"] = name
+    elif token_output(kind, output) and not aggregates and isinstance(output, dict):
+        out["gen_ai.operation.name"] = "chat"
+        prompt_tokens, response_tokens = token_counts(dict(span))
+        if prompt_tokens is not None:
+            out["gen_ai.usage.input_tokens"] = prompt_tokens
+        if response_tokens is not None:
+            out["gen_ai.usage.output_tokens"] = response_tokens
+        stop = output.get("stop_reason", output.get("finish_reason"))
+        if isinstance(stop, str):
+            out["gen_ai.response.finish_reasons"] = [stop]
+        if content:
+            prompt, response = output.get("prompt_text"), output.get("response_text")
+            if isinstance(prompt, str):
+                out["gen_ai.input.messages"] = orjson.dumps([{"role": "user", "parts": [{"type": "text", "content": prompt}]}]).decode()
+            if isinstance(response, str):
+                message: dict[str, Any] = {"role": "assistant", "parts": [{"type": "text", "content": response}]}
+                if isinstance(stop, str):
+                    message["finish_reason"] = stop
+                out["gen_ai.output.messages"] = orjson.dumps([message]).decode()
+    elif is_tool(kind, name, output):
+        out["gen_ai.operation.name"] = "execute_tool"
+        owner, _, method = name.rpartition(".")
+        out["gen_ai.tool.name"] = (owner or method).rsplit(".", 1)[-1]
+    return out
+
+
+def _exception_event(text: str, at_ns: int) -> tuple[str, trace_pb2.Span.Event]:
+    first, _, trace = text.partition("\n")
+    kind, sep, message = first.partition(": ")
+    attrs = {"exception.type": kind if sep else "Exception", "exception.message": message if sep else first}
+    if trace:
+        attrs["exception.stacktrace"] = trace
+    return first, trace_pb2.Span.Event(name="exception", time_unix_nano=at_ns, attributes=_key_values(attrs))
+
+
+def _json(value: Any, limit: int) -> str:
+    text = orjson.dumps(value, default=repr, option=orjson.OPT_NON_STR_KEYS).decode()
+    return text if len(text) <= limit else text[:limit] + f"…[truncated by tracecar: {len(text) - limit} chars]"
+
+
+def to_otlp_span(span: Mapping[str, Any], *, aggregates: bool = False, content: bool = False,
+                 max_content_chars: int = 1_000_000) -> trace_pb2.Span:
+    """One stored tracecar span (not an annotation) as an OTLP span."""
+    trace_id, span_id, parent = span["trace_id"], span["span_id"], span.get("parent_id")
+    attrs = dict(span.get("attributes") or {})
+    otel = attrs.pop("otel", None)
+    start_ns = int(span["start_time"] * 1e9)
+    end = span.get("end_time")
+    out = trace_pb2.Span(trace_id=trace_id_bytes(trace_id), name=span["name"], start_time_unix_nano=start_ns,
+                         end_time_unix_nano=int(end * 1e9) if isinstance(end, (int, float)) else start_ns)
+    if isinstance(otel, dict):  # came in over OTLP: its own ids, kind and status go back out
+        out.span_id = _otel_id(otel.get("span_id")) or span_id_bytes(span_id, trace_id)
+        out.parent_span_id = _otel_id(otel.get("parent_span_id")) or (span_id_bytes(parent, trace_id) if parent else b"")
+        out.kind = trace_pb2.Span.SpanKind.Value("SPAN_KIND_" + str(otel.get("kind"))) if str(otel.get("kind")) in _KINDS \
+            else trace_pb2.Span.SPAN_KIND_INTERNAL
+        status = otel.get("status") or {}
+        code = str(status.get("code"))
+        out.status.code = trace_pb2.Status.StatusCode.Value("STATUS_CODE_" + code) if code in _STATUS else trace_pb2.Status.STATUS_CODE_UNSET
+        out.status.message = str(status.get("message") or "")
+        if isinstance(otel.get("trace_state"), str):
+            out.trace_state = otel["trace_state"]
+        for event in otel.get("events") or ():
+            if isinstance(event, dict):
+                out.events.append(trace_pb2.Span.Event(name=str(event.get("name", "")), time_unix_nano=int(float(event.get("time") or 0) * 1e9),
+                                                       attributes=_key_values(event.get("attributes") or {})))
+        out.attributes.extend(_key_values({**attrs, "gen_ai.conversation.id": trace_id}))
+        return out
+    out.span_id = span_id_bytes(span_id, trace_id)
+    if parent:
+        out.parent_span_id = span_id_bytes(parent, trace_id)
+    out.kind = trace_pb2.Span.SPAN_KIND_INTERNAL
+    exception = span.get("exception")
+    if isinstance(exception, str) and exception:
+        message, event = _exception_event(exception, out.end_time_unix_nano)
+        out.status.code, out.status.message = trace_pb2.Status.STATUS_CODE_ERROR, message
+        out.events.append(event)
+    values: dict[str, Any] = genai_attributes(span, aggregates=aggregates, content=content)
+    values.update({f"tracecar.{k}": v for k, v in attrs.items()})
+    for key in ("worker", "project", "kind"):
+        if span.get(key) is not None:
+            values[f"tracecar.span_{key}" if key == "kind" else f"tracecar.{key}"] = span[key]
+    if content:
+        values["tracecar.inputs"] = _json(span.get("inputs"), max_content_chars)
+        values["tracecar.output"] = _json(span.get("output"), max_content_chars)
+    out.attributes.extend(_key_values(values))
+    return out
+
+
+def _otel_id(value: Any) -> bytes | None:
+    return bytes.fromhex(value) if isinstance(value, str) and _HEX16.match(value) and value.strip("0") else None
+
+
+def to_otlp_request(spans: Iterable[Mapping[str, Any]], *, service_name: str = "tracecar", content: bool = False,
+                    max_content_chars: int = 1_000_000) -> ExportTraceServiceRequest:
+    """Stored spans as one export request: tracecar's under one resource, OTLP ones under their own.
+
+    Annotations are not spans (rewards merge into the trajectory upstream) and are left out.
+    Whether an LLM call aggregates others is judged among the spans given (a whole trajectory
+    is the unit the spool forwards).
+    """
+    spans = [s for s in spans if s.get("kind") != "annotation"]
+    children: dict[str, list[Mapping[str, Any]]] = {}
+    for s in spans:
+        if s.get("parent_id"):
+            children.setdefault(s["parent_id"], []).append(s)
+    request = ExportTraceServiceRequest()
+    groups: dict[bytes, Any] = {}
+    for s in spans:
+        otel = (s.get("attributes") or {}).get("otel")
+        if isinstance(otel, dict):
+            resource = otel.get("resource") or {}
+            scope = otel.get("scope") or {}
+        else:
+            resource, scope = {"service.name": service_name}, {"name": SCOPE_NAME}
+        key = orjson.dumps([resource, scope], option=orjson.OPT_SORT_KEYS, default=repr)
+        scope_spans = groups.get(key)
+        if scope_spans is None:
+            rs = request.resource_spans.add()
+            rs.resource.attributes.extend(_key_values(resource))
+            scope_spans = rs.scope_spans.add()
+            scope_spans.scope.name = str(scope.get("name") or "")
+            scope_spans.scope.version = str(scope.get("version") or "")
+            scope_spans.scope.attributes.extend(_key_values(scope.get("attributes") or {}))
+            groups[key] = scope_spans
+        scope_spans.spans.append(to_otlp_span(s, aggregates=bool(_own_children(s["span_id"], children)), content=content,
+                                              max_content_chars=max_content_chars))
+    return request

@@ -1,0 +1,199 @@
+"""OTLP/HTTP receiver: ``POST /v1/traces`` from vLLM, SGLang or any OpenTelemetry SDK.
+
+Spans go through the same pipeline as tracecar's own (validated one by one, sampled, spooled,
+acknowledged only once durable, 503 + Retry-After under backpressure, the same token), so
+every guarantee of ``/v1/spans`` holds. What differs is the edge, which follows the OTLP/HTTP
+specification: protobuf (``application/x-protobuf``) or OTLP/JSON (``application/json``, ids
+in hex), gzip/deflate/zstd; the answer is an ``ExportTraceServiceResponse`` in the request's
+encoding, whose ``partial_success`` counts the rejected spans and names why; errors carry a
+``google.rpc.Status``. An empty request is 200, an unparsable one 400, another type 415.
+
+A span that joins a tracecar trajectory (see :mod:`.otlp_translate` for the ids) takes the
+trajectory's worker, project and budget attributes (experiment, step, sample_index,
+rollout_n, validate; :mod:`.joins`), so sampling keeps or drops it with its trajectory and it
+is exported to the same project.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, Awaitable, Callable
+
+import orjson
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from google.rpc import status_pb2
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
+
+from .. import receive
+from ..metrics import Metrics
+from ..pipeline import Backpressure, IngestResult
+from ..receive import BodyError
+from ..validate import EnvelopeError, Rejection, Validated, validate_batch
+from .joins import OTLP_WORKER_PREFIX, TrajectoryContext, TrajectoryContexts
+from .otlp_translate import OtlpSpanIn, Translated, hex_ids_to_base64, translate
+
+PROTOBUF = "application/x-protobuf"
+JSON = "application/json"
+_PROTOBUF_TYPES = frozenset({PROTOBUF, "application/protobuf", "application/vnd.google.protobuf"})
+_JSON_TYPES = frozenset({JSON, "text/json"})
+_MAX_MESSAGES = 10  # rejections spelled out in partial_success.error_message
+_SPAN_FIELD = re.compile(r"^spans\[(\d+)\]")
+# gRPC status codes for google.rpc.Status bodies
+_CODES = {400: 3, 401: 16, 413: 8, 415: 3, 422: 3, 503: 14}
+
+
+def media_type(content_type: str | None) -> str:
+    return (content_type or "").split(";")[0].strip().lower()
+
+
+def parse_request(body: bytes, content_type: str | None) -> Any:
+    """The body as an ``ExportTraceServiceRequest``; 415 for another type, 400 when unparsable."""
+    media = media_type(content_type)
+    request = ExportTraceServiceRequest()
+    if media in _PROTOBUF_TYPES:
+        try:
+            request.ParseFromString(body)
+        except (DecodeError, ValueError) as exc:
+            raise BodyError(400, "body", f"invalid OTLP protobuf: {exc}") from None
+        return request
+    if media in _JSON_TYPES:
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise BodyError(400, "body", f"invalid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise BodyError(400, "body", f"expected an ExportTraceServiceRequest object, got {type(data).__name__}")
+        try:
+            json_format.ParseDict(hex_ids_to_base64(data), request, ignore_unknown_fields=True)
+        except (json_format.ParseError, ValueError, TypeError) as exc:
+            raise BodyError(400, "body", f"invalid OTLP/JSON: {exc}") from None
+        return request
+    raise BodyError(415, "Content-Type", f"unsupported content type {media or None!r}; OTLP/HTTP takes {PROTOBUF} or {JSON}")
+
+
+class OtlpRequest:
+    """One request's receive stage: parse, translate, validate, join to stored trajectories.
+
+    Kept per request so that the answer can name each rejected span by its place in the
+    request (``resourceSpans[0].scopeSpans[0].spans[3]``) and its OTel span id.
+    """
+
+    def __init__(self, contexts: TrajectoryContexts, metrics: Metrics, max_decompressed_bytes: int, max_batch_spans: int) -> None:
+        self.contexts = contexts
+        self.metrics = metrics
+        self.max_decompressed_bytes = max_decompressed_bytes
+        self.max_batch_spans = max_batch_spans
+        self.translated = Translated()
+
+    def __call__(self, body: bytes, content_type: str | None, content_encoding: str | None) -> Validated:
+        data = receive.decompress(body, content_encoding, self.max_decompressed_bytes)
+        self.translated = translated = translate(parse_request(data, content_type))
+        if translated.total > self.max_batch_spans:
+            raise EnvelopeError("resourceSpans", f"{translated.total} spans exceed TRACECAR_MAX_BATCH_SPANS={self.max_batch_spans}")
+        validated = validate_batch({"worker": OTLP_WORKER_PREFIX.rstrip(":"), "spans": translated.spans},
+                                   self.max_batch_spans, span_model=OtlpSpanIn)
+        positions = translated.indices  # validated indices -> positions in the request
+        for rejection in validated.rejected:
+            rejection.index = positions[rejection.index]
+        validated.rejected = translated.rejected + validated.rejected
+        for span_id, notes in translated.warnings.items():
+            if span_id in validated.index_of:
+                validated.warnings.setdefault(span_id, []).extend(notes)
+        validated.index_of = {sid: positions[i] for sid, i in validated.index_of.items()}
+        services = {translated.spans[i]["span_id"]: translated.services[i] for i in range(len(translated.spans))}
+        for span in validated.spans:
+            service = services.get(span["span_id"])
+            span["worker"] = (OTLP_WORKER_PREFIX + service)[:256] if service else OTLP_WORKER_PREFIX.rstrip(":")
+        self._join(validated)
+        return validated
+
+    def _join(self, validated: Validated) -> None:
+        """Spans of a tracecar trajectory take its worker, project and budget attributes."""
+        found: dict[str, tuple[TrajectoryContext | None, str]] = {}
+        joined: dict[str, int] = {}
+        for span in validated.spans:
+            trace_id = span["trace_id"]
+            if trace_id not in found:
+                found[trace_id] = self.contexts.lookup(trace_id)
+            context, source = found[trace_id]
+            joined[source] = joined.get(source, 0) + 1
+            if context is not None:
+                context.apply(span)
+        for source, count in joined.items():
+            self.metrics.otlp_spans.labels(joined=source).inc(count)
+
+    def describe(self, rejection: Rejection) -> str:
+        """One rejection in the request's own terms."""
+        t = self.translated
+        where = t.locations[rejection.index] if 0 <= rejection.index < t.total else f"span {rejection.index}"
+        otel_id = t.otel_ids[rejection.index] if 0 <= rejection.index < t.total else None
+        field = _SPAN_FIELD.sub("", rejection.field).lstrip(".")  # "spans[3].end_time" -> "end_time"
+        head = f"{where} (spanId {otel_id})" if otel_id else where
+        return f"{head}: {field + ': ' if field else ''}{rejection.reason}"
+
+
+def export_response(result: IngestResult, request: OtlpRequest) -> ExportTraceServiceResponse:
+    response = ExportTraceServiceResponse()
+    if result.rejected:
+        messages = [request.describe(r) for r in result.rejected[:_MAX_MESSAGES]]
+        more = len(result.rejected) - len(messages)
+        response.partial_success.rejected_spans = len(result.rejected)
+        response.partial_success.error_message = "; ".join(messages) + (f"; and {more} more" if more > 0 else "")
+    return response
+
+
+def encode(message: Any, content_type: str | None, status: int, headers: dict[str, str] | None = None) -> Response:
+    """The message in the request's encoding (JSON unless the request was protobuf)."""
+    if media_type(content_type) in _PROTOBUF_TYPES:
+        return Response(message.SerializeToString(), status_code=status, headers=headers, media_type=PROTOBUF)
+    body = orjson.dumps(json_format.MessageToDict(message))
+    return Response(body, status_code=status, headers=headers, media_type=JSON)
+
+
+def status_response(status: int, message: str, content_type: str | None, headers: dict[str, str] | None = None) -> Response:
+    return encode(status_pb2.Status(code=_CODES.get(status, 2), message=message), content_type, status, headers)
+
+
+def build_router(collector: Any, auth: Callable[..., Any], read_body: Callable[[Request, int], Awaitable[bytes]]) -> APIRouter:
+    """``POST /v1/traces`` on ``collector``'s pipeline, behind the same token as ``/v1/spans``."""
+    router = APIRouter()
+
+    @router.post("/v1/traces", dependencies=[Depends(auth)])
+    async def otlp_traces(request: Request) -> Response:
+        """OTLP/HTTP trace export (protobuf or JSON)."""
+        started = time.perf_counter()
+        response = await _export(request, collector, read_body)
+        collector.metrics.requests.labels(status=str(response.status_code)).inc()
+        collector.metrics.ingest_seconds.observe(time.perf_counter() - started)
+        return response
+
+    return router
+
+
+async def _export(request: Request, collector: Any, read_body: Callable[[Request, int], Awaitable[bytes]]) -> Response:
+    settings, metrics = collector.settings, collector.metrics
+    content_type = request.headers.get("content-type")
+    retry = {"Retry-After": str(settings.retry_after_s)}
+    if not collector.ready:
+        return status_response(503, "collector is not ready (starting or draining)", content_type, retry)
+    otlp = OtlpRequest(collector.pipeline.contexts, metrics, settings.max_decompressed_bytes, settings.max_batch_spans)
+    try:
+        collector.pipeline.check_capacity()
+        body = await read_body(request, settings.max_body_bytes)
+        if not body:
+            return encode(ExportTraceServiceResponse(), content_type, 200)
+        result = await collector.pipeline.ingest(body, content_type, request.headers.get("content-encoding"), receiver=otlp)
+    except Backpressure as exc:
+        metrics.backpressure.labels(bound=exc.bound).inc()
+        return status_response(503, str(exc), content_type, retry)
+    except BodyError as exc:
+        metrics.batches_rejected.labels(reason=exc.field.lower()).inc()
+        return status_response(exc.status, f"{exc.field}: {exc.reason}", content_type)
+    except EnvelopeError as exc:
+        metrics.batches_rejected.labels(reason="envelope").inc()
+        return status_response(400, f"{exc.field}: {exc.reason}", content_type)
+    return encode(export_response(result, otlp), content_type, 200)

@@ -1,0 +1,143 @@
+"""tracecar spans → OTLP (GenAI conventions): the exporter's translation, read field by field and round-tripped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import orjson
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
+
+from tracecar.client import rollout_trace_attr, rollout_trace_op
+from tracecar.collector.exporters.otlp_translate import span_id_bytes, to_otlp_request, to_otlp_span, trace_id_bytes
+from tracecar.collector.receivers.otlp_translate import translate
+
+TRACE = "73a3946399484862" + "0000000000000001"
+
+
+def _attrs(span: Any) -> dict[str, Any]:
+    from tracecar.collector.receivers.otlp_translate import attributes
+
+    return attributes(span.attributes)
+
+
+def _trajectory() -> list[dict[str, Any]]:
+    base = {"trace_id": TRACE, "worker": "w1", "project": "grpo", "end_time": 12.0}
+    attrs = {"step": 3, "sample_index": 1, "rollout_n": 0, "validate": False}
+    return [
+        {**base, "span_id": TRACE, "parent_id": None, "name": "agent_loop", "kind": "trajectory", "start_time": 10.0,
+         "attributes": {**attrs, "reward": 0.5}, "inputs": {}, "output": None, "exception": None},
+        {**base, "span_id": TRACE[:16] + "0000000000000002", "parent_id": TRACE, "name": "ToolAgentLoop.run", "kind": "op",
+         "start_time": 10.1, "attributes": attrs, "inputs": {"x": 1},
+         "output": {"prompt_ids": [1, 2], "response_ids": [3, 4, 5, 6]}, "exception": None},
+        {**base, "span_id": TRACE[:16] + "0000000000000003", "parent_id": TRACE[:16] + "0000000000000002",
+         "name": "LLMServerClient.generate", "kind": "op", "start_time": 10.2, "attributes": attrs,
+         "inputs": {"prompt_ids": [1, 2]}, "output": {"token_ids": [3, 4], "prompt_text": "hi", "response_text": "yo",
+                                                       "stop_reason": "stop"}, "exception": None},
+        {**base, "span_id": "ffeeddccbbaa9988" + "0000000000000001", "parent_id": TRACE[:16] + "0000000000000002",
+         "name": "CalculatorTool.execute", "kind": "op", "start_time": 10.3, "attributes": attrs,
+         "inputs": {"parameters": {"expr": "1/0"}}, "output": None,
+         "exception": "ZeroDivisionError: division by zero\nTraceback (most recent call last): ..."},
+        {**base, "span_id": "ann-1", "parent_id": None, "name": "annotation", "kind": "annotation", "start_time": 13.0,
+         "attributes": {"reward": 1.0}, "inputs": {}, "output": None, "exception": None},
+    ]
+
+
+def test_ids_are_the_receivers_inverse():
+    assert trace_id_bytes(TRACE) == bytes.fromhex(TRACE)
+    assert span_id_bytes(TRACE[:16] + "00000000000000a1", TRACE) == bytes.fromhex("00000000000000a1")
+    other = span_id_bytes("ffeeddccbbaa9988" + "0000000000000001", TRACE)  # another process's prefix: hashed
+    assert len(other) == 8 and other == span_id_bytes("ffeeddccbbaa9988" + "0000000000000001", TRACE)
+    assert other != bytes.fromhex("0000000000000001")
+    assert len(trace_id_bytes("free-form:id")) == 16 and len(span_id_bytes("free-form:id", "t")) == 8
+
+
+def test_trajectory_becomes_genai_spans_without_content():
+    request = to_otlp_request(_trajectory())
+    [rs] = request.resource_spans
+    assert {kv.key: kv.value.string_value for kv in rs.resource.attributes} == {"service.name": "tracecar"}
+    spans = {s.name: s for s in rs.scope_spans[0].spans}
+    assert set(spans) == {"agent_loop", "ToolAgentLoop.run", "LLMServerClient.generate", "CalculatorTool.execute"}
+    root, run, gen, tool = (spans[n] for n in ("agent_loop", "ToolAgentLoop.run", "LLMServerClient.generate", "CalculatorTool.execute"))
+    assert root.trace_id == bytes.fromhex(TRACE) and root.span_id == bytes.fromhex(TRACE[16:]) and root.parent_span_id == b""
+    assert run.parent_span_id == root.span_id and gen.parent_span_id == run.span_id and tool.parent_span_id == run.span_id
+    assert (root.start_time_unix_nano, root.end_time_unix_nano) == (10_000_000_000, 12_000_000_000)
+    a = _attrs(root)
+    assert a["gen_ai.operation.name"] == "invoke_agent" and a["gen_ai.conversation.id"] == TRACE
+    assert (a["tracecar.step"], a["tracecar.sample_index"], a["tracecar.reward"], a["tracecar.worker"]) == (3, 1, 0.5, "w1")
+    assert "gen_ai.operation.name" not in _attrs(run)  # token output, but it aggregates the turns: not a chat call
+    g = _attrs(gen)
+    assert (g["gen_ai.operation.name"], g["gen_ai.usage.input_tokens"], g["gen_ai.usage.output_tokens"]) == ("chat", 2, 2)
+    assert g["gen_ai.response.finish_reasons"] == ["stop"]
+    assert not any(k in g for k in ("gen_ai.input.messages", "gen_ai.output.messages", "tracecar.inputs", "tracecar.output"))
+    t = _attrs(tool)
+    assert (t["gen_ai.operation.name"], t["gen_ai.tool.name"]) == ("execute_tool", "CalculatorTool")
+    assert tool.status.code == 2 and tool.status.message == "ZeroDivisionError: division by zero"
+    [event] = tool.events
+    ev = {kv.key: kv.value.string_value for kv in event.attributes}
+    assert event.name == "exception" and ev["exception.type"] == "ZeroDivisionError" and ev["exception.message"] == "division by zero"
+    assert ev["exception.stacktrace"].startswith("Traceback")
+    assert all(s.kind == 1 for s in spans.values())
+
+
+def test_content_is_sent_only_when_asked():
+    gen = next(s for s in _trajectory() if s["name"] == "LLMServerClient.generate")
+    a = _attrs(to_otlp_span(gen, content=True, max_content_chars=20))
+    assert orjson.loads(a["gen_ai.input.messages"]) == [{"role": "user", "parts": [{"type": "text", "content": "hi"}]}]
+    assert orjson.loads(a["gen_ai.output.messages"]) == [{"role": "assistant", "parts": [{"type": "text", "content": "yo"}],
+                                                          "finish_reason": "stop"}]
+    assert a["tracecar.inputs"] == '{"prompt_ids":[1,2]}'
+    assert a["tracecar.output"].startswith('{"token_ids":[3,4],"') and "truncated by tracecar" in a["tracecar.output"]
+
+
+def test_a_span_received_over_otlp_goes_back_out_as_it_came():
+    received = ExportTraceServiceRequest()
+    rs = received.resource_spans.add()
+    rs.resource.attributes.add(key="service.name").value.string_value = "vllm"
+    ss = rs.scope_spans.add()
+    ss.scope.name, ss.scope.version = "vllm.llm_engine", "0.11"
+    span = ss.spans.add(trace_id=bytes.fromhex(TRACE), span_id=bytes.fromhex("a2c4e6f8a2c4e6f8"),
+                        parent_span_id=bytes.fromhex(TRACE[16:]), name="llm_request", kind=2,
+                        start_time_unix_nano=5, end_time_unix_nano=9)
+    span.attributes.add(key="gen_ai.usage.prompt_tokens").value.int_value = 7
+    span.status.code = 2
+    [stored] = translate(received).spans
+    stored = {**stored, "worker": "w1"}
+    again = to_otlp_request([stored])
+    [out_rs] = again.resource_spans
+    assert out_rs.resource == rs.resource and out_rs.scope_spans[0].scope == ss.scope
+    [out] = out_rs.scope_spans[0].spans
+    assert (out.trace_id, out.span_id, out.parent_span_id, out.kind, out.status.code) == (
+        span.trace_id, span.span_id, span.parent_span_id, 2, 2)
+    assert _attrs(out)["gen_ai.usage.prompt_tokens"] == 7 and "otel" not in _attrs(out)
+
+
+def test_round_trip_through_a_collector_keeps_every_id(start_collector, tracer_to):
+    source = start_collector()
+    tracer = tracer_to(source.url)
+
+    @rollout_trace_op
+    def generate(prompt_ids: list[int]) -> dict[str, Any]:
+        return {"prompt_ids": prompt_ids, "response_ids": [9, 9]}
+
+    @rollout_trace_op
+    def run() -> str:
+        generate([1, 2])
+        generate([1, 2, 9, 9, 3])
+        return "ok"
+
+    with rollout_trace_attr(sample_index=0, step=1) as root:
+        run()
+    assert tracer.flush(10)
+    rows = source.collector.spool.query("SELECT payload FROM spans WHERE trace_id = ?", [root.span_id])
+    spans = [orjson.loads(r["payload"]) for r in rows]
+    assert len(spans) == 4
+    sink = start_collector()
+    r = httpx.post(sink.url + "/v1/traces", content=to_otlp_request(spans, content=True).SerializeToString(),
+                   headers={"Content-Type": "application/x-protobuf"}, timeout=10)
+    assert r.status_code == 200 and ExportTraceServiceResponse.FromString(r.content).partial_success.rejected_spans == 0
+    back = {r["span_id"]: r for r in sink.collector.spool.query("SELECT span_id, trace_id, parent_id, name FROM spans")}
+    assert {(s["span_id"], s["trace_id"], s["parent_id"], s["name"]) for s in spans} == \
+        {(b["span_id"], b["trace_id"], b["parent_id"], b["name"]) for b in back.values()}
+    tree = httpx.get(f"{sink.url}/v1/trajectories/{root.span_id}", timeout=10).json()
+    assert tree["root"]["span_id"] == root.span_id and tree["span_count"] == 4
