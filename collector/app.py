@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from typing import Any, AsyncIterator
 
@@ -137,7 +138,7 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
 
     @app.get("/healthz")
     async def healthz() -> Any:
-        return {"status": "ok", "version": __version__}
+        return {"status": "ok", "version": __version__, "pid": os.getpid()}  # pid: the quickstart knows its own child
 
     @app.get("/readyz")
     async def readyz() -> Any:
