@@ -18,6 +18,7 @@ from tracecar.client import __version__
 
 from .auth import BearerAuth
 from .forward import Forwarder, NullSink, Sink
+from .loudness import AuthFailures, WatchedSink
 from .metrics import Metrics
 from .pipeline import Backpressure, IngestPipeline
 from .receive import BodyError
@@ -55,8 +56,11 @@ class Collector:
         self.sink = sink if sink is not None else make_sink(settings)
         self.spool = Spool(settings.spool_path, local_only=isinstance(self.sink, NullSink), sync=settings.spool_sync)
         self.pipeline = IngestPipeline(settings, self.spool, self.metrics)
+        # the forwarder sends through a watcher that logs outages (rate-limited) and feeds /readyz
+        self.watched_sink = WatchedSink(self.sink, self.metrics.backend_unreachable)
+        self.auth_failures = AuthFailures(self.metrics.auth_failures)
         self.forwarder = Forwarder(
-            self.spool, self.sink, self.metrics, batch_spans=settings.forward_batch_spans,
+            self.spool, self.watched_sink, self.metrics, batch_spans=settings.forward_batch_spans,
             retry_initial_s=settings.forward_retry_initial_s, retry_max_s=settings.forward_retry_max_s,
             keep_forwarded=settings.keep_forwarded,
         )
@@ -111,7 +115,7 @@ class Collector:
 def create_app(settings: CollectorSettings | None = None, sink: Sink | None = None) -> FastAPI:
     settings = settings or CollectorSettings()
     collector = Collector(settings, sink)
-    auth = BearerAuth(settings.token.get_secret_value() if settings.token else None)
+    auth = BearerAuth(settings.token.get_secret_value() if settings.token else None, on_failure=collector.auth_failures)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -143,7 +147,8 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
     @app.get("/readyz")
     async def readyz() -> Any:
         body = {"ready": collector.ready, "spool_depth": collector.spool.pending_count,
-                "forward_backoff_s": collector.forwarder.backoff_s, "last_forward_error": collector.forwarder.last_error}
+                "forward_backoff_s": collector.forwarder.backoff_s, "last_forward_error": collector.forwarder.last_error,
+                "forwarding": collector.watched_sink.details(), "auth_failures": collector.auth_failures.details()}
         return _json(body, status_code=200 if collector.ready else 503)
 
     @app.get("/metrics")
