@@ -184,6 +184,11 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         """Tail-based sampling decisions of one step: kept/dropped per trajectory, with rule or reason."""
         return await collector.pipeline.decisions(experiment, step, validate)
 
+    @app.get("/v1/tokenizers/check", dependencies=[Depends(auth)])
+    async def tokenizer_check(name: str | None = Query(None, max_length=1024)) -> Any:
+        """Can this collector load ``name`` (default: TRACECAR_TOKENIZER)? For `tracecar doctor`."""
+        return await asyncio.to_thread(check_tokenizer_name, collector, name)
+
     @app.get("/v1/dead-letters", dependencies=[Depends(auth)])
     async def dead_letters(limit: int = Query(100, ge=1, le=10000)) -> Any:
         """Spans the backend rejected permanently, with its reason."""
@@ -193,6 +198,23 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
     # the local trajectory viewer (/ui/): read-only, same token
     app.include_router(build_viewer_router(collector, settings.token.get_secret_value() if settings.token else None))
     return app
+
+
+def check_tokenizer_name(collector: Collector, name: str | None) -> dict[str, Any]:
+    """The answer of GET /v1/tokenizers/check: loads through the pipeline's own registry."""
+    from .decoding import TokenizerNotFound
+    from .loudness import describe_tokenizer_attempts
+
+    settings = collector.settings
+    chosen = name or settings.tokenizer
+    answer: dict[str, Any] = {"name": chosen, "token2text": settings.token2text, "default_tokenizer": settings.tokenizer}
+    if not chosen:
+        return {**answer, "ok": False, "error": "no tokenizer named and TRACECAR_TOKENIZER is unset"}
+    try:
+        tokenizer = collector.pipeline.tokenizers.get(chosen)
+    except TokenizerNotFound as exc:
+        return {**answer, "ok": False, "error": str(exc), "tried": describe_tokenizer_attempts(chosen)}
+    return {**answer, "ok": True, "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True)}
 
 
 def _json(payload: Any, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -145,3 +145,40 @@ def client_of(scope: Mapping[str, Any]) -> str | None:
 
 
 AuthHook = Callable[[str, "str | None", bool], None]
+
+
+def describe_tokenizer_attempts(name: str) -> str:
+    """Where a tokenizer name was looked for, in words (for the once-per-name log line)."""
+    import os
+    from pathlib import Path
+
+    path = Path(os.path.expanduser(name))
+    if path.is_dir():
+        as_path = f"{path} is a directory without tokenizer.json"
+    elif path.exists():
+        as_path = f"{path} exists but did not load as a tokenizer.json"
+    else:
+        as_path = f"no file or directory {path}"
+    hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser() / "hub")
+    cached = hub / f"models--{name.replace('/', '--')}" / "snapshots"
+    return (f"tried: {as_path}; the Hugging Face cache {cached}/*/tokenizer.json (offline; set HF_HOME or mount the "
+            "cache); nothing is downloaded")
+
+
+class TokenizerFailures:
+    """Logs each tokenizer name that cannot be loaded once, with what was tried and who asked."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def failed(self, name: str, error: Exception, *, configured: bool, worker: str | None) -> None:
+        with self._lock:
+            if name in self._seen:
+                return
+            self._seen.add(name)
+        source = "TRACECAR_TOKENIZER" if configured else f"the tokenizer named by worker {worker or '?'}"
+        log.warning("cannot decode token ids: %s %s; %s. Spans are stored without text and carry this warning; "
+                    "give the collector the model's tokenizer.json (README: 'Giving the collector the tokenizer')",
+                    source, error, describe_tokenizer_attempts(name),
+                    extra={"event": "tokenizer_not_found", "tokenizer": name})
