@@ -377,6 +377,14 @@ def _last_line(path: str) -> str:
         return lines[-1][:300]
 
 
+def cmd_doctor(args: argparse.Namespace) -> None:
+    from .doctor import run_doctor
+
+    url = args.url or os.environ.get("TRACECAR_URL")
+    tokenizer = args.tokenizer or os.environ.get("TRACECAR_CLIENT_TOKENIZER")
+    sys.exit(run_doctor(url, os.environ.get("TRACECAR_TOKEN") or None, tokenizer, args.timeout))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tracecar",
@@ -388,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  TRACECAR_URL=http://127.0.0.1:9470 tracecar demo --steps 5\n"
                "  tracecar trajectories --experiment demo --step 2 --sort reward\n"
                "  tracecar show TRACE_ID\n"
+               "  tracecar doctor                          # from a worker: will traces arrive?\n"
                "every collector setting is a TRACECAR_* variable; `tracecar config` prints them (README: settings table)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -461,6 +470,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_decisions)
+
+    p = sub.add_parser("doctor", help="from a worker's environment: will traces arrive? (collector, token, tokenizer, "
+                                      "spans, Weave; PASS/FAIL per line, exit 1 on any FAIL)")
+    p.add_argument("--url", help="collector URL (default $TRACECAR_URL, as the worker uses it)")
+    p.add_argument("--tokenizer", help="the tokenizer this job's workers name (default $TRACECAR_CLIENT_TOKENIZER; "
+                                       "with VERL, the model's tokenizer_path)")
+    p.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the test trajectory and Weave")
+    p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("dead-letters", help="list spans the backend rejected permanently")
     p.add_argument("--url")
