@@ -86,6 +86,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
     experiment = args.experiment or os.environ.get("TRACECAR_EXPERIMENT") or "demo"
     project = args.project or os.environ.get("TRACECAR_PROJECT") or "tracecar-demo"
+    _get(args, "/healthz")  # one line now if the collector is not there, not 30 s of retries
     tr = tracer.configure(url=_url(args), experiment=experiment, project=project)
     started = time.perf_counter()
     n = asyncio.run(run_demo(args.steps, args.samples, args.rollout_n, args.seed))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -22,17 +23,21 @@ class ConfigError(Exception):
     """A configuration mistake; ``str()`` is the one line the user sees."""
 
 
-# TRACECAR_* names that are not collector settings but are meaningful elsewhere (the client
-# in the same environment, the config file pointer, test switches).
-_CLIENT_ENV = {
-    "TRACECAR_URL", "TRACECAR_TOKEN", "TRACECAR_PROJECT", "TRACECAR_ENTITY", "TRACECAR_EXPERIMENT",
-    "TRACECAR_WORKER_ID", "TRACECAR_CLIENT_TOKENIZER", "TRACECAR_QUEUE_MAX_SPANS", "TRACECAR_BATCH_MAX_SPANS",
-    "TRACECAR_BATCH_MAX_BYTES", "TRACECAR_MAX_SPAN_BYTES", "TRACECAR_FLUSH_INTERVAL_S", "TRACECAR_HTTP_TIMEOUT_S",
-    "TRACECAR_RETRY_INITIAL_S", "TRACECAR_RETRY_MAX_S", "TRACECAR_RETRY_MAX_ELAPSED_S",
-    "TRACECAR_SHUTDOWN_TIMEOUT_S", "TRACECAR_COMPRESSION", "TRACECAR_COMPRESS_MIN_BYTES",
-    "TRACECAR_MAX_STRING_CHARS", "TRACECAR_MAX_DEPTH",
-}
-_OTHER_ENV = {"TRACECAR_CONFIG", "TRACECAR_HINT_CWD", "TRACECAR_FULL_LOAD", "TRACECAR_WEAVE_SERVER_PYTHON"}
+# TRACECAR_* names read outside the package (tests/run.sh, CI switches); the package's own are
+# found in its source (the client's, the VERL adapter's, Ray's), so a new one is never "unknown".
+_OTHER_ENV = {"TRACECAR_CONFIG", "TRACECAR_HINT_CWD", "TRACECAR_FULL_LOAD", "TRACECAR_WEAVE_SERVER_PYTHON",
+              "TRACECAR_TEST_VERL", "TRACECAR_TEST_WEAVE_SERVER"}
+
+
+def _names_in_package_source() -> set[str]:
+    root = Path(__file__).resolve().parents[1]  # the tracecar package (client/ and collector/)
+    names: set[str] = set()
+    for file in list(root.glob("client/*.py")) + list(root.glob("collector/**/*.py")):
+        try:
+            names.update(re.findall(r"TRACECAR_[A-Z0-9_]*[A-Z0-9]", file.read_text(errors="replace")))
+        except OSError:
+            continue
+    return names
 
 
 def _did_you_mean(name: str, choices: Iterable[str]) -> str:
@@ -62,7 +67,7 @@ def collector_env_names() -> set[str]:
 def unknown_env_warnings(env: Mapping[str, str] | None = None) -> list[str]:
     """One line per TRACECAR_* variable that nothing reads (a typo costs a setting silently)."""
     env = os.environ if env is None else env
-    known = collector_env_names() | _CLIENT_ENV | _OTHER_ENV
+    known = collector_env_names() | _names_in_package_source() | _OTHER_ENV
     return [f"{name} is not a tracecar setting and is ignored{_did_you_mean(name, known)}"
             for name in sorted(env) if name.startswith("TRACECAR_") and name not in known]
 

@@ -41,6 +41,12 @@ def test_collector_down_is_one_line(query: list[str]) -> None:
     assert line.startswith(f"tracecar: cannot reach the collector at {url}") and "tracecar serve" in line
 
 
+def test_demo_against_nothing_is_one_line_at_once() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    line = one_line(run(["demo", "--url", url, "--steps", "1"]))
+    assert line.startswith(f"tracecar: cannot reach the collector at {url}")
+
+
 def test_url_without_scheme_is_named() -> None:
     line = one_line(run(["trajectories"], TRACECAR_URL=f"127.0.0.1:{free_port()}"))
     assert "is not a collector URL: give it as http://HOST:PORT" in line
