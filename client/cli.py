@@ -26,7 +26,16 @@ DEFAULT_URL = "http://127.0.0.1:9470"
 
 
 def _url(args: argparse.Namespace) -> str:
-    return (args.url or os.environ.get("TRACECAR_URL") or DEFAULT_URL).rstrip("/")
+    """The collector URL as the client would use it (``host:port`` gets ``http://``, said once)."""
+    from .loud import check_url
+
+    raw = (args.url or os.environ.get("TRACECAR_URL") or DEFAULT_URL).strip().rstrip("/")
+    url, warning = check_url(raw)
+    if url is None:
+        _fail((warning or "").removeprefix("tracecar: ").replace("tracing is off", "give --url or TRACECAR_URL as http://HOST:PORT"))
+    if warning and args.url:  # from TRACECAR_URL, the client said it already when it was imported
+        print(warning.replace("TRACECAR_URL=", "--url "), file=sys.stderr)
+    return url
 
 
 def _headers() -> dict[str, str]:

@@ -48,8 +48,16 @@ def test_demo_against_nothing_is_one_line_at_once() -> None:
 
 
 def test_url_without_scheme_is_named() -> None:
-    line = one_line(run(["trajectories"], TRACECAR_URL=f"127.0.0.1:{free_port()}"))
-    assert "is not a collector URL: give it as http://HOST:PORT" in line
+    port = free_port()
+    done = run(["trajectories"], TRACECAR_URL=f"127.0.0.1:{port}")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    # the client's own configure-time line, then the command's: it used http:// as the client does
+    assert done.stderr.strip().splitlines() == [
+        f"tracecar: TRACECAR_URL='127.0.0.1:{port}' has no scheme; using http://127.0.0.1:{port} (write it as http://HOST:PORT)",
+        f"tracecar: cannot reach the collector at http://127.0.0.1:{port} ([Errno 111] Connection refused): is it running? "
+        "Start one with `tracecar serve`, or point --url / TRACECAR_URL at it"]
+    line = one_line(run(["trajectories", "--url", "ftp://127.0.0.1:1"]))
+    assert "is not an http(s) URL with a host" in line and "give --url or TRACECAR_URL as http://HOST:PORT" in line
 
 
 def test_wrong_token_and_not_found_are_sentences(start_collector) -> None:
