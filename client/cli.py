@@ -75,6 +75,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
         tokenizer=args.tokenizer, token2text=args.token2text,
         max_samples_per_step_per_worker=args.max_samples_per_step_per_worker,
     )
+    if settings.port and _port_in_use(settings.port, settings.host):
+        _fail(f"port {settings.port} on {settings.host} is already in use (another collector?): stop it, or set "
+              "--port N / TRACECAR_PORT=N (0 picks a free one)")
     setup_logging(settings.log_level)
     for line in warnings:
         logging.getLogger("tracecar.collector").warning(line, extra={"event": "config_warning"})
@@ -252,13 +255,17 @@ def cmd_dead_letters(args: argparse.Namespace) -> None:
     print(json.dumps(_get(args, "/v1/dead-letters", {"limit": args.limit}), indent=2))
 
 
-def _port_in_use(port: int) -> bool:
-    """True when something already listens on 127.0.0.1:port (our collector could not bind it)."""
-    with socket.socket() as probe:
+def _port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """True when something already listens on host:port (our collector could not bind it)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror:
+        return False  # uvicorn will say what is wrong with the host
+    with socket.socket(family) as probe:
         # as uvicorn binds: SO_REUSEADDR, so a port in TIME_WAIT after a stop is free, a listener is not
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind(("127.0.0.1", port))
+            probe.bind((host, port))
         except OSError:
             return True
     return False

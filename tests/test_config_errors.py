@@ -115,3 +115,17 @@ def test_token2text_without_tokenizer_warns_at_start(tmp_path: Path) -> None:
     done = tracecar(["config"], env_for(tmp_path, TRACECAR_TOKEN2TEXT="true"))
     assert done.returncode == 0
     assert "token2text is on but TRACECAR_TOKENIZER is unset" in done.stderr
+
+
+def test_serve_on_a_busy_port_is_one_line(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = tracecar(["serve"], env_for(tmp_path, TRACECAR_PORT=str(port)))
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines == [f"tracecar: port {port} on 127.0.0.1 is already in use (another collector?): stop it, or set "
+                     "--port N / TRACECAR_PORT=N (0 picks a free one)"]
