@@ -109,7 +109,8 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
             parts.append(f"{loc}: unknown setting{_did_you_mean(last, budget_keys)}")
             continue
         value = err.get("input")
-        shown = "" if isinstance(value, (dict, list)) or value is None else f" (got {value!r:.60})"
+        secret = any(word in loc.lower() for word in ("key", "token", "secret", "password"))
+        shown = "" if secret or isinstance(value, (dict, list)) or value is None else f" (got {value!r:.60})"
         parts.append(f"{loc or 'settings'}: {err.get('msg')}{shown}")
     return f"{source}: " + "; ".join(parts)
 
