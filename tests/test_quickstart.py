@@ -171,3 +171,37 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"
     except OSError:
         return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP,
+                                 pytest.param(signal.SIGKILL, marks=pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                                                                      reason="PR_SET_PDEATHSIG is Linux's"))])
+def test_other_signals_stop_the_child_too(sig: int, tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "tracecar.client.cli", "quickstart", "--port", "0",
+                             "--data-dir", str(tmp_path / "d"), *SMALL],
+                            env=clean_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child_pid = None
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                break
+            m = re.search(r"collector ready at \S+ \(pid (\d+)", line)
+            if m:
+                child_pid = int(m.group(1))
+            if "Ctrl-C to stop" in line:
+                break
+        assert child_pid is not None and _alive(child_pid)
+        proc.send_signal(sig)  # to the quickstart alone, not its process group
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(child_pid):
+            time.sleep(0.1)
+        assert not _alive(child_pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        if child_pid is not None and _alive(child_pid):
+            os.kill(child_pid, signal.SIGKILL)
