@@ -44,7 +44,8 @@ def _need_collector() -> None:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        sys.exit("tracecar: this command needs the collector: pip install 'tracecar[collector]'")
+        sys.exit("tracecar: this command needs the collector's dependencies: pip install '.[collector]' in the tracecar "
+                 "repository, or 'tracecar-*.whl[collector]' (README: Installing into a VERL image)")
 
 
 def _checked_settings(config_file: str | None, **overrides: Any) -> Any:
