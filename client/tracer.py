@@ -9,9 +9,11 @@ from __future__ import annotations
 import atexit
 import contextvars
 import logging
+from dataclasses import replace
 from typing import Any
 
 from .config import ClientConfig
+from .loud import check_url
 from .sender import Sender
 from .spans import SpanRecord
 
@@ -51,6 +53,11 @@ def configure(config: ClientConfig | None = None, **overrides: Any) -> Tracer | 
     """
     global active
     config = config or ClientConfig.from_env(**overrides)
+    if config.url:
+        url, warning = check_url(config.url)
+        if warning:
+            log.warning(warning)
+        config = replace(config, url=url)
     previous, active = active, (Tracer(config) if config.url else None)
     if previous is not None:
         previous.shutdown(previous.config.shutdown_timeout_s)

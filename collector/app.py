@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from typing import Any, AsyncIterator
 
@@ -17,6 +18,7 @@ from tracecar.client import __version__
 
 from .auth import BearerAuth
 from .forward import Forwarder, NullSink, Sink
+from .loudness import AuthFailures, WatchedSink
 from .metrics import Metrics
 from .pipeline import Backpressure, IngestPipeline
 from .receive import BodyError
@@ -55,8 +57,11 @@ class Collector:
         self.sink = sink if sink is not None else make_sink(settings)
         self.spool = Spool(settings.spool_path, local_only=isinstance(self.sink, NullSink), sync=settings.spool_sync)
         self.pipeline = IngestPipeline(settings, self.spool, self.metrics)
+        # the forwarder sends through a watcher that logs outages (rate-limited) and feeds /readyz
+        self.watched_sink = WatchedSink(self.sink, self.metrics.backend_unreachable)
+        self.auth_failures = AuthFailures(self.metrics.auth_failures)
         self.forwarder = Forwarder(
-            self.spool, self.sink, self.metrics, batch_spans=settings.forward_batch_spans,
+            self.spool, self.watched_sink, self.metrics, batch_spans=settings.forward_batch_spans,
             retry_initial_s=settings.forward_retry_initial_s, retry_max_s=settings.forward_retry_max_s,
             keep_forwarded=settings.keep_forwarded,
         )
@@ -114,7 +119,7 @@ class Collector:
 def create_app(settings: CollectorSettings | None = None, sink: Sink | None = None) -> FastAPI:
     settings = settings or CollectorSettings()
     collector = Collector(settings, sink)
-    auth = BearerAuth(settings.token.get_secret_value() if settings.token else None)
+    auth = BearerAuth(settings.token.get_secret_value() if settings.token else None, on_failure=collector.auth_failures)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -141,12 +146,13 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
 
     @app.get("/healthz")
     async def healthz() -> Any:
-        return {"status": "ok", "version": __version__}
+        return {"status": "ok", "version": __version__, "pid": os.getpid()}  # pid: the quickstart knows its own child
 
     @app.get("/readyz")
     async def readyz() -> Any:
         body = {"ready": collector.ready, "spool_depth": collector.spool.pending_count,
-                "forward_backoff_s": collector.forwarder.backoff_s, "last_forward_error": collector.forwarder.last_error}
+                "forward_backoff_s": collector.forwarder.backoff_s, "last_forward_error": collector.forwarder.last_error,
+                "forwarding": collector.watched_sink.details(), "auth_failures": collector.auth_failures.details()}
         return _json(body, status_code=200 if collector.ready else 503)
 
     @app.get("/metrics")
@@ -182,6 +188,11 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         """Tail-based sampling decisions of one step: kept/dropped per trajectory, with rule or reason."""
         return await collector.pipeline.decisions(experiment, step, validate)
 
+    @app.get("/v1/tokenizers/check", dependencies=[Depends(auth)])
+    async def tokenizer_check(name: str | None = Query(None, max_length=1024)) -> Any:
+        """Can this collector load ``name`` (default: TRACECAR_TOKENIZER)? For `tracecar doctor`."""
+        return await asyncio.to_thread(check_tokenizer_name, collector, name)
+
     @app.get("/v1/dead-letters", dependencies=[Depends(auth)])
     async def dead_letters(limit: int = Query(100, ge=1, le=10000)) -> Any:
         """Spans the backend rejected permanently, with its reason."""
@@ -193,6 +204,23 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
     # the local trajectory viewer (/ui/): read-only, same token
     app.include_router(build_viewer_router(collector, settings.token.get_secret_value() if settings.token else None))
     return app
+
+
+def check_tokenizer_name(collector: Collector, name: str | None) -> dict[str, Any]:
+    """The answer of GET /v1/tokenizers/check: loads through the pipeline's own registry."""
+    from .decoding import TokenizerNotFound
+    from .loudness import describe_tokenizer_attempts
+
+    settings = collector.settings
+    chosen = name or settings.tokenizer
+    answer: dict[str, Any] = {"name": chosen, "token2text": settings.token2text, "default_tokenizer": settings.tokenizer}
+    if not chosen:
+        return {**answer, "ok": False, "error": "no tokenizer named and TRACECAR_TOKENIZER is unset"}
+    try:
+        tokenizer = collector.pipeline.tokenizers.get(chosen)
+    except TokenizerNotFound as exc:
+        return {**answer, "ok": False, "error": str(exc), "tried": describe_tokenizer_attempts(chosen)}
+    return {**answer, "ok": True, "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True)}
 
 
 def _json(payload: Any, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:

