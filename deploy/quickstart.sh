@@ -11,5 +11,6 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[collector,demo]"
+# setuptools prints a page-long notice on every editable install; it is not a problem of ours
+PYTHONWARNINGS=ignore::UserWarning .venv/bin/python -m pip install -q -e ".[collector,demo]"
 exec .venv/bin/tracecar quickstart "$@"

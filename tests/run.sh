@@ -24,5 +24,6 @@ if [ "${TRACECAR_TEST_WEAVE_SERVER:-0}" = 1 ]; then
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[dev]"
+# setuptools prints a page-long notice on every editable install; it is not a problem of ours
+PYTHONWARNINGS=ignore::UserWarning .venv/bin/python -m pip install -q -e ".[dev]"
 exec .venv/bin/python -m pytest "$@"
