@@ -17,6 +17,7 @@ from tracecar.client import __version__
 
 from .auth import BearerAuth
 from .forward import Forwarder, NullSink, Sink
+from .group_export_api import build_router as build_group_export_router
 from .metrics import Metrics
 from .pipeline import Backpressure, IngestPipeline
 from .receive import BodyError
@@ -185,7 +186,10 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         return {"count": await asyncio.to_thread(collector.spool.dead_count), "dead_letters": rows}
 
     # the local trajectory viewer (/ui/): read-only, same token
-    app.include_router(build_viewer_router(collector, settings.token.get_secret_value() if settings.token else None))
+    viewer = build_viewer_router(collector, settings.token.get_secret_value() if settings.token else None)
+    app.include_router(viewer)
+    # GRPO groups and dataset export, over the viewer's trajectory index
+    app.include_router(build_group_export_router(collector, viewer.trajectory_index, viewer.fresh, auth, viewer.viewer_auth))
     return app
 
 
