@@ -88,6 +88,35 @@ def timed(fn, repeat: int = 5) -> float:
     return statistics.median(samples) * 1000
 
 
+def groups_and_export(spool: Spool, index: TrajectoryIndex) -> None:
+    """GET /v1/groups' work for one step (64 groups of 4), and the export's rate and memory."""
+    import tracemalloc
+
+    from tracecar.collector.export import jsonl_chunks, parquet_chunks, records
+    from tracecar.collector.group_export_api import groups_of_step
+
+    class Owner:  # what groups_of_step reads off the collector
+        pass
+
+    owner = Owner()
+    owner.spool = spool  # type: ignore[attr-defined]
+    for name, options in (("groups of one step, stats only", {"diff": False}),
+                          ("groups of one step, 20 with diffs", {"limit": 20}),
+                          ("groups of one step, 64 with diffs", {"limit": 64})):
+        ms = timed(lambda: groups_of_step(owner, index, "exp1", 200, False, **options), 3)  # type: ignore[arg-type]
+        print(f"{name:32} {'':>15} {ms:10.1f}")
+    for fmt, writer in (("jsonl", jsonl_chunks), ("parquet", parquet_chunks)):
+        for count in (2_000, 16_000):
+            tracemalloc.start()
+            started = time.perf_counter()
+            size = sum(len(chunk) for chunk in writer(records(spool, index, ListFilter(), limit=count, token_ids=True)))
+            elapsed = time.perf_counter() - started
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            print(f"export {fmt} {count:>6,} trajectories: {count / elapsed:,.0f}/s (traced), {size / 2**20:,.1f} MiB out, "
+                  f"peak traced memory {peak / 2**20:.1f} MiB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spans", type=int, default=1_000_000)
@@ -126,6 +155,7 @@ def main() -> None:
     print(f"{'most turns, no filter':32} {'(no such sort)':>15} {view:10.1f}")
     index._cache.clear()
     print(f"{'step overview of one experiment':32} {'':>15} {timed(lambda: (index._cache.clear(), index.overview('exp1'))):10.1f}")
+    groups_and_export(spool, index)
     sql, params = index.list_sql(ListFilter(), "reward", True, nulls=False)
     print("plan, best reward:", " | ".join(r[3] for r in index._db().execute("EXPLAIN QUERY PLAN " + sql, [*params, 50, 0])))
     index.close()

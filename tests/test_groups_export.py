@@ -345,3 +345,48 @@ def test_export_streams_a_big_store_in_bounded_memory(start_collector, tmp_path)
         if fmt == "jsonl":
             assert size > 8 * full_peak  # the output is far bigger than what was held at once
     assert time.monotonic() - started < 200
+
+
+# ---- the groups page, in Chromium --------------------------------------------------------------------
+def test_groups_page_from_the_overview_and_from_a_trajectory(fed, tmp_path):
+    from test_viewer import Page, _browser, expect
+
+    with _browser() as pw:
+        b = Page(pw, tmp_path, fed.url)
+        page = b.page
+        try:
+            page.goto(fed.url + "/ui/#/")
+            page.wait_for_selector("[data-testid=step-row][data-step='3']")
+            page.locator("[data-testid=step-row][data-step='3'] [data-testid=groups-zero]").click()  # one click
+            page.wait_for_selector("[data-testid=group]")
+            groups = page.locator("[data-testid=group]")
+            assert groups.evaluate_all("gs => gs.map(g => g.dataset.sampleIndex)") == ["1", "0", "2"]
+            assert groups.first.locator("[data-testid=zero-spread]").count() == 1
+            assert page.locator("[data-testid=zero-spread]").count() == 1
+            assert "1 with zero spread" in page.locator("[data-testid=groups-summary]").inner_text()
+            b.shot("groups-01-zero-spread-first")
+
+            page.locator("[data-testid=groups-sort]").select_option("spread")
+            expect(groups.first).to_have_attribute("data-sample-index", "0")
+            spread = groups.first
+            rows = spread.locator("[data-testid=rollout-row]")
+            assert rows.count() == 4
+            assert [rows.nth(i).locator("td").nth(2).inner_text() for i in range(4)] == ["1.000", "1.000", "0.500", "0.000"]
+            assert rows.nth(1).locator("[data-testid=same-as-best]").count() == 1
+            chips = rows.nth(3).locator("[data-testid=turn-chip]")
+            assert chips.all_inner_texts() == ["▸1", "2", "3"]
+            assert "tool calls differ" in chips.first.get_attribute("title")
+            b.shot("groups-02-widest-spread-first")
+            rows.nth(3).locator("[data-testid=compare-with-best]").click()
+            page.wait_for_selector("[data-testid=compare-grid]")
+            cols = page.locator("[data-testid=compare-col]")
+            assert [cols.nth(i).get_attribute("data-trace-id") for i in range(cols.count())] == ["s0-n1", "s0-n0"]
+
+            page.goto(fed.url + "/ui/#/t/s0-n2")
+            page.locator("[data-testid=its-group]").click()
+            page.wait_for_selector("[data-testid=group]")
+            assert page.locator("[data-testid=group]").evaluate_all("gs => gs.map(g => g.dataset.sampleIndex)") == ["0"]
+            b.shot("groups-03-from-a-trajectory")
+            b.check_clean()
+        finally:
+            b.close()
