@@ -390,3 +390,37 @@ def test_groups_page_from_the_overview_and_from_a_trajectory(fed, tmp_path):
             b.check_clean()
         finally:
             b.close()
+
+
+def test_groups_and_export_of_trajectories_sent_by_the_real_client(start_collector, tracer_to, tmp_path):
+    """The client's rollout_trace_attr / rollout_trace_op / annotate(advantage=...) end to end."""
+    import asyncio
+
+    from tracecar.client import annotate, rollout_trace_attr, rollout_trace_op
+
+    @rollout_trace_op
+    async def generate(prompt_ids: list[int], reply: str) -> dict[str, Any]:
+        return {"response_text": reply, "token_ids": [len(reply)]}
+
+    async def rollouts() -> None:
+        for sample in range(2):
+            for n in range(3):
+                with rollout_trace_attr(sample_index=sample, step=7, rollout_n=n, name="agent_loop") as traj:
+                    await generate([1, 2], "right" if n == 0 else "wrong")
+                reward = 1.0 if n == 0 and sample == 0 else 0.0
+                annotate(traj, reward=reward, advantage=reward - 1 / 3 if sample == 0 else 0.0)
+
+    col = start_collector()
+    tracer = tracer_to(col.url, experiment="client-exp")
+    asyncio.run(rollouts())
+    assert tracer.flush(30)
+    page = get(col.url, "/v1/groups", step=7, experiment="client-exp", sort="zero_spread")
+    assert [(g["sample_index"], g["all_equal"], g["n"]) for g in page["groups"]] == [(1, True, 3), (0, False, 3)]
+    winner = page["groups"][1]["rollouts"][0]
+    assert (winner["rollout_n"], winner["reward"], winner["advantage"]) == (0, 1.0, pytest.approx(2 / 3))
+    loser = page["groups"][1]["rollouts"][1]
+    assert loser["diff"]["first_differing_turn"] == 1 and loser["diff"]["turns"][0]["response"] == "different"
+    path = tmp_path / "client.jsonl"
+    path.write_bytes(export_bytes(col.url, experiment="client-exp", sample_index="0"))
+    ds = load(path, "jsonl")
+    assert sorted(zip(ds["rollout_n"], ds["reward"], ds["final_response"])) == [(0, 1.0, "right"), (1, 0.0, "wrong"), (2, 0.0, "wrong")]
