@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+import orjson
+
 from .viewer_shape import RESPONSE_ID_KEYS, int_list, numeric, shape
 
 GROUP_SORTS = ("sample_index", "spread", "zero_spread", "mean")
@@ -133,8 +135,6 @@ def turn_facts(tree: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, An
 
 
 def _canonical(value: Any) -> str:
-    import orjson
-
     try:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS).decode()
     except TypeError:

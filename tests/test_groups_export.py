@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
-import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -24,6 +24,9 @@ from tracecar.collector.groups import GroupStats, build_groups, diff_turns, orde
 from tracecar.collector.spool import Spool, SpoolRow
 
 pytestmark = pytest.mark.timeout(240)
+
+os.environ["HF_DATASETS_OFFLINE"] = "1"  # `datasets` reads these when imported: nothing goes to the hub
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 EXPERIMENT = "grpo"
 
@@ -202,14 +205,28 @@ def test_cli_groups_prints_the_table_and_json(fed, capsys):
 
 # ---- export ---------------------------------------------------------------------------------------
 def load(path: Path, fmt: str) -> Any:
-    """The exported file through `datasets`, from local files only, with the hub switched off."""
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    os.environ["HF_HUB_OFFLINE"] = "1"
+    """The exported file through `datasets`, from local files only: the hub switched off (set when
+    this module is imported, before anything imports `datasets`) and any non-loopback connect fails."""
     import datasets
 
-    cache = path.parent / "hf-cache"
-    return datasets.load_dataset("json" if fmt == "jsonl" else "parquet", data_files=str(path), split="train",
-                                 cache_dir=str(cache))
+    assert datasets.config.HF_DATASETS_OFFLINE
+    attempts: list[Any] = []
+    real_connect = socket.socket.connect
+
+    def loopback_only(sock: socket.socket, address: Any) -> Any:
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in ("127.0.0.1", "::1", "localhost"):
+            attempts.append(address)
+            raise OSError(f"test: no network beyond 127.0.0.1 (tried {address})")
+        return real_connect(sock, address)
+
+    socket.socket.connect = loopback_only  # type: ignore[method-assign]
+    try:
+        ds = datasets.load_dataset("json" if fmt == "jsonl" else "parquet", data_files=str(path), split="train",
+                                   cache_dir=str(path.parent / "hf-cache"))
+    finally:
+        socket.socket.connect = real_connect  # type: ignore[method-assign]
+    assert attempts == []
+    return ds
 
 
 def export_bytes(url: str, **params: Any) -> bytes:
