@@ -5,9 +5,13 @@ token ids and decoded text, 1-3 tool calls, a reward annotation: about 7 spans e
 times, per query, the viewer's list (collector/viewer_index.py) against the same filter and
 sort through ``store_query.list_trajectories`` (the /v1/trajectories API: SQL over the spans),
 run in this process on the same file. Prints each ratio (baseline ms / viewer ms), the index's
-one-time catch-up, and its page of EXPLAIN QUERY PLAN.
+one-time catch-up, and its page of EXPLAIN QUERY PLAN. Then the GRPO group view of one step
+(collector/groups.py) and the dataset export (collector/export.py): its rate, and its peak
+traced memory for 1,000 against 8,000 trajectories (constant memory: a ratio near 1); with
+``--http``, the same through a collector process (``/v1/groups`` latency, ``/v1/export`` of the
+whole store with the collector's RSS sampled).
 
-    .venv/bin/python bench/viewer_store.py [--spans 1000000] [--keep DIR]
+    .venv/bin/python bench/viewer_store.py [--spans 1000000] [--keep DIR] [--groups-export-only] [--http]
 """
 
 from __future__ import annotations
@@ -122,11 +126,54 @@ def groups_and_export(spool: Spool, index: TrajectoryIndex) -> None:
               f"{peaks[0]:.1f} MiB for 1,000, {peaks[1]:.1f} MiB for 8,000 (ratio {peaks[1] / peaks[0]:.2f})")
 
 
+def over_http(folder: Path, trajectories: int) -> None:
+    """The same through a collector process: GET /v1/groups latency, and GET /v1/export of the whole
+    store in both formats while the collector's RSS is sampled (it must stay flat)."""
+    import threading
+
+    import httpx
+    import psutil
+
+    from common import services, start_collector
+
+    collector = start_collector(folder)
+    with services(collector):
+        httpx.get(collector.url + "/ui/api/status", timeout=120)
+        for label, params in (("all 64 groups, diffs", {}), ("20 groups, diffs", {"limit": 20}),
+                              ("20 widest groups, diffs", {"sort": "spread", "limit": 20})):
+            ms = timed(lambda: httpx.get(collector.url + "/v1/groups", params={"experiment": "exp1", "step": 200, **params},
+                                         timeout=60).raise_for_status())
+            print(f"GET /v1/groups, {label:24} {ms:8.1f} ms")
+        process = psutil.Process(collector.proc.pid)
+        for fmt in ("jsonl", "parquet"):
+            before = process.memory_info().rss
+            peak, stop = [before], threading.Event()
+
+            def sample() -> None:
+                while not stop.is_set():
+                    peak[0] = max(peak[0], process.memory_info().rss)
+                    time.sleep(0.05)
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            started, size = time.perf_counter(), 0
+            with httpx.stream("GET", collector.url + "/v1/export", params={"format": fmt, "token_ids": "true"}, timeout=600) as r:
+                for chunk in r.iter_bytes():
+                    size += len(chunk)
+            elapsed = time.perf_counter() - started
+            stop.set()
+            sampler.join()
+            print(f"GET /v1/export?format={fmt}, whole store: {size / 2**20:,.0f} MiB in {elapsed:.0f} s "
+                  f"({trajectories / elapsed:,.0f} trajectories/s); collector RSS {before / 2**20:.0f} MiB before, "
+                  f"peak {peak[0] / 2**20:.0f} MiB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spans", type=int, default=1_000_000)
     parser.add_argument("--keep", type=Path, help="build (or reuse) the store in this directory")
     parser.add_argument("--groups-export-only", action="store_true", help="skip the list queries (groups and export only)")
+    parser.add_argument("--http", action="store_true", help="also time /v1/groups and /v1/export through a collector process")
     args = parser.parse_args()
     folder = args.keep or Path(tempfile.mkdtemp(prefix="tracecar-viewer-bench-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -165,8 +212,11 @@ def main() -> None:
     groups_and_export(spool, index)
     sql, params = index.list_sql(ListFilter(), "reward", True, nulls=False)
     print("plan, best reward:", " | ".join(r[3] for r in index._db().execute("EXPLAIN QUERY PLAN " + sql, [*params, 50, 0])))
+    trajectories = index.list(ListFilter(), limit=1)["total"]
     index.close()
     spool.close()
+    if args.http:
+        over_http(folder, trajectories)
 
 
 if __name__ == "__main__":
