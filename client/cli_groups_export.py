@@ -64,6 +64,7 @@ def print_groups(page: dict[str, Any]) -> None:
     shown = len(page["groups"])
     if shown < page["total_groups"]:
         print(f"showing {shown} groups from offset {page['offset']} (sort {page['sort']}; --limit/--offset for more)")
+    print("adv: the trainer's advantage when annotated, else ~ (reward - mean) / (std + 1e-6) as GRPO computes it")
     for group in page["groups"]:
         flag = "  ZERO SPREAD" if group["all_equal"] else ""
         print(f"\nsample {group['sample_index']}: n {group['n']} (scored {group['scored']})  mean {_fmt(group['mean'], 0)}  "
@@ -73,8 +74,13 @@ def print_groups(page: dict[str, Any]) -> None:
             print(f"  prompt: {group['prompt_preview'][:100]!r}")
         print(f"  {'rank':>4} {'rollout':>7} {'reward':>8} {'adv':>7} {'turns':>5} {'tools':>5} {'err':>3}  {'trace_id':32}  vs best")
         for r in group["rollouts"]:
-            advantage = r["advantage"] if r["advantage"] is not None else r.get("group_advantage")
-            print(f"  {r['rank']:>4} {_fmt(r['rollout_n'], 7)} {_fmt(r['reward'], 8)} {_fmt(advantage, 7, 2)} "
+            if r["advantage"] is not None:
+                advantage = _fmt(r["advantage"], 7, 2)
+            elif r.get("group_advantage") is not None:  # not annotated: as GRPO computes it from these rewards
+                advantage = f"~{r['group_advantage']:.2f}".rjust(7)
+            else:
+                advantage = _fmt(None, 7)
+            print(f"  {r['rank']:>4} {_fmt(r['rollout_n'], 7)} {_fmt(r['reward'], 8)} {advantage} "
                   f"{_fmt(r['turns'], 5)} {_fmt(r['tool_calls'], 5)} {'yes' if r['has_error'] else '':>3}  "
                   f"{r['trace_id']:32}  {describe_diff(r)}")
 
