@@ -16,6 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from .export import FORMATS, MEDIA_TYPES, IndexBehind, export_chunks, parquet_available, settle
 from .groups import GROUP_SORTS, build_groups
+from .spool import Spool
 from .store_query import get_trajectory
 from .viewer_index import ListFilter, TrajectoryIndex
 
@@ -42,6 +43,16 @@ def opaque_key(value: str | None) -> int | str | None:
         return value
 
 
+def root_and_annotations(spool: Spool, trace_id: str) -> dict[str, Any] | None:
+    """What a group without diffs needs of a trajectory (its advantage): the root and annotations only."""
+    rows = spool.query("SELECT kind, payload FROM spans WHERE trace_id = ? AND (parent_id IS NULL OR kind = 'annotation') ORDER BY seq", [trace_id])
+    if not rows:
+        return None
+    spans = [orjson.loads(r["payload"]) for r in rows]
+    root = next((s for k, s in zip((r["kind"] for r in rows), spans) if k != "annotation"), {"attributes": {}})
+    return {"trace_id": trace_id, "root": root, "annotations": [s for r, s in zip(rows, spans) if r["kind"] == "annotation"]}
+
+
 def groups_of_step(collector: "Collector", index: TrajectoryIndex, experiment: str | None, step: int,
                    validate: bool, **options: Any) -> dict[str, Any]:
     """Blocking: the step's summaries from the index, grouped; trajectories read for the page only."""
@@ -50,7 +61,9 @@ def groups_of_step(collector: "Collector", index: TrajectoryIndex, experiment: s
         experiment = known[0]["experiment"] if known else None
     flt = ListFilter(experiment=experiment if experiment is not None else "", step=step, validate=validate)
     page = index.list(flt, sort="sample_index", descending=False, limit=MAX_STEP_TRAJECTORIES)
-    result = build_groups(page["trajectories"], lambda trace_id: get_trajectory(collector.spool, trace_id), **options)
+    spool = collector.spool
+    load = (lambda trace_id: get_trajectory(spool, trace_id)) if options.get("diff", True) else (lambda trace_id: root_and_annotations(spool, trace_id))
+    result = build_groups(page["trajectories"], load, **options)
     return {"experiment": experiment, "step": step, "validate": validate,
             "truncated": page["total"] > len(page["trajectories"]), **result}
 

@@ -161,6 +161,9 @@ def test_groups_sort_filter_page_and_are_the_viewers_too(fed):
     assert order(sample_index="1") == [1]  # an opaque key: matched as text
     no_diff = get(fed.url, "/v1/groups", step=3, diff="false")
     assert all("diff" not in r for g in no_diff["groups"] for r in g["rollouts"])
+    with_diff = get(fed.url, "/v1/groups", step=3)
+    for light, full in zip(no_diff["groups"], with_diff["groups"]):  # the same ranking and advantages, read lighter
+        assert [(r["trace_id"], r["advantage"]) for r in light["rollouts"]] == [(r["trace_id"], r["advantage"]) for r in full["rollouts"]]
     # the default experiment is the latest, as on the overview; the viewer's route answers the same
     assert get(fed.url, "/v1/groups", step=3)["experiment"] == EXPERIMENT
     api, ui = get(fed.url, "/v1/groups", step=3), get(fed.url, "/ui/api/groups", step=3)
@@ -441,3 +444,12 @@ def test_groups_and_export_of_trajectories_sent_by_the_real_client(start_collect
     path.write_bytes(export_bytes(col.url, experiment="client-exp", sample_index="0"))
     ds = load(path, "jsonl")
     assert sorted(zip(ds["rollout_n"], ds["reward"], ds["final_response"])) == [(0, 1.0, "right"), (1, 0.0, "wrong"), (2, 0.0, "wrong")]
+
+
+def test_groups_page_script_ships_and_names_no_other_origin():
+    from tracecar.collector import viewer
+
+    assert "groups.js" in viewer._static_files()
+    text = (viewer.STATIC / "groups.js").read_text()
+    assert "http://" not in text and "https://" not in text and "//cdn" not in text
+    assert 'src="static/groups.js"' in (viewer.STATIC / "index.html").read_text()
