@@ -5,9 +5,13 @@ token ids and decoded text, 1-3 tool calls, a reward annotation: about 7 spans e
 times, per query, the viewer's list (collector/viewer_index.py) against the same filter and
 sort through ``store_query.list_trajectories`` (the /v1/trajectories API: SQL over the spans),
 run in this process on the same file. Prints each ratio (baseline ms / viewer ms), the index's
-one-time catch-up, and its page of EXPLAIN QUERY PLAN.
+one-time catch-up, and its page of EXPLAIN QUERY PLAN. Then the GRPO group view of one step
+(collector/groups.py) and the dataset export (collector/export.py): its rate, and its peak
+traced memory for 1,000 against 8,000 trajectories (constant memory: a ratio near 1); with
+``--http``, the same through a collector process (``/v1/groups`` latency, ``/v1/export`` of the
+whole store with the collector's RSS sampled).
 
-    .venv/bin/python bench/viewer_store.py [--spans 1000000] [--keep DIR]
+    .venv/bin/python bench/viewer_store.py [--spans 1000000] [--keep DIR] [--groups-export-only] [--http]
 """
 
 from __future__ import annotations
@@ -88,10 +92,88 @@ def timed(fn, repeat: int = 5) -> float:
     return statistics.median(samples) * 1000
 
 
+def groups_and_export(spool: Spool, index: TrajectoryIndex) -> None:
+    """GET /v1/groups' work for one step (64 groups of 4), and the export's rate and memory."""
+    import tracemalloc
+
+    from tracecar.collector.export import jsonl_chunks, parquet_chunks, records
+    from tracecar.collector.group_export_api import groups_of_step
+
+    class Owner:  # what groups_of_step reads off the collector
+        pass
+
+    owner = Owner()
+    owner.spool = spool  # type: ignore[attr-defined]
+    for name, options in (("groups of one step, 50, no diffs", {"diff": False}),
+                          ("groups of one step, 20 with diffs", {"limit": 20}),
+                          ("groups of one step, 64 with diffs", {"limit": 64})):
+        ms = timed(lambda: groups_of_step(owner, index, "exp1", 200, False, **options), 3)  # type: ignore[arg-type]
+        print(f"{name:32} {'':>15} {ms:10.1f}")
+    import pyarrow.parquet  # noqa: F401 - imported before measuring (its import is not the export's memory)
+
+    for fmt, writer in (("jsonl", jsonl_chunks), ("parquet", parquet_chunks)):
+        started = time.perf_counter()
+        size = sum(len(chunk) for chunk in writer(records(spool, index, ListFilter(), limit=8_000, token_ids=True)))
+        rate = 8_000 / (time.perf_counter() - started)
+        peaks = []
+        for count in (1_000, 8_000):  # memory: 8x the trajectories, the same peak
+            tracemalloc.start()
+            for _ in writer(records(spool, index, ListFilter(step_min=100), limit=count, token_ids=True)):
+                pass
+            peaks.append(tracemalloc.get_traced_memory()[1] / 2**20)
+            tracemalloc.stop()
+        print(f"export {fmt}: {rate:,.0f} trajectories/s ({size / 2**20:,.1f} MiB for 8,000); peak traced memory "
+              f"{peaks[0]:.1f} MiB for 1,000, {peaks[1]:.1f} MiB for 8,000 (ratio {peaks[1] / peaks[0]:.2f})")
+
+
+def over_http(folder: Path, trajectories: int) -> None:
+    """The same through a collector process: GET /v1/groups latency, and GET /v1/export of the whole
+    store in both formats while the collector's RSS is sampled (it must stay flat)."""
+    import threading
+
+    import httpx
+    import psutil
+
+    from common import services, start_collector
+
+    collector = start_collector(folder)
+    with services(collector):
+        httpx.get(collector.url + "/ui/api/status", timeout=120)
+        for label, params in (("all 64 groups, diffs", {}), ("20 groups, diffs", {"limit": 20}),
+                              ("20 widest groups, diffs", {"sort": "spread", "limit": 20})):
+            ms = timed(lambda: httpx.get(collector.url + "/v1/groups", params={"experiment": "exp1", "step": 200, **params},
+                                         timeout=60).raise_for_status())
+            print(f"GET /v1/groups, {label:24} {ms:8.1f} ms")
+        process = psutil.Process(collector.proc.pid)
+        for fmt in ("jsonl", "parquet"):
+            before = process.memory_info().rss
+            peak, stop = [before], threading.Event()
+
+            def sample() -> None:
+                while not stop.is_set():
+                    peak[0] = max(peak[0], process.memory_info().rss)
+                    time.sleep(0.05)
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            started, size = time.perf_counter(), 0
+            with httpx.stream("GET", collector.url + "/v1/export", params={"format": fmt, "token_ids": "true"}, timeout=600) as r:
+                for chunk in r.iter_bytes():
+                    size += len(chunk)
+            elapsed = time.perf_counter() - started
+            stop.set()
+            sampler.join()
+            print(f"GET /v1/export?format={fmt}, whole store: {size / 2**20:,.0f} MiB in {elapsed:.0f} s "
+                  f"({trajectories / elapsed:,.0f} trajectories/s); collector RSS {before / 2**20:.0f} MiB before, "
+                  f"peak {peak[0] / 2**20:.0f} MiB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spans", type=int, default=1_000_000)
     parser.add_argument("--keep", type=Path, help="build (or reuse) the store in this directory")
+    parser.add_argument("--groups-export-only", action="store_true", help="skip the list queries (groups and export only)")
+    parser.add_argument("--http", action="store_true", help="also time /v1/groups and /v1/export through a collector process")
     args = parser.parse_args()
     folder = args.keep or Path(tempfile.mkdtemp(prefix="tracecar-viewer-bench-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -101,7 +183,8 @@ def main() -> None:
         spans, trajectories = build(path, args.spans)
         print(f"built {spans:,} spans / {trajectories:,} trajectories in {time.perf_counter() - started:.0f}s "
               f"({path.stat().st_size / 2**20:,.0f} MiB)")
-    (folder / "viewer-index.sqlite3").unlink(missing_ok=True)
+    if not args.groups_export_only:
+        (folder / "viewer-index.sqlite3").unlink(missing_ok=True)
     index = TrajectoryIndex(path)
     started = time.perf_counter()
     while not index.refresh(5.0):
@@ -118,7 +201,7 @@ def main() -> None:
         ("reward range, newest", {"reward_min": 0.9}, "start", True),
     ]
     print(f"{'query (page of 50)':32} {'store_query ms':>15} {'viewer ms':>10} {'ratio':>8}")
-    for name, filters, sort, descending in cases:
+    for name, filters, sort, descending in [] if args.groups_export_only else cases:
         base = timed(lambda: list_trajectories(spool, TrajectoryFilter(**filters), limit=50, sort=sort, descending=descending), 3)
         view = timed(lambda: index.list(ListFilter(**filters), sort=sort, descending=descending, limit=50))
         print(f"{name:32} {base:15.1f} {view:10.1f} {base / view:7.1f}x")
@@ -126,10 +209,14 @@ def main() -> None:
     print(f"{'most turns, no filter':32} {'(no such sort)':>15} {view:10.1f}")
     index._cache.clear()
     print(f"{'step overview of one experiment':32} {'':>15} {timed(lambda: (index._cache.clear(), index.overview('exp1'))):10.1f}")
+    groups_and_export(spool, index)
     sql, params = index.list_sql(ListFilter(), "reward", True, nulls=False)
     print("plan, best reward:", " | ".join(r[3] for r in index._db().execute("EXPLAIN QUERY PLAN " + sql, [*params, 50, 0])))
+    trajectories = index.list(ListFilter(), limit=1)["total"]
     index.close()
     spool.close()
+    if args.http:
+        over_http(folder, trajectories)
 
 
 if __name__ == "__main__":

@@ -367,6 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url")
     p.add_argument("--limit", type=int, default=100)
     p.set_defaults(func=cmd_dead_letters)
+
+    from .cli_groups_export import add_parsers as add_groups_export_parsers
+
+    add_groups_export_parsers(sub)  # groups, export
     return parser
 
 

@@ -19,6 +19,7 @@ from tracecar.client import __version__
 from .auth import BearerAuth
 from .forward import Forwarder, NullSink, Sink
 from .loudness import AuthFailures, WatchedSink
+from .group_export_api import build_router as build_group_export_router
 from .metrics import Metrics
 from .pipeline import Backpressure, IngestPipeline
 from .receive import BodyError
@@ -202,7 +203,10 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
     # OTLP/HTTP in (vLLM/SGLang engine spans, any OpenTelemetry SDK): same pipeline, same token
     app.include_router(build_otlp_router(collector, auth, _read_body))
     # the local trajectory viewer (/ui/): read-only, same token
-    app.include_router(build_viewer_router(collector, settings.token.get_secret_value() if settings.token else None))
+    viewer = build_viewer_router(collector, settings.token.get_secret_value() if settings.token else None)
+    app.include_router(viewer)
+    # GRPO groups and dataset export, over the viewer's trajectory index
+    app.include_router(build_group_export_router(collector, viewer.trajectory_index, viewer.fresh, auth, viewer.viewer_auth))
     return app
 
 

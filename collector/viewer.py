@@ -194,4 +194,5 @@ def build_router(collector: "Collector", token: str | None) -> APIRouter:
         return _json(view)
 
     router.include_router(guarded)
+    router.trajectory_index, router.fresh, router.viewer_auth = index, fresh, auth  # for group_export_api
     return router

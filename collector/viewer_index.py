@@ -625,3 +625,15 @@ class TrajectoryIndex:
             self._cache[key] = result
         return result
 
+
+    def page_after(self, flt: ListFilter, after: int = 0, limit: int = 500) -> list[dict[str, Any]]:
+        """Summaries in index order after the row ``after`` (the previous page's last ``cursor``).
+
+        For walking a whole selection (export) with constant memory: a keyset page, so trajectories
+        indexed meanwhile neither shift nor repeat rows. The table is walked by rowid (one pass over
+        the summaries for the whole walk), not through a filter index that would re-sort per page.
+        """
+        where, params = flt.where()
+        with self._lock:
+            return self._rows(self._db(), f"SELECT rowid AS cursor, {COLUMNS} FROM trajectories NOT INDEXED"
+                                          f" WHERE {where} AND rowid > ? ORDER BY rowid LIMIT ?", [*params, after, limit])

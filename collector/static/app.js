@@ -1,6 +1,6 @@
 // tracecar viewer: vanilla JS, one file, no build step. Talks only to this collector (api/...).
 // Views (hash routes): #/ steps overview, #/list trajectories, #/t/ID one trajectory,
-// #/compare?ids=A,B side by side. Every piece of span data is put in the page as text
+// #/compare?ids=A,B side by side, #/groups?step=N GRPO groups (static/groups.js). Every piece of span data is put in the page as text
 // (textContent), never parsed as HTML.
 "use strict";
 (() => {
@@ -115,6 +115,8 @@
     return h("span", { class: "badge " + (cls || "") }, "reward " + fmt.reward(reward));
   }
 
+  const kit = { h, api, fmt, href, go, expKey, expParam }; // what groups.js draws with
+
   // ---- router ----------------------------------------------------------------------------
   function parseHash() {
     const raw = location.hash.replace(/^#/, "") || "/";
@@ -137,6 +139,7 @@
       if (path === "/") view = await overviewView(params, mount);
       else if (path === "/list") view = await listView(params);
       else if (path.startsWith("/t/")) view = await trajectoryView(decodeURIComponent(path.slice(3)));
+      else if (path === "/groups" && window.tracecarGroups) view = await window.tracecarGroups.view(params, kit);
       else if (path === "/compare") view = await compareView((params.ids || "").split(",").filter(Boolean));
       else view = h("p", null, "No such page. ", h("a", { href: "#/" }, "Back to the steps"));
       if (seq !== renderSeq) return; // a newer navigation won
@@ -269,6 +272,10 @@
           h("td", { class: "num" }, s.worst ? h("a", { href: "#/t/" + encodeURIComponent(s.worst.trace_id), class: "bad", "data-testid": "worst-link", title: "open the worst trajectory" }, fmt.reward(s.worst.reward)) : "—"),
           h("td", { class: "num" }, s.best ? h("a", { href: "#/t/" + encodeURIComponent(s.best.trace_id), class: "good", "data-testid": "best-link", title: "open the best trajectory" }, fmt.reward(s.best.reward)) : "—"),
           h("td", null, Object.entries(s.kept).map(([rule, n]) => h("span", { class: "badge rule" }, rule + " " + n)), " "),
+          h("td", null, h("a", { "data-testid": "groups-spread", title: "this step's GRPO groups, widest reward spread first",
+            href: href("/groups", { experiment: expArg, step: s.step, sort: "spread", validate: split === "validation" ? "true" : undefined }) }, "groups"), " · ",
+            h("a", { "data-testid": "groups-zero", title: "groups whose rollouts all got the same reward (GRPO learns nothing) first",
+              href: href("/groups", { experiment: expArg, step: s.step, sort: "zero_spread", validate: split === "validation" ? "true" : undefined }) }, "zero spread")),
           h("td", null, s.best && s.worst && s.best.trace_id !== s.worst.trace_id
             ? h("a", { class: "button primary", "data-testid": "compare-best-worst", href: href("/compare", { ids: s.best.trace_id + "," + s.worst.trace_id }) }, "Compare best vs worst")
             : null));
@@ -311,7 +318,7 @@
       h("table", { "data-testid": "steps-table" },
         h("thead", null, h("tr", null, h("th", null, "step"), h("th", { class: "num" }, "trajectories"), h("th", { class: "num" }, "scored"),
           h("th", { class: "num" }, "mean"), h("th", { class: "num" }, "median"), h("th", { class: "num" }, "worst"), h("th", { class: "num" }, "best"),
-          h("th", null, "kept because"), h("th", null, ""))),
+          h("th", null, "kept because"), h("th", null, "groups"), h("th", null, ""))),
         tbody),
       pager);
   }
@@ -494,6 +501,8 @@
         other(worst, "Compare with the worst of step " + a.step, "compare-with-worst"),
         rollouts && rollouts.trajectories.length > 1 ? h("a", { class: "button", "data-testid": "compare-rollouts",
           href: href("/compare", { ids: rollouts.trajectories.map((r) => r.trace_id).join(",") }) }, "Compare all " + rollouts.trajectories.length + " rollouts of sample " + a.sample_index) : null,
+        a.sample_index !== undefined ? h("a", { class: "button", "data-testid": "its-group", href: href("/groups", { experiment: expKey(a.experiment_name), step: a.step,
+          sample_index: a.sample_index, validate: a.validate ? "true" : undefined }) }, "Its group: sample " + a.sample_index + " ranked") : null,
         a.sample_index !== undefined ? h("a", { class: "button", href: href("/list", { experiment: expKey(a.experiment_name), sample_index: a.sample_index, rollout_n: a.rollout_n, sort: "step", order: "asc" }) }, "This sample at other steps") : null,
         h("a", { class: "button", href: href("/list", { experiment: expKey(a.experiment_name), step: a.step, sort: "reward", order: "desc" }) }, "All of step " + a.step),
       ].filter(Boolean));
