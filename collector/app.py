@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 import orjson
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tracecar.client import __version__
@@ -57,7 +58,8 @@ class Collector:
         self.forwarder = Forwarder(
             self.spool, self.sink, self.metrics, batch_spans=settings.forward_batch_spans,
             retry_initial_s=settings.forward_retry_initial_s, retry_max_s=settings.forward_retry_max_s,
-            keep_forwarded=settings.keep_forwarded,
+            keep_forwarded=settings.keep_forwarded, probe_s=settings.forward_probe_s,
+            urgent=self.pipeline.at_capacity,
         )
         self.pipeline.on_committed.append(self.forwarder.notify)
         self.metrics.bind_spool(
@@ -212,10 +214,14 @@ async def _ingest(request: Request, collector: Collector) -> tuple[int, Any, dic
         return 503, {"error": {"field": None, "reason": "collector is not ready (starting or draining)"}}, {"Retry-After": str(settings.retry_after_s)}
     try:
         collector.pipeline.check_capacity()
-        body = await _read_body(request, settings.max_body_bytes)
-        if not body:
-            return 200, {"accepted": 0, "duplicates": 0, "sampled_out": 0, "rejected_count": 0, "rejected": [], "warnings": {}}, None
-        result = await collector.pipeline.ingest(body, request.headers.get("content-type"), request.headers.get("content-encoding"))
+        async with collector.pipeline.permit():  # before the body is read: that is what bounds memory
+            body = await _read_body(request, settings.max_body_bytes)
+            if not body:
+                return 200, {"accepted": 0, "duplicates": 0, "sampled_out": 0, "rejected_count": 0, "rejected": [], "warnings": {}}, None
+            result = await collector.pipeline.ingest(body, request.headers.get("content-type"), request.headers.get("content-encoding"))
+    except ClientDisconnect:  # the client went away (or a body read timed out): nothing was stored
+        collector.metrics.batches_rejected.labels(reason="client_disconnect").inc()
+        return 400, {"error": {"field": "body", "reason": "client disconnected before the body was read"}}, None
     except Backpressure as exc:
         collector.metrics.backpressure.labels(bound=exc.bound).inc()
         return 503, {"error": {"field": None, "reason": str(exc)}}, {"Retry-After": str(settings.retry_after_s)}

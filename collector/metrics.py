@@ -25,6 +25,11 @@ class Metrics:
         self.forwarded = Counter("tracecar_spans_forwarded", "Spans delivered to the backend.", ["backend"], registry=r)
         self.forward_failures = Counter("tracecar_forward_failures", "Failed forward attempts, by kind.", ["kind"], registry=r)
         self.dead_lettered = Counter("tracecar_spans_dead_lettered", "Spans the backend rejected permanently.", registry=r)
+        self.forward_probes = Counter("tracecar_forward_probes", "One-span probes of a failing backend while the spool is at its bound.", registry=r)
+        self.store_evicted_trajectories = Counter("tracecar_store_evicted_trajectories", "Forwarded trajectories evicted from the store, by reason (max_bytes, max_age, disk_full).", ["reason"], registry=r)
+        self.store_evicted_spans = Counter("tracecar_store_evicted_spans", "Spans of evicted trajectories, by reason.", ["reason"], registry=r)
+        self.http_closed = Counter("tracecar_http_closed", "Connections the collector closed on a client, by reason (header_timeout, body_timeout, idle_timeout, header_too_large).", ["reason"], registry=r)
+        self.tokenizer_refused = Counter("tracecar_tokenizer_refused", "Tokenizer loads refused or failed, by reason (not_allowed, too_large, not_found, load_failed).", ["reason"], registry=r)
         self.backpressure = Counter("tracecar_backpressure", "Requests answered 503 because a bound was hit, by bound.", ["bound"], registry=r)
         self.ingest_seconds = Histogram(
             "tracecar_ingest_seconds", "Time from request read to acknowledgement.",

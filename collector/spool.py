@@ -96,6 +96,13 @@ CREATE TABLE IF NOT EXISTS sample_decisions (
 """
 
 
+_COUNTS_SQL = (
+    "SELECT COALESCE(SUM(state = 0), 0), COALESCE(SUM(CASE WHEN state = 0 THEN nbytes END), 0),"
+    " COALESCE(SUM(nbytes), 0), COALESCE(SUM(state = 3), 0),"
+    " COALESCE(SUM(CASE WHEN state = 3 THEN nbytes END), 0) FROM spans"
+)
+
+
 class SpoolFull(Exception):
     """The disk (or the configured bound) is full: answer 503 with Retry-After, store nothing."""
 
@@ -170,11 +177,8 @@ class Spool:
         self._read = _connect(path, sync)
         self._write_lock = threading.RLock()
         self._read_lock = threading.Lock()
-        self.pending_count, self.pending_bytes, self.stored_bytes, self.held_count, self.held_bytes = self._write.execute(
-            "SELECT COALESCE(SUM(state = 0), 0), COALESCE(SUM(CASE WHEN state = 0 THEN nbytes END), 0),"
-            " COALESCE(SUM(nbytes), 0), COALESCE(SUM(state = 3), 0),"
-            " COALESCE(SUM(CASE WHEN state = 3 THEN nbytes END), 0) FROM spans"
-        ).fetchone()
+        self.pending_count = self.pending_bytes = self.stored_bytes = self.held_count = self.held_bytes = 0
+        self.recount()
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -391,42 +395,61 @@ class Spool:
         if not dead:
             return
         now = time.time()
-        with self._transaction() as conn:
-            conn.executemany(
-                "INSERT OR REPLACE INTO dead_letters (span_id, trace_id, name, reason, failed_at) VALUES (?,?,?,?,?)",
-                [(sid, tid, name, reason, now) for _, sid, tid, name, reason in dead],
-            )
-            self._set_state(conn, [d[0] for d in dead], DEAD)
+        with self._write_lock:
+            with self._transaction() as conn:
+                conn.executemany(
+                    "INSERT OR REPLACE INTO dead_letters (span_id, trace_id, name, reason, failed_at) VALUES (?,?,?,?,?)",
+                    [(sid, tid, name, reason, now) for _, sid, tid, name, reason in dead],
+                )
+                n, nbytes = self._set_state(conn, [d[0] for d in dead], DEAD)
+            self._pending_done(n, nbytes, deleted=False)
 
     def _finish(self, seqs: Sequence[int], keep: bool) -> None:
         if not seqs:
             return
-        with self._transaction() as conn:
-            if keep:
-                self._set_state(conn, seqs, DONE)
-            else:
-                self._account(conn, seqs, deleting=True)
-                for i in range(0, len(seqs), 500):
-                    chunk = seqs[i:i + 500]
-                    conn.execute(f"DELETE FROM spans WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
+        with self._write_lock:
+            with self._transaction() as conn:
+                if keep:
+                    n, nbytes = self._set_state(conn, seqs, DONE)
+                else:
+                    n, nbytes = self._pending_of(conn, seqs)
+                    for i in range(0, len(seqs), 500):
+                        chunk = seqs[i:i + 500]
+                        conn.execute(f"DELETE FROM spans WHERE state = 0 AND seq IN ({','.join('?' * len(chunk))})", chunk)
+            self._pending_done(n, nbytes, deleted=not keep)
 
-    def _set_state(self, conn: sqlite3.Connection, seqs: Sequence[int], state: int) -> None:
-        self._account(conn, seqs)
+    def _pending_done(self, n: int, nbytes: int, *, deleted: bool) -> None:
+        """Counters follow a COMMIT, never precede it: a rolled-back transaction changes none."""
+        self.pending_count -= n
+        self.pending_bytes -= nbytes
+        if deleted:
+            self.stored_bytes -= nbytes
+
+    def _set_state(self, conn: sqlite3.Connection, seqs: Sequence[int], state: int) -> tuple[int, int]:
+        """Moves pending rows to ``state``; returns (rows, bytes) it moved, for after the commit."""
+        n, nbytes = self._pending_of(conn, seqs)
         for i in range(0, len(seqs), 500):
             chunk = seqs[i:i + 500]
             conn.execute(f"UPDATE spans SET state = ? WHERE state = 0 AND seq IN ({','.join('?' * len(chunk))})", (state, *chunk))
+        return n, nbytes
 
-    def _account(self, conn: sqlite3.Connection, seqs: Sequence[int], deleting: bool = False) -> None:
+    @staticmethod
+    def _pending_of(conn: sqlite3.Connection, seqs: Sequence[int]) -> tuple[int, int]:
+        n = nbytes = 0
         for i in range(0, len(seqs), 500):
             chunk = seqs[i:i + 500]
-            n, nbytes = conn.execute(
+            c, b = conn.execute(
                 f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans WHERE state = 0 AND seq IN ({','.join('?' * len(chunk))})",
                 chunk,
             ).fetchone()
-            self.pending_count -= n
-            self.pending_bytes -= nbytes
-            if deleting:
-                self.stored_bytes -= nbytes
+            n, nbytes = n + c, nbytes + b
+        return n, nbytes
+
+    def recount(self) -> None:
+        """Counters re-derived from SQL (after a failed write, so a drift can never outlive it)."""
+        with self._write_lock:
+            (self.pending_count, self.pending_bytes, self.stored_bytes, self.held_count,
+             self.held_bytes) = self._write.execute(_COUNTS_SQL).fetchone()
 
     # ---- reading -------------------------------------------------------------------------
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
