@@ -21,6 +21,7 @@ from .forward import Forwarder, NullSink, Sink
 from .metrics import Metrics
 from .pipeline import Backpressure, IngestPipeline
 from .receive import BodyError
+from .retention import Retention
 from .settings import CollectorSettings
 from .spool import Spool
 from .store_query import TrajectoryFilter, get_trajectory, list_trajectories
@@ -62,6 +63,9 @@ class Collector:
             urgent=self.pipeline.at_capacity,
         )
         self.pipeline.on_committed.append(self.forwarder.notify)
+        self.retention = Retention(self.spool, self.metrics, max_bytes=settings.store_max_bytes,
+                                   max_age_s=settings.store_max_age_s, evict_on_disk_full=not self.spool.local_only)
+        self.pipeline.make_room = self.retention.make_room
         self.metrics.bind_spool(
             lambda: self.spool.pending_count, lambda: self.spool.pending_bytes,
             self.spool.size_bytes, self.spool.dead_count,
@@ -69,9 +73,11 @@ class Collector:
         self.ready = False
         self._forward_task: asyncio.Task[None] | None = None
         self._select_task: asyncio.Task[None] | None = None
+        self._retention_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self._forward_task = asyncio.create_task(self.forwarder.run(), name="tracecar-forwarder")
+        self._retention_task = asyncio.create_task(self.retention.run(), name="tracecar-retention")
         if self.pipeline.selection is not None:  # tail-based budgets: decide held steps
             self._select_task = asyncio.create_task(self.pipeline.run_selection(), name="tracecar-selection")
         self.ready = True
@@ -84,6 +90,10 @@ class Collector:
     async def stop(self) -> None:
         """Drains to the backend up to the deadline; whatever is left stays in the spool."""
         self.mark_unready()
+        if self._retention_task is not None:
+            self._retention_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._retention_task
         if self._select_task is not None:
             self._select_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -16,7 +16,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import msgpack
 import orjson
@@ -117,6 +117,8 @@ class IngestPipeline:
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracecar-spool")
         self.inflight = asyncio.Semaphore(settings.max_inflight_requests)
         self.on_committed: list[Any] = []
+        # set by the collector: evicts forwarded trajectories after a full-disk refusal
+        self.make_room: Callable[[int], bool] = lambda need: False
 
     def spool_used(self) -> int:
         """Bytes counted against TRACECAR_SPOOL_MAX_BYTES (local mode: everything stored)."""
@@ -173,11 +175,14 @@ class IngestPipeline:
         m.decoded_tokens.inc(tokens)
         tail_dropped = 0
         try:
-            if selection is None:
-                written = await loop.run_in_executor(self.writer, self.spool.write, rows, sampled.new_decisions)
-            else:
-                written, tail_dropped = await loop.run_in_executor(
-                    self.writer, selection.write, rows, sampled.new_decisions, [s["trace_id"] for s in sampled.dropped])
+            try:
+                written, tail_dropped = await loop.run_in_executor(self.writer, self._write, rows, sampled, selection)
+            except SpoolFull:  # a full disk: evict forwarded trajectories (weave mode), then one more try
+                need = 2 * sum(len(r.payload) for r in rows)
+                # the tail selector's routing is not idempotent: there, the client's retry is the next try
+                if not await loop.run_in_executor(self.writer, self.make_room, need) or selection is not None:
+                    raise
+                written, tail_dropped = await loop.run_in_executor(self.writer, self._write, rows, sampled, selection)
         except SpoolFull as exc:
             self.sampler.forget(sampled.new_decisions)
             raise Backpressure("disk_full", f"spool disk is full: {exc}") from None
@@ -196,6 +201,11 @@ class IngestPipeline:
             rejected=validated.rejected + too_big,
             warnings={k: v for k, v in validated.warnings.items()},
         )
+
+    def _write(self, rows: list[SpoolRow], sampled: Any, selection: TailSelector | None) -> tuple[Any, int]:
+        if selection is None:
+            return self.spool.write(rows, sampled.new_decisions), 0
+        return selection.write(rows, sampled.new_decisions, [s["trace_id"] for s in sampled.dropped])
 
     def _tokenizer_failed(self, reason: str, name: str, message: str) -> None:
         """Counted on every failed load attempt (at most one per name per TRACECAR_TOKENIZER_RETRY_S); logged at most once a second."""

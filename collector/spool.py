@@ -134,6 +134,7 @@ def _connect(path: Path, sync: str) -> sqlite3.Connection:
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute(f"PRAGMA synchronous={'FULL' if sync == 'full' else 'NORMAL'}")
     conn.execute("PRAGMA busy_timeout=30000")
+    conn.execute("PRAGMA journal_size_limit=16777216")  # the WAL is trimmed back to 16 MiB after a checkpoint
     return conn
 
 
@@ -178,6 +179,7 @@ class Spool:
         self._write_lock = threading.RLock()
         self._read_lock = threading.Lock()
         self.pending_count = self.pending_bytes = self.stored_bytes = self.held_count = self.held_bytes = 0
+        self.disk_full_at: float | None = None  # monotonic time of the last write refused for a full disk
         self.recount()
 
     @contextlib.contextmanager
@@ -196,6 +198,7 @@ class Spool:
             except sqlite3.OperationalError as exc:
                 _rollback(conn)
                 if "full" in str(exc).lower() or "disk" in str(exc).lower():
+                    self.disk_full_at = time.monotonic()
                     raise SpoolFull(str(exc)) from None
                 raise
             except BaseException:
@@ -450,6 +453,64 @@ class Spool:
         with self._write_lock:
             (self.pending_count, self.pending_bytes, self.stored_bytes, self.held_count,
              self.held_bytes) = self._write.execute(_COUNTS_SQL).fetchone()
+
+    # ---- retention of forwarded spans -----------------------------------------------------
+    def used_bytes(self) -> int:
+        """Bytes of the store file in use: its pages minus the free list (new rows reuse freed pages).
+
+        The WAL beside it is checkpointed by SQLite every ~4 MiB and trimmed to 16 MiB.
+        """
+        with self._read_lock:
+            page_size = self._read.execute("PRAGMA page_size").fetchone()[0]
+            pages = self._read.execute("PRAGMA page_count").fetchone()[0]
+            free = self._read.execute("PRAGMA freelist_count").fetchone()[0]
+        return (pages - free) * page_size
+
+    def oldest_forwarded(self, limit: int, before: float | None = None) -> list[tuple[str, int, int]]:
+        """(trace_id, spans, bytes) of the trajectories whose spans are all forwarded, oldest last arrival first."""
+        having = " AND MAX(received_at) < ?" if before is not None else ""
+        params: tuple[Any, ...] = (DONE, DONE, before, limit) if before is not None else (DONE, DONE, limit)
+        with self._read_lock:
+            return self._read.execute(
+                "SELECT trace_id, COUNT(*), SUM(nbytes) FROM spans GROUP BY trace_id"
+                f" HAVING MIN(state) = ? AND MAX(state) = ?{having} ORDER BY MAX(received_at) LIMIT ?", params,
+            ).fetchall()
+
+    def evict(self, trace_ids: Sequence[str]) -> tuple[int, int]:
+        """Deletes these trajectories whole, if every span of each is still forwarded (done).
+
+        Returns (trajectories, spans) deleted. A trajectory that gained a pending span since it
+        was chosen is left alone, so no trajectory is ever half evicted.
+        """
+        if not trace_ids:
+            return 0, 0
+        with self._write_lock:
+            with self._transaction() as conn:
+                ids = list(trace_ids)
+                busy: set[str] = set()
+                for i in range(0, len(ids), 500):
+                    chunk = ids[i:i + 500]
+                    busy.update(t for (t,) in conn.execute(
+                        f"SELECT DISTINCT trace_id FROM spans WHERE state != ? AND trace_id IN ({','.join('?' * len(chunk))})",
+                        (DONE, *chunk)))
+                ids = [t for t in ids if t not in busy]
+                n = nbytes = 0
+                for i in range(0, len(ids), 500):
+                    chunk = ids[i:i + 500]
+                    marks = ",".join("?" * len(chunk))
+                    c, b = conn.execute(f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans WHERE trace_id IN ({marks})", chunk).fetchone()
+                    conn.execute(f"DELETE FROM spans WHERE trace_id IN ({marks})", chunk)
+                    n, nbytes = n + c, nbytes + b
+            self.stored_bytes -= nbytes
+        return len(ids), n
+
+    def checkpoint(self) -> None:
+        """Moves the WAL into the main file and restarts it, so new writes reuse its space (full disk)."""
+        with self._write_lock:
+            try:
+                self._write.execute("PRAGMA wal_checkpoint(RESTART)")
+            except sqlite3.Error:
+                pass
 
     # ---- reading -------------------------------------------------------------------------
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
