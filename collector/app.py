@@ -64,7 +64,8 @@ class Collector:
         )
         self.pipeline.on_committed.append(self.forwarder.notify)
         self.retention = Retention(self.spool, self.metrics, max_bytes=settings.store_max_bytes,
-                                   max_age_s=settings.store_max_age_s, evict_on_disk_full=not self.spool.local_only)
+                                   max_age_s=settings.store_max_age_s, evict_on_disk_full=not self.spool.local_only,
+                                   reserve_bytes=settings.store_reserve_bytes)
         self.pipeline.make_room = self.retention.make_room
         self.metrics.bind_spool(
             lambda: self.spool.pending_count, lambda: self.spool.pending_bytes,
@@ -77,6 +78,7 @@ class Collector:
 
     async def start(self) -> None:
         self._forward_task = asyncio.create_task(self.forwarder.run(), name="tracecar-forwarder")
+        await asyncio.to_thread(self.retention.take_reserve)
         self._retention_task = asyncio.create_task(self.retention.run(), name="tracecar-retention")
         if self.pipeline.selection is not None:  # tail-based budgets: decide held steps
             self._select_task = asyncio.create_task(self.pipeline.run_selection(), name="tracecar-selection")

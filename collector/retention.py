@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 from .metrics import Metrics
@@ -32,8 +33,13 @@ _AGE_CHECK_S = 10.0  # the age rule scans the store; the size rule is three PRAG
 
 class Retention:
     def __init__(self, spool: Spool, metrics: Metrics, *, max_bytes: int | None, max_age_s: float | None,
-                 evict_on_disk_full: bool, tick_s: float = 1.0) -> None:
+                 evict_on_disk_full: bool, reserve_bytes: int = 0, tick_s: float = 1.0) -> None:
         self.spool = spool
+        # disk space held back (a preallocated file): SQLite cannot even delete on a full disk
+        # (a delete writes the WAL, a checkpoint may grow the main file), so a full disk first
+        # releases this, then evicts, then gives the freed pages back and takes it again
+        self.reserve_bytes = reserve_bytes if evict_on_disk_full else 0
+        self.reserve_path = spool.path.parent / "reserve"
         self.metrics = metrics
         self.max_bytes = max_bytes
         self.max_age_s = max_age_s
@@ -51,11 +57,34 @@ class Retention:
             except Exception:  # noqa: BLE001 - retention must not stop; the next tick retries
                 log.exception("retention: eviction failed; retrying next tick")
 
+    def take_reserve(self) -> bool:
+        """Preallocates the reserve file if it is missing; False when the disk has no room for it."""
+        if self.reserve_bytes <= 0 or self.reserve_path.exists():
+            return True
+        try:
+            fd = os.open(self.reserve_path, os.O_CREAT | os.O_WRONLY, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, self.reserve_bytes)
+            finally:
+                os.close(fd)
+            return True
+        except OSError:
+            self.reserve_path.unlink(missing_ok=True)
+            return False
+
+    def _release_reserve(self) -> bool:
+        if self.reserve_path.exists():
+            self.reserve_path.unlink(missing_ok=True)
+            return True
+        return False
+
     def apply(self) -> None:
         full_at = self.spool.disk_full_at
         if self.evict_on_disk_full and full_at is not None and full_at != self._disk_full_seen:
             self._disk_full_seen = full_at
             self.make_room(_DISK_FULL_EVICT_BYTES)
+        elif full_at is None or time.monotonic() - full_at > 5.0:
+            self.take_reserve()
         if self.max_bytes is not None:
             self._enforce_max_bytes()
         now = time.time()
@@ -74,6 +103,7 @@ class Retention:
         """
         if not self.evict_on_disk_full:
             return False
+        released = self._release_reserve()
         self.spool.checkpoint()
         freed = 0
         while freed < max(need_bytes, _DISK_FULL_EVICT_BYTES):
@@ -87,11 +117,13 @@ class Retention:
             if not done:
                 break
             freed += sum(b for _, _, b in batch)
-        self.spool.checkpoint()
+        if freed:
+            self.spool.shrink()
+            self.take_reserve()  # only once something was evicted: else the space is what lets the next write through
         if freed:
             log.warning("disk full: evicted %d bytes of forwarded trajectories to make room", freed,
                         extra={"event": "store_evicted", "reason": "disk_full", "bytes": freed})
-        return freed > 0
+        return freed > 0 or released
 
     def _enforce_max_bytes(self) -> None:
         assert self.max_bytes is not None
@@ -108,6 +140,7 @@ class Retention:
                     break
             if not chosen or not self._evict(chosen, "max_bytes")[0]:
                 return  # nothing forwarded left to evict: the spool's own bound applies
+            self.spool.shrink()  # the file itself follows the bound
 
     def _evict(self, trace_ids: list[str], reason: str) -> tuple[int, int]:
         trajectories, spans = self.spool.evict(trace_ids)

@@ -92,6 +92,7 @@ class CollectorSettings(BaseSettings):
     forward_retry_max_s: float = Field(30.0, gt=0, description="Backoff cap for forwarding retries.")
     forward_probe_s: float = Field(1.0, gt=0, description="While the spool is at its bound and the backend fails, probe it with a one-span batch this often instead of waiting out the backoff.")
     store_max_bytes: int | None = Field(4096 * MiB, ge=MiB, description="Bound on the store file (used SQLite pages): above it the oldest forwarded trajectories are evicted whole; unset: no bound (a full disk still evicts forwarded ones in weave mode).")
+    store_reserve_bytes: int = Field(64 * MiB, ge=0, description="Weave mode: disk space held back in a preallocated file (data_dir/reserve), released on a full disk so forwarded trajectories can be evicted, then taken again; 0: none.")
     store_max_age_s: float | None = Field(None, gt=0, description="Forwarded trajectories older than this (by arrival of their last span) are evicted whole; unset keeps them.")
     http_header_timeout_s: float = Field(60.0, gt=0, description="Time a client has to send a request's headers (from connect, or from its first byte on a kept-alive connection); then the connection is closed.")
     http_body_timeout_s: float = Field(60.0, gt=0, description="Time a client has to send a request's whole body once its headers are in; then the connection is closed.")

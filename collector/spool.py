@@ -130,7 +130,10 @@ class WriteResult:
 
 
 def _connect(path: Path, sync: str) -> sqlite3.Connection:
+    fresh = not path.exists() or path.stat().st_size == 0
     conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=30)
+    if fresh:  # before WAL and the first table: lets eviction give pages back to the disk
+        conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute(f"PRAGMA synchronous={'FULL' if sync == 'full' else 'NORMAL'}")
     conn.execute("PRAGMA busy_timeout=30000")
@@ -504,13 +507,23 @@ class Spool:
             self.stored_bytes -= nbytes
         return len(ids), n
 
-    def checkpoint(self) -> None:
-        """Moves the WAL into the main file and restarts it, so new writes reuse its space (full disk)."""
+    def checkpoint(self) -> bool:
+        """Moves the WAL into the main file and truncates it, giving its space back to the disk."""
         with self._write_lock:
             try:
-                self._write.execute("PRAGMA wal_checkpoint(RESTART)")
+                busy = self._write.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+            except sqlite3.Error:
+                return False
+        return not busy
+
+    def shrink(self) -> None:
+        """Returns the free pages to the disk (spools created with incremental auto-vacuum), then the WAL."""
+        with self._write_lock:
+            try:
+                self._write.executescript("PRAGMA incremental_vacuum;")  # executescript steps it to the end
             except sqlite3.Error:
                 pass
+        self.checkpoint()
 
     # ---- reading -------------------------------------------------------------------------
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
