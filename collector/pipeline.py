@@ -149,7 +149,7 @@ class IngestPipeline:
         finally:
             self.inflight.release()
 
-    async def ingest(self, body: bytes, content_type: str | None, content_encoding: str | None) -> IngestResult:
+    async def ingest(self, body: bytes | bytearray, content_type: str | None, content_encoding: str | None) -> IngestResult:
         """Processes one body; the caller holds a :meth:`permit` (taken before reading it)."""
         self.check_capacity()
         loop = asyncio.get_running_loop()
@@ -217,7 +217,7 @@ class IngestPipeline:
                         extra={"event": "tokenizer_refused", "reason": reason, "tokenizer": name[:200]})
 
     # ---- stages (worker threads) ---------------------------------------------------------
-    def _receive_and_validate(self, body: bytes, content_type: str | None, content_encoding: str | None) -> Validated:
+    def _receive_and_validate(self, body: bytes | bytearray, content_type: str | None, content_encoding: str | None) -> Validated:
         raw = receive.parse(receive.decompress(body, content_encoding, self.settings.max_decompressed_bytes), content_type)
         limit = self.settings.max_batch_spans
         spans = raw.get("spans") if isinstance(raw, dict) else None
