@@ -138,6 +138,8 @@ class Forwarder:
                 delay, self.backoff_s, self._probing = self.retry_initial_s, 0.0, False
                 continue
             wait = retry_after if retry_after is not None else random.uniform(0, delay)
+            if self._unrecorded:  # a local record to retry, not the backend: no backoff beyond the probe
+                wait = min(wait, self.probe_s)
             self.backoff_s = wait = min(wait, self.retry_max_s)
             delay = min(delay * 2, self.retry_max_s)
             if deadline is None:
