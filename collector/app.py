@@ -67,6 +67,7 @@ class Collector:
                                    max_age_s=settings.store_max_age_s, evict_on_disk_full=not self.spool.local_only,
                                    reserve_bytes=settings.store_reserve_bytes)
         self.pipeline.make_room = self.retention.make_room
+        self.pipeline.disk_short = lambda: self.retention.reserve_out
         self.metrics.bind_spool(
             lambda: self.spool.pending_count, lambda: self.spool.pending_bytes,
             self.spool.size_bytes, self.spool.dead_count,

@@ -119,6 +119,7 @@ class IngestPipeline:
         self.on_committed: list[Any] = []
         # set by the collector: evicts forwarded trajectories after a full-disk refusal
         self.make_room: Callable[[int], bool] = lambda need: False
+        self.disk_short: Callable[[], bool] = lambda: False  # True while the disk reserve is released
 
     def spool_used(self) -> int:
         """Bytes counted against TRACECAR_SPOOL_MAX_BYTES (local mode: everything stored)."""
@@ -129,6 +130,8 @@ class IngestPipeline:
 
     def check_capacity(self) -> None:
         """Refuses new work while the spool (or, in local mode, the store) is at its bound."""
+        if self.disk_short():
+            raise Backpressure("disk_full", "spool disk is full: evicting forwarded trajectories to make room")
         limit = self.settings.spool_max_bytes
         used = self.spool_used()
         if used >= limit:

@@ -40,6 +40,7 @@ class Retention:
         # releases this, then evicts, then gives the freed pages back and takes it again
         self.reserve_bytes = reserve_bytes if evict_on_disk_full else 0
         self.reserve_path = spool.path.parent / "reserve"
+        self.reserve_out = False  # released on a full disk and not taken back yet: ingest waits
         self.metrics = metrics
         self.max_bytes = max_bytes
         self.max_age_s = max_age_s
@@ -80,11 +81,11 @@ class Retention:
 
     def apply(self) -> None:
         full_at = self.spool.disk_full_at
-        if self.evict_on_disk_full and full_at is not None and full_at != self._disk_full_seen:
+        if self.evict_on_disk_full and (self.reserve_out or (full_at is not None and full_at != self._disk_full_seen)):
             self._disk_full_seen = full_at
             self.make_room(_DISK_FULL_EVICT_BYTES)
         elif full_at is None or time.monotonic() - full_at > 5.0:
-            self.take_reserve()
+            self.take_reserve()  # e.g. there was no room for it at start
         if self.max_bytes is not None:
             self._enforce_max_bytes()
         now = time.time()
@@ -96,14 +97,17 @@ class Retention:
                     break
 
     def make_room(self, need_bytes: int) -> bool:
-        """After a full-disk refusal: evict at least ``need_bytes`` of forwarded trajectories.
+        """After a full-disk refusal: release the reserve, evict forwarded trajectories, take it back.
 
+        While the reserve is out (``reserve_out``) ingest answers 503: the released space is for
+        the forwarder to record what the backend took and for the evictions, not for new spans.
         The WAL is checkpointed first, so the deletes reuse its space instead of growing it.
-        Returns True if anything was evicted (the refused write is worth one more try).
+        Returns True when there is room again (the refused write is worth one more try).
         """
         if not self.evict_on_disk_full:
             return False
-        released = self._release_reserve()
+        if self._release_reserve():
+            self.reserve_out = True
         self.spool.checkpoint()
         freed = 0
         while freed < max(need_bytes, _DISK_FULL_EVICT_BYTES):
@@ -119,11 +123,11 @@ class Retention:
             freed += sum(b for _, _, b in batch)
         if freed:
             self.spool.shrink()
-            self.take_reserve()  # only once something was evicted: else the space is what lets the next write through
-        if freed:
             log.warning("disk full: evicted %d bytes of forwarded trajectories to make room", freed,
                         extra={"event": "store_evicted", "reason": "disk_full", "bytes": freed})
-        return freed > 0 or released
+        if self.reserve_out and self.take_reserve():
+            self.reserve_out = False
+        return not self.reserve_out if self.reserve_bytes > 0 else freed > 0
 
     def _enforce_max_bytes(self) -> None:
         assert self.max_bytes is not None
