@@ -56,6 +56,9 @@ class ClientConfig:
     retry_initial_s: float = 0.5
     retry_max_s: float = 30.0
     retry_max_elapsed_s: float = 300.0
+    # while the collector cannot be reached, retry at least this often (a refused connect costs
+    # nothing), so a worker finds a returning collector within about this long
+    retry_probe_s: float = 1.0
     shutdown_timeout_s: float = 5.0
     compression: str = "none"
     compress_min_bytes: int = 8 * 1024
@@ -82,6 +85,7 @@ class ClientConfig:
             retry_initial_s=_env_float(env, "RETRY_INITIAL_S", cls.retry_initial_s),
             retry_max_s=_env_float(env, "RETRY_MAX_S", cls.retry_max_s),
             retry_max_elapsed_s=_env_float(env, "RETRY_MAX_ELAPSED_S", cls.retry_max_elapsed_s),
+            retry_probe_s=_env_float(env, "RETRY_PROBE_S", cls.retry_probe_s),
             shutdown_timeout_s=_env_float(env, "SHUTDOWN_TIMEOUT_S", cls.shutdown_timeout_s),
             compression=(env.get("TRACECAR_COMPRESSION") or cls.compression).strip().lower(),
             compress_min_bytes=_env_int(env, "COMPRESS_MIN_BYTES", cls.compress_min_bytes),

@@ -224,11 +224,13 @@ class Sender:
         started, delay = time.monotonic(), cfg.retry_initial_s
         while True:
             retry_after: float | None = None
+            unreachable = False
             try:
                 response = self._client().post(cfg.url + "/v1/spans", content=body, headers=headers)
             except httpx.HTTPError as exc:
                 reason = f"connection: {type(exc).__name__}"
                 self.reporter.send_failed(reason, retrying=True)
+                unreachable = isinstance(exc, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError))
             else:
                 status = response.status_code
                 if status < 300:
@@ -253,6 +255,8 @@ class Sender:
                 self.stats.retries += 1
             wait = retry_after if retry_after is not None else delay * (0.5 + random.random())
             delay = min(delay * 2, cfg.retry_max_s)
+            if unreachable:  # collector down or restarting: probe often, resume soon after it returns
+                wait = min(wait, cfg.retry_probe_s)
             if self._stopping:
                 return False
             # not _wake: flush() and enqueue() set it every few ms, which would defeat Retry-After

@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 import orjson
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tracecar.client import __version__
@@ -24,6 +25,7 @@ from .metrics import Metrics
 from .pipeline import Backpressure, IngestPipeline
 from .receive import BodyError
 from .receivers.otlp import build_router as build_otlp_router
+from .retention import Retention
 from .settings import CollectorSettings
 from .spool import Spool
 from .store_query import TrajectoryFilter, get_trajectory, list_trajectories
@@ -64,12 +66,18 @@ class Collector:
         self.forwarder = Forwarder(
             self.spool, self.watched_sink, self.metrics, batch_spans=settings.forward_batch_spans,
             retry_initial_s=settings.forward_retry_initial_s, retry_max_s=settings.forward_retry_max_s,
-            keep_forwarded=settings.keep_forwarded,
+            keep_forwarded=settings.keep_forwarded, probe_s=settings.forward_probe_s,
+            urgent=self.pipeline.at_capacity,
         )
         self.pipeline.on_committed.append(self.forwarder.notify)
         if self.spool.local_only:  # the store is the destination: count what reaches it as forwarded
             stored = self.metrics.forwarded.labels(backend="local")
             self.spool.on_stored = stored.inc
+        self.retention = Retention(self.spool, self.metrics, max_bytes=settings.store_max_bytes,
+                                   max_age_s=settings.store_max_age_s, evict_on_disk_full=not self.spool.local_only,
+                                   reserve_bytes=settings.store_reserve_bytes)
+        self.pipeline.make_room = self.retention.make_room
+        self.pipeline.disk_short = lambda: self.retention.reserve_out
         self.metrics.bind_spool(
             lambda: self.spool.pending_count, lambda: self.spool.pending_bytes,
             self.spool.size_bytes, self.spool.dead_count,
@@ -77,9 +85,12 @@ class Collector:
         self.ready = False
         self._forward_task: asyncio.Task[None] | None = None
         self._select_task: asyncio.Task[None] | None = None
+        self._retention_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self._forward_task = asyncio.create_task(self.forwarder.run(), name="tracecar-forwarder")
+        await asyncio.to_thread(self.retention.take_reserve)
+        self._retention_task = asyncio.create_task(self.retention.run(), name="tracecar-retention")
         if self.pipeline.selection is not None:  # tail-based budgets: decide held steps
             self._select_task = asyncio.create_task(self.pipeline.run_selection(), name="tracecar-selection")
         self.ready = True
@@ -92,6 +103,10 @@ class Collector:
     async def stop(self) -> None:
         """Drains to the backend up to the deadline; whatever is left stays in the spool."""
         self.mark_unready()
+        if self._retention_task is not None:
+            self._retention_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._retention_task
         if self._select_task is not None:
             self._select_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -231,17 +246,17 @@ def _json(payload: Any, status_code: int = 200, headers: dict[str, str] | None =
     return Response(orjson.dumps(payload), status_code=status_code, headers=headers, media_type="application/json")
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int) -> bytearray:
+    """The body in one buffer grown in place (no list of chunks joined into a second copy)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyError(413, "body", f"body of {declared} bytes exceeds TRACECAR_MAX_BODY_BYTES={limit}")
-    chunks, size = [], 0
+    body = bytearray()
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
+        if len(body) + len(chunk) > limit:
             raise BodyError(413, "body", f"body exceeds TRACECAR_MAX_BODY_BYTES={limit}")
-        chunks.append(chunk)
-    return b"".join(chunks)
+        body += chunk
+    return body
 
 
 async def _ingest(request: Request, collector: Collector) -> tuple[int, Any, dict[str, str] | None]:
@@ -250,10 +265,14 @@ async def _ingest(request: Request, collector: Collector) -> tuple[int, Any, dic
         return 503, {"error": {"field": None, "reason": "collector is not ready (starting or draining)"}}, {"Retry-After": str(settings.retry_after_s)}
     try:
         collector.pipeline.check_capacity()
-        body = await _read_body(request, settings.max_body_bytes)
-        if not body:
-            return 200, {"accepted": 0, "duplicates": 0, "sampled_out": 0, "rejected_count": 0, "rejected": [], "warnings": {}}, None
-        result = await collector.pipeline.ingest(body, request.headers.get("content-type"), request.headers.get("content-encoding"))
+        async with collector.pipeline.permit():  # before the body is read: that is what bounds memory
+            body = await _read_body(request, settings.max_body_bytes)
+            if not body:
+                return 200, {"accepted": 0, "duplicates": 0, "sampled_out": 0, "rejected_count": 0, "rejected": [], "warnings": {}}, None
+            result = await collector.pipeline.ingest(body, request.headers.get("content-type"), request.headers.get("content-encoding"))
+    except ClientDisconnect:  # the client went away (or a body read timed out): nothing was stored
+        collector.metrics.batches_rejected.labels(reason="client_disconnect").inc()
+        return 400, {"error": {"field": "body", "reason": "client disconnected before the body was read"}}, None
     except Backpressure as exc:
         collector.metrics.backpressure.labels(bound=exc.bound).inc()
         return 503, {"error": {"field": None, "reason": str(exc)}}, {"Retry-After": str(settings.retry_after_s)}

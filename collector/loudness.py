@@ -165,6 +165,11 @@ def describe_tokenizer_attempts(name: str) -> str:
             "cache); nothing is downloaded")
 
 
+REFUSALS = frozenset({"not_allowed", "too_large"})  # the operator's policy said no (TokenizerPolicy)
+POLICY_HINT = ("refused unread: a batch may name only TRACECAR_TOKENIZER, a name in TRACECAR_TOKENIZERS, a file under "
+               "TRACECAR_TOKENIZER_ROOT or a model in the local Hugging Face cache, of at most TRACECAR_TOKENIZER_MAX_BYTES")
+
+
 class TokenizerFailures:
     """Logs each tokenizer name that cannot be loaded once, with what was tried and who asked."""
 
@@ -180,5 +185,6 @@ class TokenizerFailures:
         source = "TRACECAR_TOKENIZER" if configured else f"the tokenizer named by worker {worker or '?'}"
         log.warning("cannot decode token ids: %s %s; %s. Spans are stored without text and carry this warning; "
                     "give the collector the model's tokenizer.json (README: 'Giving the collector the tokenizer')",
-                    source, error, describe_tokenizer_attempts(name),
-                    extra={"event": "tokenizer_not_found", "tokenizer": name})
+                    source, error, POLICY_HINT if getattr(error, "reason", "") in REFUSALS else describe_tokenizer_attempts(name),
+                    extra={"event": "tokenizer_refused" if getattr(error, "reason", "") in REFUSALS else "tokenizer_not_found",
+                           "tokenizer": name})

@@ -30,6 +30,11 @@ class Metrics:
         self.dead_lettered = Counter("tracecar_spans_dead_lettered", "Spans the backend rejected permanently.", registry=r)
         self.auth_failures = Counter("tracecar_auth_failures", "Requests refused for a missing or wrong bearer token, by route.", ["route"], registry=r)
         self.backend_unreachable = Gauge("tracecar_backend_unreachable", "1 while forwarding to the backend fails (Weave unreachable or refusing), else 0.", registry=r)
+        self.forward_probes = Counter("tracecar_forward_probes", "One-span probes of a failing backend while the spool is at its bound.", registry=r)
+        self.store_evicted_trajectories = Counter("tracecar_store_evicted_trajectories", "Forwarded trajectories evicted from the store, by reason (max_bytes, max_age, disk_full).", ["reason"], registry=r)
+        self.store_evicted_spans = Counter("tracecar_store_evicted_spans", "Spans of evicted trajectories, by reason.", ["reason"], registry=r)
+        self.http_closed = Counter("tracecar_http_closed", "Connections the collector closed on a client, by reason (header_timeout, body_timeout, idle_timeout, header_too_large).", ["reason"], registry=r)
+        self.tokenizer_refused = Counter("tracecar_tokenizer_refused", "Tokenizer loads refused or failed, by reason (not_allowed, too_large, not_found, load_failed).", ["reason"], registry=r)
         self.backpressure = Counter("tracecar_backpressure", "Requests answered 503 because a bound was hit, by bound.", ["bound"], registry=r)
         self.otlp_spans = Counter("tracecar_otlp_spans", "Valid OTLP spans received, by what they joined: a tracecar trajectory found in memory or in the store, or none (a trace of their own).", ["joined"], registry=r)
         self.ingest_seconds = Histogram(

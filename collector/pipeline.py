@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import msgpack
 import orjson
 
 from . import receive
-from .decoding import TokenizerNotFound, TokenizerRegistry, collect_jobs, decode_spans
+from .decoding import TokenizerNotFound, TokenizerPolicy, TokenizerRegistry, collect_jobs, decode_spans
 from .loudness import TokenizerFailures
 from .metrics import Metrics
 from .receivers.joins import TrajectoryContexts
@@ -96,7 +98,11 @@ class IngestPipeline:
         self.settings = settings
         self.spool = spool
         self.metrics = metrics
-        self.tokenizers = TokenizerRegistry()
+        self.tokenizers = TokenizerRegistry(
+            TokenizerPolicy(default=settings.tokenizer, root=settings.tokenizer_root, allowed=tuple(settings.tokenizers),
+                            max_bytes=settings.tokenizer_max_bytes, retry_s=settings.tokenizer_retry_s),
+            on_failure=self._tokenizer_failed,
+        )
         self.contexts = TrajectoryContexts(spool, settings.otlp_join_traces)
         self.tokenizer_failures = TokenizerFailures()  # each unloadable name logged once
         self.policies = Policies(settings)
@@ -120,78 +126,124 @@ class IngestPipeline:
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracecar-spool")
         self.inflight = asyncio.Semaphore(settings.max_inflight_requests)
         self.on_committed: list[Any] = []
+        # set by the collector: evicts forwarded trajectories after a full-disk refusal
+        self.make_room: Callable[[int], bool] = lambda need: False
+        self.disk_short: Callable[[], bool] = lambda: False  # True while the disk reserve is released
+
+    def spool_used(self) -> int:
+        """Bytes counted against TRACECAR_SPOOL_MAX_BYTES (local mode: everything stored)."""
+        return self.spool.pending_bytes + self.spool.held_bytes if not self.spool.local_only else self.spool.stored_bytes
+
+    def at_capacity(self) -> bool:
+        return self.spool_used() >= self.settings.spool_max_bytes
 
     def check_capacity(self) -> None:
         """Refuses new work while the spool (or, in local mode, the store) is at its bound."""
+        if self.disk_short():
+            raise Backpressure("disk_full", "spool disk is full: evicting forwarded trajectories to make room")
         limit = self.settings.spool_max_bytes
-        used = self.spool.pending_bytes + self.spool.held_bytes if not self.spool.local_only else self.spool.stored_bytes
+        used = self.spool_used()
         if used >= limit:
             raise Backpressure("spool_bytes", f"spool holds {used} bytes, at TRACECAR_SPOOL_MAX_BYTES={limit}")
+
+    @contextlib.asynccontextmanager
+    async def permit(self) -> AsyncIterator[None]:
+        """One of TRACECAR_MAX_INFLIGHT_REQUESTS slots, taken before the body is read, or 503 at once.
+
+        Holding it across the body read is what bounds memory: a request without a slot is
+        answered before uvicorn buffers more than its flow-control window of the body.
+        """
         if self.inflight.locked():
             raise Backpressure("inflight_requests", f"{self.settings.max_inflight_requests} requests already in flight (TRACECAR_MAX_INFLIGHT_REQUESTS)")
+        await self.inflight.acquire()
+        try:
+            yield
+        finally:
+            self.inflight.release()
 
-    async def ingest(self, body: bytes, content_type: str | None, content_encoding: str | None,
+    async def ingest(self, body: bytes | bytearray, content_type: str | None, content_encoding: str | None,
                      receiver: Receiver | None = None) -> IngestResult:
-        """``receiver`` turns the body into validated spans (default: tracecar's wire format)."""
+        """Processes one body; the caller holds a :meth:`permit` (taken before reading it).
+
+        ``receiver`` turns the body into validated spans (default: tracecar's wire format).
+        """
         self.check_capacity()
-        async with self.inflight:
-            loop = asyncio.get_running_loop()
-            validated = await loop.run_in_executor(self.cpu, receiver or self._receive_and_validate, body, content_type, content_encoding)
-            m = self.metrics
-            memberships = [s for s in validated.spans if s["kind"] == MEMBERSHIP]
-            if memberships:  # a step's sample indices: consumed by the head sampler, never stored
-                validated.spans = [s for s in validated.spans if s["kind"] != MEMBERSHIP]
-                m.memberships_received.inc(len(memberships))
-            m.spans_received.inc(len(validated.spans) + len(validated.rejected))
-            for rejection in validated.rejected:
-                m.spans_rejected.labels(reason=_reason_label(rejection)).inc()
-            selection = self.selection
-            job_limit = validated.batch.max_samples_per_step_per_worker
-            announced = self.sampler.announce(memberships, job_limit) if memberships else []
-            if selection is None:
-                sampled = self.sampler.sample(validated.spans, job_limit)
-                spans = sampled.kept
-            else:  # spans the tail selector claims skip the head sampler, in arrival order
-                sampled = self.sampler.sample([s for s in validated.spans if not selection.claims(s)], job_limit)
-                gone = {id(s) for s in sampled.dropped}
-                spans = [s for s in validated.spans if id(s) not in gone]
-            sampled.new_decisions[:0] = announced
-            if sampled.dropped:
-                m.spans_sampled_out.labels(budget="max_samples_per_step_per_worker").inc(len(sampled.dropped))
-            rows, tokens, too_big = await loop.run_in_executor(self.cpu, self._decode_and_serialize, validated, spans)
-            for rejection in too_big:
-                m.spans_rejected.labels(reason="span_too_large").inc()
-            m.decoded_tokens.inc(tokens)
-            tail_dropped = 0
+        loop = asyncio.get_running_loop()
+        validated = await loop.run_in_executor(self.cpu, receiver or self._receive_and_validate, body, content_type, content_encoding)
+        m = self.metrics
+        memberships = [s for s in validated.spans if s["kind"] == MEMBERSHIP]
+        if memberships:  # a step's sample indices: consumed by the head sampler, never stored
+            validated.spans = [s for s in validated.spans if s["kind"] != MEMBERSHIP]
+            m.memberships_received.inc(len(memberships))
+        m.spans_received.inc(len(validated.spans) + len(validated.rejected))
+        for rejection in validated.rejected:
+            m.spans_rejected.labels(reason=_reason_label(rejection)).inc()
+        selection = self.selection
+        job_limit = validated.batch.max_samples_per_step_per_worker
+        announced = self.sampler.announce(memberships, job_limit) if memberships else []
+        if selection is None:
+            sampled = self.sampler.sample(validated.spans, job_limit)
+            spans = sampled.kept
+        else:  # spans the tail selector claims skip the head sampler, in arrival order
+            sampled = self.sampler.sample([s for s in validated.spans if not selection.claims(s)], job_limit)
+            gone = {id(s) for s in sampled.dropped}
+            spans = [s for s in validated.spans if id(s) not in gone]
+        sampled.new_decisions[:0] = announced
+        if sampled.dropped:
+            m.spans_sampled_out.labels(budget="max_samples_per_step_per_worker").inc(len(sampled.dropped))
+        rows, tokens, too_big = await loop.run_in_executor(self.cpu, self._decode_and_serialize, validated, spans)
+        for rejection in too_big:
+            m.spans_rejected.labels(reason="span_too_large").inc()
+        m.decoded_tokens.inc(tokens)
+        tail_dropped = 0
+        try:
             try:
-                if selection is None:
-                    written = await loop.run_in_executor(self.writer, self.spool.write, rows, sampled.new_decisions)
-                else:
-                    written, tail_dropped = await loop.run_in_executor(
-                        self.writer, selection.write, rows, sampled.new_decisions, [s["trace_id"] for s in sampled.dropped])
-            except SpoolFull as exc:
-                self.sampler.forget(sampled.new_decisions)
-                raise Backpressure("disk_full", f"spool disk is full: {exc}") from None
-            except BaseException:
-                self.sampler.forget(sampled.new_decisions)
-                raise
-            m.spans_accepted.inc(written.inserted)
-            m.spans_duplicate.inc(written.duplicates)
-            for warnings in validated.warnings.values():
-                for w in warnings:
-                    m.span_warnings.labels(kind=_warning_kind(w)).inc()
-            for callback in self.on_committed:
-                callback()
-            return IngestResult(
-                accepted=written.inserted, duplicates=written.duplicates, sampled_out=len(sampled.dropped) + tail_dropped,
-                rejected=validated.rejected + too_big,
-                warnings={k: v for k, v in validated.warnings.items()},
-            )
+                written, tail_dropped = await loop.run_in_executor(self.writer, self._write, rows, sampled, selection)
+            except SpoolFull:  # a full disk: evict forwarded trajectories (weave mode), then one more try
+                need = 2 * sum(len(r.payload) for r in rows)
+                # the tail selector's routing is not idempotent: there, the client's retry is the next try
+                if not await loop.run_in_executor(self.writer, self.make_room, need) or selection is not None:
+                    raise
+                written, tail_dropped = await loop.run_in_executor(self.writer, self._write, rows, sampled, selection)
+        except SpoolFull as exc:
+            self.sampler.forget(sampled.new_decisions)
+            raise Backpressure("disk_full", f"spool disk is full: {exc}") from None
+        except BaseException:
+            self.sampler.forget(sampled.new_decisions)
+            raise
+        m.spans_accepted.inc(written.inserted)
+        m.spans_duplicate.inc(written.duplicates)
+        for warnings in validated.warnings.values():
+            for w in warnings:
+                m.span_warnings.labels(kind=_warning_kind(w)).inc()
+        for callback in self.on_committed:
+            callback()
+        return IngestResult(
+            accepted=written.inserted, duplicates=written.duplicates, sampled_out=len(sampled.dropped) + tail_dropped,
+            rejected=validated.rejected + too_big,
+            warnings={k: v for k, v in validated.warnings.items()},
+        )
+
+    def _write(self, rows: list[SpoolRow], sampled: Any, selection: TailSelector | None) -> tuple[Any, int]:
+        if selection is None:
+            return self.spool.write(rows, sampled.new_decisions), 0
+        return selection.write(rows, sampled.new_decisions, [s["trace_id"] for s in sampled.dropped])
+
+    def _tokenizer_failed(self, reason: str, name: str, message: str) -> None:
+        """Counted on every failed load attempt (at most one per name per TRACECAR_TOKENIZER_RETRY_S).
+
+        The log line is :class:`TokenizerFailures`' (once per name, with what was tried).
+        """
+        self.metrics.tokenizer_refused.labels(reason=reason).inc()
 
     # ---- stages (worker threads) ---------------------------------------------------------
-    def _receive_and_validate(self, body: bytes, content_type: str | None, content_encoding: str | None) -> Validated:
+    def _receive_and_validate(self, body: bytes | bytearray, content_type: str | None, content_encoding: str | None) -> Validated:
         raw = receive.parse(receive.decompress(body, content_encoding, self.settings.max_decompressed_bytes), content_type)
-        validated = validate_batch(raw, self.settings.max_batch_spans)
+        limit = self.settings.max_batch_spans
+        spans = raw.get("spans") if isinstance(raw, dict) else None
+        if isinstance(spans, list) and len(spans) > limit:  # a size bound, like the body's: 413, so clients split
+            raise receive.BodyError(413, "spans", f"{len(spans)} spans exceed TRACECAR_MAX_BATCH_SPANS={limit}; split the batch")
+        validated = validate_batch(raw, limit)
         self.contexts.remember(validated.spans)  # for engine spans that join these trajectories over OTLP
         return validated
 
@@ -209,7 +261,7 @@ class IngestPipeline:
                 try:
                     tokens = decode_spans(spans, self.tokenizers.get(name), validated.warnings)
                 except TokenizerNotFound as exc:
-                    self.metrics.decode_failures.labels(reason="tokenizer_not_found").inc()
+                    self.metrics.decode_failures.labels(reason=f"tokenizer_{exc.reason}").inc()
                     self.tokenizer_failures.failed(name, exc, configured=batch.tokenizer is None, worker=batch.worker)
                     for span in spans:
                         validated.warnings.setdefault(span["span_id"], []).append(f"tokenizer: {exc}")

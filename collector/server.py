@@ -17,6 +17,7 @@ import uvicorn
 from tracecar.client import __version__
 
 from .app import create_app
+from .http_limits import ConnectionLimits, guarded_protocol
 from .logs import setup_logging
 from .settings import CollectorSettings
 
@@ -60,18 +61,48 @@ class _DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def uvicorn_config(app: Any, settings: CollectorSettings, **overrides: Any) -> uvicorn.Config:
+    """uvicorn's configuration with the collector's connection limits (slow and idle clients)."""
+    metrics = app.state.collector.metrics
+    limits = ConnectionLimits(
+        header_timeout_s=settings.http_header_timeout_s, body_timeout_s=settings.http_body_timeout_s,
+        idle_timeout_s=settings.http_idle_timeout_s, max_header_bytes=settings.http_max_header_bytes,
+    )
+    options: dict[str, Any] = dict(
+        host=settings.host, port=settings.port, log_config=None, access_log=False, loop="auto",
+        http=guarded_protocol(limits, lambda reason: metrics.http_closed.labels(reason=reason).inc()),
+        timeout_keep_alive=settings.http_idle_timeout_s,
+        timeout_graceful_shutdown=max(1, int(settings.shutdown_drain_s)), lifespan="on",
+    )
+    options.update(overrides)
+    return uvicorn.Config(app, **options)
+
+
 def build_server(settings: CollectorSettings) -> _DrainingServer:
     app = create_app(settings)
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-        loop="auto", http="auto", timeout_graceful_shutdown=max(1, int(settings.shutdown_drain_s)),
-        lifespan="on",
-    )
-    return _DrainingServer(config, app.state.collector, settings.shutdown_unready_s)
+    return _DrainingServer(uvicorn_config(app, settings), app.state.collector, settings.shutdown_unready_s)
+
+
+def return_large_buffers_to_the_os() -> bool:
+    """glibc only: serve every allocation over 1 MiB from its own mmap, freed back to the OS.
+
+    Without it glibc raises its mmap threshold after the first large free (up to 32 MiB), so
+    request bodies end up in heap arenas that never shrink and RSS keeps the high-water mark of
+    every body ever processed; with it the memory bound on in-flight bodies is a bound on RSS.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        M_MMAP_THRESHOLD = -3
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 20))
+    except (OSError, AttributeError):
+        return False
 
 
 def serve(settings: CollectorSettings) -> None:
     setup_logging(settings.log_level)
+    return_large_buffers_to_the_os()
     if not _is_loopback(settings.host) and settings.token is None:
         log.warning("binding to a non-loopback address without TRACECAR_TOKEN: anyone who can reach "
                     f"{settings.host}:{settings.port} can write traces", extra={"event": "insecure_bind"})

@@ -96,6 +96,13 @@ CREATE TABLE IF NOT EXISTS sample_decisions (
 """
 
 
+_COUNTS_SQL = (
+    "SELECT COALESCE(SUM(state = 0), 0), COALESCE(SUM(CASE WHEN state = 0 THEN nbytes END), 0),"
+    " COALESCE(SUM(nbytes), 0), COALESCE(SUM(state = 3), 0),"
+    " COALESCE(SUM(CASE WHEN state = 3 THEN nbytes END), 0) FROM spans"
+)
+
+
 class SpoolFull(Exception):
     """The disk (or the configured bound) is full: answer 503 with Retry-After, store nothing."""
 
@@ -123,10 +130,14 @@ class WriteResult:
 
 
 def _connect(path: Path, sync: str) -> sqlite3.Connection:
+    fresh = not path.exists() or path.stat().st_size == 0
     conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=30)
+    if fresh:  # before WAL and the first table: lets eviction give pages back to the disk
+        conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute(f"PRAGMA synchronous={'FULL' if sync == 'full' else 'NORMAL'}")
     conn.execute("PRAGMA busy_timeout=30000")
+    conn.execute("PRAGMA journal_size_limit=16777216")  # the WAL is trimmed back to 16 MiB after a checkpoint
     return conn
 
 
@@ -172,11 +183,9 @@ class Spool:
         self.on_stored: Callable[[int], None] | None = None
         self._write_lock = threading.RLock()
         self._read_lock = threading.Lock()
-        self.pending_count, self.pending_bytes, self.stored_bytes, self.held_count, self.held_bytes = self._write.execute(
-            "SELECT COALESCE(SUM(state = 0), 0), COALESCE(SUM(CASE WHEN state = 0 THEN nbytes END), 0),"
-            " COALESCE(SUM(nbytes), 0), COALESCE(SUM(state = 3), 0),"
-            " COALESCE(SUM(CASE WHEN state = 3 THEN nbytes END), 0) FROM spans"
-        ).fetchone()
+        self.pending_count = self.pending_bytes = self.stored_bytes = self.held_count = self.held_bytes = 0
+        self.disk_full_at: float | None = None  # monotonic time of the last write refused for a full disk
+        self.recount()
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -194,6 +203,7 @@ class Spool:
             except sqlite3.OperationalError as exc:
                 _rollback(conn)
                 if "full" in str(exc).lower() or "disk" in str(exc).lower():
+                    self.disk_full_at = time.monotonic()
                     raise SpoolFull(str(exc)) from None
                 raise
             except BaseException:
@@ -397,42 +407,129 @@ class Spool:
         if not dead:
             return
         now = time.time()
-        with self._transaction() as conn:
-            conn.executemany(
-                "INSERT OR REPLACE INTO dead_letters (span_id, trace_id, name, reason, failed_at) VALUES (?,?,?,?,?)",
-                [(sid, tid, name, reason, now) for _, sid, tid, name, reason in dead],
-            )
-            self._set_state(conn, [d[0] for d in dead], DEAD)
+        with self._write_lock:
+            with self._transaction() as conn:
+                conn.executemany(
+                    "INSERT OR REPLACE INTO dead_letters (span_id, trace_id, name, reason, failed_at) VALUES (?,?,?,?,?)",
+                    [(sid, tid, name, reason, now) for _, sid, tid, name, reason in dead],
+                )
+                n, nbytes = self._set_state(conn, [d[0] for d in dead], DEAD)
+            self._pending_done(n, nbytes, deleted=False)
 
     def _finish(self, seqs: Sequence[int], keep: bool) -> None:
         if not seqs:
             return
-        with self._transaction() as conn:
-            if keep:
-                self._set_state(conn, seqs, DONE)
-            else:
-                self._account(conn, seqs, deleting=True)
-                for i in range(0, len(seqs), 500):
-                    chunk = seqs[i:i + 500]
-                    conn.execute(f"DELETE FROM spans WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
+        with self._write_lock:
+            with self._transaction() as conn:
+                if keep:
+                    n, nbytes = self._set_state(conn, seqs, DONE)
+                else:
+                    n, nbytes = self._pending_of(conn, seqs)
+                    for i in range(0, len(seqs), 500):
+                        chunk = seqs[i:i + 500]
+                        conn.execute(f"DELETE FROM spans WHERE state = 0 AND seq IN ({','.join('?' * len(chunk))})", chunk)
+            self._pending_done(n, nbytes, deleted=not keep)
 
-    def _set_state(self, conn: sqlite3.Connection, seqs: Sequence[int], state: int) -> None:
-        self._account(conn, seqs)
+    def _pending_done(self, n: int, nbytes: int, *, deleted: bool) -> None:
+        """Counters follow a COMMIT, never precede it: a rolled-back transaction changes none."""
+        self.pending_count -= n
+        self.pending_bytes -= nbytes
+        if deleted:
+            self.stored_bytes -= nbytes
+
+    def _set_state(self, conn: sqlite3.Connection, seqs: Sequence[int], state: int) -> tuple[int, int]:
+        """Moves pending rows to ``state``; returns (rows, bytes) it moved, for after the commit."""
+        n, nbytes = self._pending_of(conn, seqs)
         for i in range(0, len(seqs), 500):
             chunk = seqs[i:i + 500]
             conn.execute(f"UPDATE spans SET state = ? WHERE state = 0 AND seq IN ({','.join('?' * len(chunk))})", (state, *chunk))
+        return n, nbytes
 
-    def _account(self, conn: sqlite3.Connection, seqs: Sequence[int], deleting: bool = False) -> None:
+    @staticmethod
+    def _pending_of(conn: sqlite3.Connection, seqs: Sequence[int]) -> tuple[int, int]:
+        n = nbytes = 0
         for i in range(0, len(seqs), 500):
             chunk = seqs[i:i + 500]
-            n, nbytes = conn.execute(
+            c, b = conn.execute(
                 f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans WHERE state = 0 AND seq IN ({','.join('?' * len(chunk))})",
                 chunk,
             ).fetchone()
-            self.pending_count -= n
-            self.pending_bytes -= nbytes
-            if deleting:
-                self.stored_bytes -= nbytes
+            n, nbytes = n + c, nbytes + b
+        return n, nbytes
+
+    def recount(self) -> None:
+        """Counters re-derived from SQL (after a failed write, so a drift can never outlive it)."""
+        with self._write_lock:
+            (self.pending_count, self.pending_bytes, self.stored_bytes, self.held_count,
+             self.held_bytes) = self._write.execute(_COUNTS_SQL).fetchone()
+
+    # ---- retention of forwarded spans -----------------------------------------------------
+    def used_bytes(self) -> int:
+        """Bytes of the store file in use: its pages minus the free list (new rows reuse freed pages).
+
+        The WAL beside it is checkpointed by SQLite every ~4 MiB and trimmed to 16 MiB.
+        """
+        with self._read_lock:
+            page_size = self._read.execute("PRAGMA page_size").fetchone()[0]
+            pages = self._read.execute("PRAGMA page_count").fetchone()[0]
+            free = self._read.execute("PRAGMA freelist_count").fetchone()[0]
+        return (pages - free) * page_size
+
+    def oldest_forwarded(self, limit: int, before: float | None = None) -> list[tuple[str, int, int]]:
+        """(trace_id, spans, bytes) of the trajectories whose spans are all forwarded, oldest last arrival first."""
+        having = " AND MAX(received_at) < ?" if before is not None else ""
+        params: tuple[Any, ...] = (DONE, DONE, before, limit) if before is not None else (DONE, DONE, limit)
+        with self._read_lock:
+            return self._read.execute(
+                "SELECT trace_id, COUNT(*), SUM(nbytes) FROM spans GROUP BY trace_id"
+                f" HAVING MIN(state) = ? AND MAX(state) = ?{having} ORDER BY MAX(received_at) LIMIT ?", params,
+            ).fetchall()
+
+    def evict(self, trace_ids: Sequence[str]) -> tuple[int, int]:
+        """Deletes these trajectories whole, if every span of each is still forwarded (done).
+
+        Returns (trajectories, spans) deleted. A trajectory that gained a pending span since it
+        was chosen is left alone, so no trajectory is ever half evicted.
+        """
+        if not trace_ids:
+            return 0, 0
+        with self._write_lock:
+            with self._transaction() as conn:
+                ids = list(trace_ids)
+                busy: set[str] = set()
+                for i in range(0, len(ids), 500):
+                    chunk = ids[i:i + 500]
+                    busy.update(t for (t,) in conn.execute(
+                        f"SELECT DISTINCT trace_id FROM spans WHERE state != ? AND trace_id IN ({','.join('?' * len(chunk))})",
+                        (DONE, *chunk)))
+                ids = [t for t in ids if t not in busy]
+                n = nbytes = 0
+                for i in range(0, len(ids), 500):
+                    chunk = ids[i:i + 500]
+                    marks = ",".join("?" * len(chunk))
+                    c, b = conn.execute(f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans WHERE trace_id IN ({marks})", chunk).fetchone()
+                    conn.execute(f"DELETE FROM spans WHERE trace_id IN ({marks})", chunk)
+                    n, nbytes = n + c, nbytes + b
+            self.stored_bytes -= nbytes
+        return len(ids), n
+
+    def checkpoint(self) -> bool:
+        """Moves the WAL into the main file and truncates it, giving its space back to the disk."""
+        with self._write_lock:
+            try:
+                busy = self._write.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+            except sqlite3.Error:
+                return False
+        return not busy
+
+    def shrink(self) -> None:
+        """Returns the free pages to the disk (spools created with incremental auto-vacuum), then the WAL."""
+        with self._write_lock:
+            try:
+                self._write.executescript("PRAGMA incremental_vacuum;")  # executescript steps it to the end
+            except sqlite3.Error:
+                pass
+        self.checkpoint()
 
     # ---- reading -------------------------------------------------------------------------
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:

@@ -62,20 +62,18 @@ class ThreadCollector:
 def start_collector(tmp_path: Path) -> Iterator[Callable[..., ThreadCollector]]:
     """Factory: start_collector(sink=None, **settings) -> a running collector on 127.0.0.1."""
     from tracecar.collector.app import create_app
-    from tracecar.collector.server import _DrainingServer
+    from tracecar.collector.server import _DrainingServer, uvicorn_config
     from tracecar.collector.settings import CollectorSettings
 
     started: list[ThreadCollector] = []
 
     def start(sink: Any = None, **overrides: Any) -> ThreadCollector:
-        import uvicorn
-
         overrides.setdefault("data_dir", tmp_path / f"data{len(started)}")
         overrides.setdefault("port", free_port())
         overrides.setdefault("backend", "local")
         settings = CollectorSettings(host="127.0.0.1", **overrides)
         app = create_app(settings, sink=sink)
-        config = uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_config=None, access_log=False, lifespan="on")
+        config = uvicorn_config(app, settings, timeout_graceful_shutdown=None)
         server = _DrainingServer(config, app.state.collector, settings.shutdown_unready_s)
         server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         thread = threading.Thread(target=server.run, daemon=True)

@@ -190,7 +190,7 @@ CASES = [
     Case("envelope without worker", envelope(worker=_DELETE), 400, ["worker"]),
     Case("worker not a string", envelope(worker=5), 400, ["worker"]),
     Case("spans not a list", envelope(spans={"a": 1}), 400, ["spans"]),
-    Case("more spans than TRACECAR_MAX_BATCH_SPANS", lambda kit: (kit.trajectory(children=60), {}, []), 400, ["spans"]),
+    Case("more spans than TRACECAR_MAX_BATCH_SPANS", lambda kit: (kit.trajectory(children=60), {}, []), 413, ["spans"]),  # a size bound: the client splits on 413
     Case("unknown content type", raw(b"hello", "text/plain"), 415, ["Content-Type"]),
     Case("unknown content encoding", lambda kit: good_body(kit, lambda b: b, "br"), 415, ["Content-Encoding"]),
     Case("garbage gzip", raw(b"\x1f\x8bnot gzip at all", encoding="gzip"), 400, ["Content-Encoding"]),

@@ -66,7 +66,7 @@ def test_bounds_answer_413_naming_the_setting(start_collector):
     assert r.status_code == 413 and "TRACECAR_MAX_DECOMPRESSED_BYTES=8192" in r.json()["error"]["reason"]
     many = orjson.dumps({"worker": "w", "spans": [span(f"m{i}") for i in range(4)]})
     r = httpx.post(col.url + "/v1/spans", content=many, headers={"Content-Type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["field"] == "spans" and "TRACECAR_MAX_BATCH_SPANS=3" in r.json()["error"]["reason"]
+    assert r.status_code == 413 and r.json()["error"]["field"] == "spans" and "TRACECAR_MAX_BATCH_SPANS=3" in r.json()["error"]["reason"]
     r = httpx.post(col.url + "/v1/spans", content=b"x", headers={"Content-Type": "text/plain"})
     assert r.status_code == 415 and r.json()["error"]["field"] == "Content-Type"
     r = httpx.post(col.url + "/v1/spans", content=b"x", headers={"Content-Type": "application/json", "Content-Encoding": "br"})
