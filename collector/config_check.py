@@ -139,10 +139,10 @@ def check_tokenizer(settings: CollectorSettings) -> str | None:
             return ("token2text is on but TRACECAR_TOKENIZER is unset: only batches that name a tokenizer the collector "
                     "can load get text")
         return None
-    from .decoding import TokenizerNotFound, TokenizerRegistry
+    from .decoding import TokenizerNotFound, TokenizerPolicy, TokenizerRegistry
 
     try:
-        TokenizerRegistry().get(name)
+        TokenizerRegistry(TokenizerPolicy.from_settings(settings)).get(name)
     except TokenizerNotFound as exc:
         raise ConfigError(f"TRACECAR_TOKENIZER: {exc} (mount the model's tokenizer.json into the collector, "
                           "or unset TRACECAR_TOKENIZER)") from None

