@@ -182,13 +182,18 @@ def _reject_cycles(out: Validated, index_of: dict[str, int]) -> None:
     """Rejects spans whose parent chain inside this batch loops back to themselves."""
     parents = {s["span_id"]: s["parent_id"] for s in out.spans}
     cyclic: set[str] = set()
+    done: set[str] = set()  # spans whose chain is already walked: each span is visited once, O(n)
     for start in parents:
-        path, node = [], start
-        while node is not None and node in parents and node not in path:
+        path: list[str] = []
+        on_path: set[str] = set()
+        node = start
+        while node is not None and node in parents and node not in done and node not in on_path:
             path.append(node)
+            on_path.add(node)
             node = parents[node]
-        if node is not None and node in path:
+        if node is not None and node in on_path:
             cyclic.update(path[path.index(node):])
+        done.update(path)
     if not cyclic:
         return
     kept = []
