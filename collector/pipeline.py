@@ -67,6 +67,33 @@ def _json_default(value: Any) -> Any:
 _INPUTS_KEY, _OUTPUT_KEY = b'"inputs":', b',"output":'
 
 
+class PayloadError(ValueError):
+    """A span part that cannot be serialised; ``field`` names it (``attributes``, ``inputs``, ``output``, ...)."""
+
+    def __init__(self, field_name: str, reason: str) -> None:
+        super().__init__(f"{field_name}: {reason}")
+        self.field = field_name
+        self.reason = reason
+
+
+def _dumps_part(value: Any, field_name: str) -> bytes:
+    try:
+        return orjson.dumps(value, default=_json_default, option=_DUMP_OPTS)
+    except orjson.JSONEncodeError as exc:
+        hint = " (nested deeper than the 254 levels a stored value may have)" if "Recursion" in str(exc) else ""
+        raise PayloadError(field_name, f"cannot be stored: {exc}{hint}") from None
+
+
+def _dumps_head(head: dict[str, Any]) -> bytes:
+    """The span's fields other than inputs/output; on failure, the field at fault is named."""
+    try:
+        return orjson.dumps(head, default=_json_default, option=_DUMP_OPTS)
+    except orjson.JSONEncodeError:
+        for key, value in head.items():  # only on failure: find which field it was
+            _dumps_part({key: value}, str(key))
+        raise
+
+
 def pack_payload(span: dict[str, Any]) -> tuple[bytes, int, int]:
     """The span as one JSON object, with the byte offsets of its inputs and output values.
 
@@ -75,10 +102,9 @@ def pack_payload(span: dict[str, Any]) -> tuple[bytes, int, int]:
     into the backend request as they are (they hold the token ids and decoded text: most of the
     bytes, and most of the parsing time).
     """
-    head = orjson.dumps({k: v for k, v in span.items() if k != "inputs" and k != "output"},
-                        default=_json_default, option=_DUMP_OPTS)
-    inputs = orjson.dumps(span["inputs"], default=_json_default, option=_DUMP_OPTS)
-    output = orjson.dumps(span["output"], default=_json_default, option=_DUMP_OPTS)
+    head = _dumps_head({k: v for k, v in span.items() if k != "inputs" and k != "output"})
+    inputs = _dumps_part(span["inputs"], "inputs")
+    output = _dumps_part(span["output"], "output")
     prefix = head[:-1] + b"," + _INPUTS_KEY
     inputs_at = len(prefix)
     output_at = inputs_at + len(inputs) + len(_OUTPUT_KEY)
@@ -141,8 +167,8 @@ class IngestPipeline:
             if sampled.dropped:
                 m.spans_sampled_out.labels(budget="max_samples_per_step_per_worker").inc(len(sampled.dropped))
             rows, tokens, too_big = await loop.run_in_executor(self.cpu, self._decode_and_serialize, validated, spans)
-            for rejection in too_big:
-                m.spans_rejected.labels(reason="span_too_large").inc()
+            for rejection in too_big:  # over the size bound ("spans[i]"), or a part that cannot be stored
+                m.spans_rejected.labels(reason="span_too_large" if "." not in rejection.field else _reason_label(rejection)).inc()
             m.decoded_tokens.inc(tokens)
             tail_dropped = 0
             try:
@@ -201,9 +227,13 @@ class IngestPipeline:
                 span["warnings"] = warnings
             try:
                 payload, inputs_at, output_at = pack_payload(span)
+            except PayloadError as exc:  # e.g. nested past orjson's depth: the part at fault is named
+                index = validated.index_of[span["span_id"]]
+                too_big.append(Rejection(index, span["span_id"], f"spans[{index}].{exc.field}", exc.reason))
+                continue
             except orjson.JSONEncodeError as exc:
                 index = validated.index_of[span["span_id"]]
-                too_big.append(Rejection(index, span["span_id"], f"spans[{index}].inputs", f"cannot be stored: {exc}"))
+                too_big.append(Rejection(index, span["span_id"], f"spans[{index}]", f"cannot be stored: {exc}"))
                 continue
             if len(payload) > limit:
                 index = validated.index_of[span["span_id"]]

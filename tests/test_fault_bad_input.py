@@ -11,6 +11,7 @@ mutations and random bodies at it and finds no 5xx.
 from __future__ import annotations
 
 import gzip
+import json
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -169,6 +170,12 @@ CASES = [
     Case("parent cycle", cycle, 200, ["spans[1].parent_id", "spans[2].parent_id"]),
     Case("span over TRACECAR_MAX_SPAN_BYTES", with_bad(setting("inputs", {"blob": "x" * (80 * KiB)})), 200, ["spans[1]"]),
     Case("inputs nested 600 deep", with_bad(setting("inputs", nested(600))), 200, ["spans[1].inputs"], fmt="msgpack"),
+    Case("output nested 300 deep", with_bad(setting("output", nested(300))), 200, ["spans[1].output"], fmt="msgpack"),
+    Case("output nested 300 deep (JSON)", with_bad(setting("output", nested(300))), 200, ["spans[1].output"], fmt="json-stdlib"),
+    Case("attributes nested 300 deep", with_bad(lambda kit, s: s["attributes"].update(extra=nested(300))), 200,
+         ["spans[1].attributes"], fmt="msgpack"),
+    Case("one inputs value nested 300 deep", with_bad(setting("inputs", {"ok": 1, "deep": nested(300)})), 200,
+         ["spans[1].inputs"], fmt="msgpack"),
     # ---- stored with a recorded warning: the value is real signal ------------------------
     Case("NaN reward", stored_too(with_bad(setting("attributes.reward", math.nan))), 200, warnings=["attributes.reward"], fmt="msgpack"),
     Case("infinite output value", stored_too(with_bad(setting("output", {"score": -math.inf}))), 200, warnings=["output.score"], fmt="msgpack"),
@@ -208,7 +215,10 @@ def _send(kit: Any, url: str, case: Case, client: httpx.Client) -> tuple[httpx.R
         body = built
     else:
         fmt = "msgpack" if case.fmt.startswith("msgpack") else case.fmt
-        body, enc_headers = kit.encode(built, fmt)
+        if fmt == "json-stdlib":  # orjson cannot write past 255 levels; the standard library can
+            body, enc_headers = json.dumps({"v": 1, "worker": "w-fault", "spans": built}).encode(), {"Content-Type": "application/json"}
+        else:
+            body, enc_headers = kit.encode(built, fmt)
         if case.fmt == "msgpack-bad-utf8":  # the hostile span's name becomes invalid UTF-8 on the wire
             body = body.replace(msgpack.packb("placeholder"), msgpack.packb("placeholder")[:1] + b"pl\xff\xfeceholde")
         headers = {**enc_headers, **headers}
