@@ -107,6 +107,15 @@ def good_body(kit: Any, compress: Callable[[bytes], bytes], encoding: str) -> tu
     return compress(body), {**headers, "Content-Encoding": encoding}, []
 
 
+def gzip_members(kit: Any, pieces: int = 3, tail: bytes = b"") -> tuple[bytes, dict[str, str], list[str]]:
+    """A good batch as several gzip members one after another (RFC 1952), as `cat a.gz b.gz` makes."""
+    spans = good(kit)
+    body, headers = kit.encode(spans)
+    cut = [len(body) * i // pieces for i in range(pieces + 1)]
+    packed = b"".join(gzip.compress(body[a:b]) for a, b in zip(cut, cut[1:])) + tail
+    return packed, {**headers, "Content-Encoding": "gzip"}, [s["span_id"] for s in spans]
+
+
 ZEROS = b"[" + b" " * (60 * MiB) + b"]"  # 60 MiB of JSON whitespace: compresses to ~60 KiB
 
 
@@ -202,6 +211,11 @@ CASES = [
     Case("unknown content encoding", lambda kit: good_body(kit, lambda b: b, "br"), 415, ["Content-Encoding"]),
     Case("garbage gzip", raw(b"\x1f\x8bnot gzip at all", encoding="gzip"), 400, ["Content-Encoding"]),
     Case("truncated gzip", lambda kit: good_body(kit, lambda b: gzip.compress(b)[:-12], "gzip"), 400, ["Content-Encoding"]),
+    Case("gzip body of 3 members", gzip_members, 200),
+    Case("gzip members, then zero padding", lambda kit: gzip_members(kit, 2, b"\x00" * 64), 200),
+    Case("gzip members, then garbage", lambda kit: gzip_members(kit, 2, b"garbage")[:2] + ([],), 400, ["Content-Encoding"]),
+    Case("gzip body of 5000 empty members", raw(gzip.compress(b"") * 5000, encoding="gzip"), 400, ["Content-Encoding"]),
+    Case("gzip bomb split over members", raw(gzip.compress(ZEROS[:30 * MiB], 9) + gzip.compress(ZEROS[30 * MiB:], 9), encoding="gzip"), 413, ["body"]),
     Case("gzip bomb", raw(gzip.compress(ZEROS, 9), encoding="gzip"), 413, ["body"]),
     Case("deflate bomb", raw(zlib.compress(ZEROS, 9), encoding="deflate"), 413, ["body"]),
     Case("zstd bomb", raw(zstandard.ZstdCompressor(level=19).compress(ZEROS), encoding="zstd"), 413, ["body"]),
