@@ -190,6 +190,20 @@ CASES = [
     Case("infinite output value", stored_too(with_bad(setting("output", {"score": -math.inf}))), 200, warnings=["output.score"], fmt="msgpack"),
     Case("token ids outside the vocabulary", stored_too(with_bad(setting("output", {"response_ids": [5, 7, 10**6, -3, 9, 11, 12, 13]}))), 200,
          warnings=["output.response_text"]),
+    Case("token ids that are all floats", stored_too(with_bad(setting("output", {"response_ids": [1.5, 2.5]}))), 200,
+         warnings=["output.response_text: output.response_ids: 2 not integers"]),
+    Case("token ids: a float in the middle", stored_too(with_bad(setting("output", {"response_ids": [1, 2.5, 3]}))), 200,
+         warnings=["output.response_text: output.response_ids: 1 not integers"]),
+    Case("token ids that are strings", stored_too(with_bad(setting("output", {"token_ids": ["a", 5, "b"]}))), 200,
+         warnings=["output.response_text: output.token_ids: 2 not integers"]),
+    Case("token ids nested lists", stored_too(with_bad(setting("output", {"response_ids": [[1, 2], [3]]}))), 200,
+         warnings=["output.response_text: output.response_ids: 2 not integers"]),
+    Case("prompt ids with a None", stored_too(with_bad(setting("output", {"prompt_ids": [None, 4, 5]}))), 200,
+         warnings=["output.prompt_text: output.prompt_ids: 1 not integers"]),
+    Case("inputs prompt ids negative", stored_too(with_bad(lambda kit, s: dict(s, inputs={"prompt_ids": [-1, -2]}, output={}))), 200,
+         warnings=["output.prompt_text: inputs.prompt_ids: 2 token id(s) outside the vocabulary"]),
+    Case("token ids not a list", stored_too(with_bad(setting("output", {"response_ids": "1 2 3"}))), 200,
+         warnings=["output.response_text: not decoded from output.response_ids: a str"]),
     Case("non-UTF-8 msgpack text", stored_too(with_bad(setting("name", "placeholder"))), 200, fmt="msgpack-bad-utf8"),
     Case("unknown msgpack ext type and bytes", stored_too(with_bad(setting("inputs", {"ext": msgpack.ExtType(5, b"\x00\x01"), "raw": b"\xff\xfe"}))), 200, fmt="msgpack"),
     Case("a child whose parent never arrives", orphan, 200),
@@ -293,6 +307,21 @@ def test_stored_warnings_and_orphans_are_visible_in_the_store(hostile_collector,
     assert by_id[orphan_span["span_id"]]["parent_missing"] is True  # attached to the root, flagged
     assert by_id[child["span_id"]]["attributes"]["reward"] == "nan"
     assert any(w.startswith("attributes.reward") for w in by_id[child["span_id"]]["warnings"])
+
+    # token2text: a list with nothing decodable gets no text and says why; a partly bad one the rest
+    child, root = good(kit)
+    floats = dict(child, span_id=kit.new_id(), output={"response_ids": [1.5, 2.5]})
+    mixed = dict(child, span_id=kit.new_id(), output={"response_ids": [5, 2.5, 7]})
+    r = kit.post(col.url, [child, floats, mixed, root])
+    assert r.status_code == 200 and r.json()["accepted"] == 4
+    warned = r.json()["warnings"]
+    assert any("none decodable, not decoded" in w for w in warned[floats["span_id"]]), warned
+    assert any("left out of the text" in w for w in warned[mixed["span_id"]]), warned
+    assert child["span_id"] not in warned
+    by_id = {s["span_id"]: s for s in httpx.get(f"{col.url}/v1/trajectories/{root['span_id']}").json()["root"]["children"]}
+    assert "response_text" not in by_id[floats["span_id"]]["output"]
+    assert isinstance(by_id[mixed["span_id"]]["output"]["response_text"], str)
+    assert isinstance(by_id[child["span_id"]]["output"]["response_text"], str)
 
     # invalid UTF-8 in msgpack text is stored with U+FFFD in place of the bad bytes
     child, root = good(kit)
