@@ -26,7 +26,7 @@ from .sampling import StepBudgetSampler
 from .selection import Policies, TailSelector
 from .settings import CollectorSettings
 from .spool import Spool, SpoolFull, SpoolRow
-from .validate import Rejection, Validated, validate_batch
+from .validate import Rejection, Validated, parents_to_look_up, reject_foreign_children, validate_batch
 
 _DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 log = logging.getLogger("tracecar.collector.pipeline")
@@ -199,7 +199,18 @@ class IngestPipeline:
     # ---- stages (worker threads) ---------------------------------------------------------
     def _receive_and_validate(self, body: bytes, content_type: str | None, content_encoding: str | None) -> Validated:
         raw = receive.parse(receive.decompress(body, content_encoding, self.settings.max_decompressed_bytes), content_type)
-        return validate_batch(raw, self.settings.max_batch_spans)
+        validated = validate_batch(raw, self.settings.max_batch_spans)
+        reject_foreign_children(validated, self._stored_traces(parents_to_look_up(validated)))
+        return validated
+
+    def _stored_traces(self, span_ids: list[str]) -> dict[str, str]:
+        """trace_id of each of these spans that the store holds (one indexed lookup per 500 ids)."""
+        found: dict[str, str] = {}
+        for start in range(0, len(span_ids), 500):
+            chunk = span_ids[start:start + 500]
+            rows = self.spool.query(f"SELECT span_id, trace_id FROM spans WHERE span_id IN ({','.join('?' * len(chunk))})", chunk)
+            found.update((row["span_id"], row["trace_id"]) for row in rows)
+        return found
 
     def _decode_and_serialize(self, validated: Validated, spans: list[dict[str, Any]]) -> tuple[list[SpoolRow], int, list[Rejection]]:
         batch = validated.batch

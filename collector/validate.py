@@ -204,3 +204,36 @@ def _reject_cycles(out: Validated, index_of: dict[str, int]) -> None:
         else:
             kept.append(span)
     out.spans = kept
+
+
+def parents_to_look_up(out: Validated) -> list[str]:
+    """Parent ids the batch names but does not hold: their trace_id is asked of the store."""
+    here = {s["span_id"] for s in out.spans}
+    return sorted({s["parent_id"] for s in out.spans if s["parent_id"] is not None and s["parent_id"] not in here})
+
+
+def reject_foreign_children(out: Validated, stored_traces: dict[str, str]) -> None:
+    """Rejects spans whose trace_id differs from their known parent's.
+
+    A span belongs to its parent's trajectory; one that names a parent in another trace would
+    be stored under a trajectory whose root it can never reach (and forwarded as a call whose
+    parent lives in another trace). It is refused by name so its client sees the bug; the rest
+    of the batch, its parent included, is stored. A parent that is not known (not in this batch
+    nor in the store, e.g. not arrived yet or already forwarded and deleted) cannot be checked.
+    """
+    traces = {**stored_traces, **{s["span_id"]: s["trace_id"] for s in out.spans}}
+    where = {s["span_id"]: out.index_of.get(s["span_id"]) for s in out.spans}
+    kept = []
+    for span in out.spans:
+        parent = span["parent_id"]
+        parent_trace = traces.get(parent) if parent is not None else None
+        if parent_trace is None or parent_trace == span["trace_id"]:
+            kept.append(span)
+            continue
+        index = out.index_of[span["span_id"]]
+        known = f"spans[{where[parent]}] of this batch" if parent in where else "a span already stored"
+        out.rejected.append(Rejection(index, span["span_id"], f"spans[{index}].trace_id",
+                                      f"{span['trace_id']!r} differs from the trace_id {parent_trace!r} of its parent "
+                                      f"{parent!r} ({known}); a child belongs to its parent's trajectory"))
+        out.warnings.pop(span["span_id"], None)
+    out.spans = kept

@@ -174,6 +174,7 @@ CASES = [
     Case("ends before it starts", with_bad(setting("end_time", 1.0)), 200, ["spans[1].end_time"]),
     Case("own parent", with_bad(lambda kit, s: dict(s, parent_id=s["span_id"])), 200, ["spans[1].parent_id"]),
     Case("root with a foreign trace_id", with_bad(lambda kit, s: dict(s, parent_id=None)), 200, ["spans[1].trace_id"]),
+    Case("child in another trace than its parent", with_bad(lambda kit, s: dict(s, trace_id=kit.new_id())), 200, ["spans[1].trace_id"]),
     Case("span not an object", with_bad(lambda kit, s: 42), 200, ["spans[1]"]),
     Case("duplicate span id in the batch", duplicate_in_batch, 200, ["spans[2].span_id"]),
     Case("parent cycle", cycle, 200, ["spans[1].parent_id", "spans[2].parent_id"]),
@@ -307,6 +308,17 @@ def test_stored_warnings_and_orphans_are_visible_in_the_store(hostile_collector,
     assert by_id[orphan_span["span_id"]]["parent_missing"] is True  # attached to the root, flagged
     assert by_id[child["span_id"]]["attributes"]["reward"] == "nan"
     assert any(w.startswith("attributes.reward") for w in by_id[child["span_id"]]["warnings"])
+
+    # a child naming a stored parent of another trace is refused by name; its batch-mates stored
+    child, root = good(kit)
+    assert kit.post(col.url, [child, root]).json()["accepted"] == 2
+    other = kit.trajectory(children=1)
+    stray = dict(other[0], span_id=kit.new_id(), parent_id=child["span_id"])  # parent stored, in root's trace
+    r = kit.post(col.url, [stray, *other])
+    assert r.status_code == 200 and r.json()["accepted"] == 2, r.text
+    (rejection,) = r.json()["rejected"]
+    assert rejection["field"] == "spans[0].trace_id" and child["span_id"] in rejection["reason"], rejection
+    assert kit.metrics(col.url, "tracecar_spans_rejected_total", reason="trace_id") >= 1
 
     # token2text: a list with nothing decodable gets no text and says why; a partly bad one the rest
     child, root = good(kit)
