@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import urllib.parse
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -382,9 +383,11 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+_OUTPUT_KEYS = ["prompt_ids", "response_ids", "token_ids", "response_text", "metrics"]
+_id_lists = st.lists(st.one_of(st.integers(-5, 2**40), st.floats(allow_nan=False), st.booleans(), st.none(), st.text(max_size=3)), max_size=6)
 mutations = st.lists(
-    st.tuples(st.sampled_from(["span", "attr", "envelope", "drop"]), st.integers(0, 3),
-              st.sampled_from(_SPAN_KEYS + _ATTR_KEYS + _ENV_KEYS), _values),
+    st.tuples(st.sampled_from(["span", "attr", "envelope", "drop", "output", "link"]), st.integers(0, 3),
+              st.sampled_from(_SPAN_KEYS + _ATTR_KEYS + _ENV_KEYS + _OUTPUT_KEYS), st.one_of(_values, _id_lists)),
     min_size=1, max_size=5,
 )
 
@@ -395,8 +398,8 @@ def test_fuzzed_batches_never_get_a_5xx(hostile_collector, kit):
     seen: dict[int, int] = {}
 
     @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
-    @given(muts=mutations, fmt=st.sampled_from(["json", "msgpack"]))
-    def mutated(muts: list[tuple[str, int, str, Any]], fmt: str) -> None:
+    @given(muts=mutations, fmt=st.sampled_from(["json", "msgpack"]), members=st.sampled_from([0, 0, 1, 3]))
+    def mutated(muts: list[tuple[str, int, str, Any]], fmt: str, members: int) -> None:
         spans = kit.trajectory(children=3)
         batch: dict[str, Any] = {"v": 1, "worker": "w-fuzz", "spans": spans}
         for where, index, key, value in muts:
@@ -409,11 +412,21 @@ def test_fuzzed_batches_never_get_a_5xx(hostile_collector, kit):
                 batch[key] = value
             elif where == "drop":
                 span.pop(key, None)
+            elif where == "output" and key in _OUTPUT_KEYS:  # token ids of any shape, with token2text on
+                span["output"] = dict(span["output"] if isinstance(span.get("output"), dict) else {}, **{key: value})
+            elif where == "link":  # parents and traces crossed between the spans of the batch
+                other = spans[(index + 1) % len(spans)]
+                span["parent_id" if key in _SPAN_KEYS[:3] else "trace_id"] = other.get("span_id")
         if fmt == "json":
             body, ctype = orjson.dumps(_json_safe(batch), option=orjson.OPT_NON_STR_KEYS), "application/json"
         else:
             body, ctype = msgpack.packb(_msgpack_safe(batch), use_bin_type=True), "application/msgpack"
-        r = client.post(col.url + "/v1/spans", content=body, headers={"Content-Type": ctype}, timeout=30)
+        headers = {"Content-Type": ctype}
+        if members:  # and as gzip, of one or several members
+            cut = [len(body) * i // members for i in range(members + 1)]
+            body = b"".join(gzip.compress(body[a:b]) for a, b in zip(cut, cut[1:]))
+            headers["Content-Encoding"] = "gzip"
+        r = client.post(col.url + "/v1/spans", content=body, headers=headers, timeout=30)
         seen[r.status_code] = seen.get(r.status_code, 0) + 1
         assert r.status_code < 500, r.text[:500]
 
@@ -438,3 +451,54 @@ def test_fuzzed_batches_never_get_a_5xx(hostile_collector, kit):
         client.close()
     print(f"\nfuzz: statuses {dict(sorted(seen.items()))}")
     assert sum(seen.values()) >= 300 and not any(s >= 500 for s in seen)
+
+
+# ---- GET query parameters ------------------------------------------------------------------
+_QUERY_KEYS = ["experiment", "step", "step_min", "step_max", "sample_index", "rollout_n", "validate", "worker",
+               "has_error", "reward_min", "reward_max", "sort", "order", "limit", "offset", "kept_because", "split",
+               "tree", "token", "path"]
+_edge_ints = st.sampled_from([0, -1, 1, 2**31, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 2**64, -(2**64), 10**40])
+_query_values = st.one_of(
+    _edge_ints.map(str), st.integers().map(str), st.floats().map(repr), st.sampled_from(["", "true", "false", "nan", "inf",
+    "-inf", "1e309", "0x10", "1_000", " 7 ", "9" * 5000, "start", "reward", "asc", "desc", "all", "validation"]),
+    st.text(max_size=30),
+)
+_GET_PATHS = ["/v1/trajectories", "/v1/trajectories/{id}", "/v1/decisions", "/v1/dead-letters", "/ui/api/status",
+              "/ui/api/facets", "/ui/api/overview", "/ui/api/trajectories", "/ui/api/trajectories/{id}", "/ui/",
+              "/ui/static/{id}", "/healthz", "/readyz", "/metrics", "/openapi.json"]
+
+
+def test_fuzzed_queries_never_get_a_5xx(hostile_collector, kit):
+    """Every GET endpoint, any query (ints past int64 either way, floats, text, repeated keys): no 5xx."""
+    col = hostile_collector
+    known = []
+    for step in (0, 1, 2**40):
+        spans = kit.trajectory(children=2, step=step, sample_index=step % 5)
+        spans[-1]["attributes"] = dict(spans[-1]["attributes"], reward=0.5 * step)
+        assert kit.post(col.url, spans).status_code == 200
+        known.append(spans[-1]["span_id"])
+    client = httpx.Client(base_url=col.url, timeout=30)
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+    @given(path=st.sampled_from(_GET_PATHS),
+           query=st.lists(st.tuples(st.one_of(st.sampled_from(_QUERY_KEYS), st.text(max_size=8)), _query_values), max_size=6),
+           trace=st.one_of(st.sampled_from(known), st.text(min_size=1, max_size=40)))
+    def queries(path: str, query: list[tuple[str, str]], trace: str) -> None:
+        url = path.replace("{id}", urllib.parse.quote(trace, safe=""))
+        try:
+            r = client.get(url, params=query)
+        except httpx.InvalidURL:
+            return  # not a request a client can send
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (url, query, r.text[:500])
+        if r.status_code == 422:
+            assert r.json()["error"]["field"], r.text[:300]
+
+    try:
+        queries()
+        assert client.get("/healthz").status_code == 200
+    finally:
+        client.close()
+    print(f"\nquery fuzz: statuses {dict(sorted(seen.items()))}")
+    assert sum(seen.values()) >= 300 and seen.get(200, 0) > 50 and seen.get(422, 0) > 20
