@@ -12,8 +12,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import sqlite3
+import threading
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -135,6 +139,9 @@ class IngestPipeline:
         self.cpu = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="tracecar-cpu")
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracecar-spool")
         self.inflight = asyncio.Semaphore(settings.max_inflight_requests)
+        self._lookup = threading.local()  # per CPU thread: a read-only connection for parent look-ups
+        self._lookup_conns: list[sqlite3.Connection] = []
+        self._lookup_lock = threading.Lock()
         self.on_committed: list[Any] = []
 
     def check_capacity(self) -> None:
@@ -204,12 +211,25 @@ class IngestPipeline:
         return validated
 
     def _stored_traces(self, span_ids: list[str]) -> dict[str, str]:
-        """trace_id of each of these spans that the store holds (one indexed lookup per 500 ids)."""
+        """trace_id of each of these spans that the store holds (one indexed lookup per 500 ids).
+
+        Read on a connection of this CPU thread's own (WAL readers never wait for the writer),
+        not the spool's shared read connection, which a long viewer query may hold.
+        """
+        if not span_ids:
+            return {}
+        conn = getattr(self._lookup, "conn", None)
+        if conn is None:
+            uri = "file:" + urllib.parse.quote(str(Path(self.spool.path).resolve())) + "?mode=ro"
+            conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=30)
+            self._lookup.conn = conn
+            with self._lookup_lock:
+                self._lookup_conns.append(conn)
         found: dict[str, str] = {}
         for start in range(0, len(span_ids), 500):
             chunk = span_ids[start:start + 500]
-            rows = self.spool.query(f"SELECT span_id, trace_id FROM spans WHERE span_id IN ({','.join('?' * len(chunk))})", chunk)
-            found.update((row["span_id"], row["trace_id"]) for row in rows)
+            rows = conn.execute(f"SELECT span_id, trace_id FROM spans WHERE span_id IN ({','.join('?' * len(chunk))})", chunk)
+            found.update(rows.fetchall())
         return found
 
     def _decode_and_serialize(self, validated: Validated, spans: list[dict[str, Any]]) -> tuple[list[SpoolRow], int, list[Rejection]]:
@@ -317,6 +337,10 @@ class IngestPipeline:
     def close(self) -> None:
         self.cpu.shutdown(wait=True, cancel_futures=True)
         self.writer.shutdown(wait=True)
+        with self._lookup_lock:
+            for conn in self._lookup_conns:
+                conn.close()
+            self._lookup_conns.clear()
 
 
 def _reason_label(rejection: Rejection) -> str:
