@@ -210,3 +210,18 @@ def test_the_cap_is_a_setting_and_cycles_across_batches_stay_readable(start_coll
         tree_root = got["root"] if "root" in got else got["tree"]
         ids = [s["span_id"] for s, _ in walk(tree_root)]
         assert sorted(ids) == sorted([root["span_id"], a, b]), ids
+
+
+def test_tail_truncation_copes_with_values_at_the_stores_depth_limit():
+    """A kept trajectory cut under TRACECAR_MAX_TRAJECTORY_BYTES may hold a value nested as deep as
+    the store accepts (254 levels); measuring it must not fail the step decision."""
+    from tracecar.collector.selection.truncate import truncate_trajectory
+
+    root = {"span_id": "r", "trace_id": "r", "parent_id": None, "attributes": {}, "inputs": {}, "output": None}
+    child = {"span_id": "c", "trace_id": "r", "parent_id": "r", "attributes": {},
+             "inputs": {"deep": nested(253), "blob": "x" * 50_000}, "output": None}
+    got = truncate_trajectory([root, child], cap=8192, root_id="r")
+    assert got is not None
+    payloads, before, after = got
+    assert before > 50_000 and after <= 8192 and set(payloads) == {"r", "c"}
+    assert json.loads(payloads["c"])["inputs"]["blob"].startswith("x")
