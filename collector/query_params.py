@@ -35,7 +35,7 @@ class SampleIndexError(ValueError):
 
 def sample_index_filter(value: str | None) -> int | str | None:
     """``sample_index`` is an int or a string: an int when it parses as one (then int64-bounded)."""
-    if value is None:
+    if value is None or not value.strip():  # blank: no filter, as the viewer's empty fields send
         return None
     text = value.strip()
     if _INT.match(text):
