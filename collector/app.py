@@ -10,6 +10,7 @@ import time
 from typing import Any, AsyncIterator
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 import orjson
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import ClientDisconnect
@@ -22,7 +23,9 @@ from .forward import Forwarder, NullSink, Sink
 from .loudness import AuthFailures, WatchedSink
 from .group_export_api import build_router as build_group_export_router
 from .metrics import Metrics
+from .json_out import dumps_deep
 from .pipeline import Backpressure, IngestPipeline
+from .query_params import INT64_MAX, Int64, OptionalInt64, SampleIndexError, check_bounded_ints, sample_index_filter, validation_error_body
 from .receive import BodyError
 from .receivers.otlp import build_router as build_otlp_router
 from .retention import Retention
@@ -143,12 +146,30 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         yield
         await collector.stop()
 
-    app = FastAPI(title="tracecar collector", version=__version__, lifespan=lifespan)
+    # With a token, the schema is behind it like the API it describes, and the interactive
+    # docs pages (which a browser opens without an Authorization header) are off.
+    guarded_schema = settings.token is not None
+    app = FastAPI(title="tracecar collector", version=__version__, lifespan=lifespan,
+                  openapi_url=None if guarded_schema else "/openapi.json",
+                  docs_url=None if guarded_schema else "/docs", redoc_url=None if guarded_schema else "/redoc")
     app.state.collector = collector
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
         return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_request(request: Request, exc: RequestValidationError) -> Response:
+        return _json(validation_error_body(exc.errors()), status_code=422)
+
+    @app.exception_handler(SampleIndexError)
+    async def _bad_sample_index(request: Request, exc: SampleIndexError) -> Response:
+        return _json({"error": {"field": "sample_index", "reason": str(exc)}}, status_code=422)
+
+    if guarded_schema:
+        @app.get("/openapi.json", dependencies=[Depends(auth)], include_in_schema=False)
+        async def openapi() -> Any:
+            return app.openapi()
 
     @app.post("/v1/spans", dependencies=[Depends(auth)])
     async def ingest(request: Request) -> Any:
@@ -177,30 +198,30 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
 
     @app.get("/v1/trajectories", dependencies=[Depends(auth)])
     async def trajectories(
-        experiment: str | None = None, step: int | None = None, step_min: int | None = None,
-        step_max: int | None = None, sample_index: str | None = Query(None, max_length=256), rollout_n: int | None = None,
+        experiment: str | None = None, step: OptionalInt64 = None, step_min: OptionalInt64 = None,
+        step_max: OptionalInt64 = None, sample_index: str | None = Query(None, max_length=256), rollout_n: OptionalInt64 = None,
         validate: bool | None = None, worker: str | None = None, has_error: bool | None = None,
         reward_min: float | None = None, reward_max: float | None = None,
         sort: str = Query("start", pattern="^(start|step|reward|duration|spans|sample_index)$"),
         order: str = Query("desc", pattern="^(asc|desc)$"),
-        limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0),
+        limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0, le=INT64_MAX),
     ) -> Any:
         """Trajectories in the embedded store, filtered, sorted and paginated."""
-        flt = TrajectoryFilter(experiment, step, step_min, step_max, sample_index, rollout_n, validate, worker,
-                               has_error, reward_min, reward_max)
+        flt = TrajectoryFilter(experiment, step, step_min, step_max, sample_index_filter(sample_index), rollout_n,
+                               validate, worker, has_error, reward_min, reward_max)
         return await asyncio.to_thread(list_trajectories, collector.spool, flt, limit=limit, offset=offset,
                                        sort=sort, descending=order == "desc")
 
     @app.get("/v1/trajectories/{trace_id}", dependencies=[Depends(auth)])
     async def trajectory(trace_id: str) -> Any:
         """One trajectory with all its spans as a tree."""
-        found = await asyncio.to_thread(get_trajectory, collector.spool, trace_id)
+        found = await asyncio.to_thread(get_trajectory, collector.spool, trace_id, settings.max_tree_depth)
         if found is None:
             raise HTTPException(404, detail={"field": "trace_id", "reason": f"no trajectory {trace_id!r} in the store"})
-        return found
+        return Response(await asyncio.to_thread(dumps_deep, found), media_type="application/json")
 
     @app.get("/v1/decisions", dependencies=[Depends(auth)])
-    async def decisions(step: int, experiment: str | None = None, validate: bool | None = None) -> Any:
+    async def decisions(step: Int64, experiment: str | None = None, validate: bool | None = None) -> Any:
         """Tail-based sampling decisions of one step: kept/dropped per trajectory, with rule or reason."""
         return await collector.pipeline.decisions(experiment, step, validate)
 
@@ -222,6 +243,7 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
     app.include_router(viewer)
     # GRPO groups and dataset export, over the viewer's trajectory index
     app.include_router(build_group_export_router(collector, viewer.trajectory_index, viewer.fresh, auth, viewer.viewer_auth))
+    check_bounded_ints(app.routes)  # every integer query parameter fits SQLite, or the app does not start
     return app
 
 

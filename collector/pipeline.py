@@ -13,9 +13,13 @@ import asyncio
 import base64
 import contextlib
 import logging
+import sqlite3
+import threading
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import msgpack
@@ -30,7 +34,7 @@ from .sampling import MEMBERSHIP, StepBudgetSampler
 from .selection import Policies, TailSelector
 from .settings import CollectorSettings
 from .spool import Spool, SpoolFull, SpoolRow
-from .validate import Rejection, Validated, validate_batch
+from .validate import Rejection, Validated, parents_to_look_up, reject_foreign_children, validate_batch
 
 _DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 log = logging.getLogger("tracecar.collector.pipeline")
@@ -75,6 +79,33 @@ def _json_default(value: Any) -> Any:
 _INPUTS_KEY, _OUTPUT_KEY = b'"inputs":', b',"output":'
 
 
+class PayloadError(ValueError):
+    """A span part that cannot be serialised; ``field`` names it (``attributes``, ``inputs``, ``output``, ...)."""
+
+    def __init__(self, field_name: str, reason: str) -> None:
+        super().__init__(f"{field_name}: {reason}")
+        self.field = field_name
+        self.reason = reason
+
+
+def _dumps_part(value: Any, field_name: str) -> bytes:
+    try:
+        return orjson.dumps(value, default=_json_default, option=_DUMP_OPTS)
+    except orjson.JSONEncodeError as exc:
+        hint = " (nested deeper than the 254 levels a stored value may have)" if "Recursion" in str(exc) else ""
+        raise PayloadError(field_name, f"cannot be stored: {exc}{hint}") from None
+
+
+def _dumps_head(head: dict[str, Any]) -> bytes:
+    """The span's fields other than inputs/output; on failure, the field at fault is named."""
+    try:
+        return orjson.dumps(head, default=_json_default, option=_DUMP_OPTS)
+    except orjson.JSONEncodeError:
+        for key, value in head.items():  # only on failure: find which field it was
+            _dumps_part({key: value}, str(key))
+        raise
+
+
 def pack_payload(span: dict[str, Any]) -> tuple[bytes, int, int]:
     """The span as one JSON object, with the byte offsets of its inputs and output values.
 
@@ -83,10 +114,9 @@ def pack_payload(span: dict[str, Any]) -> tuple[bytes, int, int]:
     into the backend request as they are (they hold the token ids and decoded text: most of the
     bytes, and most of the parsing time).
     """
-    head = orjson.dumps({k: v for k, v in span.items() if k != "inputs" and k != "output"},
-                        default=_json_default, option=_DUMP_OPTS)
-    inputs = orjson.dumps(span["inputs"], default=_json_default, option=_DUMP_OPTS)
-    output = orjson.dumps(span["output"], default=_json_default, option=_DUMP_OPTS)
+    head = _dumps_head({k: v for k, v in span.items() if k != "inputs" and k != "output"})
+    inputs = _dumps_part(span["inputs"], "inputs")
+    output = _dumps_part(span["output"], "output")
     prefix = head[:-1] + b"," + _INPUTS_KEY
     inputs_at = len(prefix)
     output_at = inputs_at + len(inputs) + len(_OUTPUT_KEY)
@@ -124,6 +154,9 @@ class IngestPipeline:
         self.cpu = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="tracecar-cpu")
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracecar-spool")
         self.inflight = asyncio.Semaphore(settings.max_inflight_requests)
+        self._lookup = threading.local()  # per CPU thread: a read-only connection for parent look-ups
+        self._lookup_conns: list[sqlite3.Connection] = []
+        self._lookup_lock = threading.Lock()
         self.on_committed: list[Any] = []
         # set by the collector: evicts forwarded trajectories after a full-disk refusal
         self.make_room: Callable[[int], bool] = lambda need: False
@@ -191,8 +224,8 @@ class IngestPipeline:
         if sampled.dropped:
             m.spans_sampled_out.labels(budget="max_samples_per_step_per_worker").inc(len(sampled.dropped))
         rows, tokens, too_big = await loop.run_in_executor(self.cpu, self._decode_and_serialize, validated, spans)
-        for rejection in too_big:
-            m.spans_rejected.labels(reason="span_too_large").inc()
+        for rejection in too_big:  # over the size bound ("spans[i]"), or a part that cannot be stored
+            m.spans_rejected.labels(reason="span_too_large" if "." not in rejection.field else _reason_label(rejection)).inc()
         m.decoded_tokens.inc(tokens)
         tail_dropped = 0
         try:
@@ -243,8 +276,31 @@ class IngestPipeline:
         if isinstance(spans, list) and len(spans) > limit:  # a size bound, like the body's: 413, so clients split
             raise receive.BodyError(413, "spans", f"{len(spans)} spans exceed TRACECAR_MAX_BATCH_SPANS={limit}; split the batch")
         validated = validate_batch(raw, limit)
+        reject_foreign_children(validated, self._stored_traces(parents_to_look_up(validated)))
         self.contexts.remember(validated.spans)  # for engine spans that join these trajectories over OTLP
         return validated
+
+    def _stored_traces(self, span_ids: list[str]) -> dict[str, str]:
+        """trace_id of each of these spans that the store holds (one indexed lookup per 500 ids).
+
+        Read on a connection of this CPU thread's own (WAL readers never wait for the writer),
+        not the spool's shared read connection, which a long viewer query may hold.
+        """
+        if not span_ids:
+            return {}
+        conn = getattr(self._lookup, "conn", None)
+        if conn is None:
+            uri = "file:" + urllib.parse.quote(str(Path(self.spool.path).resolve())) + "?mode=ro"
+            conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=30)
+            self._lookup.conn = conn
+            with self._lookup_lock:
+                self._lookup_conns.append(conn)
+        found: dict[str, str] = {}
+        for start in range(0, len(span_ids), 500):
+            chunk = span_ids[start:start + 500]
+            rows = conn.execute(f"SELECT span_id, trace_id FROM spans WHERE span_id IN ({','.join('?' * len(chunk))})", chunk)
+            found.update(rows.fetchall())
+        return found
 
     def _decode_and_serialize(self, validated: Validated, spans: list[dict[str, Any]]) -> tuple[list[SpoolRow], int, list[Rejection]]:
         batch = validated.batch
@@ -273,9 +329,13 @@ class IngestPipeline:
                 span["warnings"] = warnings
             try:
                 payload, inputs_at, output_at = pack_payload(span)
+            except PayloadError as exc:  # e.g. nested past orjson's depth: the part at fault is named
+                index = validated.index_of[span["span_id"]]
+                too_big.append(Rejection(index, span["span_id"], f"spans[{index}].{exc.field}", exc.reason))
+                continue
             except orjson.JSONEncodeError as exc:
                 index = validated.index_of[span["span_id"]]
-                too_big.append(Rejection(index, span["span_id"], f"spans[{index}].inputs", f"cannot be stored: {exc}"))
+                too_big.append(Rejection(index, span["span_id"], f"spans[{index}]", f"cannot be stored: {exc}"))
                 continue
             if len(payload) > limit:
                 index = validated.index_of[span["span_id"]]
@@ -348,6 +408,10 @@ class IngestPipeline:
     def close(self) -> None:
         self.cpu.shutdown(wait=True, cancel_futures=True)
         self.writer.shutdown(wait=True)
+        with self._lookup_lock:
+            for conn in self._lookup_conns:
+                conn.close()
+            self._lookup_conns.clear()
 
 
 def _reason_label(rejection: Rejection) -> str:

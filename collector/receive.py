@@ -19,6 +19,8 @@ import zstandard
 
 
 _CHUNK = 256 * 1024
+_INFLATE_CHUNK = 4 * 1024 * 1024  # the largest piece of compressed input fed to zlib at once (after member 1)
+MAX_GZIP_MEMBERS = 4096  # members in one gzip body; above, 400 (each costs a few µs of Python)
 EXT_INT32_ARRAY = 1  # msgpack ext type: packed little-endian int32 token ids
 
 
@@ -50,17 +52,7 @@ def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
     if encoding in ("identity", ""):
         return body
     if encoding in ("gzip", "x-gzip", "deflate"):
-        wbits = 16 + zlib.MAX_WBITS if encoding != "deflate" else zlib.MAX_WBITS
-        inflater = zlib.decompressobj(wbits)
-        try:
-            out = inflater.decompress(body, limit + 1)
-        except zlib.error as exc:
-            raise BodyError(400, "Content-Encoding", f"body is not valid {encoding}: {exc}") from None
-        if len(out) > limit or inflater.unconsumed_tail:
-            raise _too_big(limit)
-        if not inflater.eof:
-            raise BodyError(400, "Content-Encoding", f"{encoding} body is truncated")
-        return out
+        return _inflate(body, encoding, limit)
     if encoding == "zstd":
         try:
             reader = zstandard.ZstdDecompressor().stream_reader(body)
@@ -74,6 +66,50 @@ def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
         except zstandard.ZstdError as exc:
             raise BodyError(400, "Content-Encoding", f"body is not valid zstd: {exc}") from None
     raise BodyError(415, "Content-Encoding", f"unsupported content encoding {encoding!r}; use gzip, deflate, zstd or identity")
+
+
+def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
+    """gzip or deflate, bounded by ``limit`` bytes of output.
+
+    A gzip body may hold several members one after another (RFC 1952 §2.2: the file is their
+    concatenation, as ``cat a.gz b.gz`` makes); each is inflated in turn, all of them together
+    within ``limit``. Input is fed in chunks so that finding where a member ends never copies
+    the rest of the body (which would make many tiny members quadratic): the first member is
+    fed the whole body, later ones chunks that start small and double while the member lasts;
+    at most :data:`MAX_GZIP_MEMBERS` members. Zero padding after the last member is ignored,
+    as gzip(1) does; anything else after it is a 400.
+    """
+    wbits = 16 + zlib.MAX_WBITS if encoding != "deflate" else zlib.MAX_WBITS
+    view, size = memoryview(body), len(body)
+    parts: list[bytes] = []
+    total = pos = members = 0
+    while True:
+        if members >= MAX_GZIP_MEMBERS:
+            raise BodyError(400, "Content-Encoding", f"gzip body holds more than {MAX_GZIP_MEMBERS} members")
+        inflater = zlib.decompressobj(wbits)
+        # the first member gets the whole body (one zlib call, the common case); later ones get
+        # chunks growing while the member lasts, so a small member costs a small unused_data copy
+        step = size if members == 0 else 1024
+        while not inflater.eof:
+            if pos >= size:
+                raise BodyError(400, "Content-Encoding", f"{encoding} body is truncated")
+            chunk = view[pos:pos + step]
+            pos += len(chunk)
+            if members:
+                step = min(step * 2, _INFLATE_CHUNK)
+            try:
+                out = inflater.decompress(chunk, limit - total + 1)
+            except zlib.error as exc:
+                where = f" (member {members + 1})" if members else ""
+                raise BodyError(400, "Content-Encoding", f"body is not valid {encoding}{where}: {exc}") from None
+            total += len(out)
+            if total > limit or inflater.unconsumed_tail:
+                raise _too_big(limit)
+            parts.append(out)
+        pos -= len(inflater.unused_data)  # the next member starts inside the last chunk
+        members += 1
+        if encoding == "deflate" or pos >= size or (body[pos] == 0 and body.count(b"\x00", pos) == size - pos):
+            return b"".join(parts)
 
 
 def _too_big(limit: int) -> BodyError:

@@ -34,7 +34,7 @@ class TrajectoryFilter:
     step: int | None = None
     step_min: int | None = None
     step_max: int | None = None
-    sample_index: int | str | None = None
+    sample_index: int | str | None = None  # an int, or a string index when the client sends one
     rollout_n: int | None = None
     validate: bool | None = None
     worker: str | None = None
@@ -108,17 +108,22 @@ def list_trajectories(spool: Spool, flt: TrajectoryFilter, *, limit: int = 50, o
     return {"total": total, "limit": limit, "offset": offset, "trajectories": rows}
 
 
-def get_trajectory(spool: Spool, trace_id: str) -> dict[str, Any] | None:
+def get_trajectory(spool: Spool, trace_id: str, max_depth: int = 64) -> dict[str, Any] | None:
     """The whole trajectory: every span (payload included) nested under its parent.
 
-    A span whose parent never arrived is attached to the root and flagged ``parent_missing``.
+    Built without recursion, so any depth the store accepted is readable. Spans deeper than
+    ``max_depth`` (the root is depth 0; ``TRACECAR_MAX_TREE_DEPTH``) are attached to their
+    ancestor at depth ``max_depth - 1`` (so they sit at the cap), breadth-first, each flagged ``depth_capped`` with its
+    true ``depth`` (``parent_id`` still names its real parent). A span whose parent never
+    arrived, or whose parent chain loops (a cycle across batches), is attached to the root and
+    flagged ``parent_missing``; every stored span appears exactly once.
     """
     rows = spool.query(
         "SELECT span_id, parent_id, kind, state, payload FROM spans WHERE trace_id = ? ORDER BY start_time, seq", [trace_id]
     )
     if not rows:
         return None
-    spans = {}
+    spans: dict[str, dict[str, Any]] = {}
     annotations = []
     for row in rows:
         span = orjson.loads(row["payload"])
@@ -131,18 +136,47 @@ def get_trajectory(spool: Spool, trace_id: str) -> dict[str, Any] | None:
     root = spans.get(trace_id)
     if root is None:  # a root from another OTLP producer keeps its own span id
         root = next((s for s in spans.values() if s["parent_id"] is None), None)
-    orphans = []
-    for span in spans.values():
-        if span is root:
-            continue
-        parent = spans.get(span["parent_id"]) if span["parent_id"] else None
-        if parent is None:
-            span["parent_missing"] = True
-            orphans.append(span)
-        else:
-            parent["children"].append(span)
     if root is None:  # the root has not arrived (yet): show what there is
         root = {"span_id": trace_id, "trace_id": trace_id, "name": "(root not received)", "kind": "missing",
                 "children": [], "attributes": {}, "parent_missing": False}
-    root["children"].extend(orphans)
-    return {"trace_id": trace_id, "root": root, "annotations": annotations, "span_count": len(spans)}
+    kids: dict[str, list[dict[str, Any]]] = {}
+    for span in spans.values():  # start order is kept: rows came sorted
+        if span is not root and span["parent_id"] in spans and span["parent_id"] != span["span_id"]:
+            kids.setdefault(span["parent_id"], []).append(span)
+    placed: set[int] = set()
+    _place(root, kids, max_depth, placed)
+    for span in list(spans.values()):  # no parent here (or a loop): under the root, with their subtrees
+        if span is not root and id(span) not in placed:
+            span["parent_missing"] = True
+            root["children"].append(span)
+            _place(span, kids, max_depth, placed, depth=1, cap_parent=root if max_depth <= 1 else None)
+    return {"trace_id": trace_id, "root": root, "annotations": annotations, "span_count": len(spans),
+            "depth_cap": max_depth}
+
+
+def _place(top: dict[str, Any], kids: dict[str, list[dict[str, Any]]], max_depth: int, placed: set[int],
+           depth: int = 0, cap_parent: dict[str, Any] | None = None) -> None:
+    """Appends the subtree under ``top`` breadth-first, adding each span's id to ``placed``.
+
+    ``cap_parent`` is the span at depth ``max_depth - 1`` that deeper descendants are attached
+    to (found on the way down; given when ``top`` itself is already at the cap).
+    """
+    placed.add(id(top))
+    queue: list[tuple[dict[str, Any], int, dict[str, Any] | None]] = [(top, depth, cap_parent)]
+    at = 0
+    while at < len(queue):
+        span, level, anchor = queue[at]
+        at += 1
+        if level == max_depth - 1:
+            anchor = span
+        for child in kids.get(span["span_id"], ()):
+            if id(child) in placed:
+                continue
+            placed.add(id(child))
+            if level + 1 > max_depth and anchor is not None:
+                child["depth_capped"] = True
+                child["depth"] = level + 1
+                anchor["children"].append(child)
+            else:
+                span["children"].append(child)
+            queue.append((child, level + 1, anchor))

@@ -199,13 +199,18 @@ def _reject_cycles(out: Validated, index_of: dict[str, int]) -> None:
     """Rejects spans whose parent chain inside this batch loops back to themselves."""
     parents = {s["span_id"]: s["parent_id"] for s in out.spans}
     cyclic: set[str] = set()
+    done: set[str] = set()  # spans whose chain is already walked: each span is visited once, O(n)
     for start in parents:
-        path, node = [], start
-        while node is not None and node in parents and node not in path:
+        path: list[str] = []
+        on_path: set[str] = set()
+        node = start
+        while node is not None and node in parents and node not in done and node not in on_path:
             path.append(node)
+            on_path.add(node)
             node = parents[node]
-        if node is not None and node in path:
+        if node is not None and node in on_path:
             cyclic.update(path[path.index(node):])
+        done.update(path)
     if not cyclic:
         return
     kept = []
@@ -215,4 +220,37 @@ def _reject_cycles(out: Validated, index_of: dict[str, int]) -> None:
             out.rejected.append(Rejection(index, span["span_id"], f"spans[{index}].parent_id", "parent chain forms a cycle"))
         else:
             kept.append(span)
+    out.spans = kept
+
+
+def parents_to_look_up(out: Validated) -> list[str]:
+    """Parent ids the batch names but does not hold: their trace_id is asked of the store."""
+    here = {s["span_id"] for s in out.spans}
+    return sorted({s["parent_id"] for s in out.spans if s["parent_id"] is not None and s["parent_id"] not in here})
+
+
+def reject_foreign_children(out: Validated, stored_traces: dict[str, str]) -> None:
+    """Rejects spans whose trace_id differs from their known parent's.
+
+    A span belongs to its parent's trajectory; one that names a parent in another trace would
+    be stored under a trajectory whose root it can never reach (and forwarded as a call whose
+    parent lives in another trace). It is refused by name so its client sees the bug; the rest
+    of the batch, its parent included, is stored. A parent that is not known (not in this batch
+    nor in the store, e.g. not arrived yet or already forwarded and deleted) cannot be checked.
+    """
+    traces = {**stored_traces, **{s["span_id"]: s["trace_id"] for s in out.spans}}
+    where = {s["span_id"]: out.index_of.get(s["span_id"]) for s in out.spans}
+    kept = []
+    for span in out.spans:
+        parent = span["parent_id"]
+        parent_trace = traces.get(parent) if parent is not None else None
+        if parent_trace is None or parent_trace == span["trace_id"]:
+            kept.append(span)
+            continue
+        index = out.index_of[span["span_id"]]
+        known = f"spans[{where[parent]}] of this batch" if parent in where else "a span already stored"
+        out.rejected.append(Rejection(index, span["span_id"], f"spans[{index}].trace_id",
+                                      f"{span['trace_id']!r} differs from the trace_id {parent_trace!r} of its parent "
+                                      f"{parent!r} ({known}); a child belongs to its parent's trajectory"))
+        out.warnings.pop(span["span_id"], None)
     out.spans = kept

@@ -25,6 +25,8 @@ import orjson
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 
+from .json_out import dumps_deep
+from .query_params import INT64_MAX, OptionalInt64, sample_index_filter
 from .store_query import get_trajectory
 from .viewer_index import SORTS, ListFilter, TrajectoryIndex
 from .viewer_shape import shape
@@ -84,7 +86,8 @@ def _static_files() -> dict[str, Path]:
 
 
 def _json(payload: Any) -> Response:
-    return Response(orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS), media_type="application/json",
+    """orjson, also for values nested past its 255 levels (a deep trajectory: see json_out)."""
+    return Response(dumps_deep(payload, option=orjson.OPT_NON_STR_KEYS), media_type="application/json",
                     headers={"Cache-Control": "no-store"})
 
 
@@ -166,15 +169,15 @@ def build_router(collector: "Collector", token: str | None) -> APIRouter:
 
     @guarded.get("/api/trajectories")
     async def trajectories(
-        experiment: str | None = None, step: int | None = None, step_min: int | None = None,
-        step_max: int | None = None, sample_index: str | None = Query(None, max_length=256), rollout_n: int | None = None,
+        experiment: str | None = None, step: OptionalInt64 = None, step_min: OptionalInt64 = None,
+        step_max: OptionalInt64 = None, sample_index: str | None = Query(None, max_length=256), rollout_n: OptionalInt64 = None,
         validate: bool | None = None, kept_because: str | None = None, reward_min: float | None = None,
         reward_max: float | None = None, has_error: bool | None = None, worker: str | None = None,
         sort: str = Query("start", pattern=SORT_PATTERN), order: str = Query("desc", pattern="^(asc|desc)$"),
-        limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0),
+        limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0, le=INT64_MAX),
     ) -> Any:
         """One page of trajectory summaries; unscored ones sort last either way."""
-        flt = ListFilter(experiment, step, step_min, step_max, sample_index, rollout_n, validate, kept_because or None,
+        flt = ListFilter(experiment, step, step_min, step_max, sample_index_filter(sample_index), rollout_n, validate, kept_because or None,
                          reward_min, reward_max, has_error, worker)
         state = await asyncio.to_thread(fresh)
         page = await asyncio.to_thread(index.list, flt, sort=sort, descending=order == "desc", limit=limit, offset=offset)
@@ -183,15 +186,16 @@ def build_router(collector: "Collector", token: str | None) -> APIRouter:
     @guarded.get("/api/trajectories/{trace_id}")
     async def trajectory(trace_id: str, tree: bool = True) -> Any:
         """One trajectory as a conversation (turns, tool calls, reward, metrics) and its span tree."""
-        found = await asyncio.to_thread(get_trajectory, collector.spool, trace_id)
+        found = await asyncio.to_thread(get_trajectory, collector.spool, trace_id, settings.max_tree_depth)
         if found is None:
             raise HTTPException(404, detail={"field": "trace_id", "reason": f"no trajectory {trace_id!r} in the store"})
-        view = shape(found)
+        view = await asyncio.to_thread(shape, found)
         await asyncio.to_thread(fresh)
         view["summary"] = await asyncio.to_thread(index.summary, trace_id)
         if tree:
             view["tree"] = found["root"]
-        return _json(view)
+            view["tree_depth_cap"] = found["depth_cap"]
+        return await asyncio.to_thread(_json, view)
 
     router.include_router(guarded)
     router.trajectory_index, router.fresh, router.viewer_auth = index, fresh, auth  # for group_export_api

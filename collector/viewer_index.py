@@ -150,7 +150,7 @@ class ListFilter:
     step: int | None = None
     step_min: int | None = None
     step_max: int | None = None
-    sample_index: int | str | None = None
+    sample_index: int | str | None = None  # an int, or a string index when the client sends one
     rollout_n: int | None = None
     validate: bool | None = None
     kept_because: str | None = None

@@ -103,9 +103,12 @@ def numeric(value: Any) -> float | None:
 
 
 def _walk(span: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield span
-    for child in span.get("children", ()):
-        yield from _walk(child)
+    """Every span of the tree, depth-first in child order; iterative, so no depth is too deep."""
+    stack = [span]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(reversed(node.get("children", ())))
 
 
 def _duration(span: dict[str, Any]) -> float | None:

@@ -133,3 +133,21 @@ def test_loopback_by_default_and_an_open_bind_without_token_warns(monkeypatch, c
         root.setLevel(saved[1])
     print(f"\nbind warnings: {warned}")
     assert warned == {("0.0.0.0", False): True, ("0.0.0.0", True): False, ("127.0.0.1", False): False, ("::1", False): False}
+
+
+def test_api_schema_needs_the_token_and_docs_pages_are_off_with_one(start_collector, kit):
+    """/openapi.json describes the API, so it is guarded like it; /docs and /redoc (browser pages that
+    cannot send the header) are switched off while a token is set, and served as usual without one."""
+    col = start_collector(token=TOKEN)
+    assert httpx.get(col.url + "/openapi.json").status_code == 401
+    assert httpx.get(col.url + "/openapi.json", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    r = httpx.get(col.url + "/openapi.json", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200 and "/v1/spans" in r.json()["paths"]
+    for page in ("/docs", "/redoc", "/docs/oauth2-redirect"):
+        assert httpx.get(col.url + page, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 404, page
+    assert TOKEN not in r.text
+
+    open_col = start_collector()
+    assert httpx.get(open_col.url + "/openapi.json").status_code == 200
+    assert httpx.get(open_col.url + "/docs").status_code == 200
+    assert httpx.get(open_col.url + "/redoc").status_code == 200

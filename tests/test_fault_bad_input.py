@@ -11,7 +11,9 @@ mutations and random bodies at it and finds no 5xx.
 from __future__ import annotations
 
 import gzip
+import json
 import math
+import urllib.parse
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -106,6 +108,15 @@ def good_body(kit: Any, compress: Callable[[bytes], bytes], encoding: str) -> tu
     return compress(body), {**headers, "Content-Encoding": encoding}, []
 
 
+def gzip_members(kit: Any, pieces: int = 3, tail: bytes = b"") -> tuple[bytes, dict[str, str], list[str]]:
+    """A good batch as several gzip members one after another (RFC 1952), as `cat a.gz b.gz` makes."""
+    spans = good(kit)
+    body, headers = kit.encode(spans)
+    cut = [len(body) * i // pieces for i in range(pieces + 1)]
+    packed = b"".join(gzip.compress(body[a:b]) for a, b in zip(cut, cut[1:])) + tail
+    return packed, {**headers, "Content-Encoding": "gzip"}, [s["span_id"] for s in spans]
+
+
 ZEROS = b"[" + b" " * (60 * MiB) + b"]"  # 60 MiB of JSON whitespace: compresses to ~60 KiB
 
 
@@ -164,16 +175,37 @@ CASES = [
     Case("ends before it starts", with_bad(setting("end_time", 1.0)), 200, ["spans[1].end_time"]),
     Case("own parent", with_bad(lambda kit, s: dict(s, parent_id=s["span_id"])), 200, ["spans[1].parent_id"]),
     Case("root with a foreign trace_id", with_bad(lambda kit, s: dict(s, parent_id=None)), 200, ["spans[1].trace_id"]),
+    Case("child in another trace than its parent", with_bad(lambda kit, s: dict(s, trace_id=kit.new_id())), 200, ["spans[1].trace_id"]),
     Case("span not an object", with_bad(lambda kit, s: 42), 200, ["spans[1]"]),
     Case("duplicate span id in the batch", duplicate_in_batch, 200, ["spans[2].span_id"]),
     Case("parent cycle", cycle, 200, ["spans[1].parent_id", "spans[2].parent_id"]),
     Case("span over TRACECAR_MAX_SPAN_BYTES", with_bad(setting("inputs", {"blob": "x" * (80 * KiB)})), 200, ["spans[1]"]),
     Case("inputs nested 600 deep", with_bad(setting("inputs", nested(600))), 200, ["spans[1].inputs"], fmt="msgpack"),
+    Case("output nested 300 deep", with_bad(setting("output", nested(300))), 200, ["spans[1].output"], fmt="msgpack"),
+    Case("output nested 300 deep (JSON)", with_bad(setting("output", nested(300))), 200, ["spans[1].output"], fmt="json-stdlib"),
+    Case("attributes nested 300 deep", with_bad(lambda kit, s: s["attributes"].update(extra=nested(300))), 200,
+         ["spans[1].attributes"], fmt="msgpack"),
+    Case("one inputs value nested 300 deep", with_bad(setting("inputs", {"ok": 1, "deep": nested(300)})), 200,
+         ["spans[1].inputs"], fmt="msgpack"),
     # ---- stored with a recorded warning: the value is real signal ------------------------
     Case("NaN reward", stored_too(with_bad(setting("attributes.reward", math.nan))), 200, warnings=["attributes.reward"], fmt="msgpack"),
     Case("infinite output value", stored_too(with_bad(setting("output", {"score": -math.inf}))), 200, warnings=["output.score"], fmt="msgpack"),
     Case("token ids outside the vocabulary", stored_too(with_bad(setting("output", {"response_ids": [5, 7, 10**6, -3, 9, 11, 12, 13]}))), 200,
          warnings=["output.response_text"]),
+    Case("token ids that are all floats", stored_too(with_bad(setting("output", {"response_ids": [1.5, 2.5]}))), 200,
+         warnings=["output.response_text: output.response_ids: 2 not integers"]),
+    Case("token ids: a float in the middle", stored_too(with_bad(setting("output", {"response_ids": [1, 2.5, 3]}))), 200,
+         warnings=["output.response_text: output.response_ids: 1 not integers"]),
+    Case("token ids that are strings", stored_too(with_bad(setting("output", {"token_ids": ["a", 5, "b"]}))), 200,
+         warnings=["output.response_text: output.token_ids: 2 not integers"]),
+    Case("token ids nested lists", stored_too(with_bad(setting("output", {"response_ids": [[1, 2], [3]]}))), 200,
+         warnings=["output.response_text: output.response_ids: 2 not integers"]),
+    Case("prompt ids with a None", stored_too(with_bad(setting("output", {"prompt_ids": [None, 4, 5]}))), 200,
+         warnings=["output.prompt_text: output.prompt_ids: 1 not integers"]),
+    Case("inputs prompt ids negative", stored_too(with_bad(lambda kit, s: dict(s, inputs={"prompt_ids": [-1, -2]}, output={}))), 200,
+         warnings=["output.prompt_text: inputs.prompt_ids: 2 token id(s) outside the vocabulary"]),
+    Case("token ids not a list", stored_too(with_bad(setting("output", {"response_ids": "1 2 3"}))), 200,
+         warnings=["output.response_text: not decoded from output.response_ids: a str"]),
     Case("non-UTF-8 msgpack text", stored_too(with_bad(setting("name", "placeholder"))), 200, fmt="msgpack-bad-utf8"),
     Case("unknown msgpack ext type and bytes", stored_too(with_bad(setting("inputs", {"ext": msgpack.ExtType(5, b"\x00\x01"), "raw": b"\xff\xfe"}))), 200, fmt="msgpack"),
     Case("a child whose parent never arrives", orphan, 200),
@@ -195,6 +227,11 @@ CASES = [
     Case("unknown content encoding", lambda kit: good_body(kit, lambda b: b, "br"), 415, ["Content-Encoding"]),
     Case("garbage gzip", raw(b"\x1f\x8bnot gzip at all", encoding="gzip"), 400, ["Content-Encoding"]),
     Case("truncated gzip", lambda kit: good_body(kit, lambda b: gzip.compress(b)[:-12], "gzip"), 400, ["Content-Encoding"]),
+    Case("gzip body of 3 members", gzip_members, 200),
+    Case("gzip members, then zero padding", lambda kit: gzip_members(kit, 2, b"\x00" * 64), 200),
+    Case("gzip members, then garbage", lambda kit: gzip_members(kit, 2, b"garbage")[:2] + ([],), 400, ["Content-Encoding"]),
+    Case("gzip body of 5000 empty members", raw(gzip.compress(b"") * 5000, encoding="gzip"), 400, ["Content-Encoding"]),
+    Case("gzip bomb split over members", raw(gzip.compress(ZEROS[:30 * MiB], 9) + gzip.compress(ZEROS[30 * MiB:], 9), encoding="gzip"), 413, ["body"]),
     Case("gzip bomb", raw(gzip.compress(ZEROS, 9), encoding="gzip"), 413, ["body"]),
     Case("deflate bomb", raw(zlib.compress(ZEROS, 9), encoding="deflate"), 413, ["body"]),
     Case("zstd bomb", raw(zstandard.ZstdCompressor(level=19).compress(ZEROS), encoding="zstd"), 413, ["body"]),
@@ -208,7 +245,10 @@ def _send(kit: Any, url: str, case: Case, client: httpx.Client) -> tuple[httpx.R
         body = built
     else:
         fmt = "msgpack" if case.fmt.startswith("msgpack") else case.fmt
-        body, enc_headers = kit.encode(built, fmt)
+        if fmt == "json-stdlib":  # orjson cannot write past 255 levels; the standard library can
+            body, enc_headers = json.dumps({"v": 1, "worker": "w-fault", "spans": built}).encode(), {"Content-Type": "application/json"}
+        else:
+            body, enc_headers = kit.encode(built, fmt)
         if case.fmt == "msgpack-bad-utf8":  # the hostile span's name becomes invalid UTF-8 on the wire
             body = body.replace(msgpack.packb("placeholder"), msgpack.packb("placeholder")[:1] + b"pl\xff\xfeceholde")
         headers = {**enc_headers, **headers}
@@ -270,6 +310,32 @@ def test_stored_warnings_and_orphans_are_visible_in_the_store(hostile_collector,
     assert by_id[child["span_id"]]["attributes"]["reward"] == "nan"
     assert any(w.startswith("attributes.reward") for w in by_id[child["span_id"]]["warnings"])
 
+    # a child naming a stored parent of another trace is refused by name; its batch-mates stored
+    child, root = good(kit)
+    assert kit.post(col.url, [child, root]).json()["accepted"] == 2
+    other = kit.trajectory(children=1)
+    stray = dict(other[0], span_id=kit.new_id(), parent_id=child["span_id"])  # parent stored, in root's trace
+    r = kit.post(col.url, [stray, *other])
+    assert r.status_code == 200 and r.json()["accepted"] == 2, r.text
+    (rejection,) = r.json()["rejected"]
+    assert rejection["field"] == "spans[0].trace_id" and child["span_id"] in rejection["reason"], rejection
+    assert kit.metrics(col.url, "tracecar_spans_rejected_total", reason="trace_id") >= 1
+
+    # token2text: a list with nothing decodable gets no text and says why; a partly bad one the rest
+    child, root = good(kit)
+    floats = dict(child, span_id=kit.new_id(), output={"response_ids": [1.5, 2.5]})
+    mixed = dict(child, span_id=kit.new_id(), output={"response_ids": [5, 2.5, 7]})
+    r = kit.post(col.url, [child, floats, mixed, root])
+    assert r.status_code == 200 and r.json()["accepted"] == 4
+    warned = r.json()["warnings"]
+    assert any("none decodable, not decoded" in w for w in warned[floats["span_id"]]), warned
+    assert any("left out of the text" in w for w in warned[mixed["span_id"]]), warned
+    assert child["span_id"] not in warned
+    by_id = {s["span_id"]: s for s in httpx.get(f"{col.url}/v1/trajectories/{root['span_id']}").json()["root"]["children"]}
+    assert "response_text" not in by_id[floats["span_id"]]["output"]
+    assert isinstance(by_id[mixed["span_id"]]["output"]["response_text"], str)
+    assert isinstance(by_id[child["span_id"]]["output"]["response_text"], str)
+
     # invalid UTF-8 in msgpack text is stored with U+FFFD in place of the bad bytes
     child, root = good(kit)
     body, headers = kit.encode([dict(child, name="Agent.XXXX"), root], "msgpack")
@@ -317,9 +383,12 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+_OUTPUT_KEYS = ["prompt_ids", "response_ids", "token_ids", "response_text", "metrics"]
+_id_lists = st.lists(st.one_of(st.integers(-5, 2**40), st.floats(allow_nan=False), st.booleans(), st.none(), st.text(max_size=3)), max_size=6)
 mutations = st.lists(
-    st.tuples(st.sampled_from(["span", "attr", "envelope", "drop"]), st.integers(0, 3),
-              st.sampled_from(_SPAN_KEYS + _ATTR_KEYS + _ENV_KEYS), _values),
+    st.tuples(st.sampled_from(["span", "attr", "envelope", "drop", "output", "link"]), st.integers(0, 3),
+              st.sampled_from(_SPAN_KEYS + _ATTR_KEYS + _ENV_KEYS + _OUTPUT_KEYS),
+              st.one_of(_values, _id_lists, st.sampled_from([120, 250, 252, 253, 300]).map(nested))),
     min_size=1, max_size=5,
 )
 
@@ -328,10 +397,11 @@ def test_fuzzed_batches_never_get_a_5xx(hostile_collector, kit):
     col = hostile_collector
     client = httpx.Client()
     seen: dict[int, int] = {}
+    reads: dict[int, int] = {}
 
     @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
-    @given(muts=mutations, fmt=st.sampled_from(["json", "msgpack"]))
-    def mutated(muts: list[tuple[str, int, str, Any]], fmt: str) -> None:
+    @given(muts=mutations, fmt=st.sampled_from(["json", "msgpack"]), members=st.sampled_from([0, 0, 1, 3]))
+    def mutated(muts: list[tuple[str, int, str, Any]], fmt: str, members: int) -> None:
         spans = kit.trajectory(children=3)
         batch: dict[str, Any] = {"v": 1, "worker": "w-fuzz", "spans": spans}
         for where, index, key, value in muts:
@@ -344,13 +414,34 @@ def test_fuzzed_batches_never_get_a_5xx(hostile_collector, kit):
                 batch[key] = value
             elif where == "drop":
                 span.pop(key, None)
+            elif where == "output" and key in _OUTPUT_KEYS:  # token ids of any shape, with token2text on
+                span["output"] = dict(span["output"] if isinstance(span.get("output"), dict) else {}, **{key: value})
+            elif where == "link":  # parents and traces crossed between the spans of the batch
+                other = spans[(index + 1) % len(spans)]
+                span["parent_id" if key in _SPAN_KEYS[:3] else "trace_id"] = other.get("span_id")
         if fmt == "json":
-            body, ctype = orjson.dumps(_json_safe(batch), option=orjson.OPT_NON_STR_KEYS), "application/json"
+            try:
+                body, ctype = orjson.dumps(_json_safe(batch), option=orjson.OPT_NON_STR_KEYS), "application/json"
+            except TypeError:  # nested past orjson's 255 levels: the standard library writes it
+                body, ctype = json.dumps(_json_safe(batch), default=str).encode(), "application/json"
         else:
             body, ctype = msgpack.packb(_msgpack_safe(batch), use_bin_type=True), "application/msgpack"
-        r = client.post(col.url + "/v1/spans", content=body, headers={"Content-Type": ctype}, timeout=30)
+        headers = {"Content-Type": ctype}
+        if members:  # and as gzip, of one or several members
+            cut = [len(body) * i // members for i in range(members + 1)]
+            body = b"".join(gzip.compress(body[a:b]) for a, b in zip(cut, cut[1:]))
+            headers["Content-Encoding"] = "gzip"
+        r = client.post(col.url + "/v1/spans", content=body, headers=headers, timeout=30)
         seen[r.status_code] = seen.get(r.status_code, 0) + 1
         assert r.status_code < 500, r.text[:500]
+        if r.status_code == 200 and r.json()["accepted"]:  # whatever was accepted reads back
+            for span in spans:
+                trace = span.get("trace_id") if isinstance(span, dict) else None
+                if isinstance(trace, str) and trace.isascii() and trace.isprintable():
+                    for path in ("/v1/trajectories/", "/ui/api/trajectories/"):
+                        got = client.get(col.url + path + urllib.parse.quote(trace, safe=""), timeout=30)
+                        assert got.status_code in (200, 404), (path, got.status_code, got.text[:300])
+                        reads[got.status_code] = reads.get(got.status_code, 0) + 1
 
     @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
     @given(body=st.binary(max_size=300), ctype=st.sampled_from(["application/json", "application/msgpack", "text/plain", ""]),
@@ -371,5 +462,57 @@ def test_fuzzed_batches_never_get_a_5xx(hostile_collector, kit):
         assert ok.status_code == 200 and ok.json()["accepted"] == 2
     finally:
         client.close()
-    print(f"\nfuzz: statuses {dict(sorted(seen.items()))}")
+    print(f"\nfuzz: statuses {dict(sorted(seen.items()))}, read-backs {dict(sorted(reads.items()))}")
     assert sum(seen.values()) >= 300 and not any(s >= 500 for s in seen)
+    assert reads.get(200, 0) >= 200  # accepted spans were read back, deep ones included
+
+
+# ---- GET query parameters ------------------------------------------------------------------
+_QUERY_KEYS = ["experiment", "step", "step_min", "step_max", "sample_index", "rollout_n", "validate", "worker",
+               "has_error", "reward_min", "reward_max", "sort", "order", "limit", "offset", "kept_because", "split",
+               "tree", "token", "path"]
+_edge_ints = st.sampled_from([0, -1, 1, 2**31, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 2**64, -(2**64), 10**40])
+_query_values = st.one_of(
+    _edge_ints.map(str), st.integers().map(str), st.floats().map(repr), st.sampled_from(["", "true", "false", "nan", "inf",
+    "-inf", "1e309", "0x10", "1_000", " 7 ", "9" * 5000, "start", "reward", "asc", "desc", "all", "validation"]),
+    st.text(max_size=30),
+)
+_GET_PATHS = ["/v1/trajectories", "/v1/trajectories/{id}", "/v1/decisions", "/v1/dead-letters", "/ui/api/status",
+              "/ui/api/facets", "/ui/api/overview", "/ui/api/trajectories", "/ui/api/trajectories/{id}", "/ui/",
+              "/ui/static/{id}", "/healthz", "/readyz", "/metrics", "/openapi.json"]
+
+
+def test_fuzzed_queries_never_get_a_5xx(hostile_collector, kit):
+    """Every GET endpoint, any query (ints past int64 either way, floats, text, repeated keys): no 5xx."""
+    col = hostile_collector
+    known = []
+    for step in (0, 1, 2**40):
+        spans = kit.trajectory(children=2, step=step, sample_index=step % 5)
+        spans[-1]["attributes"] = dict(spans[-1]["attributes"], reward=0.5 * step)
+        assert kit.post(col.url, spans).status_code == 200
+        known.append(spans[-1]["span_id"])
+    client = httpx.Client(base_url=col.url, timeout=30)
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+    @given(path=st.sampled_from(_GET_PATHS),
+           query=st.lists(st.tuples(st.one_of(st.sampled_from(_QUERY_KEYS), st.text(max_size=8)), _query_values), max_size=6),
+           trace=st.one_of(st.sampled_from(known), st.text(min_size=1, max_size=40)))
+    def queries(path: str, query: list[tuple[str, str]], trace: str) -> None:
+        url = path.replace("{id}", urllib.parse.quote(trace, safe=""))
+        try:
+            r = client.get(url, params=query)
+        except httpx.InvalidURL:
+            return  # not a request a client can send
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (url, query, r.text[:500])
+        if r.status_code == 422:
+            assert r.json()["error"]["field"], r.text[:300]
+
+    try:
+        queries()
+        assert client.get("/healthz").status_code == 200
+    finally:
+        client.close()
+    print(f"\nquery fuzz: statuses {dict(sorted(seen.items()))}")
+    assert sum(seen.values()) >= 300 and seen.get(200, 0) > 50 and seen.get(422, 0) > 20

@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import orjson
 
+from ..json_out import dumps_deep
+
 _OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 _CHARS = "…[truncated by tracecar: {n} chars]"
 _ITEMS = "…[truncated by tracecar: {n} items]"
@@ -21,7 +23,8 @@ _MAX_PASSES = 64
 
 
 def dumps(span: dict[str, Any]) -> bytes:
-    return orjson.dumps(span, option=_OPTS)
+    """The span's stored form; a value nested to the store's limit must not fail the step decision."""
+    return dumps_deep(span, option=_OPTS)
 
 
 def _leaves(value: Any, path: tuple[Any, ...], out: list[tuple[int, tuple[Any, ...], Any]], depth: int = 0) -> None:

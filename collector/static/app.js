@@ -469,6 +469,7 @@
       h("summary", null, h("span", { class: "name" }, span.name), " ", h("span", { class: "badge" }, span.kind), " ",
         h("span", { class: "muted" }, fmt.dur(duration)), span.exception ? h("span", { class: "badge bad" }, "error") : null,
         span.parent_missing ? h("span", { class: "badge bad", title: "its parent span never arrived" }, "parent missing") : null,
+        span.depth_capped ? h("span", { class: "badge", title: "nested deeper than TRACECAR_MAX_TREE_DEPTH: shown at the cap; parent_id names its real parent" }, "depth " + span.depth) : null,
         h("span", { class: "muted mono" }, " " + span.span_id)));
     details.addEventListener("toggle", () => {
       if (!details.open || details.dataset.filled) return;
