@@ -16,6 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from .export import FORMATS, MEDIA_TYPES, IndexBehind, export_chunks, parquet_available, settle
 from .groups import GROUP_SORTS, build_groups
+from .query_params import INT64_MAX, Int64, OptionalInt64, sample_index_filter
 from .spool import Spool
 from .store_query import get_trajectory
 from .viewer_index import ListFilter, TrajectoryIndex
@@ -31,16 +32,6 @@ MAX_STEP_TRAJECTORIES = 200_000  # one step's summaries are grouped in memory: b
 def _json(payload: Any) -> Response:
     return Response(orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS), media_type="application/json",
                     headers={"Cache-Control": "no-store"})
-
-
-def opaque_key(value: str | None) -> int | str | None:
-    """A ``sample_index`` from the query string as the store holds it (an int when it reads as one)."""
-    if value is None or value == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        return value
 
 
 def root_and_annotations(spool: Spool, trace_id: str) -> dict[str, Any] | None:
@@ -72,9 +63,9 @@ def build_router(collector: "Collector", index: TrajectoryIndex, fresh: Callable
                  api_auth: Callable[..., Any], viewer_auth: Callable[..., Any]) -> APIRouter:
     router = APIRouter()
 
-    async def groups(experiment: str | None = None, step: int = Query(..., ge=0), validate: bool = False,
-                     sort: str = Query("sample_index", pattern=GROUP_SORT_PATTERN), sample_index: str | None = None,
-                     diff: bool = True, limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0)) -> Any:
+    async def groups(step: Int64, experiment: str | None = None, validate: bool = False,
+                     sort: str = Query("sample_index", pattern=GROUP_SORT_PATTERN), sample_index: str | None = Query(None, max_length=256),
+                     diff: bool = True, limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0, le=INT64_MAX)) -> Any:
         """Per sample index of one step: rollouts ranked by reward, group stats, diffs against the best."""
         state = await asyncio.to_thread(fresh)
         result = await asyncio.to_thread(groups_of_step, collector, index, experiment, step, validate, sort=sort,
@@ -87,11 +78,11 @@ def build_router(collector: "Collector", index: TrajectoryIndex, fresh: Callable
 
     @router.get("/v1/export", dependencies=[Depends(api_auth)])
     async def export(
-        format: str = Query("jsonl", pattern=FORMAT_PATTERN), experiment: str | None = None, step: int | None = None,
-        step_min: int | None = None, step_max: int | None = None, sample_index: str | None = None,
-        rollout_n: int | None = None, validate: bool | None = None, kept_because: str | None = None,
+        format: str = Query("jsonl", pattern=FORMAT_PATTERN), experiment: str | None = None, step: OptionalInt64 = None,
+        step_min: OptionalInt64 = None, step_max: OptionalInt64 = None, sample_index: str | None = Query(None, max_length=256),
+        rollout_n: OptionalInt64 = None, validate: bool | None = None, kept_because: str | None = None,
         reward_min: float | None = None, reward_max: float | None = None, has_error: bool | None = None,
-        worker: str | None = None, token_ids: bool = False, limit: int | None = Query(None, ge=1),
+        worker: str | None = None, token_ids: bool = False, limit: int | None = Query(None, ge=1, le=INT64_MAX),
     ) -> Any:
         """Selected trajectories as a dataset file (JSONL or Parquet), streamed."""
         if format == "parquet" and not parquet_available():
@@ -100,7 +91,7 @@ def build_router(collector: "Collector", index: TrajectoryIndex, fresh: Callable
             await asyncio.to_thread(settle, index)
         except IndexBehind as exc:
             raise HTTPException(503, detail={"field": None, "reason": str(exc)}, headers={"Retry-After": "10"}) from exc
-        flt = ListFilter(experiment, step, step_min, step_max, opaque_key(sample_index), rollout_n, validate,
+        flt = ListFilter(experiment, step, step_min, step_max, sample_index_filter(sample_index), rollout_n, validate,
                          kept_because or None, reward_min, reward_max, has_error, worker)
         chunks = export_chunks(collector.spool, index, flt, format, token_ids=token_ids, limit=limit)
         filename = f"tracecar-export.{format}"

@@ -470,7 +470,7 @@ def test_fuzzed_batches_never_get_a_5xx(hostile_collector, kit):
 # ---- GET query parameters ------------------------------------------------------------------
 _QUERY_KEYS = ["experiment", "step", "step_min", "step_max", "sample_index", "rollout_n", "validate", "worker",
                "has_error", "reward_min", "reward_max", "sort", "order", "limit", "offset", "kept_because", "split",
-               "tree", "token", "path"]
+               "tree", "token", "path", "format", "diff", "token_ids", "name"]
 _edge_ints = st.sampled_from([0, -1, 1, 2**31, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 2**64, -(2**64), 10**40])
 _query_values = st.one_of(
     _edge_ints.map(str), st.integers().map(str), st.floats().map(repr), st.sampled_from(["", "true", "false", "nan", "inf",
@@ -479,7 +479,8 @@ _query_values = st.one_of(
 )
 _GET_PATHS = ["/v1/trajectories", "/v1/trajectories/{id}", "/v1/decisions", "/v1/dead-letters", "/ui/api/status",
               "/ui/api/facets", "/ui/api/overview", "/ui/api/trajectories", "/ui/api/trajectories/{id}", "/ui/",
-              "/ui/static/{id}", "/healthz", "/readyz", "/metrics", "/openapi.json"]
+              "/ui/static/{id}", "/healthz", "/readyz", "/metrics", "/openapi.json", "/v1/groups", "/ui/api/groups",
+              "/v1/export", "/v1/tokenizers/check"]
 
 
 def test_fuzzed_queries_never_get_a_5xx(hostile_collector, kit):
@@ -494,7 +495,7 @@ def test_fuzzed_queries_never_get_a_5xx(hostile_collector, kit):
     client = httpx.Client(base_url=col.url, timeout=30)
     seen: dict[int, int] = {}
 
-    @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+    @settings(max_examples=480, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
     @given(path=st.sampled_from(_GET_PATHS),
            query=st.lists(st.tuples(st.one_of(st.sampled_from(_QUERY_KEYS), st.text(max_size=8)), _query_values), max_size=6),
            trace=st.one_of(st.sampled_from(known), st.text(min_size=1, max_size=40)))

@@ -37,11 +37,23 @@ INT_PARAMS = [
     ("/ui/api/trajectories", "rollout_n", INT64_MIN, INT64_MAX),
     ("/ui/api/trajectories", "limit", 1, 500),
     ("/ui/api/trajectories", "offset", 0, INT64_MAX),
+    ("/v1/groups", "step", INT64_MIN, INT64_MAX),
+    ("/v1/groups", "limit", 1, 1000),
+    ("/v1/groups", "offset", 0, INT64_MAX),
+    ("/ui/api/groups", "step", INT64_MIN, INT64_MAX),
+    ("/ui/api/groups", "limit", 1, 1000),
+    ("/ui/api/groups", "offset", 0, INT64_MAX),
+    ("/v1/export", "step", INT64_MIN, INT64_MAX),
+    ("/v1/export", "step_min", INT64_MIN, INT64_MAX),
+    ("/v1/export", "step_max", INT64_MIN, INT64_MAX),
+    ("/v1/export", "sample_index", INT64_MIN, INT64_MAX),
+    ("/v1/export", "rollout_n", INT64_MIN, INT64_MAX),
+    ("/v1/export", "limit", 1, INT64_MAX),
 ]
 
 
 def _base(path: str) -> dict[str, Any]:
-    return {"step": 1} if path == "/v1/decisions" else {}
+    return {"step": 1} if path in ("/v1/decisions", "/v1/groups", "/ui/api/groups") else {}
 
 
 def test_every_integer_query_parameter_is_bounded_with_a_422_naming_it(start_collector, kit):
