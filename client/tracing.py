@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable, Iterator, TypeVar
 
 from . import tracer as _tracer
-from .spans import KIND_ANNOTATION, KIND_OP, KIND_TRAJECTORY, SpanRecord, _LazySignature
+from .spans import KIND_ANNOTATION, KIND_OP, KIND_TRAJECTORY, SpanRecord, _LazySignature, outer_stack
 
 F = TypeVar("F", bound=Callable[..., Any])
 _now = time.time
@@ -77,10 +77,9 @@ def rollout_trace_op(func: F) -> F:
 
 
 def _close(tracer: _tracer.Tracer, record: SpanRecord, output: Any, exception: BaseException | None) -> None:
-    """Ends a call's span and queues it: references only, everything else is the sender's job."""
-    record.output = output
-    record.exception = exception
-    record.end = _now()
+    """Ends a call's span and queues it: a shallow snapshot of the output (weave records the
+    value at finish), the exception by reference; everything else is the sender's job."""
+    record.finish(output, exception, _now())
     tracer.emit(record)
 
 
@@ -131,6 +130,7 @@ def rollout_trace_attr(
         yield record
     except BaseException as exc:
         record.exception = exc
+        record.exc_stack = outer_stack(exc)
         raise
     finally:
         current.reset(token)

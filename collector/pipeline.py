@@ -27,6 +27,7 @@ from .selection import Policies, TailSelector
 from .settings import CollectorSettings
 from .spool import Spool, SpoolFull, SpoolRow
 from .validate import Rejection, Validated, validate_batch
+from tracecar.client.redact import RedactKeys
 
 _DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 log = logging.getLogger("tracecar.collector.pipeline")
@@ -91,6 +92,7 @@ class IngestPipeline:
         self.spool = spool
         self.metrics = metrics
         self.tokenizers = TokenizerRegistry()
+        self.redact_keys = RedactKeys(settings.redact_keys)
         self.policies = Policies(settings)
         self.selection: TailSelector | None = None
         if self.policies.any_tail:
@@ -172,8 +174,10 @@ class IngestPipeline:
 
     # ---- stages (worker threads) ---------------------------------------------------------
     def _receive_and_validate(self, body: bytes, content_type: str | None, content_encoding: str | None) -> Validated:
-        raw = receive.parse(receive.decompress(body, content_encoding, self.settings.max_decompressed_bytes), content_type)
-        return validate_batch(raw, self.settings.max_batch_spans)
+        plain = receive.decompress(body, content_encoding, self.settings.max_decompressed_bytes)
+        raw = receive.parse(plain, content_type)
+        # redaction walks the spans only when the body holds a redact key at all
+        return validate_batch(raw, self.settings.max_batch_spans, self.redact_keys, plain)
 
     def _decode_and_serialize(self, validated: Validated, spans: list[dict[str, Any]]) -> tuple[list[SpoolRow], int, list[Rejection]]:
         batch = validated.batch
