@@ -38,7 +38,7 @@ class RedactKeys:
         alternatives = "|".join(re.escape(k) for k in sorted(self.keys, key=len, reverse=True))
         # key, optional closing quote, = or :, then a quoted string or a bare token
         self._text_re = re.compile(
-            rf"""(?i)((?:{alternatives})['"]?\s*[:=]\s*)('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[^\s,;)}}\]]+)"""
+            rf"""(?i)((?<![\w-])(?:{alternatives})['"]?\s*[:=]\s*)('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[^\s,;)}}\]]+)"""
         )
 
     def __contains__(self, key: object) -> bool:
@@ -102,4 +102,7 @@ def redact_span(span: dict[str, Any], keys: RedactKeys = DEFAULT) -> None:
         info = redact_value(info, keys)
         if type(info.get("message")) is str:
             info["message"] = keys.scrub_text(info["message"])
+        for frame in info.get("traceback") or ():
+            if type(frame) is dict and type(frame.get("text")) is str:
+                frame["text"] = keys.scrub_text(frame["text"])
         span["exception_info"] = info

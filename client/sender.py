@@ -194,6 +194,9 @@ class Sender:
             info = wire.get("exception_info")
             if info is not None:
                 info["message"] = scrub(info["message"])
+                for frame in info.get("traceback") or ():
+                    if frame["text"]:
+                        frame["text"] = scrub(frame["text"])  # a key hard-coded in the source line
         return wire
 
     def _header(self) -> dict[str, Any]:

@@ -37,7 +37,7 @@ class WireEncoder:
 
     Non-builtin values follow weave's serialisation rules (``weave.trace.serialization``):
     pydantic models and dataclasses become weave's type envelope (``_type``, the fields,
-    ``_class_name``, ``_bases``), namedtuples dicts, objects with ``to_dict`` that dict, and
+    ``_class_name``, ``_bases``), tuples (namedtuples too: weave's redaction makes them plain) lists, objects with ``to_dict`` that dict, and
     anything else its ``repr`` (cut at weave's 1,000 characters). Values under a redact key
     (:mod:`tracecar.client.redact`) become ``"REDACTED"``. On the slow path (:meth:`encode`),
     strings longer than ``max_string_chars`` are cut with a marker; nesting deeper than
@@ -82,8 +82,6 @@ class WireEncoder:
         shape = value_shape(type(value))
         if shape is not None:
             return shape.envelope(shape.fields_of(value))
-        if isinstance(value, tuple) and hasattr(value, "_asdict") and hasattr(value, "_fields"):
-            return dict(value._asdict())  # weave: a namedtuple is its dict
         tolist = getattr(value, "tolist", None)  # numpy values orjson can't take, torch tensors
         if callable(tolist) and type(value).__module__.split(".")[0] in ("numpy", "torch"):
             try:
