@@ -134,19 +134,15 @@ def _describe(exc: BaseException) -> str:
 _SCALARS = frozenset({str, int, float, bool, type(None), bytes})
 
 
-class Snapshot:
-    """A dict, pydantic model or dataclass as it was when the call returned.
+class Snapshot(tuple):
+    """A dict, pydantic model or dataclass as it was when the call returned: (shape, fields, lens).
 
     ``shape`` is None for a dict; ``fields`` is a fresh dict of the top-level values (dict values
     copied one level); ``lens`` the (key, length) of list values, sliced back on the sender.
+    A tuple subclass because building one is a single C call on the caller's path.
     """
 
-    __slots__ = ("shape", "fields", "lens")
-
-    def __init__(self, shape: ValueShape | None, fields: dict[str, Any], lens: tuple[Any, ...] | None) -> None:
-        self.shape = shape
-        self.fields = fields
-        self.lens = lens
+    __slots__ = ()
 
 
 class ListSnapshot:
@@ -178,7 +174,7 @@ def snapshot(value: Any) -> Any:
         return value
     if kind is dict:
         fields = dict(value)
-        return Snapshot(None, fields, _freeze(fields))
+        return Snapshot((None, fields, _freeze(fields)))
     if kind is tuple:  # e.g. BaseTool.execute's (ToolResponse, reward, metrics)
         return tuple(snapshot(v) if type(v) is not tuple else v for v in value)
     if kind is list:
@@ -187,28 +183,26 @@ def snapshot(value: Any) -> Any:
     if shape is None:
         return value  # a plain object is written as its repr, as weave does
     fields = dict(value.__dict__) if shape.pydantic else shape.fields_of(value)
-    return Snapshot(shape, fields, _freeze(fields))
+    return Snapshot((shape, fields, _freeze(fields)))
 
 
 def restore(value: Any) -> Any:
     """Sender thread: a snapshot back to plain values (models as weave's envelope)."""
     kind = type(value)
+    if kind is Snapshot:
+        shape, fields, lens = value
+        if lens:
+            fields = dict(fields)
+            for key, n in lens:
+                if len(fields[key]) != n:
+                    fields[key] = fields[key][:n]
+        return fields if shape is None else shape.envelope(fields)
     if kind is tuple:
         return [restore(v) for v in value]
     if kind is ListSnapshot:
         items = value.items
         return items if len(items) == value.n else items[: value.n]
-    if kind is not Snapshot:
-        return value
-    fields = value.fields
-    if value.lens:
-        fields = dict(fields)
-        for key, n in value.lens:
-            if len(fields[key]) != n:
-                fields[key] = fields[key][:n]
-    if value.shape is None:
-        return fields
-    return value.shape.envelope(fields)
+    return value
 
 
 # ---- exceptions in weave's shape -----------------------------------------------------------
