@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable
 
+_MAX_HOPS = 64
 DEFAULT_REDACT_KEYS: frozenset[str] = frozenset({"api_key", "auth_headers", "authorization"})
 REDACTED = "REDACTED"  # weave.utils.sanitize.REDACTED_VALUE
 
@@ -24,7 +25,7 @@ REDACTED = "REDACTED"  # weave.utils.sanitize.REDACTED_VALUE
 class RedactKeys:
     """A frozen, lower-cased key set and the byte patterns that find it in packed JSON/msgpack."""
 
-    __slots__ = ("keys", "_needles", "_always_walk", "_text_re")
+    __slots__ = ("keys", "_needles", "_needle_set", "_lengths", "_always_walk", "_text_re")
 
     def __init__(self, extra: Iterable[str] = ()) -> None:
         keys = set(DEFAULT_REDACT_KEYS)
@@ -35,6 +36,8 @@ class RedactKeys:
         self._always_walk = any(not k.isascii() or any(c in k for c in '"\\') or not k.isprintable()
                                 for k in self.keys)
         self._needles = tuple(k.encode() for k in sorted(self.keys))
+        self._needle_set = frozenset(self._needles)
+        self._lengths = frozenset(len(n) for n in self._needles)
         alternatives = "|".join(re.escape(k) for k in sorted(self.keys, key=len, reverse=True))
         # key, optional closing quote, = or :, then a quoted string or a bare token
         self._text_re = re.compile(
@@ -44,10 +47,31 @@ class RedactKeys:
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and key.lower() in self.keys
 
-    def might_hold(self, packed: bytes) -> bool:
-        """False only when no key can be in ``packed`` (a substring search; false hits are fine)."""
+    def might_hold(self, packed: bytes, is_json: bool = True) -> bool:
+        """False only when no key can be in ``packed`` (false hits are fine: they cost a walk).
+
+        JSON: every key is a whole quoted string, so the pieces between quotes of the lowered
+        bytes are compared with the key set as a set operation, in C (a substring search per
+        key costs several times more on long token-id lists). Other formats (msgpack): a
+        substring search per key.
+        """
         if self._always_walk:
             return True
+        if is_json:
+            # Hop from quote to quote (memchr): token-id lists hold none, so a span of ids costs
+            # a few hops; past _MAX_HOPS quotes, one lower+split over the whole body is cheaper.
+            find, lengths, needles = packed.find, self._lengths, self._needle_set
+            start = find(b'"')
+            for _ in range(_MAX_HOPS):
+                if start < 0:
+                    return False
+                end = find(b'"', start + 1)
+                if end < 0:
+                    return False
+                if end - start - 1 in lengths and packed[start + 1:end].lower() in needles:
+                    return True
+                start = end
+            return not needles.isdisjoint(packed.lower().split(b'"'))
         low = packed.lower()
         return any(n in low for n in self._needles)
 

@@ -177,7 +177,8 @@ class IngestPipeline:
         plain = receive.decompress(body, content_encoding, self.settings.max_decompressed_bytes)
         raw = receive.parse(plain, content_type)
         # redaction walks the spans only when the body holds a redact key at all
-        return validate_batch(raw, self.settings.max_batch_spans, self.redact_keys, plain)
+        return validate_batch(raw, self.settings.max_batch_spans, self.redact_keys, plain,
+                              body_is_json=not (content_type or "").lower().split(";")[0].strip().endswith("msgpack"))
 
     def _decode_and_serialize(self, validated: Validated, spans: list[dict[str, Any]]) -> tuple[list[SpoolRow], int, list[Rejection]]:
         batch = validated.batch

@@ -135,7 +135,8 @@ class EnvelopeError(Exception):
         self.reason = reason
 
 
-def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT, body: bytes | None = None) -> Validated:
+def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT, body: bytes | None = None,
+                   body_is_json: bool = True) -> Validated:
     """Validates the envelope (all-or-nothing) and each span (one by one), then redacts.
 
     Values under a redact key are replaced by ``REDACTED`` before anything is stored (other
@@ -152,7 +153,7 @@ def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT
     if len(batch.spans) > max_spans:
         raise EnvelopeError("spans", f"{len(batch.spans)} spans exceed TRACECAR_MAX_BATCH_SPANS={max_spans}")
     out = Validated(batch=batch)
-    walk = body is None or redact.might_hold(body)
+    walk = body is None or redact.might_hold(body, body_is_json)
     if walk and batch.client:
         batch.client = {k: (REDACTED if k in redact else v) for k, v in batch.client.items()}
     seen: dict[str, int] = {}

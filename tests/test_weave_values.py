@@ -341,6 +341,9 @@ def test_collector_redacts_again_and_keeps_secrets_out_of_store_logs_and_errors(
     answer = kit.post(col.url, traj + [bad])
     assert answer.status_code == 200 and "sk-raw" not in answer.text
     assert [r["field"] for r in answer.json()["rejected"]] == ["spans[2].attributes.step"]
+    packed = kit.trajectory(children=1)
+    packed[0]["inputs"] = {"Auth_Headers": {"k": "sk-raw-msgpack"}}
+    assert kit.post(col.url, packed, fmt="msgpack").status_code == 200
     # and tracecar's own client, whose sender already redacted
     tracer = tracer_to(col.url, experiment="exp-values")
     trace_id, _ = asyncio.run(_one_trajectory(2))
@@ -353,11 +356,14 @@ def test_collector_redacts_again_and_keeps_secrets_out_of_store_logs_and_errors(
     assert child["inputs"] == {"headers": {"AUTHORIZATION": REDACTED}, "x-vendor-key": REDACTED}
     assert child["output"] == {"nested": [{"api_key": REDACTED}]}
     assert "sk-raw-exc" not in child["exception"]
+    via_msgpack = httpx.get(f"{col.url}/v1/trajectories/{packed[0]['trace_id']}").json()["root"]["children"][0]
+    assert via_msgpack["inputs"] == {"Auth_Headers": REDACTED}
     metrics = httpx.get(col.url + "/metrics").text
     col.stop()
     spool_bytes = b"".join(p.read_bytes() for p in Path(col.settings.data_dir).rglob("*") if p.is_file())
     everything = spool_bytes + metrics.encode() + caplog.text.encode() + json.dumps(tree).encode()
-    for secret in SECRETS + ("sk-raw-header", "sk-raw-vendor", "sk-raw-output", "sk-raw-exc", "sk-raw-rejected"):
+    for secret in SECRETS + ("sk-raw-header", "sk-raw-vendor", "sk-raw-output", "sk-raw-exc", "sk-raw-rejected",
+                                 "sk-raw-msgpack"):
         assert secret.encode() not in everything, secret
     assert REDACTED.encode() in spool_bytes
 
@@ -382,3 +388,16 @@ def test_forwarded_call_carries_attributes_weave_and_weaves_exception_json(trace
     [failed] = [(c, s) for c, s in zip(calls, spans) if s["exception"]]
     assert failed[0]["exception"] == json.dumps(failed[1]["exception_info"])
     assert set(json.loads(failed[0]["exception"])) == {"type", "message", "traceback"}
+
+
+@pytest.mark.parametrize("packed, holds", [
+    (b'{"ids":[1,2,3],"x":{"Authorization":1}}', True),
+    (b'{"x":1,"API_KEY":2}', True),
+    (b'{"x":"say \\"api_key\\" please"}', False),  # a string value that mentions a key is no key
+    (b'{"ids":[' + b",".join(b"%d" % i for i in range(3000)) + b'],"n":1}', False),
+    (orjson.dumps({"messages": [{"role": "user", "content": "hi"}] * 200, "deep": {"auth_headers": {}}}), True),
+    (orjson.dumps({"messages": [{"role": "user", "content": "hi"}] * 200}), False),
+])
+def test_the_byte_prefilter_finds_every_key_and_only_keys(packed, holds):
+    assert RedactKeys().might_hold(packed) is holds
+    assert RedactKeys().might_hold(packed, is_json=False) is (holds or b"api_key" in packed)
