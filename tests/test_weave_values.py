@@ -420,3 +420,28 @@ def test_with_token2text_a_model_output_is_verls_model_dump_plus_texts(start_col
     assert run["output"] == expected and list(run["output"]) == list(expected)
     tools = [c for c in run["children"] if c["output"]]
     assert tools[0]["output"][0]["_type"] == "ToolResponse"  # no ids: left typed, as VERL leaves it
+
+
+def test_verls_own_types_serialise_as_weave_serialises_them():
+    """Where VERL is installed (the VERL venv of CI): the same comparison on VERL's real classes."""
+    agent_loop = pytest.importorskip("verl.experimental.agent_loop.agent_loop")
+    tool_agent_loop = pytest.importorskip("verl.experimental.agent_loop.tool_agent_loop")
+    from verl.experimental.agent_loop.tool_parser import FunctionCall as VerlFunctionCall
+    from verl.tools.schemas import ToolResponse as VerlToolResponse
+
+    replica = pytest.importorskip("verl.workers.rollout.replica")
+    metrics = agent_loop.AgentLoopMetrics(generate_sequences=0.5)
+    values = [
+        agent_loop.AgentLoopOutput(prompt_ids=[1, 2], response_ids=[3], response_mask=[1], metrics=metrics,
+                                   extra_fields={"k": [1]}),
+        metrics,
+        VerlToolResponse(text="5"),
+        VerlFunctionCall(arguments='{"a": 1}', name="add"),
+        replica.TokenOutput(token_ids=[1, 2], log_probs=[-0.5, -0.25]),
+        tool_agent_loop.AgentData(messages=[{"role": "user", "content": "q"}], image_data=[], video_data=[],
+                                  audio_data=None, mm_processor_kwargs=None, metrics={}, request_id="r",
+                                  tools_kwargs={"add": {"api_key": "sk-real-verl"}}),
+    ]
+    for value in values:
+        assert tracecar_json(value) == weave_json(value), type(value).__name__
+    assert "sk-real-verl" not in json.dumps([tracecar_json(v) for v in values])
