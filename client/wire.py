@@ -81,7 +81,10 @@ class WireEncoder:
         """One level of conversion for a non-builtin value (never recursive itself)."""
         shape = value_shape(type(value))
         if shape is not None:
-            return shape.envelope(shape.fields_of(value))
+            try:
+                return shape.envelope(shape.fields_of(value))
+            except Exception:  # noqa: BLE001 - a field that raises: the model is traced as its repr
+                return self.stringify(value)
         tolist = getattr(value, "tolist", None)  # numpy values orjson can't take, torch tensors
         if callable(tolist) and type(value).__module__.split(".")[0] in ("numpy", "torch"):
             try:
@@ -186,7 +189,8 @@ def pack_span(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> by
     if not (_has_non_finite(wire.get("output")) or _has_non_finite(wire.get("attributes"))):
         try:
             packed = orjson.dumps(wire, default=encoder.flatten, option=_OPTIONS)
-            if len(packed) <= size_limit and not encoder.redact.might_hold(packed):
+            # the span's own fields before "attributes" are ids and names: no key to redact there
+            if len(packed) <= size_limit and not encoder.redact.might_hold(packed, start_at=max(0, packed.find(b'"attributes":'))):
                 return packed
         except (orjson.JSONEncodeError, TypeError, OverflowError, RecursionError):
             pass
