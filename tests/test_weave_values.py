@@ -19,6 +19,7 @@ import dataclasses
 import inspect
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Optional
@@ -445,3 +446,33 @@ def test_verls_own_types_serialise_as_weave_serialises_them():
     for value in values:
         assert tracecar_json(value) == weave_json(value), type(value).__name__
     assert "sk-real-verl" not in json.dumps([tracecar_json(v) for v in values])
+
+
+def test_forwarded_weave_calls_hold_no_secret_and_show_weaves_exception_and_client_block(start_collector, tracer_to):
+    try:
+        from weave_stub import WeaveStub
+    except ImportError:  # pragma: no cover - run from the repo root
+        from tests.weave_stub import WeaveStub
+
+    with WeaveStub() as stub:
+        col = start_collector(backend="weave", wandb_api_key="k" * 40, wandb_entity="team", wandb_project="rl",
+                              weave_server_url=stub.url)
+        tracer = tracer_to(col.url, experiment="exp-values", worker_id="w-fwd", redact_keys=("my_session_token",))
+        asyncio.run(_one_trajectory(5))
+        assert tracer.flush(20)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(stub.completed_calls()) < 4:
+            time.sleep(0.1)
+        calls = stub.completed_calls()
+        raw = b"".join(r.raw for r in stub.requests_to(".*"))
+    assert len(calls) == 4
+    for secret in SECRETS:
+        assert secret.encode() not in raw, secret
+    [failed] = [c for c in calls if c["exception"]]
+    exc = json.loads(failed["exception"])
+    assert (exc["type"], exc["message"]) == ("PermissionError", f"upstream refused api_key={REDACTED} for i-1")
+    assert exc["traceback"][-1]["function_name"] == "execute"
+    assert all(c["attributes"]["weave"]["source"] == "tracecar" and c["attributes"]["weave"]["worker"] == "w-fwd"
+               for c in calls)
+    [run] = [c for c in calls if c["op_name"].endswith("ToolAgentLoop.run") or "/op/ToolAgentLoop.run:" in c["op_name"]]
+    assert run["output"] == weave_json(agent_loop_output())
