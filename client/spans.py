@@ -132,6 +132,7 @@ def _describe(exc: BaseException) -> str:
 
 # ---- output snapshot (caller's path: cheap, one level) ------------------------------------
 _SCALARS = frozenset({str, int, float, bool, type(None), bytes})
+_NESTED = frozenset({dict, list})
 
 
 class Snapshot(tuple):
@@ -170,11 +171,20 @@ def _freeze(fields: dict[str, Any]) -> tuple[Any, ...] | None:
 def snapshot(value: Any) -> Any:
     """The output as weave would see it at finish, at the cost of a shallow copy (or nothing)."""
     kind = type(value)
+    if kind is dict:  # the common case, inline: a dict without list values is its own snapshot
+        fields = value.copy()
+        if _NESTED.isdisjoint(map(type, fields.values())):
+            return fields
+        lens = None
+        for key, item in fields.items():
+            item_kind = type(item)
+            if item_kind is dict:
+                fields[key] = item.copy()
+            elif item_kind is list:
+                lens = (lens or ()) + ((key, len(item)),)
+        return fields if lens is None else Snapshot((None, fields, lens))
     if kind in _SCALARS:
         return value
-    if kind is dict:
-        fields = dict(value)
-        return Snapshot((None, fields, _freeze(fields)))
     if kind is tuple:  # e.g. BaseTool.execute's (ToolResponse, reward, metrics)
         return tuple(snapshot(v) if type(v) is not tuple else v for v in value)
     if kind is list:
