@@ -86,14 +86,6 @@ class SpanRecord:
         self.exception: BaseException | str | None = None
         self.exc_stack: tuple[tuple[Any, int | None], ...] | None = None
 
-    def finish(self, output: Any, exception: BaseException | None, end: float) -> None:
-        """Caller's path, at return or raise: snapshot the output, keep the exception cheaply."""
-        self.output = snapshot(output) if exception is None else None
-        if exception is not None:
-            self.exception = exception
-            self.exc_stack = outer_stack(exception)
-        self.end = end
-
     @property
     def span_id(self) -> str:
         return f"{self.prefix}{self.number:016x}"
