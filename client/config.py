@@ -7,10 +7,15 @@ bound the sender applies is one of these fields.
 
 from __future__ import annotations
 
+import functools
 import os
+import platform
 import socket
+import sys
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
+
+from .redact import parse_keys
 
 ENV_PREFIX = "TRACECAR_"
 
@@ -30,6 +35,20 @@ def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
 def default_worker_id() -> str:
     """host:pid — unique per rollout worker process, recomputed after fork."""
     return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@functools.lru_cache(maxsize=1)
+def client_info() -> dict[str, str]:
+    """What weave puts under ``attributes.weave`` (``weave.utils.capture_info``), for tracecar:
+    the collector forwards it there, with ``source`` "tracecar" and the worker added."""
+    try:
+        from importlib.metadata import version
+
+        client_version = version("tracecar")
+    except Exception:  # noqa: BLE001 - a source checkout without metadata
+        client_version = "unknown"
+    return {"client_version": client_version, "source": "tracecar", "sys_version": sys.version,
+            "os_name": platform.system(), "os_version": platform.version(), "os_release": platform.release()}
 
 
 @dataclass(frozen=True)
@@ -64,6 +83,10 @@ class ClientConfig:
     compress_min_bytes: int = 8 * 1024
     max_string_chars: int = 1_000_000
     max_depth: int = 32
+    # Keys whose values are replaced by "REDACTED" on top of weave's own set (api_key,
+    # auth_headers, authorization), matched case-insensitively at any depth.
+    redact_keys: tuple[str, ...] = ()
+    max_traceback_frames: int = 200
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "ClientConfig":
@@ -91,6 +114,8 @@ class ClientConfig:
             compress_min_bytes=_env_int(env, "COMPRESS_MIN_BYTES", cls.compress_min_bytes),
             max_string_chars=_env_int(env, "MAX_STRING_CHARS", cls.max_string_chars),
             max_depth=_env_int(env, "MAX_DEPTH", cls.max_depth),
+            redact_keys=parse_keys(env.get("TRACECAR_REDACT_KEYS")),
+            max_traceback_frames=_env_int(env, "MAX_TRACEBACK_FRAMES", cls.max_traceback_frames),
         )
         known = {f.name for f in fields(cls)}
         return replace(base, **{k: v for k, v in overrides.items() if k in known and v is not None})

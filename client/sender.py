@@ -20,8 +20,9 @@ from typing import Any
 import httpx
 import orjson
 
-from .config import ClientConfig, default_worker_id
+from .config import ClientConfig, client_info, default_worker_id
 from .loud import FailureReporter
+from .redact import RedactKeys
 from .retry_after import parse_retry_after
 from .spans import SpanRecord
 from .wire import JSON_CONTENT_TYPE, WIRE_VERSION, WireEncoder, batch_body, pack_span
@@ -60,7 +61,7 @@ class Sender:
 
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
-        self.encoder = WireEncoder(config.max_string_chars, config.max_depth)
+        self.encoder = WireEncoder(config.max_string_chars, config.max_depth, RedactKeys(config.redact_keys))
         self._init_state()
         os.register_at_fork(after_in_child=self._init_state)
 
@@ -168,7 +169,7 @@ class Sender:
         while queue and len(parts) < cfg.batch_max_spans and size < cfg.batch_max_bytes:
             record = queue.popleft()
             try:
-                packed = pack_span(record.to_wire(), self.encoder, cfg.max_string_chars)
+                packed = pack_span(self._wire(record), self.encoder, cfg.max_string_chars)
             except Exception as exc:  # noqa: BLE001 - one unserialisable span must not cost the batch
                 log.warning("tracecar: span %s could not be encoded: %s", record.name, exc)
                 with self._lock:
@@ -188,10 +189,24 @@ class Sender:
             return None
         return batch_body(self._header(), parts), len(parts)
 
+    def _wire(self, record: SpanRecord) -> dict[str, Any]:
+        """The span's wire dict, exception text scrubbed (key-based redaction is in pack_span)."""
+        wire = record.to_wire(self.config.max_traceback_frames)
+        if wire["exception"] is not None:
+            scrub = self.encoder.redact.scrub_text
+            wire["exception"] = scrub(wire["exception"])
+            info = wire.get("exception_info")
+            if info is not None:
+                info["message"] = scrub(info["message"])
+                for frame in info.get("traceback") or ():
+                    if frame["text"]:
+                        frame["text"] = scrub(frame["text"])  # a key hard-coded in the source line
+        return wire
+
     def _header(self) -> dict[str, Any]:
         cfg = self.config
         header = {"v": WIRE_VERSION, "worker": self.worker_id, "project": cfg.project,
-                  "entity": cfg.entity, "tokenizer": cfg.tokenizer}
+                  "entity": cfg.entity, "tokenizer": cfg.tokenizer, "client": client_info()}
         if cfg.token2text is not None:
             header["token2text"] = cfg.token2text
         if cfg.max_samples_per_step_per_worker is not None:

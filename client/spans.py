@@ -4,16 +4,27 @@ The hot path stores references only (the callable's signature, the raw args, the
 binding arguments, flattening outputs and packing token ids happen on the sender thread.
 Lists passed as arguments are captured by length: agent loops grow ``prompt_ids`` in place
 turn by turn, so the sender slices them back to what the call actually saw.
+
+Outputs are snapshotted when the call returns (:func:`snapshot`), because callers change them
+afterwards (VERL sets ``reward_score`` and ``extra_fields["raw_prompt"]`` on the returned
+``AgentLoopOutput``) and weave records a call's output as it was at finish: the top-level fields
+of a dict, pydantic model or dataclass are copied, dict-valued fields one level further, lists
+by length. An exception keeps the exception object and the (code, line) pairs of the frames
+above the one that caught it; weave's traceback shape is built from them on the sender thread.
 """
 
 from __future__ import annotations
 
 import inspect
+import linecache
 import os
 import secrets
 import threading
+import traceback
 from itertools import count
 from typing import Any, Callable
+
+from .wire import ValueShape, value_shape
 
 
 KIND_OP = "op"
@@ -44,7 +55,7 @@ class SpanRecord:
 
     __slots__ = (
         "number", "prefix", "trace", "parent", "name", "kind", "start", "end",
-        "attributes", "signature", "args", "kwargs", "list_lens", "output", "exception",
+        "attributes", "signature", "args", "kwargs", "list_lens", "output", "exception", "exc_stack",
     )
 
     def __init__(
@@ -73,16 +84,17 @@ class SpanRecord:
         self.list_lens = _list_lengths(args, kwargs) if signature is not None else None
         self.output: Any = None
         self.exception: BaseException | str | None = None
+        self.exc_stack: tuple[tuple[Any, int | None], ...] | None = None
 
     @property
     def span_id(self) -> str:
         return f"{self.prefix}{self.number:016x}"
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self, max_frames: int = 200) -> dict[str, Any]:
         """Wire dict for this span (values as captured); runs on the sender thread."""
         parent = self.parent
         exc = self.exception
-        return {
+        wire = {
             "span_id": self.span_id,
             "trace_id": self.trace.span_id,
             "parent_id": parent.span_id if parent is not None else None,
@@ -92,9 +104,12 @@ class SpanRecord:
             "end_time": self.end,
             "attributes": self.attributes or {},
             "inputs": self._inputs(),
-            "output": self.output,
+            "output": restore(self.output),
             "exception": None if exc is None else (exc if isinstance(exc, str) else _describe(exc)),
         }
+        if isinstance(exc, BaseException):
+            wire["exception_info"] = exception_info(exc, self.exc_stack, max_frames)
+        return wire
 
     def _inputs(self) -> dict[str, Any]:
         if self.signature is None:
@@ -104,7 +119,140 @@ class SpanRecord:
 
 
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    return f"{type(exc).__name__}: {_safe_str(exc)}"
+
+
+# ---- output snapshot (caller's path: cheap, one level) ------------------------------------
+_SCALARS = frozenset({str, int, float, bool, type(None), bytes})
+_NESTED = frozenset({dict, list})
+
+
+class Snapshot(tuple):
+    """A dict, pydantic model or dataclass as it was when the call returned: (shape, fields, lens).
+
+    ``shape`` is None for a dict; ``fields`` is a fresh dict of the top-level values (dict values
+    copied one level); ``lens`` the (key, length) of list values, sliced back on the sender.
+    A tuple subclass because building one is a single C call on the caller's path.
+    """
+
+    __slots__ = ()
+
+
+class ListSnapshot:
+    """A returned list and its length at return (an agent loop may keep appending to it)."""
+
+    __slots__ = ("items", "n")
+
+    def __init__(self, items: list[Any], n: int) -> None:
+        self.items = items
+        self.n = n
+
+
+def _freeze(fields: dict[str, Any]) -> tuple[Any, ...] | None:
+    """Copies dict values one level (in place, on a fresh dict) and notes list lengths."""
+    lens = None
+    for key, value in fields.items():
+        kind = type(value)
+        if kind is dict:
+            fields[key] = dict(value)
+        elif kind is list:
+            lens = (lens or ()) + ((key, len(value)),)
+    return lens
+
+
+def snapshot(value: Any) -> Any:
+    """The output as weave would see it at finish, at the cost of a shallow copy (or nothing)."""
+    kind = type(value)
+    if kind is dict:  # the common case, inline: a dict without list values is its own snapshot
+        fields = value.copy()
+        if _NESTED.isdisjoint(map(type, fields.values())):
+            return fields
+        lens = None
+        for key, item in fields.items():
+            item_kind = type(item)
+            if item_kind is dict:
+                fields[key] = item.copy()
+            elif item_kind is list:
+                lens = (lens or ()) + ((key, len(item)),)
+        return fields if lens is None else Snapshot((None, fields, lens))
+    if kind in _SCALARS:
+        return value
+    if kind is tuple:  # e.g. BaseTool.execute's (ToolResponse, reward, metrics)
+        return tuple(snapshot(v) if type(v) is not tuple else v for v in value)
+    if kind is list:
+        return ListSnapshot(value, len(value))
+    shape = value_shape(kind)
+    if shape is None:
+        return value  # a plain object is written as its repr, as weave does
+    fields = dict(value.__dict__) if shape.pydantic else shape.fields_of(value)
+    return Snapshot((shape, fields, _freeze(fields)))
+
+
+def restore(value: Any) -> Any:
+    """Sender thread: a snapshot back to plain values (models as weave's envelope)."""
+    kind = type(value)
+    if kind is Snapshot:
+        shape, fields, lens = value
+        if lens:
+            fields = dict(fields)
+            for key, n in lens:
+                if len(fields[key]) != n:
+                    fields[key] = fields[key][:n]
+        return fields if shape is None else shape.envelope(fields)
+    if kind is tuple:
+        return [restore(v) for v in value]
+    if kind is ListSnapshot:
+        items = value.items
+        return items if len(items) == value.n else items[: value.n]
+    return value
+
+
+# ---- exceptions in weave's shape -----------------------------------------------------------
+_MAX_OUTER_FRAMES = 256
+
+
+def outer_stack(exc: BaseException) -> tuple[tuple[Any, int | None], ...] | None:
+    """Caller's path: (code, line) of the frames above the one the exception reached.
+
+    weave's ``exception_to_dict`` lists ``extract_stack(tb.tb_frame)[:-1]`` then the traceback;
+    the outer frames keep running, so their current lines are read now, their text later.
+    """
+    tb = exc.__traceback__
+    if tb is None:
+        return None
+    frames = []
+    frame = tb.tb_frame.f_back
+    while frame is not None and len(frames) < _MAX_OUTER_FRAMES:
+        frames.append((frame.f_code, frame.f_lineno))
+        frame = frame.f_back
+    frames.reverse()
+    return tuple(frames)
+
+
+def _frame_dict(filename: str, lineno: int | None, name: str) -> dict[str, Any]:
+    line = linecache.getline(filename, lineno).strip() if lineno else ""
+    return {"filename": filename, "line_number": lineno, "function_name": name, "text": line}
+
+
+def exception_info(exc: BaseException, outer: tuple[tuple[Any, int | None], ...] | None, max_frames: int) -> dict[str, Any]:
+    """weave's ``exception_to_dict``: type, message and (when raised) the traceback frames.
+
+    At most ``max_frames`` frames are kept: the innermost ones (where it was raised).
+    """
+    info: dict[str, Any] = {"type": type(exc).__name__, "message": _safe_str(exc)}
+    if exc.__traceback__ is not None:
+        frames = [_frame_dict(code.co_filename, lineno, code.co_name) for code, lineno in (outer or ())]
+        frames.extend(_frame_dict(fs.filename, fs.lineno, fs.name)
+                      for fs in traceback.extract_tb(exc.__traceback__, limit=None))
+        info["traceback"] = frames[-max_frames:] if max_frames > 0 else []
+    return info
+
+
+def _safe_str(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not cost the span
+        return f"<unprintable {type(exc).__name__}>"
 
 
 def _list_lengths(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> tuple[Any, ...] | None:
@@ -162,12 +310,13 @@ class _LazySignature:
 
 
 class _BindPlan:
-    __slots__ = ("signature", "positional", "named", "var_positional", "var_keyword", "defaults")
+    __slots__ = ("signature", "order", "positional", "named", "var_positional", "var_keyword", "defaults")
 
     def __init__(self, signature: inspect.Signature) -> None:
         P = inspect.Parameter
         params = list(signature.parameters.values())
         self.signature = signature
+        self.order = tuple(p.name for p in params)
         self.positional = [p.name for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
         self.named = {p.name for p in params if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)}
         self.var_positional = next((p.name for p in params if p.kind is P.VAR_POSITIONAL), None)
@@ -198,7 +347,9 @@ class _BindPlan:
             inputs[self.var_positional] = ()
         if self.var_keyword is not None and self.var_keyword not in inputs:
             inputs[self.var_keyword] = {}
-        return inputs
+        # signature order, as BoundArguments.apply_defaults leaves it (keywords and defaults
+        # were added in call order above; weave shows inputs in the order they are stored)
+        return {name: inputs[name] for name in self.order if name in inputs}
 
     def _slow(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """What inspect makes of it; a call the function itself would reject is kept raw."""

@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable, Iterator, TypeVar
 
 from . import tracer as _tracer
-from .spans import KIND_ANNOTATION, KIND_OP, KIND_TRAJECTORY, SpanRecord, _LazySignature
+from .spans import KIND_ANNOTATION, KIND_OP, KIND_TRAJECTORY, SpanRecord, _LazySignature, outer_stack, snapshot
 
 KIND_MEMBERSHIP = "membership"
 
@@ -79,9 +79,13 @@ def rollout_trace_op(func: F) -> F:
 
 
 def _close(tracer: _tracer.Tracer, record: SpanRecord, output: Any, exception: BaseException | None) -> None:
-    """Ends a call's span and queues it: references only, everything else is the sender's job."""
-    record.output = output
-    record.exception = exception
+    """Ends a call's span and queues it: a shallow snapshot of the output (weave records the
+    value at finish), the exception by reference; everything else is the sender's job."""
+    if exception is None:
+        record.output = snapshot(output)
+    else:
+        record.exception = exception
+        record.exc_stack = outer_stack(exception)
     record.end = _now()
     tracer.emit(record)
 
@@ -133,6 +137,7 @@ def rollout_trace_attr(
         yield record
     except BaseException as exc:
         record.exception = exc
+        record.exc_stack = outer_stack(exc)
         raise
     finally:
         current.reset(token)

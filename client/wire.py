@@ -7,7 +7,8 @@ stay ids (never decoded in the worker). Each span is packed once, on the sender 
 batch body is the packed spans joined, so batches are cut by exact byte counts.
 
 Two ways to pack a span: the fast path hands the captured structure to orjson with a
-``default`` hook for non-builtin values (pydantic models, numpy, objects); anything that path
+``default`` hook for non-builtin values (pydantic models, numpy, objects); a span whose bytes
+may hold a redact key, anything that path
 cannot take (cycles, nesting past 254 levels, integers past 64 bits), a non-finite top-level
 number (orjson would turn a NaN reward into null), or a result larger than the string bound
 goes through :class:`WireEncoder`, which walks the value in Python and applies every bound.
@@ -15,29 +16,40 @@ goes through :class:`WireEncoder`, which walks the value in Python and applies e
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any
 
 import orjson
+
+from .redact import DEFAULT as DEFAULT_REDACT
+from .redact import REDACTED, RedactKeys
 
 WIRE_VERSION = 1
 JSON_CONTENT_TYPE = "application/json"
 _TRUNCATED = "…[truncated by tracecar: {n} chars]"
-_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+# dataclasses go through ``default`` too, so they get weave's envelope rather than orjson's plain dict
+_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_PASSTHROUGH_DATACLASS
+_WEAVE_MAX_STR_LEN = 1000  # weave.trace.serialization.serialize.MAX_STR_LEN
 
 
 class WireEncoder:
-    """Turns arbitrary traced values into JSON-able data within explicit bounds (slow path).
+    """Turns arbitrary traced values into JSON-able data within explicit bounds, as weave would.
 
-    Strings longer than ``max_string_chars`` are cut with a marker; nesting deeper than
+    Non-builtin values follow weave's serialisation rules (``weave.trace.serialization``):
+    pydantic models and dataclasses become weave's type envelope (``_type``, the fields,
+    ``_class_name``, ``_bases``), tuples (namedtuples too: weave's redaction makes them plain) lists, objects with ``to_dict`` that dict, and
+    anything else its ``repr`` (cut at weave's 1,000 characters). Values under a redact key
+    (:mod:`tracecar.client.redact`) become ``"REDACTED"``. On the slow path (:meth:`encode`),
+    strings longer than ``max_string_chars`` are cut with a marker; nesting deeper than
     ``max_depth`` and cycles become a repr; non-finite floats become the strings ``nan``,
     ``inf``, ``-inf``; so a hostile or huge output can never stall or crash the sender.
     """
 
-    def __init__(self, max_string_chars: int = 1_000_000, max_depth: int = 32) -> None:
+    def __init__(self, max_string_chars: int = 1_000_000, max_depth: int = 32,
+                 redact: RedactKeys = DEFAULT_REDACT) -> None:
         self.max_string_chars = max_string_chars
         self.max_depth = max_depth
+        self.redact = redact
 
     def encode(self, value: Any, depth: int = 0) -> Any:
         kind = type(value)
@@ -50,49 +62,116 @@ class WireEncoder:
         if kind is str:
             return self._cut(value)
         if depth >= self.max_depth:
-            return self._cut(repr(value))
+            return self._cut(self.redact.scrub_text(repr(value)))
         if kind is list or kind is tuple:
             return [self.encode(v, depth + 1) for v in value]
         if kind is dict:
-            return {str(k): self.encode(v, depth + 1) for k, v in value.items()}
+            keys = self.redact
+            return {str(k): REDACTED if k in keys else self.encode(v, depth + 1) for k, v in value.items()}
         if kind is bytes or kind is bytearray:
             return self._cut(bytes(value).decode("utf-8", "replace"))
-        return self.encode(_flatten(value), depth + 1)
+        return self.encode(self.flatten(value), depth + 1)
 
     def _cut(self, text: str) -> str:
         if len(text) <= self.max_string_chars:
             return text
         return text[: self.max_string_chars] + _TRUNCATED.format(n=len(text) - self.max_string_chars)
 
+    def flatten(self, value: Any) -> Any:
+        """One level of conversion for a non-builtin value (never recursive itself)."""
+        shape = value_shape(type(value))
+        if shape is not None:
+            try:
+                return shape.envelope(shape.fields_of(value))
+            except Exception:  # noqa: BLE001 - a field that raises: the model is traced as its repr
+                return self.stringify(value)
+        tolist = getattr(value, "tolist", None)  # numpy values orjson can't take, torch tensors
+        if callable(tolist) and type(value).__module__.split(".")[0] in ("numpy", "torch"):
+            try:
+                return tolist()
+            except Exception:  # noqa: BLE001
+                return self.stringify(value)
+        if isinstance(value, (set, frozenset, tuple, list)):
+            return list(value)
+        if isinstance(value, dict):
+            return dict(value)
+        if isinstance(value, (bytes, bytearray)):
+            return bytes(value).decode("utf-8", "replace")
+        if not isinstance(value, (type, BaseException)):
+            to_dict = getattr(value, "to_dict", None)  # weave's Dictifiable protocol
+            if callable(to_dict):
+                try:
+                    as_dict = to_dict()
+                except Exception:  # noqa: BLE001 - weave falls through to the repr as well
+                    as_dict = None
+                if isinstance(as_dict, dict):
+                    return as_dict
+        return self.stringify(value)
 
-def _flatten(value: Any) -> Any:
-    """One level of conversion for non-builtin values (never recursive itself)."""
-    if isinstance(value, BaseException):
-        return f"{type(value).__name__}: {value}"
-    dump: Callable[..., Any] | None = getattr(value, "model_dump", None)
-    if callable(dump) and not isinstance(value, type):
+    def stringify(self, value: Any) -> str:
+        """weave's ``stringify``: the repr (else str), cut to 1,000 characters, secrets scrubbed."""
         try:
-            return dump()
-        except Exception:  # noqa: BLE001 - a broken model still gets traced as its repr
-            return repr(value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)}
-    tolist = getattr(value, "tolist", None)  # numpy values orjson can't take, torch tensors
-    if callable(tolist) and type(value).__module__.split(".")[0] in ("numpy", "torch"):
-        try:
-            return tolist()
+            rep = repr(value)
         except Exception:  # noqa: BLE001
-            return repr(value)
-    if isinstance(value, (set, frozenset, tuple, list)):
-        return list(value)
-    if isinstance(value, dict):
-        return dict(value)
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value).decode("utf-8", "replace")
-    attrs = getattr(value, "__dict__", None)
-    if isinstance(attrs, dict):
-        return {k: v for k, v in attrs.items() if not k.startswith("_")}
-    return repr(value)
+            try:
+                rep = str(value)
+            except Exception:  # noqa: BLE001
+                rep = f"<{type(value).__name__}: {id(value)}>"
+        if len(rep) > _WEAVE_MAX_STR_LEN:
+            rep = rep[: _WEAVE_MAX_STR_LEN - 3] + "..."
+        return self.redact.scrub_text(rep)
+
+
+class ValueShape:
+    """How one pydantic model or dataclass type is written: its fields and weave's envelope."""
+
+    __slots__ = ("name", "bases", "fields", "pydantic")
+
+    def __init__(self, cls: type, pydantic: bool) -> None:
+        self.name = cls.__name__
+        self.pydantic = pydantic
+        if pydantic:
+            serialized_bases = getattr(cls, "_weave_serialized_bases", None)
+            self.bases = list(serialized_bases) if serialized_bases else [c.__name__ for c in cls.mro()[1:-1]]
+            self.fields = tuple((name, getattr(f, "alias", None) or name)
+                                for name, f in cls.model_fields.items() if not getattr(f, "exclude", None))
+        else:
+            self.bases = [c.__name__ for c in cls.mro()[1:-1]]
+            self.fields = tuple((name, name) for name in cls.__dataclass_fields__)
+
+    def fields_of(self, value: Any) -> dict[str, Any]:
+        """The fields by name, read one level (what a snapshot stores, too)."""
+        return {name: getattr(value, name, None) for name, _ in self.fields}
+
+    def envelope(self, values: dict[str, Any]) -> dict[str, Any]:
+        """weave's ObjectRecord JSON: ``_type`` first, the fields (by alias), then ``_class_name``, ``_bases``."""
+        out: dict[str, Any] = {"_type": self.name}
+        for name, key in self.fields:
+            out[key] = values.get(name)
+        out["_class_name"] = self.name
+        out["_bases"] = list(self.bases)
+        return out
+
+
+_shapes: dict[type, ValueShape | None] = {}
+
+
+def value_shape(cls: type) -> ValueShape | None:
+    """The shape of a pydantic model or dataclass type (cached per type), else None."""
+    try:
+        return _shapes[cls]
+    except KeyError:
+        pass
+    shape: ValueShape | None = None
+    try:
+        if isinstance(getattr(cls, "model_fields", None), dict) and hasattr(cls, "__pydantic_fields__"):
+            shape = ValueShape(cls, pydantic=True)
+        elif isinstance(getattr(cls, "__dataclass_fields__", None), dict):
+            shape = ValueShape(cls, pydantic=False)
+    except Exception:  # noqa: BLE001 - an odd class is written as its repr instead
+        shape = None
+    _shapes[cls] = shape
+    return shape
 
 
 def _has_non_finite(values: Any) -> bool:
@@ -102,11 +181,16 @@ def _has_non_finite(values: Any) -> bool:
 
 
 def pack_span(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> bytes:
-    """Packs one span as JSON: the fast path when it can, the bounded Python walk when it must."""
+    """Packs one span as JSON: the fast path when it can, the bounded Python walk when it must.
+
+    The walk also runs when the packed bytes may hold a redact key (a byte search): it replaces
+    those values, so a secret never leaves the worker.
+    """
     if not (_has_non_finite(wire.get("output")) or _has_non_finite(wire.get("attributes"))):
         try:
-            packed = orjson.dumps(wire, default=_flatten, option=_OPTIONS)
-            if len(packed) <= size_limit:
+            packed = orjson.dumps(wire, default=encoder.flatten, option=_OPTIONS)
+            # the span's own fields before "attributes" are ids and names: no key to redact there
+            if len(packed) <= size_limit and not encoder.redact.might_hold(packed, start_at=max(0, packed.find(b'"attributes":'))):
                 return packed
         except (orjson.JSONEncodeError, TypeError, OverflowError, RecursionError):
             pass

@@ -2,7 +2,8 @@
 
 Semantics follow VERL's ``token2text``: a span whose output carries ``prompt_ids`` (else its
 inputs' ``prompt_ids``) gains ``output.prompt_text``; ``response_ids`` (else ``token_ids``) gains
-``output.response_text``; special tokens are kept. Decoding is whole-sequence (byte-level BPE
+``output.response_text``; special tokens are kept. An output that arrived as a model (weave's
+type envelope) is then a plain dict, as VERL's ``_trace_output_copy`` (``model_dump``) makes it. Decoding is whole-sequence (byte-level BPE
 needs it) and batched with ``tokenizers``' ``decode_batch``, which releases the GIL. A failure
 never loses the span: it is stored with a warning naming the field.
 """
@@ -271,6 +272,32 @@ def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: di
     tokens = 0
     for job, text, ids in zip(jobs, texts, sequences):
         if text is not None and ids is not None:
-            job.span["output"][job.target] = text
+            output = job.span["output"]
+            if _is_envelope(output):
+                output = job.span["output"] = unwrap_envelopes(output)
+            output[job.target] = text
             tokens += len(ids)
     return tokens
+
+
+_ENVELOPE_KEYS = ("_type", "_class_name", "_bases")
+
+
+def _is_envelope(value: Any) -> bool:
+    return type(value) is dict and "_class_name" in value and "_bases" in value and value.get("_type") == value["_class_name"]
+
+
+def unwrap_envelopes(value: Any, depth: int = 0) -> Any:
+    """A decoded output as VERL's token2text leaves it: ``_trace_output_copy`` is the model's
+    ``model_dump()`` (plain dicts all the way down, no weave type envelope) plus the texts.
+
+    Lists of token ids are not walked (first and last item ints).
+    """
+    if depth > 64:
+        return value
+    if type(value) is dict:
+        strip = _is_envelope(value)
+        return {k: unwrap_envelopes(v, depth + 1) for k, v in value.items() if not (strip and k in _ENVELOPE_KEYS)}
+    if type(value) is list and value and _int_list(value) is None:
+        return [unwrap_envelopes(v, depth + 1) for v in value]
+    return value

@@ -35,6 +35,7 @@ from .selection import Policies, TailSelector
 from .settings import CollectorSettings
 from .spool import Spool, SpoolFull, SpoolRow
 from .validate import Rejection, Validated, parents_to_look_up, reject_foreign_children, validate_batch
+from tracecar.client.redact import RedactKeys
 
 _DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 log = logging.getLogger("tracecar.collector.pipeline")
@@ -134,6 +135,7 @@ class IngestPipeline:
         )
         self.contexts = TrajectoryContexts(spool, settings.otlp_join_traces)
         self.tokenizer_failures = TokenizerFailures()  # each unloadable name logged once
+        self.redact_keys = RedactKeys(settings.redact_keys)
         self.policies = Policies(settings)
         self.selection: TailSelector | None = None
         if self.policies.any_tail:
@@ -270,12 +272,15 @@ class IngestPipeline:
 
     # ---- stages (worker threads) ---------------------------------------------------------
     def _receive_and_validate(self, body: bytes | bytearray, content_type: str | None, content_encoding: str | None) -> Validated:
-        raw = receive.parse(receive.decompress(body, content_encoding, self.settings.max_decompressed_bytes), content_type)
+        plain = receive.decompress(body, content_encoding, self.settings.max_decompressed_bytes)
+        raw = receive.parse(plain, content_type)
         limit = self.settings.max_batch_spans
         spans = raw.get("spans") if isinstance(raw, dict) else None
         if isinstance(spans, list) and len(spans) > limit:  # a size bound, like the body's: 413, so clients split
             raise receive.BodyError(413, "spans", f"{len(spans)} spans exceed TRACECAR_MAX_BATCH_SPANS={limit}; split the batch")
-        validated = validate_batch(raw, limit)
+        # redaction walks the spans only when the body holds a redact key at all
+        validated = validate_batch(raw, limit, self.redact_keys, plain,
+                                   body_is_json=not (content_type or "").lower().split(";")[0].strip().endswith("msgpack"))
         reject_foreign_children(validated, self._stored_traces(parents_to_look_up(validated)))
         self.contexts.remember(validated.spans)  # for engine spans that join these trajectories over OTLP
         return validated

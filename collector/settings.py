@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
+
+from tracecar.client.redact import parse_keys
 
 MiB = 2**20
 
@@ -105,7 +107,13 @@ class CollectorSettings(BaseSettings):
     keep_forwarded: bool = Field(True, description="Keep forwarded spans in the local store (queryable); false deletes them once Weave has them.")
     shutdown_unready_s: float = Field(0.0, ge=0, description="On SIGTERM, stay up this long answering /readyz and ingest with 503 before closing the listener (lets endpoints and load balancers stop sending first); a second signal skips it.")
     shutdown_drain_s: float = Field(10.0, ge=0, description="On SIGTERM, how long to keep forwarding before exit; the rest stays in the spool.")
+    redact_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Keys whose values are replaced by REDACTED at ingest, on top of weave's api_key, auth_headers, authorization (case-insensitive, any depth; comma-separated in the environment).")
     log_level: str = Field("info", description="Log level (JSON lines on stderr).")
+
+    @field_validator("redact_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        return parse_keys(value) if isinstance(value, str) else value
 
     @field_validator("data_dir", mode="before")
     @classmethod

@@ -13,12 +13,36 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tracecar.client.redact import DEFAULT as DEFAULT_REDACT
+from tracecar.client.redact import REDACTED, RedactKeys, redact_span
+
 SpanKind = Literal["op", "trajectory", "annotation", "membership"]  # membership: a step's sample indices
 _ID = Field(pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
 _INT_ATTRS = ("step", "rollout_n")
 #: VERL passes ``extra_info.index`` through unchanged: an int, or a string (uuid datasets).
 MAX_SAMPLE_INDEX_CHARS = 256
 _INT64 = (-(2**63), 2**63 - 1)  # what an SQLite INTEGER column (the store's index) can hold
+
+
+class StackFrame(BaseModel):
+    """One frame of weave's exception shape (``weave.utils.exception.StackFrameDict``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    filename: str
+    line_number: int | None
+    function_name: str
+    text: str | None
+
+
+class ExceptionInfo(BaseModel):
+    """weave's ``exception_to_dict``: forwarded as the JSON string weave's UI renders."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str = Field(max_length=1024)
+    message: str = Field(max_length=1_000_000)
+    traceback: list[StackFrame] | None = Field(None, max_length=10_000)
 
 
 class SpanIn(BaseModel):
@@ -37,6 +61,7 @@ class SpanIn(BaseModel):
     inputs: dict[str, Any] = Field(default_factory=dict)
     output: Any = None
     exception: str | None = Field(None, max_length=1_000_000)
+    exception_info: ExceptionInfo | None = None
 
     @field_validator("attributes")
     @classmethod
@@ -91,6 +116,7 @@ class BatchIn(BaseModel):
     tokenizer: str | None = Field(None, max_length=1024)
     token2text: bool | None = None
     max_samples_per_step_per_worker: int | None = Field(None, ge=0)
+    client: dict[str, str] | None = Field(None, max_length=32)
     spans: list[Any]
 
 
@@ -123,10 +149,15 @@ class EnvelopeError(Exception):
         self.reason = reason
 
 
-def validate_batch(raw: Any, max_spans: int, span_model: type[SpanIn] = SpanIn) -> Validated:
-    """Validates the envelope (all-or-nothing) and each span (one by one).
+def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT, body: bytes | None = None,
+                   body_is_json: bool = True, span_model: type[SpanIn] = SpanIn) -> Validated:
+    """Validates the envelope (all-or-nothing) and each span (one by one), then redacts.
 
     ``span_model``: the per-span checks (receivers of other formats relax tracecar's root rule).
+
+    Values under a redact key are replaced by ``REDACTED`` before anything is stored (other
+    clients than tracecar's exist); the spans are walked only when ``body`` (the decompressed
+    request) may hold such a key, or when no body is given.
     """
     if not isinstance(raw, dict):
         raise EnvelopeError("body", f"expected an object with 'worker' and 'spans', got {type(raw).__name__}")
@@ -138,6 +169,9 @@ def validate_batch(raw: Any, max_spans: int, span_model: type[SpanIn] = SpanIn) 
     if len(batch.spans) > max_spans:
         raise EnvelopeError("spans", f"{len(batch.spans)} spans exceed TRACECAR_MAX_BATCH_SPANS={max_spans}")
     out = Validated(batch=batch)
+    walk = body is None or redact.might_hold(body, body_is_json)
+    if walk and batch.client:
+        batch.client = {k: (REDACTED if k in redact else v) for k, v in batch.client.items()}
     seen: dict[str, int] = {}
     for index, item in enumerate(batch.spans):
         span_id = item.get("span_id") if isinstance(item, dict) else None
@@ -153,12 +187,23 @@ def validate_batch(raw: Any, max_spans: int, span_model: type[SpanIn] = SpanIn) 
             out.rejected.append(Rejection(index, span_id, f"spans[{index}].span_id", f"duplicate of spans[{seen[span['span_id']]}] in this batch"))
             continue
         seen[span["span_id"]] = index
+        if span["exception_info"] is not None:
+            info = span["exception_info"].model_dump()
+            if info["traceback"] is None:  # weave leaves the key out when nothing was raised
+                del info["traceback"]
+            span["exception_info"] = info
+        else:
+            del span["exception_info"]
+        if walk:
+            redact_span(span, redact)
         warnings = _sanitize_non_finite(span)
         if warnings:
             out.warnings[span["span_id"]] = warnings
         span["worker"] = batch.worker
         span["project"] = batch.project
         span["entity"] = batch.entity
+        if batch.client:
+            span["client"] = batch.client
         out.spans.append(span)
     out.index_of = seen
     _reject_cycles(out, seen)

@@ -137,10 +137,13 @@ def plain_op_name(name: str) -> str:
     return name[: MAX_OP_NAME_LENGTH - 6] + ":" + hashlib.sha256(name.encode()).hexdigest()[:4]
 
 
-def exception_json(text: str | None) -> str | None:
-    """Our ``"Type: message"`` as weave's exception_to_json_str form, which the UI renders."""
+def exception_json(text: str | None, info: Mapping[str, Any] | None = None) -> str | None:
+    """weave's exception_to_json_str form, which the UI renders: the client's type, message and
+    traceback frames when it sent them, else our ``"Type: message"`` split in two."""
     if text is None:
         return None
+    if isinstance(info, Mapping) and "type" in info and "message" in info:
+        return json.dumps(dict(info))  # byte-for-byte what weave sends
     if text.startswith("{"):
         return text  # already weave's JSON form
     m = _EXC_RE.match(text)
@@ -229,6 +232,9 @@ def to_weave_call(
         counts = (0, 1) if exc else (1, 0)
     attributes = dict(span.get("attributes") or {})
     attributes.setdefault("tracecar", {"span_id": span_id, "kind": span["kind"], "worker": span.get("worker")})
+    client = span.get("client")
+    if isinstance(client, dict) and "weave" not in attributes:  # weave's capture_info keys, tracecar's values
+        attributes["weave"] = {**client, "worker": span.get("worker")}
     inputs = span.get("inputs")
     if inputs is None:
         inputs = {}
@@ -259,7 +265,7 @@ def to_weave_call(
         "output": span.get("output"),
         "summary": {"status_counts": {"success": counts[0], "error": counts[1]}},
         "otel_dump": None,
-        "exception": exception_json(exc),
+        "exception": exception_json(exc, span.get("exception_info")),
         "wb_user_id": None,
         "wb_run_id": None,
         "wb_run_step": None,

@@ -28,6 +28,8 @@ from google.protobuf.message import DecodeError
 from google.rpc import status_pb2
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
 
+from tracecar.client.redact import RedactKeys
+
 from .. import receive
 from ..metrics import Metrics
 from ..pipeline import Backpressure, IngestResult
@@ -82,8 +84,10 @@ class OtlpRequest:
     request (``resourceSpans[0].scopeSpans[0].spans[3]``) and its OTel span id.
     """
 
-    def __init__(self, contexts: TrajectoryContexts, metrics: Metrics, max_decompressed_bytes: int, max_batch_spans: int) -> None:
+    def __init__(self, contexts: TrajectoryContexts, metrics: Metrics, max_decompressed_bytes: int, max_batch_spans: int,
+                 redact: RedactKeys) -> None:
         self.contexts = contexts
+        self.redact = redact  # the collector's redact keys: OTLP attributes may carry secrets too
         self.metrics = metrics
         self.max_decompressed_bytes = max_decompressed_bytes
         self.max_batch_spans = max_batch_spans
@@ -95,7 +99,7 @@ class OtlpRequest:
         if translated.total > self.max_batch_spans:
             raise EnvelopeError("resourceSpans", f"{translated.total} spans exceed TRACECAR_MAX_BATCH_SPANS={self.max_batch_spans}")
         validated = validate_batch({"worker": OTLP_WORKER_PREFIX.rstrip(":"), "spans": translated.spans},
-                                   self.max_batch_spans, span_model=OtlpSpanIn)
+                                   self.max_batch_spans, self.redact, span_model=OtlpSpanIn)
         positions = translated.indices  # validated indices -> positions in the request
         for rejection in validated.rejected:
             rejection.index = positions[rejection.index]
@@ -180,7 +184,8 @@ async def _export(request: Request, collector: Any, read_body: Callable[[Request
     retry = {"Retry-After": str(settings.retry_after_s)}
     if not collector.ready:
         return status_response(503, "collector is not ready (starting or draining)", content_type, retry)
-    otlp = OtlpRequest(collector.pipeline.contexts, metrics, settings.max_decompressed_bytes, settings.max_batch_spans)
+    otlp = OtlpRequest(collector.pipeline.contexts, metrics, settings.max_decompressed_bytes, settings.max_batch_spans,
+                       collector.pipeline.redact_keys)
     try:
         collector.pipeline.check_capacity()
         body = await read_body(request, settings.max_body_bytes)
