@@ -46,7 +46,7 @@ class RedactKeys:
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and key.lower() in self.keys
 
-    def might_hold(self, packed: bytes, is_json: bool = True, start_at: int = 0) -> bool:
+    def might_hold(self, packed: bytes | bytearray, is_json: bool = True, start_at: int = 0) -> bool:
         """False only when no key can be in ``packed`` (false hits are fine: they cost a walk).
 
         JSON: the pieces between quotes are compared with the key set. Other formats (msgpack): a
@@ -63,7 +63,7 @@ class RedactKeys:
             if lengths.isdisjoint(map(len, pieces)):
                 return False
             needles = self._needle_set
-            return any(p.lower() in needles for p in pieces if len(p) in lengths)
+            return any(bytes(p).lower() in needles for p in pieces if len(p) in lengths)  # bytes: a body may be a bytearray
         low = packed.lower()
         return any(n in low for n in self._needles)
 

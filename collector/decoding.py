@@ -298,6 +298,6 @@ def unwrap_envelopes(value: Any, depth: int = 0) -> Any:
     if type(value) is dict:
         strip = _is_envelope(value)
         return {k: unwrap_envelopes(v, depth + 1) for k, v in value.items() if not (strip and k in _ENVELOPE_KEYS)}
-    if type(value) is list and value and _int_list(value) is None:
+    if type(value) is list and value and not (type(value[0]) is int and type(value[-1]) is int):
         return [unwrap_envelopes(v, depth + 1) for v in value]
     return value
