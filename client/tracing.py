@@ -22,6 +22,14 @@ from .spans import KIND_ANNOTATION, KIND_OP, KIND_TRAJECTORY, SpanRecord, _LazyS
 F = TypeVar("F", bound=Callable[..., Any])
 _now = time.time
 
+#: Attribute key of a call's place in its trajectory, for Weave (VERL's weave backend makes no
+#: call for ``rollout_trace_attr``, so a trajectory's top-level calls are the trace roots there):
+#: ``{"top": True}`` on a top-level call; ``{"root": <top-level call>, "turn": <its child>}`` on
+#: everything under one (a child's dict is shared by reference with its descendants, so this
+#: costs a dict copy only for top-level calls and their direct children).
+MARK = "tracecar"
+_TOP = {"top": True}
+
 
 def rollout_trace_op(func: F) -> F:
     """Traces a sync or async function or method: inputs (bound args minus self), output, exception."""
@@ -39,7 +47,10 @@ def rollout_trace_op(func: F) -> F:
             parent = current.get()
             if parent is _tracer.DISABLED:
                 return await func(*args, **kwargs)
-            record = SpanRecord(name, KIND_OP, _now(), parent, _attributes_of(parent), signature, args, kwargs)
+            attributes = _attributes_of(parent)
+            record = SpanRecord(name, KIND_OP, _now(), parent, attributes, signature, args, kwargs)
+            if attributes is not None and attributes.get(MARK) is _TOP and parent.kind is KIND_OP:
+                _mark_turn(record, parent)
             token = current.set(record)
             try:
                 result = await func(*args, **kwargs)
@@ -61,7 +72,10 @@ def rollout_trace_op(func: F) -> F:
         parent = current.get()
         if parent is _tracer.DISABLED:
             return func(*args, **kwargs)
-        record = SpanRecord(name, KIND_OP, _now(), parent, _attributes_of(parent), signature, args, kwargs)
+        attributes = _attributes_of(parent)
+        record = SpanRecord(name, KIND_OP, _now(), parent, attributes, signature, args, kwargs)
+        if attributes is not None and attributes.get(MARK) is _TOP and parent.kind is KIND_OP:
+            _mark_turn(record, parent)
         token = current.set(record)
         try:
             result = func(*args, **kwargs)
@@ -85,7 +99,18 @@ def _close(tracer: _tracer.Tracer, record: SpanRecord, output: Any, exception: B
 
 
 def _attributes_of(parent: SpanRecord | None) -> dict[str, Any] | None:
-    return parent.attributes if parent is not None else None
+    """The parent's attributes (shared, not copied); a trajectory root's children get a copy
+    marked top-level."""
+    if parent is None:
+        return None
+    if parent.kind is KIND_TRAJECTORY and parent.parent is None and parent.attributes is not None:
+        return {**parent.attributes, MARK: _TOP}
+    return parent.attributes
+
+
+def _mark_turn(record: SpanRecord, top: SpanRecord) -> None:
+    """A direct child of a top-level call: a turn of the trajectory's thread in Weave."""
+    record.attributes = {**(top.attributes or {}), MARK: {"root": top.span_id, "turn": record.span_id}}
 
 
 @contextlib.contextmanager
@@ -126,6 +151,8 @@ def rollout_trace_attr(
         attributes["experiment_name"] = tracer.config.experiment
     attributes.update({k: v for k, v in extra_attributes.items() if v is not None})
     record = SpanRecord(name, KIND_TRAJECTORY, _now(), parent, attributes)
+    if attributes.get(MARK) is _TOP and parent is not None:  # nested right under a top-level call
+        attributes[MARK] = {"root": parent.span_id, "turn": record.span_id}
     token = current.set(record)
     try:
         yield record

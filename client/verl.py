@@ -285,7 +285,28 @@ def _caller_tokenizer(frame) -> str | None:
 
 
 # Environment variables that, when set, win over what VERL's config says.
-_ENV_WINS = {"project": "TRACECAR_PROJECT", "experiment": "TRACECAR_EXPERIMENT", "tokenizer": "TRACECAR_CLIENT_TOKENIZER"}
+_ENV_WINS = {"project": "TRACECAR_PROJECT", "experiment": "TRACECAR_EXPERIMENT", "tokenizer": "TRACECAR_CLIENT_TOKENIZER",
+             "wandb_run_id": "TRACECAR_WANDB_RUN_ID"}
+
+
+def _current_wandb_run_id() -> str | None:
+    """``entity/project/run_id`` of a W&B run active in this process, if ``wandb`` is loaded.
+
+    VERL calls ``wandb.init`` in the trainer; where the agent-loop workers share that process
+    (a single-process run, tests) this finds it. Rollout workers in their own Ray processes
+    get the run from ``WANDB_RUN_ID`` in the Ray runtime env instead (read by the client), the
+    same variable that makes the trainer's ``wandb.init`` use that id. Never imports wandb.
+    """
+    wandb = sys.modules.get("wandb")
+    run = getattr(wandb, "run", None) if wandb is not None else None
+    try:
+        run_id = getattr(run, "id", None)
+        if not isinstance(run_id, str) or not run_id:
+            return None
+        entity, project = getattr(run, "entity", None), getattr(run, "project", None)
+        return f"{entity}/{project}/{run_id}" if entity and project else run_id
+    except Exception:  # noqa: BLE001 - a half-torn-down run must not break activation
+        return None
 
 
 def _configure_client(tc, **wanted: Any) -> Any:
@@ -326,12 +347,14 @@ def _activate(*, project, experiment, token2text: bool, max_samples, caller) -> 
             "max_samples_per_step_per_worker": max_samples,
             "worker_sampling": worker_sampling,
             "tokenizer": _caller_tokenizer(caller),
+            "wandb_run_id": os.environ.get("TRACECAR_WANDB_RUN_ID") or os.environ.get("WANDB_RUN_ID") or _current_wandb_run_id(),
         }
         tracer = _configure_client(
             tc,
             project=project,
             experiment=experiment,
             tokenizer=_state.settings["tokenizer"],
+            wandb_run_id=None if os.environ.get("WANDB_RUN_ID") else _current_wandb_run_id(),
             # Sent with every batch: the collector decodes when the job asks for it (otherwise
             # its own TRACECAR_TOKEN2TEXT decides) and applies the job's budget where its own
             # settings set none.

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tracecar.client import __version__
 
 from .auth import BearerAuth
-from .forward import Forwarder, NullSink, Sink
+from .forward import Forwarder, NullSink, Sink, SpoolTrajectories
 from .metrics import Metrics
 from .pipeline import Backpressure, IngestPipeline
 from .receive import BodyError
@@ -42,6 +42,7 @@ def make_sink(settings: CollectorSettings) -> Sink:
     return WeaveSink(
         api_key=settings.wandb_api_key.get_secret_value(), entity=settings.wandb_entity,
         project=settings.wandb_project or "tracecar", server_url=settings.weave_server_url,
+        wb_run_id=settings.wandb_run_id,
     )
 
 
@@ -53,6 +54,8 @@ class Collector:
         self.metrics = Metrics()
         self.sink = sink if sink is not None else make_sink(settings)
         self.spool = Spool(settings.spool_path, local_only=isinstance(self.sink, NullSink), sync=settings.spool_sync)
+        if hasattr(self.sink, "trajectories") and getattr(self.sink, "trajectories") is None:
+            self.sink.trajectories = SpoolTrajectories(self.spool)  # kept_because, feedback targets
         self.pipeline = IngestPipeline(settings, self.spool, self.metrics)
         self.forwarder = Forwarder(
             self.spool, self.sink, self.metrics, batch_spans=settings.forward_batch_spans,

@@ -54,6 +54,7 @@ class CollectorSettings(BaseSettings):
     wandb_api_key: SecretStr | None = Field(None, validation_alias=AliasChoices("WANDB_API_KEY", "TRACECAR_WANDB_API_KEY"), description="W&B API key (read from WANDB_API_KEY).")
     wandb_entity: str | None = Field(None, description="W&B entity (team or user) the Weave project lives in.")
     wandb_project: str | None = Field(None, description="Default W&B project when a batch names none.")
+    wandb_run_id: str | None = Field(None, description="The trainer's W&B run (run id or entity/project/run_id): Weave calls link to it (wb_run_id, wb_run_step = the trajectory's step) when the client's batch names none.")
     weave_server_url: str = Field("https://trace.wandb.ai", validation_alias=AliasChoices("WF_TRACE_SERVER_URL", "TRACECAR_WEAVE_SERVER_URL"), description="Weave trace server base URL (WF_TRACE_SERVER_URL).")
     token2text: bool = Field(False, description="Decode prompt_ids/response_ids to prompt_text/response_text (VERL's token2text).")
     tokenizer: str | None = Field(None, description="Default tokenizer: a tokenizer.json path, a directory holding one, or a Hugging Face name found offline in the local cache.")

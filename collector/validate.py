@@ -75,6 +75,7 @@ class BatchIn(BaseModel):
     project: str | None = Field(None, max_length=256)
     entity: str | None = Field(None, max_length=256)
     tokenizer: str | None = Field(None, max_length=1024)
+    wandb_run_id: str | None = Field(None, max_length=256, pattern=r"^[^\s]+$")
     token2text: bool | None = None
     max_samples_per_step_per_worker: int | None = Field(None, ge=0)
     spans: list[Any]
@@ -142,6 +143,8 @@ def validate_batch(raw: Any, max_spans: int) -> Validated:
         span["worker"] = batch.worker
         span["project"] = batch.project
         span["entity"] = batch.entity
+        if batch.wandb_run_id is not None:
+            span["wandb_run_id"] = batch.wandb_run_id
         out.spans.append(span)
     out.index_of = seen
     _reject_cycles(out, seen)
