@@ -212,14 +212,22 @@ def _iso_second(sec: int) -> str:
     return _dt.datetime.fromtimestamp(sec, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
 
 
-def status_counts(spans: Iterable[Mapping[str, Any]]) -> dict[str, tuple[int, int]]:
+def status_counts(spans: Iterable[Mapping[str, Any]],
+                  prior: Mapping[str, tuple[int, int]] | None = None) -> dict[str, tuple[int, int]]:
     """(success, error) per span over its subtree among ``spans``, as weave's client rolls up.
 
     Weave reports a call whose descendants failed as ``descendant_error`` from these counts.
-    Descendants not in ``spans`` are not counted.
+    ``prior`` adds, per span id, the counts of its children's subtrees sent earlier (children
+    end, and so arrive, before their parents, often in an earlier batch); other descendants not
+    in ``spans`` are not counted.
     """
     spans = list(spans)
-    own = {s["span_id"]: (0, 1) if s.get("exception") else (1, 0) for s in spans}
+    prior = prior or {}
+    own = {}
+    for s in spans:
+        ok, err = (0, 1) if s.get("exception") else (1, 0)
+        p_ok, p_err = prior.get(s["span_id"], (0, 0))
+        own[s["span_id"]] = (ok + p_ok, err + p_err)
     children: dict[str, list[str]] = {}
     for s in spans:
         if s.get("parent_id") in own and s["parent_id"] != s["span_id"]:
@@ -474,6 +482,8 @@ class WeaveSink:
         # trace id -> span ids of its top-level calls sent lately (feedback targets, when the
         # spool no longer holds them: keep_forwarded=false)
         self._tops: OrderedDict[str, list[str]] = OrderedDict()
+        # span id -> (success, error) of its children's subtrees already sent (weave's rollup)
+        self._sent_counts: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._file_digests: dict[str, str] = {}  # project_id -> digest of ANONYMOUS_OP_CODE
         self._op_refs: dict[tuple[str, str], str] = {}  # (project_id, name) -> op ref URI
 
@@ -510,7 +520,7 @@ class WeaveSink:
                 elided.append(sid)
                 continue
             (notes if s.get("kind") == "annotation" else groups).setdefault(pid, []).append(s)
-        counts = status_counts(s for g in groups.values() for s in g)
+        counts = status_counts((s for g in groups.values() for s in g), self._sent_counts)
         tops = [s for g in groups.values() for s in g if is_top_call(s) or s.get("parent_id") is None]
         for s in tops:
             self._remember(s["trace_id"], s["span_id"])
@@ -563,7 +573,31 @@ class WeaveSink:
             self._mark(result, elided, stop)
         else:
             result.delivered.extend(elided)
+        self._roll_up(result.delivered, {s["span_id"]: s for g in groups.values() for s in g}, counts, elided)
         return result
+
+    def _roll_up(self, delivered: list[str], by_id: dict[str, Mapping[str, Any]],
+                 counts: Mapping[str, tuple[int, int]], elided: list[str]) -> None:
+        """Remembers delivered calls' subtree counts under their parents, for the parents' rollup
+        when they come in a later batch (bounded; a parent is forgotten once sent)."""
+        done = set(delivered)
+        for sid in delivered:
+            span = by_id.get(sid)
+            if span is None:
+                continue
+            self._sent_counts.pop(sid, None)
+            parent = span.get("parent_id")
+            if parent is None or parent in done:
+                continue  # a parent in this batch already counted it
+            ok, err = counts.get(sid, (0, 0))
+            p_ok, p_err = self._sent_counts.get(parent, (0, 0))
+            self._sent_counts[parent] = (p_ok + ok, p_err + err)
+            self._sent_counts.move_to_end(parent)
+        for sid in elided:
+            if sid in done:
+                self._sent_counts.pop(sid, None)
+        while len(self._sent_counts) > MAX_REMEMBERED_TRAJECTORIES:
+            self._sent_counts.popitem(last=False)
 
     # -- trajectories ---------------------------------------------------------------------
     def _remember(self, trace_id: str, span_id: str) -> None:

@@ -608,3 +608,17 @@ def test_weaves_own_server_accepts_and_reads_back_what_we_send() -> None:
         val = {"_type": "CustomWeaveType", "weave_type": {"type": "Op"}, "files": {"obj.py": ws.ANONYMOUS_OP_FILE_DIGEST}}
         assert loop.op_name == f"weave:///{ENTITY}/{PROJECT}/op/ToolAgentLoop.run:{compute_object_digest(val)}"
         assert len(list(client.calls_query_stream({"project_id": f"{ENTITY}/other"}))) == 2
+
+
+def test_status_rolls_up_across_batches(weave_stub: WeaveStub) -> None:
+    """Children end (and arrive) before their parents, often in an earlier batch: a failed
+    tool sent first still makes its agent loop ``descendant_error``, as in weave's client."""
+    spans = trajectory()
+    async def go() -> None:
+        async with sink(weave_stub, publish_ops=False) as s:
+            await s.send([spans[2]])  # the failing tool alone
+            await s.send([spans[1], spans[0]])  # then the loop and the trajectory root
+    run(go())
+    calls = {c["id"]: c for c in weave_stub.completed_calls()}
+    assert calls[weave_call_id(spans[1]["span_id"])]["summary"] == {"status_counts": {"success": 1, "error": 1}}
+    assert calls[weave_call_id(spans[2]["span_id"])]["summary"] == {"status_counts": {"success": 0, "error": 1}}
