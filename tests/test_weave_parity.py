@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -348,6 +349,25 @@ def exception_of(call: Any) -> Any:
     return {"type": exc.get("type"), "message": exc.get("message"), "has_traceback": bool(exc.get("traceback"))}
 
 
+_UUID = re.compile(r"^[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}$")
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+")
+TIMING_KEYS = frozenset({"generate_sequences", "tool_calls"})  # AgentLoopMetrics: seconds, differ run to run
+
+
+def normalized(value: Any, key: str | None = None) -> Any:
+    """A value with what differs from run to run blanked: ids VERL draws (request and tool
+    instance uuids), object addresses in reprs, measured durations."""
+    if isinstance(value, dict):
+        return {k: normalized(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [normalized(v) for v in value]
+    if isinstance(value, str):
+        return "<id>" if _UUID.match(value) else _ADDRESS.sub(" at 0x…", value)
+    if isinstance(value, float) and key in TIMING_KEYS:
+        return "<seconds>"
+    return value
+
+
 def status_of(call: Any) -> Any:
     return ((call.summary or {}).get("weave") or {}).get("status")
 
@@ -368,7 +388,7 @@ def forest(project: Project, *, values: bool) -> list[dict[str, Any]]:
                                "root": call.parent_id is None,
                                "children": [node(k, depth + 1) for k in kids]}
         if values:
-            out.update(inputs=call.inputs, output=call.output, exception=exception_of(call))
+            out.update(inputs=normalized(call.inputs), output=normalized(call.output), exception=exception_of(call))
         else:
             out["exception_type"] = (exception_of(call) or {}).get("type")
         return out
