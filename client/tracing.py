@@ -29,6 +29,9 @@ _now = time.time
 #: costs a dict copy only for top-level calls and their direct children).
 MARK = "tracecar"
 _TOP = {"top": True}
+# open root trajectories (by record number) -> the attributes their top-level calls share:
+# made once per trajectory, not once per call
+_top_attributes: dict[int, dict[str, Any]] = {}
 
 
 def rollout_trace_op(func: F) -> F:
@@ -104,7 +107,10 @@ def _attributes_of(parent: SpanRecord | None) -> dict[str, Any] | None:
     if parent is None:
         return None
     if parent.kind is KIND_TRAJECTORY and parent.parent is None and parent.attributes is not None:
-        return {**parent.attributes, MARK: _TOP}
+        marked = _top_attributes.get(parent.number)
+        if marked is None:  # e.g. a call made after its trajectory closed
+            marked = {**parent.attributes, MARK: _TOP}
+        return marked
     return parent.attributes
 
 
@@ -153,6 +159,8 @@ def rollout_trace_attr(
     record = SpanRecord(name, KIND_TRAJECTORY, _now(), parent, attributes)
     if attributes.get(MARK) is _TOP and parent is not None:  # nested right under a top-level call
         attributes[MARK] = {"root": parent.span_id, "turn": record.span_id}
+    if parent is None:
+        _top_attributes[record.number] = {**attributes, MARK: _TOP}
     token = current.set(record)
     try:
         yield record
@@ -161,6 +169,7 @@ def rollout_trace_attr(
         raise
     finally:
         current.reset(token)
+        _top_attributes.pop(record.number, None)
         record.end = _now()
         tracer.emit(record)
 
