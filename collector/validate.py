@@ -75,7 +75,7 @@ class BatchIn(BaseModel):
     project: str | None = Field(None, max_length=256)
     entity: str | None = Field(None, max_length=256)
     tokenizer: str | None = Field(None, max_length=1024)
-    wandb_run_id: str | None = Field(None, max_length=256, pattern=r"^[^\s]+$")
+    wandb_run_id: Any = None  # checked apart: a bad run id is ignored with a warning, never costs the batch
     token2text: bool | None = None
     max_samples_per_step_per_worker: int | None = Field(None, ge=0)
     spans: list[Any]
@@ -122,6 +122,7 @@ def validate_batch(raw: Any, max_spans: int) -> Validated:
     if len(batch.spans) > max_spans:
         raise EnvelopeError("spans", f"{len(batch.spans)} spans exceed TRACECAR_MAX_BATCH_SPANS={max_spans}")
     out = Validated(batch=batch)
+    run_id, run_warning = _run_id(batch.wandb_run_id)
     seen: dict[str, int] = {}
     for index, item in enumerate(batch.spans):
         span_id = item.get("span_id") if isinstance(item, dict) else None
@@ -138,17 +139,28 @@ def validate_batch(raw: Any, max_spans: int) -> Validated:
             continue
         seen[span["span_id"]] = index
         warnings = _sanitize_non_finite(span)
+        if run_warning:
+            warnings.append(run_warning)
         if warnings:
             out.warnings[span["span_id"]] = warnings
         span["worker"] = batch.worker
         span["project"] = batch.project
         span["entity"] = batch.entity
-        if batch.wandb_run_id is not None:
-            span["wandb_run_id"] = batch.wandb_run_id
+        if run_id is not None:
+            span["wandb_run_id"] = run_id
         out.spans.append(span)
     out.index_of = seen
     _reject_cycles(out, seen)
     return out
+
+
+def _run_id(value: Any) -> tuple[str | None, str | None]:
+    """The batch's W&B run id (a run id or entity/project/run_id), or why it is ignored."""
+    if value is None:
+        return None, None
+    if isinstance(value, str) and 0 < len(value) <= 256 and not any(c.isspace() for c in value) and value.count("/") <= 2:
+        return value, None
+    return None, f"wandb_run_id: ignored, expected a W&B run id or entity/project/run_id, got {str(value)[:80]!r}"
 
 
 def _describe_error(index: int, err: dict[str, Any]) -> tuple[str, str]:

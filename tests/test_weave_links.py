@@ -176,3 +176,16 @@ def test_an_offline_wandb_run_in_the_process_is_found(tmp_path, monkeypatch: pyt
     finally:
         run.finish()
     assert tv._current_wandb_run_id() is None
+
+
+def test_a_bad_run_id_is_ignored_with_a_warning_not_the_batch(start_collector) -> None:
+    col = start_collector()
+    span = {"span_id": "s1", "trace_id": "s1", "parent_id": None, "name": "op", "kind": "op",
+            "start_time": 1.0, "end_time": 2.0, "attributes": {}, "inputs": {}, "output": None, "exception": None}
+    r = httpx.post(col.url + "/v1/spans", json={"v": 1, "worker": "w", "wandb_run_id": "two words", "spans": [span]})
+    body = r.json()
+    assert r.status_code == 200 and body["accepted"] == 1, body
+    assert body["warnings"]["s1"] == ["wandb_run_id: ignored, expected a W&B run id or entity/project/run_id, got 'two words'"]
+    assert 'tracecar_span_warnings_total{kind="wandb_run_id"} 1.0' in httpx.get(col.url + "/metrics").text
+    stored = httpx.get(col.url + "/v1/trajectories/s1").json()["root"]
+    assert "wandb_run_id" not in stored
