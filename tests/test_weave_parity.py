@@ -493,3 +493,16 @@ def test_no_secret_in_verls_project(projects: dict[str, Any]) -> None:
 @pytest.mark.xfail(strict=False, reason=NEEDS_W1)
 def test_no_secret_in_tracecars_project(projects: dict[str, Any]) -> None:
     assert SECRET not in json.dumps([c.model_dump(mode="json") for c in projects["tracecar"].calls])
+
+
+def test_tracecar_adds_threads_and_verl_has_none(projects: dict[str, Any]) -> None:
+    """Beyond VERL: weave's Threads view lists each trajectory, its agent loop's children as turns."""
+    verl, ours = projects["verl"], projects["tracecar"]
+    client = ours.client
+    assert list(client.threads_query_stream({"project_id": verl.project_id})) == []
+    threads = {t.thread_id: t for t in client.threads_query_stream({"project_id": ours.project_id})}
+    roots = [c for c in ours.calls if c.parent_id is None]
+    assert len(threads) == len(roots) > 0
+    for root in roots:
+        thread = threads[root.attributes["tracecar"]["trace_id"]]
+        assert thread.turn_count == sum(1 for c in ours.calls if c.parent_id == root.id)
