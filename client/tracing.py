@@ -22,12 +22,14 @@ from .spans import KIND_ANNOTATION, KIND_OP, KIND_TRAJECTORY, SpanRecord, _LazyS
 F = TypeVar("F", bound=Callable[..., Any])
 _now = time.time
 
-#: Attribute key of a call's place in its trajectory, for Weave (VERL's weave backend makes no
+#: Attribute key of a span's place in its trajectory, for Weave (VERL's weave backend makes no
 #: call for ``rollout_trace_attr``, so a trajectory's top-level calls are the trace roots there):
-#: ``{"top": True}`` on a top-level call; ``{"root": <top-level call>, "turn": <its child>}`` on
-#: everything under one (a child's dict is shared by reference with its descendants, so this
-#: costs a dict copy only for top-level calls and their direct children).
+#: ``{"trajectory": True}`` on a root trajectory (not a Weave call), ``{"top": True}`` on its
+#: top-level calls, ``{"root": <top-level call>, "turn": <its child>}`` on everything under one
+#: (a child's dict is shared by reference with its descendants, so this costs a dict copy only
+#: per trajectory and per direct child of a top-level call).
 MARK = "tracecar"
+_TRAJECTORY = {"trajectory": True}
 _TOP = {"top": True}
 # open root trajectories (by record number) -> the attributes their top-level calls share:
 # made once per trajectory, not once per call
@@ -161,6 +163,7 @@ def rollout_trace_attr(
         attributes[MARK] = {"root": parent.span_id, "turn": record.span_id}
     if parent is None:
         _top_attributes[record.number] = {**attributes, MARK: _TOP}
+        attributes[MARK] = _TRAJECTORY
     token = current.set(record)
     try:
         yield record

@@ -15,7 +15,8 @@ it does for VERL's in-process tracing. ``publish_ops=False`` sends plain names, 
 also accepts (its OTel ingest does that).
 
 VERL's weave backend makes no call for ``rollout_trace_attr`` (it only sets weave attributes),
-so a trajectory root span (kind ``trajectory``, no parent) is not sent: its top-level calls,
+so a trajectory root span (kind ``trajectory``, no parent, marked by tracecar's client
+``attributes.tracecar.trajectory``) is not sent: its top-level calls,
 which tracecar's client marks (``attributes.tracecar.top``), go as trace roots (no parent,
 ``trace_id`` = their own id), and their descendants name that root as their trace
 (``attributes.tracecar.root``). Those descendants carry the trajectory as ``thread_id`` and the
@@ -108,8 +109,10 @@ class TrajectoryLookup(Protocol):
 
 
 def is_elided(span: Mapping[str, Any]) -> bool:
-    """A trajectory root: tracecar's unit, not a Weave call (VERL's weave backend makes none)."""
-    return span.get("kind") == "trajectory" and span.get("parent_id") is None
+    """A marked trajectory root: tracecar's unit, not a Weave call (VERL's weave backend makes
+    none). Unmarked ones (clients before the marks) are sent as calls, with their children under
+    them, so their trees stay whole."""
+    return span.get("kind") == "trajectory" and span.get("parent_id") is None and _mark(span).get("trajectory") is True
 
 
 def _mark(span: Mapping[str, Any]) -> dict[str, Any]:

@@ -49,7 +49,8 @@ def trajectory(t0: float = 1_760_000_000.25, root: int = 1) -> list[dict[str, An
     base = {"trace_id": r, "worker": "w0", "project": None, "entity": None}
     return [
         {**base, "span_id": r, "parent_id": None, "name": "agent_loop", "kind": "trajectory",
-         "start_time": t0, "end_time": t0 + 9.5, "attributes": {**attrs, "kept_because": "reward_top"},
+         "start_time": t0, "end_time": t0 + 9.5,
+         "attributes": {**attrs, "kept_because": "reward_top", "tracecar": {"trajectory": True}},
          "inputs": {}, "output": {"reward": 1.0}, "exception": None},
         {**base, "span_id": loop, "parent_id": r, "name": "ToolAgentLoop.run", "kind": "op",
          "start_time": t0 + 0.5, "end_time": t0 + 9.0, "attributes": {**attrs, "tracecar": {"top": True}},
@@ -241,7 +242,7 @@ def test_shape_matches_weaves_client_create_call_with_a_string_op(
     set_weave_client_global(client)
     try:
         # VERL's weave backend: rollout_trace_attr only sets attributes, the agent loop is the root
-        verl_attrs = {k: v for k, v in spans[0]["attributes"].items() if k != "kept_because"}
+        verl_attrs = {k: v for k, v in spans[0]["attributes"].items() if k not in ("kept_because", "tracecar")}
         loop = client.create_call(op="ToolAgentLoop.run", inputs=spans[1]["inputs"],
                                   attributes=verl_attrs, use_stack=False)
         tool = client.create_call(op="BaseTool.execute", inputs=spans[2]["inputs"], parent=loop,
@@ -622,3 +623,17 @@ def test_status_rolls_up_across_batches(weave_stub: WeaveStub) -> None:
     calls = {c["id"]: c for c in weave_stub.completed_calls()}
     assert calls[weave_call_id(spans[1]["span_id"])]["summary"] == {"status_counts": {"success": 1, "error": 1}}
     assert calls[weave_call_id(spans[2]["span_id"])]["summary"] == {"status_counts": {"success": 0, "error": 1}}
+
+
+def test_an_unmarked_trajectory_keeps_its_root_call(weave_stub: WeaveStub) -> None:
+    """A client without the marks (older, or another one): the tree is sent whole, root and all,
+    so no call names a parent that never reaches Weave."""
+    spans = op_trace()
+    spans[0] = {**spans[0], "kind": "trajectory"}
+    res = run(send_once(weave_stub, spans, publish_ops=False))
+    assert sorted(res.delivered) == sorted(s["span_id"] for s in spans) and not res.rejected
+    calls = {c["id"]: c for c in weave_stub.completed_calls()}
+    root, loop, tool = (calls[weave_call_id(s["span_id"])] for s in spans)
+    assert root["parent_id"] is None and root["id"] == root["trace_id"]
+    assert loop["parent_id"] == root["id"] and tool["parent_id"] == loop["id"]
+    assert {c["trace_id"] for c in calls.values()} == {root["id"]} and loop["thread_id"] is None
