@@ -44,8 +44,14 @@ unknown backend string such as ``"tracecar"`` is accepted silently by
   AgentLoopWorker calling init and sent as the client's ``tokenizer``).  ``token2text`` and
   the budget are offered to ``configure()`` too; the client passes on only the settings its
   ``ClientConfig`` has, so until it carries them the collector's own settings decide.
-* Environment wins over VERL's config for ``TRACECAR_PROJECT``, ``TRACECAR_EXPERIMENT`` and
-  ``TRACECAR_CLIENT_TOKENIZER``; ``TRACECAR_URL`` (read by the client) turns sending on.
+* The trainer's W&B run: ``wandb.init`` runs in the trainer, not in the agent-loop workers, so
+  the client takes the run id from ``WANDB_RUN_ID`` / ``TRACECAR_WANDB_RUN_ID`` (set once in the
+  Ray runtime env: the trainer's ``wandb.init`` honours ``WANDB_RUN_ID`` too); where a run is
+  active in the worker's own process the adapter reads ``wandb.run``. The collector links the
+  Weave calls to it (``wb_run_id``, ``wb_run_step``).
+* Environment wins over VERL's config for ``TRACECAR_PROJECT``, ``TRACECAR_EXPERIMENT``,
+  ``TRACECAR_CLIENT_TOKENIZER`` and ``TRACECAR_WANDB_RUN_ID``; ``TRACECAR_URL`` (read by the
+  client) turns sending on.
 
 This module does not import ``verl`` (nor ``tracecar.client``) at import time, except that
 importing it *inside a process where VERL's ``verl.utils.rollout_trace`` is already loaded*
