@@ -62,6 +62,10 @@ class ClientConfig:
     experiment: str | None = None
     worker_id: str | None = None
     tokenizer: str | None = None
+    # The trainer's W&B run (run id or entity/project/run_id), sent with each batch so the
+    # collector links Weave calls to it; the run lives in the driver, so it comes from the
+    # environment (WANDB_RUN_ID, which wandb.init also honours) or the VERL adapter.
+    wandb_run_id: str | None = None
     # Job-level preferences sent with each batch (the VERL adapter sets them from VERL's trace
     # config); the collector applies them where its own settings leave the choice open.
     token2text: bool | None = None
@@ -99,6 +103,7 @@ class ClientConfig:
             experiment=env.get("TRACECAR_EXPERIMENT") or None,
             worker_id=env.get("TRACECAR_WORKER_ID") or None,
             tokenizer=env.get("TRACECAR_CLIENT_TOKENIZER") or None,
+            wandb_run_id=env.get("TRACECAR_WANDB_RUN_ID") or env.get("WANDB_RUN_ID") or None,
             queue_max_spans=_env_int(env, "QUEUE_MAX_SPANS", cls.queue_max_spans),
             batch_max_spans=_env_int(env, "BATCH_MAX_SPANS", cls.batch_max_spans),
             batch_max_bytes=_env_int(env, "BATCH_MAX_BYTES", cls.batch_max_bytes),

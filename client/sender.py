@@ -207,6 +207,8 @@ class Sender:
         cfg = self.config
         header = {"v": WIRE_VERSION, "worker": self.worker_id, "project": cfg.project,
                   "entity": cfg.entity, "tokenizer": cfg.tokenizer, "client": client_info()}
+        if cfg.wandb_run_id is not None:
+            header["wandb_run_id"] = cfg.wandb_run_id
         if cfg.token2text is not None:
             header["token2text"] = cfg.token2text
         if cfg.max_samples_per_step_per_worker is not None:

@@ -24,6 +24,19 @@ KIND_MEMBERSHIP = "membership"
 F = TypeVar("F", bound=Callable[..., Any])
 _now = time.time
 
+#: Attribute key of a span's place in its trajectory, for Weave (VERL's weave backend makes no
+#: call for ``rollout_trace_attr``, so a trajectory's top-level calls are the trace roots there):
+#: ``{"trajectory": True}`` on a root trajectory (not a Weave call), ``{"top": True}`` on its
+#: top-level calls, ``{"root": <top-level call>, "turn": <its child>}`` on everything under one
+#: (a child's dict is shared by reference with its descendants, so this costs a dict copy only
+#: per trajectory and per direct child of a top-level call).
+MARK = "tracecar"
+_TRAJECTORY = {"trajectory": True}
+_TOP = {"top": True}
+# open root trajectories (by record number) -> the attributes their top-level calls share:
+# made once per trajectory, not once per call
+_top_attributes: dict[int, dict[str, Any]] = {}
+
 
 def rollout_trace_op(func: F) -> F:
     """Traces a sync or async function or method: inputs (bound args minus self), output, exception."""
@@ -41,7 +54,10 @@ def rollout_trace_op(func: F) -> F:
             parent = current.get()
             if parent is _tracer.DISABLED:
                 return await func(*args, **kwargs)
-            record = SpanRecord(name, KIND_OP, _now(), parent, _attributes_of(parent), signature, args, kwargs)
+            attributes = _attributes_of(parent)
+            record = SpanRecord(name, KIND_OP, _now(), parent, attributes, signature, args, kwargs)
+            if attributes is not None and attributes.get(MARK) is _TOP and parent.kind is KIND_OP:
+                _mark_turn(record, parent)
             token = current.set(record)
             try:
                 result = await func(*args, **kwargs)
@@ -63,7 +79,10 @@ def rollout_trace_op(func: F) -> F:
         parent = current.get()
         if parent is _tracer.DISABLED:
             return func(*args, **kwargs)
-        record = SpanRecord(name, KIND_OP, _now(), parent, _attributes_of(parent), signature, args, kwargs)
+        attributes = _attributes_of(parent)
+        record = SpanRecord(name, KIND_OP, _now(), parent, attributes, signature, args, kwargs)
+        if attributes is not None and attributes.get(MARK) is _TOP and parent.kind is KIND_OP:
+            _mark_turn(record, parent)
         token = current.set(record)
         try:
             result = func(*args, **kwargs)
@@ -91,7 +110,21 @@ def _close(tracer: _tracer.Tracer, record: SpanRecord, output: Any, exception: B
 
 
 def _attributes_of(parent: SpanRecord | None) -> dict[str, Any] | None:
-    return parent.attributes if parent is not None else None
+    """The parent's attributes (shared, not copied); a trajectory root's children get a copy
+    marked top-level."""
+    if parent is None:
+        return None
+    if parent.kind is KIND_TRAJECTORY and parent.parent is None and parent.attributes is not None:
+        marked = _top_attributes.get(parent.number)
+        if marked is None:  # e.g. a call made after its trajectory closed
+            marked = {**parent.attributes, MARK: _TOP}
+        return marked
+    return parent.attributes
+
+
+def _mark_turn(record: SpanRecord, top: SpanRecord) -> None:
+    """A direct child of a top-level call: a turn of the trajectory's thread in Weave."""
+    record.attributes = {**(top.attributes or {}), MARK: {"root": top.span_id, "turn": record.span_id}}
 
 
 @contextlib.contextmanager
@@ -132,6 +165,11 @@ def rollout_trace_attr(
         attributes["experiment_name"] = tracer.config.experiment
     attributes.update({k: v for k, v in extra_attributes.items() if v is not None})
     record = SpanRecord(name, KIND_TRAJECTORY, _now(), parent, attributes)
+    if attributes.get(MARK) is _TOP and parent is not None:  # nested right under a top-level call
+        attributes[MARK] = {"root": parent.span_id, "turn": record.span_id}
+    if parent is None:
+        _top_attributes[record.number] = {**attributes, MARK: _TOP}
+        attributes[MARK] = _TRAJECTORY
     token = current.set(record)
     try:
         yield record
@@ -141,6 +179,7 @@ def rollout_trace_attr(
         raise
     finally:
         current.reset(token)
+        _top_attributes.pop(record.number, None)
         record.end = _now()
         tracer.emit(record)
 

@@ -44,8 +44,14 @@ unknown backend string such as ``"tracecar"`` is accepted silently by
   AgentLoopWorker calling init and sent as the client's ``tokenizer``).  ``token2text`` and
   the budget are offered to ``configure()`` too; the client passes on only the settings its
   ``ClientConfig`` has, so until it carries them the collector's own settings decide.
-* Environment wins over VERL's config for ``TRACECAR_PROJECT``, ``TRACECAR_EXPERIMENT`` and
-  ``TRACECAR_CLIENT_TOKENIZER``; ``TRACECAR_URL`` (read by the client) turns sending on.
+* The trainer's W&B run: ``wandb.init`` runs in the trainer, not in the agent-loop workers, so
+  the client takes the run id from ``WANDB_RUN_ID`` / ``TRACECAR_WANDB_RUN_ID`` (set once in the
+  Ray runtime env: the trainer's ``wandb.init`` honours ``WANDB_RUN_ID`` too); where a run is
+  active in the worker's own process the adapter reads ``wandb.run``. The collector links the
+  Weave calls to it (``wb_run_id``, ``wb_run_step``).
+* Environment wins over VERL's config for ``TRACECAR_PROJECT``, ``TRACECAR_EXPERIMENT``,
+  ``TRACECAR_CLIENT_TOKENIZER`` and ``TRACECAR_WANDB_RUN_ID``; ``TRACECAR_URL`` (read by the
+  client) turns sending on.
 
 This module does not import ``verl`` (nor ``tracecar.client``) at import time, except that
 importing it *inside a process where VERL's ``verl.utils.rollout_trace`` is already loaded*
@@ -287,7 +293,28 @@ def _caller_tokenizer(frame) -> str | None:
 
 
 # Environment variables that, when set, win over what VERL's config says.
-_ENV_WINS = {"project": "TRACECAR_PROJECT", "experiment": "TRACECAR_EXPERIMENT", "tokenizer": "TRACECAR_CLIENT_TOKENIZER"}
+_ENV_WINS = {"project": "TRACECAR_PROJECT", "experiment": "TRACECAR_EXPERIMENT", "tokenizer": "TRACECAR_CLIENT_TOKENIZER",
+             "wandb_run_id": "TRACECAR_WANDB_RUN_ID"}
+
+
+def _current_wandb_run_id() -> str | None:
+    """``entity/project/run_id`` of a W&B run active in this process, if ``wandb`` is loaded.
+
+    VERL calls ``wandb.init`` in the trainer; where the agent-loop workers share that process
+    (a single-process run, tests) this finds it. Rollout workers in their own Ray processes
+    get the run from ``WANDB_RUN_ID`` in the Ray runtime env instead (read by the client), the
+    same variable that makes the trainer's ``wandb.init`` use that id. Never imports wandb.
+    """
+    wandb = sys.modules.get("wandb")
+    run = getattr(wandb, "run", None) if wandb is not None else None
+    try:
+        run_id = getattr(run, "id", None)
+        if not isinstance(run_id, str) or not run_id:
+            return None
+        entity, project = getattr(run, "entity", None), getattr(run, "project", None)
+        return f"{entity}/{project}/{run_id}" if entity and project else run_id
+    except Exception:  # noqa: BLE001 - a half-torn-down run must not break activation
+        return None
 
 
 def _configure_client(tc, **wanted: Any) -> Any:
@@ -328,12 +355,14 @@ def _activate(*, project, experiment, token2text: bool, max_samples, caller) -> 
             "max_samples_per_step_per_worker": max_samples,
             "worker_sampling": worker_sampling,
             "tokenizer": _caller_tokenizer(caller),
+            "wandb_run_id": os.environ.get("TRACECAR_WANDB_RUN_ID") or os.environ.get("WANDB_RUN_ID") or _current_wandb_run_id(),
         }
         tracer = _configure_client(
             tc,
             project=project,
             experiment=experiment,
             tokenizer=_state.settings["tokenizer"],
+            wandb_run_id=None if os.environ.get("WANDB_RUN_ID") else _current_wandb_run_id(),
             # Sent with every batch: the collector decodes when the job asks for it (otherwise
             # its own TRACECAR_TOKEN2TEXT decides) and applies the job's budget where its own
             # settings set none.

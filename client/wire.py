@@ -1,7 +1,7 @@
 """Wire format: how the client packs spans (the collector accepts JSON and msgpack).
 
 A batch is ``{"v": 1, "worker": str, "project": str|None, "entity": str|None,
-"tokenizer": str|None, "spans": [span, ...]}``. The client sends JSON built by orjson: on this
+"tokenizer": str|None, "wandb_run_id": str (optional), "spans": [span, ...]}``. The client sends JSON built by orjson: on this
 kind of machine it packs a 2,000-id list about 4× faster than msgpack's C packer, and token ids
 stay ids (never decoded in the worker). Each span is packed once, on the sender thread, and the
 batch body is the packed spans joined, so batches are cut by exact byte counts.

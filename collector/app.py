@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tracecar.client import __version__
 
 from .auth import BearerAuth
-from .forward import Forwarder, NullSink, Sink
+from .forward import Forwarder, NullSink, Sink, SpoolTrajectories
 from .loudness import AuthFailures, WatchedSink
 from .group_export_api import build_router as build_group_export_router
 from .metrics import Metrics
@@ -51,6 +51,7 @@ def make_sink(settings: CollectorSettings) -> Sink:
     return WeaveSink(
         api_key=settings.wandb_api_key.get_secret_value(), entity=settings.wandb_entity,
         project=settings.wandb_project or "tracecar", server_url=settings.weave_server_url,
+        wb_run_id=settings.wandb_run_id,
     )
 
 
@@ -62,6 +63,8 @@ class Collector:
         self.metrics = Metrics()
         self.sink = sink if sink is not None else make_sink(settings)
         self.spool = Spool(settings.spool_path, local_only=isinstance(self.sink, NullSink), sync=settings.spool_sync)
+        if hasattr(self.sink, "trajectories") and getattr(self.sink, "trajectories") is None:
+            self.sink.trajectories = SpoolTrajectories(self.spool)  # kept_because, feedback targets
         self.pipeline = IngestPipeline(settings, self.spool, self.metrics)
         # the forwarder sends through a watcher that logs outages (rate-limited) and feeds /readyz
         self.watched_sink = WatchedSink(self.sink, self.metrics.backend_unreachable)

@@ -57,6 +57,39 @@ def span_from_row(payload: bytes, inputs_at: int | None, output_at: int | None) 
     return span
 
 
+class SpoolTrajectories:
+    """What a sink may ask the spool about trajectories (reads only, on the read connection)."""
+
+    def __init__(self, spool: Spool) -> None:
+        self.spool = spool
+
+    def kept_because(self, trace_ids: list[str]) -> dict[str, str]:
+        """The rule that kept each tail-decided trajectory (its ``trajectory_decisions`` row)."""
+        out: dict[str, str] = {}
+        for i in range(0, len(trace_ids), 500):
+            chunk = trace_ids[i:i + 500]
+            rows = self.spool.query(
+                f"SELECT trace_id, rule FROM trajectory_decisions WHERE keep = 1 AND rule IS NOT NULL "
+                f"AND trace_id IN ({','.join('?' * len(chunk))})", chunk)
+            out.update((r["trace_id"], r["rule"]) for r in rows)
+        return out
+
+    def top_calls(self, trace_ids: list[str]) -> dict[str, list[str]]:
+        """Span ids of each trace's top-level calls: the children of a trajectory root, or an
+        op root itself. Dead-lettered spans are not calls in the backend, so they are left out."""
+        out: dict[str, list[str]] = {}
+        for trace_id in trace_ids:
+            rows = self.spool.query(
+                "SELECT span_id, parent_id, kind FROM spans WHERE trace_id = ? AND state != 2 "
+                "AND kind != 'annotation' AND (parent_id IS NULL OR parent_id = ?) ORDER BY seq", (trace_id, trace_id))
+            root = next((r for r in rows if r["parent_id"] is None), None)
+            if root is not None and root["kind"] != "trajectory":
+                out[trace_id] = [root["span_id"]]
+            else:
+                out[trace_id] = [r["span_id"] for r in rows if r["parent_id"] is not None and r["kind"] == "op"]
+        return out
+
+
 class Sink(Protocol):
     name: str
 

@@ -56,6 +56,7 @@ class CollectorSettings(BaseSettings):
     wandb_api_key: SecretStr | None = Field(None, validation_alias=AliasChoices("WANDB_API_KEY", "TRACECAR_WANDB_API_KEY"), description="W&B API key (read from WANDB_API_KEY).")
     wandb_entity: str | None = Field(None, validation_alias=AliasChoices("TRACECAR_WANDB_ENTITY", "WANDB_ENTITY"), description="W&B entity (team or user) the Weave project lives in (also read from WANDB_ENTITY).")
     wandb_project: str | None = Field(None, validation_alias=AliasChoices("TRACECAR_WANDB_PROJECT", "WANDB_PROJECT"), description="Default W&B project when a batch names none (also read from WANDB_PROJECT).")
+    wandb_run_id: str | None = Field(None, description="The trainer's W&B run (run id or entity/project/run_id): Weave calls link to it (wb_run_id, wb_run_step = the trajectory's step) when the client's batch names none.")
     wandb_base_url: str | None = Field(None, validation_alias=AliasChoices("WANDB_BASE_URL", "TRACECAR_WANDB_BASE_URL"), description="W&B server (WANDB_BASE_URL); a dedicated or self-hosted one also moves the Weave trace server to <it>/traces, as weave does.")
     weave_server_url: str | None = Field(None, validation_alias=AliasChoices("WF_TRACE_SERVER_URL", "TRACECAR_WEAVE_SERVER_URL"), description="Weave trace server base URL (WF_TRACE_SERVER_URL); default https://trace.wandb.ai, or <WANDB_BASE_URL>/traces.")
     token2text: bool = Field(False, description="Decode prompt_ids/response_ids to prompt_text/response_text (VERL's token2text).")

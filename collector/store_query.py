@@ -127,6 +127,9 @@ def get_trajectory(spool: Spool, trace_id: str, max_depth: int = 64) -> dict[str
     annotations = []
     for row in rows:
         span = orjson.loads(row["payload"])
+        attributes = span.get("attributes")
+        if isinstance(attributes, dict) and isinstance(attributes.get("tracecar"), dict):
+            del attributes["tracecar"]  # the client's placement mark, for the Weave sink only
         span["children"] = []
         span["forward_state"] = {0: "pending", 1: "done", 2: "dead", 3: "held"}.get(row["state"], "unknown")
         if row["kind"] == "annotation":

@@ -114,6 +114,7 @@ class BatchIn(BaseModel):
     project: str | None = Field(None, max_length=256)
     entity: str | None = Field(None, max_length=256)
     tokenizer: str | None = Field(None, max_length=1024)
+    wandb_run_id: Any = None  # checked apart: a bad run id is ignored with a warning, never costs the batch
     token2text: bool | None = None
     max_samples_per_step_per_worker: int | None = Field(None, ge=0)
     client: dict[str, str] | None = Field(None, max_length=32)
@@ -172,6 +173,7 @@ def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT
     walk = body is None or redact.might_hold(body, body_is_json)
     if walk and batch.client:
         batch.client = {k: (REDACTED if k in redact else v) for k, v in batch.client.items()}
+    run_id, run_warning = _run_id(batch.wandb_run_id)
     seen: dict[str, int] = {}
     for index, item in enumerate(batch.spans):
         span_id = item.get("span_id") if isinstance(item, dict) else None
@@ -197,6 +199,8 @@ def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT
         if walk:
             redact_span(span, redact)
         warnings = _sanitize_non_finite(span)
+        if run_warning:
+            warnings.append(run_warning)
         if warnings:
             out.warnings[span["span_id"]] = warnings
         span["worker"] = batch.worker
@@ -204,10 +208,21 @@ def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT
         span["entity"] = batch.entity
         if batch.client:
             span["client"] = batch.client
+        if run_id is not None:
+            span["wandb_run_id"] = run_id
         out.spans.append(span)
     out.index_of = seen
     _reject_cycles(out, seen)
     return out
+
+
+def _run_id(value: Any) -> tuple[str | None, str | None]:
+    """The batch's W&B run id (a run id or entity/project/run_id), or why it is ignored."""
+    if value is None:
+        return None, None
+    if isinstance(value, str) and 0 < len(value) <= 256 and not any(c.isspace() for c in value) and value.count("/") <= 2:
+        return value, None
+    return None, f"wandb_run_id: ignored, expected a W&B run id or entity/project/run_id, got {str(value)[:80]!r}"
 
 
 def _describe_error(index: int, err: dict[str, Any]) -> tuple[str, str]:

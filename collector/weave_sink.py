@@ -14,12 +14,25 @@ For ops given by name, weave's client publishes an anonymous op (``/file/create`
 it does for VERL's in-process tracing. ``publish_ops=False`` sends plain names, which the server
 also accepts (its OTel ingest does that).
 
+VERL's weave backend makes no call for ``rollout_trace_attr`` (it only sets weave attributes),
+so a trajectory root span (kind ``trajectory``, no parent, marked by tracecar's client
+``attributes.tracecar.trajectory``) is not sent: its top-level calls,
+which tracecar's client marks (``attributes.tracecar.top``), go as trace roots (no parent,
+``trace_id`` = their own id), and their descendants name that root as their trace
+(``attributes.tracecar.root``). Those descendants carry the trajectory as ``thread_id`` and the
+top-level call's child they belong to as ``turn_id``, as if the agent loop ran its body inside
+``weave.thread(trajectory id)``. Rewards (annotations) become feedback on the top-level calls,
+and tail sampling's ``kept_because`` an attribute of them. Each call names the trainer's W&B run
+(``wb_run_id`` ``entity/project/run_id``, ``wb_run_step`` = the trajectory's step) when the
+client or the collector knows it.
+
 Nothing here is retried: :meth:`WeaveSink.send` reports each span as delivered, retryable (with
 the server's Retry-After) or rejected (with a reason), and the caller's spool decides.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime as _dt
 import functools
@@ -27,8 +40,9 @@ import hashlib
 import json
 import logging
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
 
 import httpx
 import orjson
@@ -77,8 +91,49 @@ _EXC_RE = re.compile(r"^([A-Za-z_][\w.]*): ?(.*)$", re.DOTALL)
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 
 
+#: The attribute key under which tracecar's client marks a call's place in its trajectory.
+MARK = "tracecar"
+MAX_REMEMBERED_TRAJECTORIES = 1 << 16
+
+
 class SpanError(ValueError):
     """A span that can never become a Weave call (rejected permanently)."""
+
+
+class TrajectoryLookup(Protocol):
+    """What the sink asks the spool about trajectories (see forward.SpoolTrajectories)."""
+
+    def kept_because(self, trace_ids: list[str]) -> dict[str, str]: ...
+
+    def top_calls(self, trace_ids: list[str]) -> dict[str, list[str]]: ...
+
+
+def is_elided(span: Mapping[str, Any]) -> bool:
+    """A marked trajectory root: tracecar's unit, not a Weave call (VERL's weave backend makes
+    none). Unmarked ones (clients before the marks) are sent as calls, with their children under
+    them, so their trees stay whole."""
+    return span.get("kind") == "trajectory" and span.get("parent_id") is None and _mark(span).get("trajectory") is True
+
+
+def _mark(span: Mapping[str, Any]) -> dict[str, Any]:
+    mark = (span.get("attributes") or {}).get(MARK)
+    return mark if isinstance(mark, dict) else {}
+
+
+def is_top_call(span: Mapping[str, Any]) -> bool:
+    """A call directly under a trajectory root: a trace root in Weave."""
+    return _mark(span).get("top") is True and span.get("parent_id") == span.get("trace_id")
+
+
+def wb_run_id_for(run: str | None, project_id: str) -> str | None:
+    """weave's ``entity/project/run_id`` form; a bare run id is placed in the call's project.
+
+    weave's client refuses a run of another project (check_wandb_run_matches), so a full path
+    naming another project keeps only its run id.
+    """
+    if not run:
+        return None
+    return f"{project_id}/{run.rsplit('/', 1)[-1]}"
 
 
 # ---------------------------------------------------------------------------------- ids ----
@@ -163,14 +218,22 @@ def _iso_second(sec: int) -> str:
     return _dt.datetime.fromtimestamp(sec, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
 
 
-def status_counts(spans: Iterable[Mapping[str, Any]]) -> dict[str, tuple[int, int]]:
+def status_counts(spans: Iterable[Mapping[str, Any]],
+                  prior: Mapping[str, tuple[int, int]] | None = None) -> dict[str, tuple[int, int]]:
     """(success, error) per span over its subtree among ``spans``, as weave's client rolls up.
 
     Weave reports a call whose descendants failed as ``descendant_error`` from these counts.
-    Descendants not in ``spans`` are not counted.
+    ``prior`` adds, per span id, the counts of its children's subtrees sent earlier (children
+    end, and so arrive, before their parents, often in an earlier batch); other descendants not
+    in ``spans`` are not counted.
     """
     spans = list(spans)
-    own = {s["span_id"]: (0, 1) if s.get("exception") else (1, 0) for s in spans}
+    prior = prior or {}
+    own = {}
+    for s in spans:
+        ok, err = (0, 1) if s.get("exception") else (1, 0)
+        p_ok, p_err = prior.get(s["span_id"], (0, 0))
+        own[s["span_id"]] = (ok + p_ok, err + p_err)
     children: dict[str, list[str]] = {}
     for s in spans:
         if s.get("parent_id") in own and s["parent_id"] != s["span_id"]:
@@ -202,12 +265,15 @@ def to_weave_call(
     op_name: str | None = None,
     counts: tuple[int, int] | None = None,
     project_id: str | None = None,
+    kept_because: str | None = None,
+    wb_run_id: str | None = None,
 ) -> WeaveCall:
     """One stored span as a calls/complete batch item (weave's ``Batch`` shape).
 
     ``op_name`` overrides the plain name (e.g. a published op's ref URI); ``counts`` is the
     subtree's (success, error) from :func:`status_counts`, else the span's own status;
-    ``project_id`` skips re-deriving it from the span.
+    ``project_id`` skips re-deriving it from the span; ``kept_because`` (the tail decision's
+    rule) goes on a top-level call; ``wb_run_id`` is the run used when the span names none.
     """
     try:
         span_id, trace_id, name = span["span_id"], span["trace_id"], span["name"]
@@ -227,11 +293,24 @@ def to_weave_call(
     otlp_root = parent is None and isinstance((span.get("attributes") or {}).get("otel"), dict)
     if (parent is None) != (span_id == trace_id) and not otlp_root:
         raise SpanError("a trace root must have no parent_id, and a span without one must be its root")
+    if is_elided(span):
+        raise SpanError("a trajectory root is not a Weave call (its top-level calls are the roots)")
     exc = span.get("exception")
     if counts is None:
         counts = (0, 1) if exc else (1, 0)
     attributes = dict(span.get("attributes") or {})
-    attributes.setdefault("tracecar", {"span_id": span_id, "kind": span["kind"], "worker": span.get("worker")})
+    mark = attributes.pop(MARK, None)
+    mark = mark if isinstance(mark, dict) else {}
+    weave_trace, thread_id, turn_id = trace_id, None, None
+    if mark.get("top") is True and parent == trace_id:  # a trajectory's top-level call: a root
+        parent, weave_trace = None, span_id
+        if kept_because is not None:
+            attributes["kept_because"] = kept_because
+    elif isinstance(mark.get("root"), str) and mark["root"]:  # under a top-level call
+        weave_trace, thread_id = mark["root"], trace_id
+        turn = mark.get("turn")
+        turn_id = weave_call_id(turn) if isinstance(turn, str) and turn else None
+    attributes["tracecar"] = {"span_id": span_id, "trace_id": trace_id, "kind": span["kind"], "worker": span.get("worker")}
     client = span.get("client")
     if isinstance(client, dict) and "weave" not in attributes:  # weave's capture_info keys, tracecar's values
         attributes["weave"] = {**client, "worker": span.get("worker")}
@@ -249,17 +328,22 @@ def to_weave_call(
         started_at, ended_at = _iso(start), _iso(max(end, start))
     except (OverflowError, OSError, ValueError) as e:
         raise SpanError(f"unusable start_time/end_time: {e}") from None
+    project_id = project_id or project_id_for(span, entity, project)
+    run = wb_run_id_for(span.get("wandb_run_id") or wb_run_id, project_id)
+    step = (span.get("attributes") or {}).get("step")
+    # the trainer logs step N's metrics at W&B step N; fully-async rollouts (step -1) have none
+    run_step = step if run is not None and type(step) is int and step >= 0 else None
     return {
-        "project_id": project_id or project_id_for(span, entity, project),
+        "project_id": project_id,
         "id": weave_call_id(span_id),
-        "trace_id": weave_call_id(trace_id),
+        "trace_id": weave_call_id(weave_trace),
         "op_name": op_name,
         "started_at": started_at,
         "ended_at": ended_at,
         "display_name": display_name,
         "parent_id": None if parent is None else weave_call_id(parent),
-        "thread_id": None,
-        "turn_id": None,
+        "thread_id": thread_id,
+        "turn_id": turn_id,
         "attributes": attributes,
         "inputs": inputs,
         "output": span.get("output"),
@@ -267,34 +351,36 @@ def to_weave_call(
         "otel_dump": None,
         "exception": exception_json(exc, span.get("exception_info")),
         "wb_user_id": None,
-        "wb_run_id": None,
-        "wb_run_step": None,
-        "wb_run_step_end": None,
+        "wb_run_id": run,
+        "wb_run_step": run_step,
+        "wb_run_step_end": run_step,
     }
 
 
 def to_weave_calls(spans: Iterable[Mapping[str, Any]], entity: str, project: str) -> list[WeaveCall]:
-    """Spans as calls/complete items with plain op names; raises :class:`SpanError` on a bad one."""
+    """Spans as calls/complete items with plain op names (trajectory roots left out); raises
+    :class:`SpanError` on a bad one."""
     spans = list(spans)
     counts = status_counts(s for s in spans if "span_id" in s)
-    return [to_weave_call(s, entity, project, counts=counts.get(s.get("span_id", ""))) for s in spans]
+    return [to_weave_call(s, entity, project, counts=counts.get(s.get("span_id", ""))) for s in spans if not is_elided(s)]
 
 
-def to_weave_feedback(span: Mapping[str, Any], project_id: str) -> dict[str, Any]:
+def to_weave_feedback(span: Mapping[str, Any], project_id: str, targets: Iterable[str]) -> list[dict[str, Any]]:
     """An annotation span (a reward attached after the trajectory ended) as Weave feedback.
 
     Weave fixes a call's attributes when it starts, and the reward is computed after VERL's
-    ``run`` returns, so rewards go to the trajectory's root call as feedback
-    (``/feedback/batch/create``, the route weave's own client batches feedback to), with an id
-    derived from the annotation's span id so a resend is idempotent.
+    ``run`` returns, so rewards go as feedback (``/feedback/batch/create``, the route weave's
+    own client batches feedback to) on each of ``targets``: the span ids of the calls a user
+    sees as the trajectory (its top-level calls). Ids derive from the annotation's and the
+    target's span ids, so a resend is idempotent.
     """
-    return {
-        "id": weave_call_id(span["span_id"]),
+    return [{
+        "id": weave_call_id(f"{span['span_id']}>{target}"),
         "project_id": project_id,
-        "weave_ref": f"weave:///{project_id}/call/{weave_call_id(span['trace_id'])}",
+        "weave_ref": f"weave:///{project_id}/call/{weave_call_id(target)}",
         "feedback_type": "tracecar.annotation",
         "payload": dict(span.get("attributes") or {}),
-    }
+    } for target in targets]
 
 
 def _json_default(obj: Any) -> Any:
@@ -382,7 +468,12 @@ class WeaveSink:
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         publish_ops: bool = True,
         transport: httpx.AsyncBaseTransport | None = None,
+        wb_run_id: str | None = None,
+        trajectories: TrajectoryLookup | None = None,
     ) -> None:
+        """``wb_run_id``: the trainer's W&B run for calls whose batch named none
+        (``TRACECAR_WANDB_RUN_ID``); ``trajectories``: the spool, asked for tail decisions'
+        ``kept_because`` and for the top-level calls an annotation's feedback goes on."""
         if not api_key:
             raise ValueError("api_key is required")
         project_id_for({}, entity, project)  # entity is required: weave addresses entity/project
@@ -397,6 +488,13 @@ class WeaveSink:
             timeout=timeout_s,
             transport=transport,
         )
+        self.wb_run_id = wb_run_id
+        self.trajectories = trajectories
+        # trace id -> span ids of its top-level calls sent lately (feedback targets, when the
+        # spool no longer holds them: keep_forwarded=false)
+        self._tops: OrderedDict[str, list[str]] = OrderedDict()
+        # span id -> (success, error) of its children's subtrees already sent (weave's rollup)
+        self._sent_counts: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._file_digests: dict[str, str] = {}  # project_id -> digest of ANONYMOUS_OP_CODE
         self._op_refs: dict[tuple[str, str], str] = {}  # (project_id, name) -> op ref URI
 
@@ -418,6 +516,7 @@ class WeaveSink:
         result = SendResult()
         groups: dict[str, list[dict[str, Any]]] = {}
         notes: dict[str, list[dict[str, Any]]] = {}
+        elided: list[str] = []
         for s in spans:
             sid = s.get("span_id")
             if not isinstance(sid, str) or not sid:
@@ -428,8 +527,17 @@ class WeaveSink:
             except SpanError as e:
                 result.rejected[sid] = str(e)
                 continue
+            if is_elided(s):  # tracecar's own unit; its calls are the Weave roots
+                elided.append(sid)
+                continue
             (notes if s.get("kind") == "annotation" else groups).setdefault(pid, []).append(s)
-        counts = status_counts(s for g in groups.values() for s in g)
+        counts = status_counts((s for g in groups.values() for s in g), self._sent_counts)
+        tops = [s for g in groups.values() for s in g if is_top_call(s) or s.get("parent_id") is None]
+        for s in tops:
+            self._remember(s["trace_id"], s["span_id"])
+        kept: dict[str, str] = {}
+        if tops and self.trajectories is not None:
+            kept = await asyncio.to_thread(self.trajectories.kept_because, list({s["trace_id"] for s in tops}))
         stop: _Failure | None = None
         op_refs: dict[str, str] = {}
         for pid, group in groups.items():
@@ -443,7 +551,8 @@ class WeaveSink:
                     continue
                 try:
                     op = op_refs.get(s.get("name"))  # type: ignore[arg-type]
-                    call = to_weave_call(s, self.entity, self.project, op_name=op, counts=counts[sid], project_id=pid)
+                    call = to_weave_call(s, self.entity, self.project, op_name=op, counts=counts[sid], project_id=pid,
+                                         kept_because=kept.get(s["trace_id"]), wb_run_id=self.wb_run_id)
                     items.append((sid, encode_call(call)))
                 except (SpanError, TypeError, ValueError, OverflowError, OSError) as e:
                     result.rejected[sid] = f"unencodable span: {e}"[:MAX_REASON_CHARS]
@@ -454,15 +563,77 @@ class WeaveSink:
                     self._mark(result, [sid for sid, _ in items[a:b]], stop)
                 else:
                     stop = await self._deliver(url, items[a:b], result)
+        targets = await self._feedback_targets([s["trace_id"] for g in notes.values() for s in g]) if notes else {}
         for pid, group in notes.items():
-            items = [(s["span_id"], encode_call(to_weave_feedback(s, pid))) for s in group]
-            entity, project = pid.split("/", 1)
+            items: list[tuple[str, bytes]] = []
+            for s in group:
+                found = targets.get(s["trace_id"])
+                if not found:
+                    result.rejected[s["span_id"]] = (
+                        f"annotation of trajectory {s['trace_id']}: none of its calls is known to this collector "
+                        "(not received, or forwarded before a restart with TRACECAR_KEEP_FORWARDED=false)")[:MAX_REASON_CHARS]
+                    continue
+                # one request item per annotation: the span is delivered only if all its feedback is
+                items.append((s["span_id"], b",".join(encode_call(f) for f in to_weave_feedback(s, pid, found))))
             for a, b in pack([len(e) for _, e in items], self.max_request_bytes):
                 if stop is not None:
                     self._mark(result, [sid for sid, _ in items[a:b]], stop)
                 else:
                     stop = await self._deliver("/feedback/batch/create", items[a:b], result)
+        if stop is not None:  # nothing to send for them, but they go (and retry) with their batch
+            self._mark(result, elided, stop)
+        else:
+            result.delivered.extend(elided)
+        self._roll_up(result.delivered, {s["span_id"]: s for g in groups.values() for s in g}, counts, elided)
         return result
+
+    def _roll_up(self, delivered: list[str], by_id: dict[str, Mapping[str, Any]],
+                 counts: Mapping[str, tuple[int, int]], elided: list[str]) -> None:
+        """Remembers delivered calls' subtree counts under their parents, for the parents' rollup
+        when they come in a later batch (bounded; a parent is forgotten once sent)."""
+        done = set(delivered)
+        for sid in delivered:
+            span = by_id.get(sid)
+            if span is None:
+                continue
+            self._sent_counts.pop(sid, None)
+            parent = span.get("parent_id")
+            if parent is None or parent in done:
+                continue  # a parent in this batch already counted it
+            ok, err = counts.get(sid, (0, 0))
+            p_ok, p_err = self._sent_counts.get(parent, (0, 0))
+            self._sent_counts[parent] = (p_ok + ok, p_err + err)
+            self._sent_counts.move_to_end(parent)
+        for sid in elided:
+            if sid in done:
+                self._sent_counts.pop(sid, None)
+        while len(self._sent_counts) > MAX_REMEMBERED_TRAJECTORIES:
+            self._sent_counts.popitem(last=False)
+
+    # -- trajectories ---------------------------------------------------------------------
+    def _remember(self, trace_id: str, span_id: str) -> None:
+        known = self._tops.setdefault(trace_id, [])
+        if span_id not in known:
+            known.append(span_id)
+        self._tops.move_to_end(trace_id)
+        while len(self._tops) > MAX_REMEMBERED_TRAJECTORIES:
+            self._tops.popitem(last=False)
+
+    async def _feedback_targets(self, trace_ids: list[str]) -> dict[str, list[str]]:
+        """Span ids of the calls each trajectory's feedback goes on: its top-level calls.
+
+        The spool knows them while it holds the trajectory (always with keep_forwarded, the
+        default); calls sent by this sink lately are remembered too. A trace whose root is an
+        op (no trajectory) has that root as its top-level call.
+        """
+        found: dict[str, list[str]] = {}
+        if self.trajectories is not None:
+            found = await asyncio.to_thread(self.trajectories.top_calls, list(dict.fromkeys(trace_ids)))
+        for t in trace_ids:
+            for sid in self._tops.get(t, ()):
+                if sid not in found.setdefault(t, []):
+                    found[t].append(sid)
+        return found
 
     # -- internals ------------------------------------------------------------------------
     async def _deliver(self, url: str, items: list[tuple[str, bytes]], result: SendResult) -> _Failure | None:

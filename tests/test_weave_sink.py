@@ -42,25 +42,37 @@ def run(coro: Any) -> Any:
 
 
 def trajectory(t0: float = 1_760_000_000.25, root: int = 1) -> list[dict[str, Any]]:
-    """A VERL-like trajectory: root, the agent loop under it, a failing tool under that."""
+    """A VERL-like trajectory as tracecar's client sends it: the trajectory root, the agent loop
+    under it (marked top-level), a failing tool under that (marked with its root and turn)."""
     r, loop, tool = sid(root), sid(root + 1), sid(root + 2)
     attrs = {"step": 3, "sample_index": 5, "rollout_n": 2, "validate": False, "experiment_name": "exp1"}
     base = {"trace_id": r, "worker": "w0", "project": None, "entity": None}
     return [
         {**base, "span_id": r, "parent_id": None, "name": "agent_loop", "kind": "trajectory",
-         "start_time": t0, "end_time": t0 + 9.5, "attributes": {**attrs, "kept_because": "reward_top"},
+         "start_time": t0, "end_time": t0 + 9.5,
+         "attributes": {**attrs, "kept_because": "reward_top", "tracecar": {"trajectory": True}},
          "inputs": {}, "output": {"reward": 1.0}, "exception": None},
         {**base, "span_id": loop, "parent_id": r, "name": "ToolAgentLoop.run", "kind": "op",
-         "start_time": t0 + 0.5, "end_time": t0 + 9.0, "attributes": attrs,
+         "start_time": t0 + 0.5, "end_time": t0 + 9.0, "attributes": {**attrs, "tracecar": {"top": True}},
          "inputs": {"sampling_params": {"temperature": 1.0}, "raw_prompt": [{"role": "user", "content": "2+2?"}]},
          "output": {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "prompt_text": "2+2?", "response_text": "4",
                     "num_turns": 2, "nan_metric": float("nan")},
          "exception": None},
         {**base, "span_id": tool, "parent_id": loop, "name": "BaseTool.execute", "kind": "op",
-         "start_time": t0 + 1.0, "end_time": t0 + 1.5, "attributes": attrs,
+         "start_time": t0 + 1.0, "end_time": t0 + 1.5, "attributes": {**attrs, "tracecar": {"root": loop, "turn": tool}},
          "inputs": {"instance_id": "i-1", "parameters": {"code": "1/0"}}, "output": None,
          "exception": "ValueError: tool exploded: bad input"},
     ]
+
+
+def op_trace(t0: float = 1_760_000_000.25, root: int = 1) -> list[dict[str, Any]]:
+    """The same three spans as a trace rooted in an op (no trajectory): forwarded as they are,
+    three calls, for the tests of batching and failure handling."""
+    spans = trajectory(t0, root)
+    spans[0] = {**spans[0], "kind": "op"}
+    for sp in spans:
+        sp["attributes"] = {k: v for k, v in sp["attributes"].items() if k != "tracecar"}
+    return spans
 
 
 def sink(stub: WeaveStub, **kw: Any) -> WeaveSink:
@@ -94,41 +106,93 @@ def test_a_span_id_that_is_already_uuidv7_hex_is_kept() -> None:
 
 
 # ------------------------------------------------------------------- mapping/shape ----
+class Decided:
+    """Stands in for the spool: the tail decision that kept a trajectory, its top-level calls."""
+
+    def __init__(self, kept: dict[str, str] | None = None, tops: dict[str, list[str]] | None = None) -> None:
+        self.kept, self.tops, self.asked = kept or {}, tops or {}, []
+
+    def kept_because(self, trace_ids: list[str]) -> dict[str, str]:
+        self.asked.append(sorted(trace_ids))
+        return {t: self.kept[t] for t in trace_ids if t in self.kept}
+
+    def top_calls(self, trace_ids: list[str]) -> dict[str, list[str]]:
+        return {t: list(self.tops[t]) for t in trace_ids if t in self.tops}
+
+
 def test_mapping_keeps_tree_ids_attributes_and_payloads(weave_stub: WeaveStub) -> None:
+    """VERL's weave backend makes no call for rollout_trace_attr: the agent loop is the root."""
     spans = trajectory()
-    res = run(send_once(weave_stub, spans))
+    decided = Decided(kept={spans[0]["span_id"]: "reward_top"})
+    res = run(send_once(weave_stub, spans, trajectories=decided, wb_run_id="run-7"))
     assert sorted(res.delivered) == sorted(s["span_id"] for s in spans) and not res.rejected
     (req,) = complete_requests(weave_stub)
     assert req.path == f"/v2/{ENTITY}/{PROJECT}/calls/complete"
     assert req.headers["authorization"] == f"Basic {BASIC}"
     assert req.headers["content-type"] == "application/json"
     calls = {c["id"]: c for c in req.body["batch"]}
-    root, loop, tool = (calls[weave_call_id(s["span_id"])] for s in spans)
+    assert weave_call_id(spans[0]["span_id"]) not in calls  # the trajectory root is not a call
+    loop, tool = (calls[weave_call_id(s["span_id"])] for s in spans[1:])
+    assert len(calls) == 2
 
-    assert root["id"] == root["trace_id"] == weave_call_id(spans[0]["span_id"]) and root["parent_id"] is None
-    assert loop["parent_id"] == root["id"] and tool["parent_id"] == loop["id"]
-    assert {c["trace_id"] for c in calls.values()} == {root["id"]}
+    assert loop["id"] == loop["trace_id"] == weave_call_id(spans[1]["span_id"]) and loop["parent_id"] is None
+    assert tool["parent_id"] == loop["id"] and tool["trace_id"] == loop["id"]
     assert all(c["project_id"] == f"{ENTITY}/{PROJECT}" for c in calls.values())
 
-    assert root["attributes"]["kept_because"] == "reward_top"
-    for c, s in zip((root, loop, tool), spans):
+    assert loop["attributes"]["kept_because"] == "reward_top" and "kept_because" not in tool["attributes"]
+    assert decided.asked == [[spans[0]["span_id"]]]
+    for c, s in zip((loop, tool), spans[1:]):
         for k, v in s["attributes"].items():
-            assert c["attributes"][k] == v
-        assert c["attributes"]["tracecar"] == {"span_id": s["span_id"], "kind": s["kind"], "worker": "w0"}
+            if k != "tracecar":
+                assert c["attributes"][k] == v
+        assert c["attributes"]["tracecar"] == {"span_id": s["span_id"], "trace_id": spans[0]["span_id"],
+                                               "kind": s["kind"], "worker": "w0"}
         assert c["inputs"] == s["inputs"]
+        # the trainer's run, in weave's entity/project/run_id form, at the trajectory's step
+        assert (c["wb_run_id"], c["wb_run_step"], c["wb_run_step_end"]) == (f"{ENTITY}/{PROJECT}/run-7", 3, 3)
+    # threads: the trajectory is the thread, the agent loop's children its turns
+    assert loop["thread_id"] is None and loop["turn_id"] is None
+    assert tool["thread_id"] == spans[0]["span_id"] and tool["turn_id"] == tool["id"]
     assert loop["output"]["prompt_text"] == "2+2?" and loop["output"]["response_text"] == "4"
     assert loop["output"]["prompt_ids"] == [1, 2, 3] and loop["output"]["response_ids"] == [4, 5]
     assert loop["output"]["nan_metric"] is None  # weave sends NaN as null too
 
-    assert root["op_name"].startswith(f"weave:///{ENTITY}/{PROJECT}/op/agent_loop:")
     assert loop["op_name"].startswith(f"weave:///{ENTITY}/{PROJECT}/op/ToolAgentLoop.run:")
     assert all(c["display_name"] is None for c in calls.values())
     assert json.loads(tool["exception"]) == {"type": "ValueError", "message": "tool exploded: bad input"}
-    assert root["exception"] is None
-    # weave rolls child status up to the parent: the root shows descendant_error
-    assert root["summary"] == {"status_counts": {"success": 2, "error": 1}}
+    assert loop["exception"] is None
+    # weave rolls child status up to the parent: the loop shows descendant_error
+    assert loop["summary"] == {"status_counts": {"success": 1, "error": 1}}
     assert tool["summary"] == {"status_counts": {"success": 0, "error": 1}}
-    assert root["started_at"] == "2025-10-09T08:53:20.250000Z" and root["ended_at"] == "2025-10-09T08:53:29.750000Z"
+    assert loop["started_at"] == "2025-10-09T08:53:20.750000Z" and loop["ended_at"] == "2025-10-09T08:53:29.250000Z"
+
+
+def test_deeper_calls_keep_their_turn_and_run_steps_follow_the_trajectory(weave_stub: WeaveStub) -> None:
+    spans = trajectory()
+    loop, tool = spans[1]["span_id"], spans[2]["span_id"]
+    inner = {**spans[2], "span_id": sid(99), "parent_id": tool, "name": "inner", "exception": None}
+    batch_run = [{**s, "wandb_run_id": "ent/proj/from-client"} for s in spans + [inner]]
+    async_step = [{**s, "attributes": {**s["attributes"], "step": -1}} for s in trajectory(root=20)]
+    untraced_run = trajectory(root=40)
+    async def go() -> None:
+        async with sink(weave_stub, wb_run_id="from-settings") as s:
+            await s.send(batch_run)
+            await s.send(async_step)
+        async with sink(weave_stub) as s:
+            await s.send(untraced_run)
+    run(go())
+    calls = {c["id"]: c for c in weave_stub.completed_calls()}
+    deep = calls[weave_call_id(sid(99))]
+    assert deep["trace_id"] == weave_call_id(loop) and deep["parent_id"] == weave_call_id(tool)
+    assert deep["thread_id"] == spans[0]["span_id"] and deep["turn_id"] == weave_call_id(tool)
+    # the batch's run wins over the setting, placed in the call's project as weave requires
+    assert deep["wb_run_id"] == f"{ENTITY}/{PROJECT}/from-client" and deep["wb_run_step"] == 3
+    for s in async_step[1:]:  # fully async (step -1): the run, but no step
+        c = calls[weave_call_id(s["span_id"])]
+        assert c["wb_run_id"] == f"{ENTITY}/{PROJECT}/from-settings" and c["wb_run_step"] is None
+    for s in untraced_run[1:]:  # no run known: no link, as weave without wandb.init
+        c = calls[weave_call_id(s["span_id"])]
+        assert c["wb_run_id"] is None and c["wb_run_step"] is None
 
 
 def test_body_validates_with_weaves_request_models(weave_stub: WeaveStub) -> None:
@@ -177,14 +241,14 @@ def test_shape_matches_weaves_client_create_call_with_a_string_op(
     client = WeaveClient(ENTITY, PROJECT, server, ensure_project_exists=False)
     set_weave_client_global(client)
     try:
-        root = client.create_call(op="agent_loop", inputs={}, attributes=spans[0]["attributes"], use_stack=False)
-        loop = client.create_call(op="ToolAgentLoop.run", inputs=spans[1]["inputs"], parent=root,
-                                  attributes=spans[1]["attributes"], use_stack=False)
+        # VERL's weave backend: rollout_trace_attr only sets attributes, the agent loop is the root
+        verl_attrs = {k: v for k, v in spans[0]["attributes"].items() if k not in ("kept_because", "tracecar")}
+        loop = client.create_call(op="ToolAgentLoop.run", inputs=spans[1]["inputs"],
+                                  attributes=verl_attrs, use_stack=False)
         tool = client.create_call(op="BaseTool.execute", inputs=spans[2]["inputs"], parent=loop,
-                                  attributes=spans[2]["attributes"], use_stack=False)
+                                  attributes=verl_attrs, use_stack=False)
         client.finish_call(tool, exception=ValueError("tool exploded: bad input"))
         client.finish_call(loop, output=spans[1]["output"])
-        client.finish_call(root, output=spans[0]["output"])
         client.flush()
     finally:
         set_weave_client_global(None)
@@ -199,12 +263,13 @@ def test_shape_matches_weaves_client_create_call_with_a_string_op(
     our_objs = [r.body["obj"] for r in weave_stub.requests_to(r"^/obj/create$")]
     our_files = weave_stub.requests_to(r"^/file/create$")
 
-    assert set(theirs) == set(ours) == {"agent_loop", "ToolAgentLoop.run", "BaseTool.execute"}
+    assert set(theirs) == set(ours) == {"ToolAgentLoop.run", "BaseTool.execute"}
     for name in theirs:
         t, o = theirs[name], ours[name]
         assert set(t) == set(o), set(t) ^ set(o)
         assert o["op_name"] == t["op_name"]  # same ref URI: same op object, same digest
         assert (o["parent_id"] is None) == (t["parent_id"] is None)
+        assert (o["id"] == o["trace_id"]) == (o["parent_id"] is None)
         assert o["summary"] == t["summary"]
         assert o["exception"] == t["exception"]
         assert o["inputs"] == t["inputs"] and o["display_name"] == t["display_name"]
@@ -212,7 +277,7 @@ def test_shape_matches_weaves_client_create_call_with_a_string_op(
             k: v for k, v in o["attributes"].items() if k != "tracecar"}
     # weave's root id differs from its trace_id unless a caller pins it; ours keep them equal,
     # which is the invariant weave_client.create_call documents for trace roots
-    assert ours["agent_loop"]["id"] == ours["agent_loop"]["trace_id"]
+    assert ours["ToolAgentLoop.run"]["id"] == ours["ToolAgentLoop.run"]["trace_id"]
     assert sorted(our_objs, key=lambda o: o["object_id"]) == sorted(their_objs, key=lambda o: o["object_id"])
     assert len(our_files) == len(their_files) == 1
     assert our_files[0].form == their_files[0].form  # same stub obj.py, project and expected digest
@@ -232,7 +297,7 @@ def test_ops_are_published_once_per_project(weave_stub: WeaveStub) -> None:
     run(go())
     objs = [r.body["obj"] for r in weave_stub.requests_to(r"^/obj/create$")]
     assert sorted((o["project_id"], o["object_id"]) for o in objs) == sorted(
-        (f"{ENTITY}/{p}", n) for p in (PROJECT, "other") for n in ("agent_loop", "ToolAgentLoop.run", "BaseTool.execute"))
+        (f"{ENTITY}/{p}", n) for p in (PROJECT, "other") for n in ("ToolAgentLoop.run", "BaseTool.execute"))
     assert len(weave_stub.requests_to(r"^/file/create$")) == 2
 
 
@@ -242,15 +307,15 @@ def test_plain_op_names_without_publishing(weave_stub: WeaveStub) -> None:
     run(send_once(weave_stub, spans, publish_ops=False))
     assert not weave_stub.requests_to(r"^/(obj|file)/create$")
     names = [c["op_name"] for c in weave_stub.completed_calls()]
-    assert names[0] == "agent_loop" and names[2] == "BaseTool.execute"
-    assert len(names[1]) < ws.MAX_OP_NAME_LENGTH and names[1].startswith("NNN")
+    assert names[1] == "BaseTool.execute"
+    assert len(names[0]) < ws.MAX_OP_NAME_LENGTH and names[0].startswith("NNN")
 
 
 def test_a_sanitized_op_name_keeps_the_real_name_as_display_name(weave_stub: WeaveStub) -> None:
     spans = trajectory()
     spans[1]["name"] = "make_loop.<locals>.Loop.run"
     run(send_once(weave_stub, spans))
-    call = weave_stub.completed_calls()[1]
+    call = weave_stub.completed_calls()[0]
     assert "/op/make_loop-locals-Loop.run:" in call["op_name"]
     assert call["display_name"] == "make_loop.<locals>.Loop.run"
 
@@ -288,25 +353,46 @@ def test_invalid_spans_are_rejected_alone(weave_stub: WeaveStub) -> None:
     assert "unfinished" in res.rejected[unfinished["span_id"]]
 
 
-def test_annotations_become_feedback_on_the_root_call(weave_stub: WeaveStub) -> None:
+def _note(trace_id: str, n: str = "note1", **payload: Any) -> dict[str, Any]:
+    return {"span_id": n, "trace_id": trace_id, "parent_id": None, "name": "annotation",
+            "kind": "annotation", "start_time": 1_760_000_010.0, "end_time": 1_760_000_010.0,
+            "attributes": payload or {"reward": 0.75, "acc": 1}, "inputs": {}, "output": None, "exception": None}
+
+
+def test_annotations_become_feedback_on_the_top_level_calls(weave_stub: WeaveStub) -> None:
+    """The reward lands on the call a user looks at: the trajectory's top-level call(s)."""
     from typing import get_type_hints
 
     from pydantic import TypeAdapter
     from weave.vendor.weave_server_sdk.types import feedback_batch_create_params as fb
 
     spans = trajectory()
-    root = next(s for s in spans if s["parent_id"] is None)
-    note = {"span_id": "note1", "trace_id": root["span_id"], "parent_id": None, "name": "annotation",
-            "kind": "annotation", "start_time": root["end_time"], "end_time": root["end_time"],
-            "attributes": {"reward": 0.75, "acc": 1}, "inputs": {}, "output": None, "exception": None}
-    res = run(send_once(weave_stub, spans + [note]))
+    root, loop = spans[0], spans[1]
+    note = _note(root["span_id"])
+    res = run(send_once(weave_stub, spans + [note]))  # the sink itself saw the top-level call
     assert sorted(res.delivered) == sorted(s["span_id"] for s in spans + [note]) and not res.rejected
     [req] = weave_stub.requests_to("/feedback/batch/create")
     TypeAdapter(fb.FeedbackBatchCreateParams).validate_python(req.body)  # weave's own request type
     [item] = req.body["batch"]
     assert set(item) <= set(get_type_hints(fb.Batch)) and item["feedback_type"] == "tracecar.annotation"
-    assert item["weave_ref"] == f"weave:///{ENTITY}/{PROJECT}/call/{weave_call_id(root['span_id'])}"
-    assert item["payload"] == {"reward": 0.75, "acc": 1} and item["id"] == weave_call_id("note1")
+    assert item["weave_ref"] == f"weave:///{ENTITY}/{PROJECT}/call/{weave_call_id(loop['span_id'])}"
+    assert item["payload"] == {"reward": 0.75, "acc": 1} and item["id"] == weave_call_id(f"note1>{loop['span_id']}")
+
+    # after a restart the sink remembers nothing: the spool names the top-level calls (two here)
+    weave_stub.reset()
+    second = sid(500)
+    decided = Decided(tops={root["span_id"]: [loop["span_id"], second]})
+    res = run(send_once(weave_stub, [note], trajectories=decided))
+    assert res.delivered == ["note1"] and not res.rejected
+    [req] = weave_stub.requests_to("/feedback/batch/create")
+    assert sorted(i["weave_ref"] for i in req.body["batch"]) == sorted(
+        f"weave:///{ENTITY}/{PROJECT}/call/{weave_call_id(t)}" for t in (loop["span_id"], second))
+
+    # nothing known of the trajectory: rejected (dead-lettered) with a reason, never dropped silently
+    weave_stub.reset()
+    res = run(send_once(weave_stub, [_note("f" * 32, "note2")], trajectories=Decided()))
+    assert not res.delivered and "none of its calls is known" in res.rejected["note2"]
+    assert not weave_stub.requests_to("/feedback/batch/create")
 
 
 def test_entity_is_required() -> None:
@@ -335,7 +421,7 @@ def test_requests_are_split_by_bytes(weave_stub: WeaveStub) -> None:
     assert sorted(res.delivered) == sorted(sp["span_id"] for sp in spans)
     reqs = complete_requests(weave_stub)
     assert len(reqs) > 3 and all(len(r.raw) <= limit for r in reqs)
-    assert sum(len(r.body["batch"]) for r in reqs) == len(spans)
+    assert sum(len(r.body["batch"]) for r in reqs) == len(spans) - 20  # trajectory roots are not calls
 
 
 def test_pack_keeps_an_oversized_item_alone() -> None:
@@ -345,17 +431,17 @@ def test_pack_keeps_an_oversized_item_alone() -> None:
 
 def test_413_and_422_split_the_batch(weave_stub: WeaveStub) -> None:
     weave_stub.fail_next(1, 413)
-    res = run(send_once(weave_stub, trajectory(), publish_ops=False))
+    res = run(send_once(weave_stub, op_trace(), publish_ops=False))
     assert len(res.delivered) == 3
     assert [len(r.body["batch"]) for r in complete_requests(weave_stub)] == [3, 1, 2]
 
     weave_stub.reset()
     weave_stub.fail_next(1, 422)  # the whole batch...
-    res = run(send_once(weave_stub, trajectory(), publish_ops=False))
+    res = run(send_once(weave_stub, op_trace(), publish_ops=False))
     assert len(res.delivered) == 3
 
     weave_stub.reset()
-    spans = trajectory()
+    spans = op_trace()
     weave_stub.fail_next(2, 422, body={"detail": "call 0 is invalid"})  # the batch, then its first half
     res = run(send_once(weave_stub, spans, publish_ops=False))
     assert list(res.rejected) == [spans[0]["span_id"]] and "invalid" in res.rejected[spans[0]["span_id"]]
@@ -363,7 +449,7 @@ def test_413_and_422_split_the_batch(weave_stub: WeaveStub) -> None:
 
 
 def test_a_refusal_of_every_call_is_not_split_call_by_call(weave_stub: WeaveStub) -> None:
-    spans = [sp for n in range(100) for sp in trajectory(root=1 + 10 * n)]
+    spans = [sp for n in range(100) for sp in op_trace(root=1 + 10 * n)]
     weave_stub.fail_next(10_000, 422, body={"detail": "unknown field"})
     res = run(send_once(weave_stub, spans, publish_ops=False))
     assert len(res.rejected) == 300 and len(complete_requests(weave_stub)) == 3  # batch + both halves
@@ -380,28 +466,28 @@ def test_a_refusal_of_every_call_is_not_split_call_by_call(weave_stub: WeaveStub
 @pytest.mark.parametrize("status", [500, 502, 503, 408])
 def test_server_errors_are_retryable(weave_stub: WeaveStub, status: int) -> None:
     weave_stub.fail_next(1, status)
-    res = run(send_once(weave_stub, trajectory(), publish_ops=False))
+    res = run(send_once(weave_stub, op_trace(), publish_ops=False))
     assert len(res.retryable) == 3 and not res.delivered and not res.rejected
     assert res.retry_after is None and str(status) in (res.retry_reason or "")
 
 
 def test_429_and_503_honour_retry_after(weave_stub: WeaveStub) -> None:
     weave_stub.fail_next(1, 429, retry_after="7")
-    res = run(send_once(weave_stub, trajectory(), publish_ops=False))
+    res = run(send_once(weave_stub, op_trace(), publish_ops=False))
     assert len(res.retryable) == 3 and res.retry_after == 7.0
 
     weave_stub.fail_next(1, 503, retry_after="1.5")
-    res = run(send_once(weave_stub, trajectory(), publish_ops=False))
+    res = run(send_once(weave_stub, op_trace(), publish_ops=False))
     assert res.retry_after == 1.5
 
     when = email.utils.formatdate(time.time() + 30, usegmt=True)
     weave_stub.fail_next(1, 503, retry_after=when)
-    res = run(send_once(weave_stub, trajectory(), publish_ops=False))
+    res = run(send_once(weave_stub, op_trace(), publish_ops=False))
     assert res.retry_after is not None and 25 <= res.retry_after <= 31
 
 
 def test_a_retryable_failure_stops_the_rest_of_the_send(weave_stub: WeaveStub) -> None:
-    spans = [sp for n in range(10) for sp in trajectory(root=1 + 10 * n)]
+    spans = [sp for n in range(10) for sp in op_trace(root=1 + 10 * n)]
     weave_stub.fail_next(1, 503, retry_after="2")
     res = run(send_once(weave_stub, spans, max_request_bytes=3000, publish_ops=False))
     assert len(complete_requests(weave_stub)) == 1
@@ -412,14 +498,14 @@ def test_other_4xx_are_permanent_and_never_leak_the_key(weave_stub: WeaveStub, c
     caplog.set_level(logging.DEBUG)
     # 3 calls: the batch, then its halves (1 | 2) refused too: about every call, all rejected
     weave_stub.fail_next(3, 400, body=f"bad request; you sent {API_KEY} as Basic {BASIC} " + "y" * 5000)
-    res = run(send_once(weave_stub, trajectory(), publish_ops=False))
+    res = run(send_once(weave_stub, op_trace(), publish_ops=False))
     assert len(res.rejected) == 3 and not res.retryable
     assert len(complete_requests(weave_stub)) == 3
     for reason in res.rejected.values():
         assert "HTTP 400" in reason and "bad request" in reason
         assert API_KEY not in reason and BASIC not in reason and len(reason) <= ws.MAX_REASON_CHARS
     weave_stub.fail_next(1, 401)  # the key is refused: not the spans' fault, they stay pending
-    res = run(send_once(weave_stub, trajectory(), publish_ops=False))
+    res = run(send_once(weave_stub, op_trace(), publish_ops=False))
     assert len(res.retryable) == 3 and not res.rejected
     assert API_KEY not in caplog.text and BASIC not in caplog.text
 
@@ -430,7 +516,7 @@ def test_connection_refused_is_retryable() -> None:
         port = s.getsockname()[1]  # closed again before the sink connects
     async def go() -> SendResult:
         async with WeaveSink(api_key=API_KEY, entity=ENTITY, project=PROJECT, server_url=f"http://127.0.0.1:{port}") as s:
-            return await s.send(trajectory())
+            return await s.send(op_trace())
     res = run(go())
     assert len(res.retryable) == 3 and "Connect" in (res.retry_reason or "")
     assert API_KEY not in (res.retry_reason or "")
@@ -438,27 +524,27 @@ def test_connection_refused_is_retryable() -> None:
 
 def test_a_dropped_connection_is_retryable(weave_stub: WeaveStub) -> None:
     weave_stub.drop_next(1)
-    res = run(send_once(weave_stub, trajectory(), publish_ops=False))
+    res = run(send_once(weave_stub, op_trace(), publish_ops=False))
     assert len(res.retryable) == 3
-    res = run(send_once(weave_stub, trajectory(), publish_ops=False))
+    res = run(send_once(weave_stub, op_trace(), publish_ops=False))
     assert len(res.delivered) == 3
 
 
 def test_op_publish_failures(weave_stub: WeaveStub) -> None:
     weave_stub.fail_next(1, 503, retry_after="3")  # the first /file/create
-    res = run(send_once(weave_stub, trajectory()))
+    res = run(send_once(weave_stub, op_trace()))
     assert len(res.retryable) == 3 and res.retry_after == 3.0
     assert not complete_requests(weave_stub)
 
     weave_stub.reset()
     weave_stub.fail_next(3, 403)  # file/create refused for good (once per op): plain names
-    res = run(send_once(weave_stub, trajectory()))
+    res = run(send_once(weave_stub, op_trace()))
     assert len(res.delivered) == 3
     assert [c["op_name"] for c in weave_stub.completed_calls()] == ["agent_loop", "ToolAgentLoop.run", "BaseTool.execute"]
 
 
 def test_unencodable_values_do_not_sink_the_batch(weave_stub: WeaveStub) -> None:
-    spans = trajectory()
+    spans = op_trace()
     spans[1]["output"]["blob"] = b"\x00\x01"
     spans[1]["output"]["huge"] = 2**70
     spans[1]["output"]["tags"] = {"a"}
@@ -480,9 +566,11 @@ def test_weaves_own_server_accepts_and_reads_back_what_we_send() -> None:
     assert python is not None
     spans = trajectory()
     other = [{**sp, "project": "other"} for sp in trajectory(root=10)]
+    decided = Decided(kept={spans[0]["span_id"]: "reward_top"})
     with WeaveSqliteServer(python) as server:
         async def go() -> SendResult:
-            async with WeaveSink(api_key=API_KEY, entity=ENTITY, project=PROJECT, server_url=server.url) as s:
+            async with WeaveSink(api_key=API_KEY, entity=ENTITY, project=PROJECT, server_url=server.url,
+                                 trajectories=decided, wb_run_id="run-1") as s:
                 return await s.send(spans + other)
 
         res = run(go())
@@ -493,18 +581,22 @@ def test_weaves_own_server_accepts_and_reads_back_what_we_send() -> None:
         def query(**req: Any) -> list[Any]:
             return list(client.calls_query_stream({"project_id": f"{ENTITY}/{PROJECT}", **req}))
 
-        root_id, loop_id, tool_id = (weave_call_id(s["span_id"]) for s in spans)
+        loop_id, tool_id = (weave_call_id(s["span_id"]) for s in spans[1:])
         everything = {c.id: c for c in query()}
-        assert set(everything) == {root_id, loop_id, tool_id}  # the other project's calls stay apart
+        assert set(everything) == {loop_id, tool_id}  # no call for the trajectory; other project apart
         (root,) = query(filter={"trace_roots_only": True})
-        assert root.id == root.trace_id == root_id and root.parent_id is None
-        assert [c.id for c in query(filter={"parent_ids": [root_id]})] == [loop_id]
-        assert [c.id for c in query(filter={"trace_ids": [root_id]}, sort_by=[{"field": "started_at", "direction": "asc"}])] == [
-            root_id, loop_id, tool_id]
+        assert root.id == root.trace_id == loop_id and root.parent_id is None
+        assert [c.id for c in query(filter={"parent_ids": [loop_id]})] == [tool_id]
+        assert [c.id for c in query(filter={"trace_ids": [loop_id]}, sort_by=[{"field": "started_at", "direction": "asc"}])] == [
+            loop_id, tool_id]
         by_attr = query(query={"$expr": {"$and": [
             {"$eq": [{"$getField": "attributes.step"}, {"$literal": 3}]},
             {"$eq": [{"$getField": "attributes.kept_because"}, {"$literal": "reward_top"}]}]}})
-        assert [c.id for c in by_attr] == [root_id]
+        assert [c.id for c in by_attr] == [loop_id]
+        # the run page's link: calls of a W&B run; the Threads view: the trajectory as a thread
+        assert {c.id for c in query(filter={"wb_run_ids": [f"{ENTITY}/{PROJECT}/run-1"]})} == {loop_id, tool_id}
+        assert [c.id for c in query(filter={"thread_ids": [spans[0]["span_id"]]})] == [tool_id]
+        assert everything[tool_id].turn_id == tool_id and everything[loop_id].wb_run_step == 3
         (tool,) = query(filter={"op_names": [f"weave:///{ENTITY}/{PROJECT}/op/BaseTool.execute:*"]})
         assert tool.id == tool_id and json.loads(tool.exception)["type"] == "ValueError"
         assert tool.summary["weave"]["status"] == "error"
@@ -516,4 +608,32 @@ def test_weaves_own_server_accepts_and_reads_back_what_we_send() -> None:
         # the op digest weave's server computed is the one weave's client computes locally
         val = {"_type": "CustomWeaveType", "weave_type": {"type": "Op"}, "files": {"obj.py": ws.ANONYMOUS_OP_FILE_DIGEST}}
         assert loop.op_name == f"weave:///{ENTITY}/{PROJECT}/op/ToolAgentLoop.run:{compute_object_digest(val)}"
-        assert len(list(client.calls_query_stream({"project_id": f"{ENTITY}/other"}))) == 3
+        assert len(list(client.calls_query_stream({"project_id": f"{ENTITY}/other"}))) == 2
+
+
+def test_status_rolls_up_across_batches(weave_stub: WeaveStub) -> None:
+    """Children end (and arrive) before their parents, often in an earlier batch: a failed
+    tool sent first still makes its agent loop ``descendant_error``, as in weave's client."""
+    spans = trajectory()
+    async def go() -> None:
+        async with sink(weave_stub, publish_ops=False) as s:
+            await s.send([spans[2]])  # the failing tool alone
+            await s.send([spans[1], spans[0]])  # then the loop and the trajectory root
+    run(go())
+    calls = {c["id"]: c for c in weave_stub.completed_calls()}
+    assert calls[weave_call_id(spans[1]["span_id"])]["summary"] == {"status_counts": {"success": 1, "error": 1}}
+    assert calls[weave_call_id(spans[2]["span_id"])]["summary"] == {"status_counts": {"success": 0, "error": 1}}
+
+
+def test_an_unmarked_trajectory_keeps_its_root_call(weave_stub: WeaveStub) -> None:
+    """A client without the marks (older, or another one): the tree is sent whole, root and all,
+    so no call names a parent that never reaches Weave."""
+    spans = op_trace()
+    spans[0] = {**spans[0], "kind": "trajectory"}
+    res = run(send_once(weave_stub, spans, publish_ops=False))
+    assert sorted(res.delivered) == sorted(s["span_id"] for s in spans) and not res.rejected
+    calls = {c["id"]: c for c in weave_stub.completed_calls()}
+    root, loop, tool = (calls[weave_call_id(s["span_id"])] for s in spans)
+    assert root["parent_id"] is None and root["id"] == root["trace_id"]
+    assert loop["parent_id"] == root["id"] and tool["parent_id"] == loop["id"]
+    assert {c["trace_id"] for c in calls.values()} == {root["id"]} and loop["thread_id"] is None
