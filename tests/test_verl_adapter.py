@@ -584,7 +584,7 @@ def test_ray_worker_process_setup_hook_traces_from_an_actor(start_collector, mod
     assert len(trajectories(col.url, step=STEP)) == 4
 
 
-# the lines README's "OpenTelemetry in" asks VERL to add to LLMServerClient.generate, verbatim
+# the lines docs/opentelemetry.md asks VERL to add to LLMServerClient.generate, verbatim
 README_VERL_LINES = '''\
 from tracecar.client import trace_headers
 if (headers := trace_headers()) is not None:
@@ -600,7 +600,7 @@ def _generate_with_readme_lines() -> Any:
 
     from verl.workers.rollout import llm_server
 
-    assert README_VERL_LINES in (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert README_VERL_LINES in (Path(__file__).resolve().parents[1] / "docs" / "opentelemetry.md").read_text()
     source = textwrap.dedent(inspect.getsource(llm_server.LLMServerClient.generate.__wrapped__))
     head, found, tail = source.partition(_REMOTE_CALL)
     assert found, "VERL's LLMServerClient.generate changed: update README's lines and this test"
