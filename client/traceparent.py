@@ -17,12 +17,19 @@ The ids are tracecar's, written the W3C way (no mapping table anywhere):
   still lands in the right trajectory.
 * flags ``01``; ``00`` inside ``rollout_trace_attr(trace=False)`` (a trajectory a worker-side
   budget did not choose): the engine's sampler (ParentBased) then records nothing.
+
+``trace_headers()`` also gives a W3C ``tracestate`` entry, ``tracecar=<where>``, saying where
+the engine span sits in VERL's Weave tree (which top-level call roots it, which turn it belongs
+to): the engine's OpenTelemetry SDK copies the parent's trace state onto its span, so the
+collector can place the span in Weave as it places the client's own calls (``attributes.tracecar``
+marks, see :mod:`tracecar.client.tracing`) without looking up its parent.
 """
 
 from __future__ import annotations
 
 from . import tracer as _tracer
 from .spans import ids
+from .tracing import MARK
 
 # A valid (non-zero) context whose sampled flag is off: the engine skips its span. The ids
 # carry no meaning; they only have to parse.
@@ -46,7 +53,33 @@ def traceparent() -> str | None:
     return "00-%s%016x-%016x-01" % (root.prefix, root.number, parent.number)  # %-format: the cheapest here
 
 
+def tracestate() -> str | None:
+    """The ``tracecar=`` tracestate entry for the current span, or None when it has no place mark.
+
+    ``tracecar=top``: the current span is a trajectory root (an engine span under it is a
+    top-level call); ``tracecar=<root>``: the current span is a top-level call (an engine span
+    under it is a turn of its own); ``tracecar=<root>.<turn>``: the engine span belongs to that turn.
+    """
+    span = _tracer.current.get()
+    if span is None or span is _tracer.DISABLED or not span.attributes:
+        return None
+    if span.prefix != span.trace.prefix:  # traceparent names the trajectory root then: so does this
+        return "tracecar=top"
+    mark = span.attributes.get(MARK)
+    if not isinstance(mark, dict):
+        return None
+    if mark.get("trajectory") is True and span.parent is None:
+        return "tracecar=top"
+    if mark.get("top") is True:
+        return f"tracecar={span.span_id}"
+    root, turn = mark.get("root"), mark.get("turn")
+    return f"tracecar={root}.{turn}" if root and turn else None
+
+
 def trace_headers() -> dict[str, str] | None:
-    """``{"traceparent": ...}`` for an engine's ``trace_headers`` argument, or None."""
+    """``{"traceparent": ..., "tracestate": ...}`` for an engine's ``trace_headers`` argument, or None."""
     value = traceparent()
-    return None if value is None else {"traceparent": value}
+    if value is None:
+        return None
+    state = tracestate() if value.endswith("-01") else None
+    return {"traceparent": value} if state is None else {"traceparent": value, "tracestate": state}

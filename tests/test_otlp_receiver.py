@@ -510,8 +510,14 @@ def test_engine_spans_and_foreign_traces_are_forwarded_to_weave_like_any_other(s
         rows = {r["name"]: r for r in col.collector.spool.query("SELECT span_id, name, project FROM spans")}
         generate = next(r for n, r in rows.items() if n.endswith("generate"))
         llm = calls[weave_call_id(rows["llm_request"]["span_id"])]
-        assert llm["parent_id"] == weave_call_id(generate["span_id"]) and llm["trace_id"] == weave_call_id(trace_id)
-        assert llm["project_id"] == calls[weave_call_id(trace_id)]["project_id"]  # the trajectory's project
+        parent = calls[weave_call_id(generate["span_id"])]
+        # in Weave the engine span sits where VERL's tree puts its generate call: same trace (rooted at
+        # the trajectory's top-level call, the trajectory itself is no call), same thread, its own turn
+        assert weave_call_id(trace_id) not in calls
+        assert llm["parent_id"] == parent["id"] and llm["trace_id"] == parent["trace_id"] != weave_call_id(trace_id)
+        assert parent["parent_id"] is None and parent["trace_id"] == parent["id"]  # generate is the top-level call here
+        assert llm["thread_id"] == trace_id and llm["turn_id"] == llm["id"]  # the trajectory's thread, a turn of its own
+        assert llm["project_id"] == parent["project_id"]  # the trajectory's project
         assert llm["attributes"]["gen_ai.usage.completion_tokens"] == 2
         foreign_trace = format(run.get_span_context().trace_id, "032x")
         root = calls[weave_call_id(rows["agent.run"]["span_id"])]

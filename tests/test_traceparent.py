@@ -42,5 +42,39 @@ def test_names_the_current_span_and_the_root_when_the_span_was_made_in_another_p
         header, headers = call()
         assert ids.prefix != old_prefix
         assert header == f"00-{root.span_id}-{root.span_id[16:]}-01"  # names the root: still the right trajectory
-        assert headers == {"traceparent": header}
+        assert headers == {"traceparent": header, "tracestate": "tracecar=top"}  # placed as the root's child
+    assert tracer.flush(10)
+
+
+def test_tracestate_says_where_an_engine_span_sits_in_verls_weave_tree(start_collector, tracer_to):
+    """trajectory root -> top; in a top-level call -> <that call>; deeper -> <top-level call>.<turn>."""
+    from tracecar.client.traceparent import tracestate
+
+    tracer = tracer_to(start_collector().url)
+    seen: dict[str, tuple[str | None, str]] = {}
+
+    @rollout_trace_op
+    def generate() -> None:
+        seen["generate"] = (tracestate(), _tracer.current.get().span_id)
+
+    @rollout_trace_op
+    def turn() -> None:
+        seen["turn"] = (tracestate(), _tracer.current.get().span_id)
+        generate()
+
+    @rollout_trace_op
+    def run() -> None:
+        seen["run"] = (tracestate(), _tracer.current.get().span_id)
+        turn()
+
+    with rollout_trace_attr(sample_index=1, step=0):
+        assert tracestate() == "tracecar=top"
+        run()
+    top, turn_id = seen["run"][1], seen["turn"][1]
+    assert seen["run"][0] == f"tracecar={top}"
+    assert seen["turn"][0] == f"tracecar={top}.{turn_id}"
+    assert seen["generate"][0] == f"tracecar={top}.{turn_id}"  # deeper calls belong to their turn
+    with rollout_trace_attr(sample_index=2, step=0, trace=False):
+        assert trace_headers()["traceparent"].endswith("-00") and "tracestate" not in trace_headers()
+    assert tracestate() is None and trace_headers() is None
     assert tracer.flush(10)

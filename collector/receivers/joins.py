@@ -25,7 +25,7 @@ class TrajectoryContext(NamedTuple):
     entity: str | None
     experiment: Any
     step: int | None
-    sample_index: int | None
+    sample_index: int | str | None
     rollout_n: int | None
     validate: bool | None
 
@@ -41,6 +41,11 @@ class TrajectoryContext(NamedTuple):
 
 def _int(value: Any) -> int | None:
     return value if type(value) is int else None
+
+
+def _index(value: Any) -> int | str | None:
+    """VERL's sample index: an int or a string (``extra_info.index``)."""
+    return value if type(value) is int or type(value) is str else None
 
 
 class TrajectoryContexts:
@@ -67,7 +72,7 @@ class TrajectoryContexts:
             validate = a.get("validate")
             fresh.append((trace_id, TrajectoryContext(
                 span.get("worker"), span.get("project"), span.get("entity"), a.get("experiment_name"),
-                _int(a.get("step")), _int(a.get("sample_index")), _int(a.get("rollout_n")),
+                _int(a.get("step")), _index(a.get("sample_index")), _int(a.get("rollout_n")),
                 validate if type(validate) is bool else None)))
         if not fresh:
             return

@@ -39,6 +39,9 @@ from .joins import OTLP_WORKER_PREFIX, TrajectoryContext, TrajectoryContexts
 from .otlp_translate import OtlpSpanIn, Translated, hex_ids_to_base64, translate
 
 PROTOBUF = "application/x-protobuf"
+TRACESTATE_KEY = "tracecar"  # the client's tracestate entry (tracecar.client.traceparent.tracestate)
+MARK = "tracecar"  # the attribute the Weave sink reads (tracecar.client.tracing.MARK)
+_PLACE = re.compile(r"top|[0-9a-f]{32}(\.[0-9a-f]{32})?")
 JSON = "application/json"
 _PROTOBUF_TYPES = frozenset({PROTOBUF, "application/protobuf", "application/vnd.google.protobuf"})
 _JSON_TYPES = frozenset({JSON, "text/json"})
@@ -127,6 +130,7 @@ class OtlpRequest:
             joined[source] = joined.get(source, 0) + 1
             if context is not None:
                 context.apply(span)
+                place_in_weave_tree(span)
         for source, count in joined.items():
             self.metrics.otlp_spans.labels(joined=source).inc(count)
 
@@ -202,3 +206,29 @@ async def _export(request: Request, collector: Any, read_body: Callable[[Request
         metrics.batches_rejected.labels(reason="envelope").inc()
         return status_response(400, f"{exc.field}: {exc.reason}", content_type)
     return encode(export_response(result, otlp), content_type, 200)
+
+
+def place_in_weave_tree(span: dict[str, Any]) -> None:
+    """An engine span of a tracecar trajectory gets the client's place mark from its trace state.
+
+    ``trace_headers()`` put ``tracecar=top|<root>|<root>.<turn>`` in the W3C tracestate, which the
+    engine's SDK copied onto its span: the Weave sink then roots and threads the span as VERL's
+    tree has it (under the same top-level call as its ``generate`` parent). No entry: the span
+    keeps no mark and is sent as before.
+    """
+    otel = span["attributes"].get("otel")
+    state = otel.get("trace_state") if isinstance(otel, dict) else None
+    if not isinstance(state, str):
+        return
+    entry = next((item.strip()[len(TRACESTATE_KEY) + 1:] for item in state.split(",")
+                  if item.strip().startswith(TRACESTATE_KEY + "=")), None)
+    if not entry or not _PLACE.fullmatch(entry):
+        return
+    if entry == "top":
+        mark: dict[str, Any] = {"top": True}
+    elif "." in entry:
+        root, turn = entry.split(".", 1)
+        mark = {"root": root, "turn": turn}
+    else:
+        mark = {"root": entry, "turn": span["span_id"]}  # under a top-level call: a turn of its own
+    span["attributes"][MARK] = mark

@@ -39,7 +39,7 @@ _KINDS = {0: "UNSPECIFIED", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCE
 _STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
 _MAX_NAME = 512  # SpanIn's bound on names
 # attributes tracecar reads with a type (budgets, the store's columns): another type is set aside
-_TYPED = {"step": (int,), "sample_index": (int,), "rollout_n": (int,), "validate": (bool,), "experiment_name": (str,)}
+_TYPED = {"step": (int,), "sample_index": (int, str), "rollout_n": (int,), "validate": (bool,), "experiment_name": (str,)}
 
 
 class OtlpSpanIn(SpanIn):
@@ -189,6 +189,9 @@ def translate(request: Any) -> Translated:
         if "otel" in attrs:
             otel["attribute"] = attrs.pop("otel")
             notes.append("attributes.otel: the span's own 'otel' attribute is kept as attributes.otel.attribute")
+        if "tracecar" in attrs:  # reserved for the place mark tracecar sets itself (never a producer's)
+            otel["tracecar_attribute"] = attrs.pop("tracecar")
+            notes.append("attributes.tracecar: reserved; the span's own 'tracecar' attribute is kept as attributes.otel.tracecar_attribute")
         attrs["otel"] = otel
         if len(span.name) > _MAX_NAME:
             notes.append(f"name: {len(span.name)} characters cut to {_MAX_NAME}")
