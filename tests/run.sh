@@ -20,7 +20,7 @@ if [ "${TRACECAR_TEST_VERL:-0}" = 1 ]; then
   [ -x .venv-verl/bin/python ] || "$PYTHON" -m venv .venv-verl
   .venv-verl/bin/python -m pip install -q --upgrade pip
   .venv-verl/bin/python -m pip install -q torch==2.13.0          # first, so verl never pulls a CUDA build
-  .venv-verl/bin/python -m pip install -q verl==0.9.1 cachetools uvicorn fastapi -e ".[dev]"
+  PYTHONWARNINGS=ignore::UserWarning .venv-verl/bin/python -m pip install -q verl==0.9.1 cachetools uvicorn fastapi -e ".[dev]"
   # the adapter against real VERL; then the parity harness: VERL's own weave backend vs tracecar,
   # both read back from weave's own trace server (skips without .venv-weave52)
   .venv-verl/bin/python -m pytest -p no:cacheprovider -q tests/test_verl_adapter.py tests/test_weave_parity.py

@@ -74,7 +74,6 @@ TOOL_CALLS = (
     '<tool_call>{"name": "explode", "arguments": {"why": "always"}}</tool_call><|im_end|>'
 )
 ANSWER = "The answer is 5.<|im_end|>"
-NEEDS_W1 = "needs w1 serialisation (issue 10 items 1, 2, 4, 5, 6: redaction, snapshot at call end, exception shape, typed envelopes, input order)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,7 +477,6 @@ def test_same_ops_list_and_filter_counts(projects: dict[str, Any]) -> None:
     assert counts["all calls"][0] == len(verl.calls) and counts["validate"][0] > 0
 
 
-@pytest.mark.xfail(strict=False, reason=NEEDS_W1)
 def test_same_inputs_outputs_exceptions_and_typed_values(projects: dict[str, Any]) -> None:
     verl, ours = forest(projects["verl"], values=True), forest(projects["tracecar"], values=True)
     problems = [where(verl, d) for d in diff(verl, ours)]
@@ -490,7 +488,6 @@ def test_no_secret_in_verls_project(projects: dict[str, Any]) -> None:
     assert SECRET not in json.dumps([c.model_dump(mode="json") for c in projects["verl"].calls])
 
 
-@pytest.mark.xfail(strict=False, reason=NEEDS_W1)
 def test_no_secret_in_tracecars_project(projects: dict[str, Any]) -> None:
     assert SECRET not in json.dumps([c.model_dump(mode="json") for c in projects["tracecar"].calls])
 

@@ -381,7 +381,10 @@ def test_forwarded_call_carries_attributes_weave_and_weaves_exception_json(trace
         assert tracer.flush(20)
     finally:
         server.shutdown()
+    from tracecar.collector.weave_sink import is_elided
+
     spans = [s for b in server.bodies for s in validate_batch(orjson.loads(b), 10_000, body=b).spans]
+    spans = [s for s in spans if not is_elided(s)]  # the trajectory is no Weave call (VERL makes none)
     calls = [to_weave_call(s, "ent", "proj") for s in spans]
     assert all(c["attributes"]["weave"] == {**client_info(), "worker": "w-7"} for c in calls)
     assert calls[0]["attributes"]["weave"]["source"] == "tracecar"
@@ -461,11 +464,11 @@ def test_forwarded_weave_calls_hold_no_secret_and_show_weaves_exception_and_clie
         asyncio.run(_one_trajectory(5))
         assert tracer.flush(20)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and len(stub.completed_calls()) < 4:
+        while time.monotonic() < deadline and len(stub.completed_calls()) < 3:
             time.sleep(0.1)
         calls = stub.completed_calls()
         raw = b"".join(r.raw for r in stub.requests_to(".*"))
-    assert len(calls) == 4
+    assert len(calls) == 3  # the agent loop's run and its two tool calls; the trajectory is no call, as in VERL
     for secret in SECRETS:
         assert secret.encode() not in raw, secret
     [failed] = [c for c in calls if c["exception"]]
