@@ -27,8 +27,13 @@ from .redact import REDACTED, RedactKeys
 WIRE_VERSION = 1
 JSON_CONTENT_TYPE = "application/json"
 _TRUNCATED = "…[truncated by tracecar: {n} chars]"
-# dataclasses go through ``default`` too, so they get weave's envelope rather than orjson's plain dict
-_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_PASSTHROUGH_DATACLASS
+# dataclasses and numpy values go through ``default`` too, so they get weave's envelope / repr
+# rather than orjson's plain dict / list
+_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_PASSTHROUGH_DATACLASS
+# Token-id fields the collector decodes (tracecar.collector.decoding's PROMPT_KEYS/RESPONSE_KEYS):
+# an integer numpy array there travels as a list, so token2text still works; every other numpy
+# value is its repr, as weave stores it (``np.int64(0)``, ``array([...], dtype=object)``).
+ID_KEYS = ("prompt_ids", "response_ids", "token_ids")
 _WEAVE_MAX_STR_LEN = 1000  # weave.trace.serialization.serialize.MAX_STR_LEN
 
 
@@ -82,11 +87,13 @@ class WireEncoder:
         shape = value_shape(type(value))
         if shape is not None:
             try:
-                return shape.envelope(shape.fields_of(value))
+                return shape.envelope(ids_as_lists(shape.fields_of(value)))
             except Exception:  # noqa: BLE001 - a field that raises: the model is traced as its repr
                 return self.stringify(value)
-        tolist = getattr(value, "tolist", None)  # numpy values orjson can't take, torch tensors
-        if callable(tolist) and type(value).__module__.split(".")[0] in ("numpy", "torch"):
+        if type(value).__module__.split(".")[0] == "numpy":
+            return self.stringify(value)  # weave keeps no numpy type: it stores the repr
+        tolist = getattr(value, "tolist", None)  # torch tensors
+        if callable(tolist) and type(value).__module__.split(".")[0] == "torch":
             try:
                 return tolist()
             except Exception:  # noqa: BLE001
@@ -180,12 +187,29 @@ def _has_non_finite(values: Any) -> bool:
     return any(type(v) is float and not math.isfinite(v) for v in values.values())
 
 
+def ids_as_lists(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with integer numpy arrays under :data:`ID_KEYS` as lists (a copy only if one is)."""
+    out = values
+    for key in ID_KEYS:
+        ids = values.get(key)
+        if ids is not None and type(ids).__module__ == "numpy" and getattr(getattr(ids, "dtype", None), "kind", "") in "iu" \
+                and getattr(ids, "ndim", 0) == 1:
+            if out is values:
+                out = dict(values)
+            out[key] = ids.tolist()
+    return out
+
+
 def pack_span(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> bytes:
     """Packs one span as JSON: the fast path when it can, the bounded Python walk when it must.
 
     The walk also runs when the packed bytes may hold a redact key (a byte search): it replaces
     those values, so a secret never leaves the worker.
     """
+    for part in ("output", "inputs"):
+        value = wire.get(part)
+        if type(value) is dict:
+            wire[part] = ids_as_lists(value)
     if not (_has_non_finite(wire.get("output")) or _has_non_finite(wire.get("attributes"))):
         try:
             packed = orjson.dumps(wire, default=encoder.flatten, option=_OPTIONS)

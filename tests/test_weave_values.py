@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import httpx
+import numpy as np
 import orjson
 import pytest
 from pydantic import BaseModel
@@ -140,6 +141,9 @@ VERL_VALUES = {
     "dataclass with auth_headers": ToolConfig("http://tool", {"Authorization": "Bearer sk-dc"}),
     "namedtuple": Point(1, 2),
     "dict of models": {"calls": [FunctionCall(arguments="{}", name="noop")], "api_key": "sk-dict", "n": 1},
+    # a VERL dataset row: its index is a numpy scalar, its raw_prompt an object array (weave: reprs)
+    "numpy dataset values": {"index": np.int64(3), "raw_prompt": np.array([{"role": "user", "content": "hi"}], dtype=object),
+                             "scores": np.zeros(3), "flag": np.bool_(True)},
 }
 
 
@@ -147,6 +151,16 @@ VERL_VALUES = {
 def test_values_are_serialised_exactly_as_weave_serialises_them(name):
     value = VERL_VALUES[name]
     assert tracecar_json(value) == weave_json(value)
+
+
+def test_integer_numpy_token_ids_stay_lists_for_the_collector_to_decode():
+    """The one place tracecar keeps a numpy array as data: token ids it decodes (weave: a repr)."""
+    sent = orjson.loads(pack_span({"inputs": {"prompt_ids": np.arange(5), "other": np.arange(2)},
+                                   "output": AgentLoopOutput(prompt_ids=[1], response_ids=np.array([4, 5], dtype=np.int32),
+                                                             response_mask=[1, 1], metrics=AgentLoopMetrics(), num_turns=1)},
+                                  WireEncoder(), 10**9))
+    assert sent["inputs"] == {"prompt_ids": [0, 1, 2, 3, 4], "other": "array([0, 1])"}
+    assert sent["output"]["response_ids"] == [4, 5]
 
 
 def test_models_carry_weave_type_envelope_and_plain_objects_their_repr_only():
