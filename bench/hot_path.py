@@ -88,8 +88,13 @@ def bound_inputs(sig: inspect.Signature, self: Any, args: tuple[Any, ...], kwarg
     return inputs
 
 
-def setup_otel(stub_url: str, queue: int) -> tuple[Callable[..., Any], Callable[[], Any], Callable[[], int]]:
-    """OpenTelemetry SDK + OTLP/HTTP, attributes the OpenInference way; returns decorate, flush, delivered."""
+def setup_otel(base_url: str, queue: int, project: str = "bench-rollout") -> tuple[Callable[..., Any], Callable[[], Any], Callable[[], int]]:
+    """OpenTelemetry SDK + OTLP/HTTP, attributes the OpenInference way; returns decorate, flush, delivered.
+
+    The provider becomes the global one, so ``opentelemetry.trace.get_tracer`` opens parents of the
+    decorated calls (bench/vs_phoenix.py's trajectory roots).
+    """
+    from opentelemetry import trace
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -106,9 +111,10 @@ def setup_otel(stub_url: str, queue: int) -> tuple[Callable[..., Any], Callable[
                 CountingExporter.exported += len(spans)
             return result
 
-    provider = TracerProvider(resource=Resource.create({"service.name": "bench-rollout"}))
-    provider.add_span_processor(BatchSpanProcessor(CountingExporter(endpoint=stub_url + "/v1/traces"),
+    provider = TracerProvider(resource=Resource.create({"service.name": project, "openinference.project.name": project}))
+    provider.add_span_processor(BatchSpanProcessor(CountingExporter(endpoint=base_url + "/v1/traces"),
                                                    max_queue_size=queue))
+    trace.set_tracer_provider(provider)
     otel_tracer = provider.get_tracer("bench.hot_path")
     attrs = {"sample_index": 0, "step": 1, "rollout_n": 0, "experiment_name": "bench"}
 
