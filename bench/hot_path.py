@@ -312,18 +312,22 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     try:
         stub = start_stub(workdir=work, cpus=sidecar)
-        collector = start_collector(work / "collector", cpus=sidecar)
-        print("pinning: " + (f"caller on CPU {sorted(WORKER_CPUS)}, collector + stub on CPU {sorted(sidecar)}"
-                             if sidecar else "none (the scheduler places every thread)"))
-        with services(stub, collector):
-            for label, mode, python in mode_runs(args):
-                results[label] = r = run_mode(mode, python, args, stub.url, collector.url, work)
-                print(f"  {label:15} {r['calls']:>6} calls  median {r['median_us']:10.2f} µs  p99 {r['p99_us']:10.2f} µs"
-                      f"  bg {r['bg_cpu_us_per_call']:10.1f} µs/call  dropped {r['dropped']}  (python {r['python']})",
-                      flush=True)
+        with services(stub):
+            collector = start_collector(work / "collector", cpus=sidecar)
+            print("pinning: " + (f"caller on CPU {sorted(WORKER_CPUS)}, collector + stub on CPU {sorted(sidecar)}"
+                                 if sidecar else "none (the scheduler places every thread)"))
+            with services(collector):
+                run_all(args, stub.url, collector.url, work, results)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(results, args)
+
+
+def run_all(args: argparse.Namespace, stub_url: str, collector_url: str, work: Path, results: dict[str, dict[str, Any]]) -> None:
+    for label, mode, python in mode_runs(args):
+        results[label] = r = run_mode(mode, python, args, stub_url, collector_url, work)
+        print(f"  {label:15} {r['calls']:>6} calls  median {r['median_us']:10.2f} µs  p99 {r['p99_us']:10.2f} µs"
+              f"  bg {r['bg_cpu_us_per_call']:10.1f} µs/call  dropped {r['dropped']}  (python {r['python']})", flush=True)
 
 
 def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
