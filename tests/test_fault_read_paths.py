@@ -227,7 +227,7 @@ def test_the_cap_is_a_setting_and_cycles_across_batches_stay_readable(start_coll
 def test_tail_truncation_copes_with_values_at_the_stores_depth_limit():
     """A kept trajectory cut under TRACECAR_MAX_TRAJECTORY_BYTES may hold a value nested as deep as
     the store accepts (254 levels); measuring it must not fail the step decision."""
-    from tracecar.collector.selection.truncate import truncate_trajectory
+    from tracecar.collector.processors.sampling.truncate import truncate_trajectory
 
     root = {"span_id": "r", "trace_id": "r", "parent_id": None, "attributes": {}, "inputs": {}, "output": None}
     child = {"span_id": "c", "trace_id": "r", "parent_id": "r", "attributes": {},

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 import httpx
 import pytest
 
-from tracecar.collector.weave_sink import WeaveSink
+from tracecar.collector.exporters.weave_sink import WeaveSink
 
 pytestmark = pytest.mark.timeout(180)
 MiB = 2**20

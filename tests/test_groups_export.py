@@ -20,8 +20,8 @@ import orjson
 import pytest
 
 from tracecar.client import cli
-from tracecar.collector.groups import GroupStats, build_groups, diff_turns, order_groups
-from tracecar.collector.spool import Spool, SpoolRow
+from tracecar.collector.viewer.groups import GroupStats, build_groups, diff_turns, order_groups
+from tracecar.collector.spool.store import Spool, SpoolRow
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -447,7 +447,7 @@ def test_groups_and_export_of_trajectories_sent_by_the_real_client(start_collect
 
 
 def test_groups_page_script_ships_and_names_no_other_origin():
-    from tracecar.collector import viewer
+    from tracecar.collector.viewer import routes as viewer
 
     assert "groups.js" in viewer._static_files()
     text = (viewer.STATIC / "groups.js").read_text()

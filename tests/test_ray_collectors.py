@@ -157,7 +157,7 @@ def test_one_collector_per_node_end_to_end(ray_cluster: Any, tmp_path: Path) -> 
     import psutil
 
     assert not psutil.pid_exists(info["pid"])
-    from tracecar.collector.spool import Spool
+    from tracecar.collector.spool.store import Spool
 
     spool = Spool(Path(info["data_dir"]) / "spool.sqlite3", local_only=True)
     try:

@@ -22,8 +22,8 @@ import orjson
 import psutil
 import pytest
 from sampling_kit import Harness
-from tracecar.collector.selection import sample_hash
-from tracecar.collector.spool import HELD, PENDING
+from tracecar.collector.processors.sampling import sample_hash
+from tracecar.collector.spool.store import HELD, PENDING
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -315,7 +315,7 @@ def test_budget_from_collector_settings_keeps_whole_samples(adapter, start_colle
     assert len({t["sample_index"] for t in trajs}) == 1
     assert sorted(t["rollout_n"] for t in trajs) == [0, 1]  # all rollouts of the kept sample
     # the adapter announced the call's indices: the kept one is the seeded hash choice, not the first back
-    from tracecar.collector.selection import sample_hash
+    from tracecar.collector.processors.sampling import sample_hash
 
     assert {t["sample_index"] for t in trajs} == {min((0, 1), key=lambda i: sample_hash(0, EXPERIMENT, STEP, i))}
 

@@ -234,8 +234,8 @@ def _start_collector(data_dir: Path, **settings: Any) -> tuple[str, Any, threadi
     import uvicorn
 
     from conftest import free_port, wait_ready
-    from tracecar.collector.app import create_app
-    from tracecar.collector.server import _DrainingServer
+    from tracecar.collector.service.app import create_app
+    from tracecar.collector.service.server import _DrainingServer
     from tracecar.collector.settings import CollectorSettings
 
     port = free_port()

@@ -371,8 +371,8 @@ def test_collector_redacts_again_and_keeps_secrets_out_of_store_logs_and_errors(
 
 def test_forwarded_call_carries_attributes_weave_and_weaves_exception_json(tracer_to):
     from tracecar.client.config import client_info
-    from tracecar.collector.validate import validate_batch
-    from tracecar.collector.weave_sink import to_weave_call
+    from tracecar.collector.processors.validate import validate_batch
+    from tracecar.collector.exporters.weave_sink import to_weave_call
 
     server = _Capture()
     try:

@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict
 from typing import Any, Iterable, NamedTuple
 
-from ..spool import Spool
+from ..spool.store import Spool
 
 OTLP_WORKER_PREFIX = "otlp:"  # the worker of OTLP spans that join no trajectory: otlp:<service.name>
 

@@ -30,11 +30,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from tracecar.client.redact import RedactKeys
 
-from .. import receive
+from . import receive
 from ..metrics import Metrics
-from ..pipeline import Backpressure, IngestResult
-from ..receive import BodyError
-from ..validate import EnvelopeError, Rejection, Validated, validate_batch
+from .pipeline import Backpressure, IngestResult
+from .receive import BodyError
+from ..processors.validate import EnvelopeError, Rejection, Validated, validate_batch
 from .joins import OTLP_WORKER_PREFIX, TrajectoryContext, TrajectoryContexts
 from .otlp_translate import OtlpSpanIn, Translated, hex_ids_to_base64, translate
 

@@ -33,7 +33,7 @@ from typing import Any, Iterator
 
 from pydantic import model_validator
 
-from ..validate import Rejection, SpanIn
+from ..processors.validate import Rejection, SpanIn
 
 _KINDS = {0: "UNSPECIFIED", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
 _STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}

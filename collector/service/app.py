@@ -19,21 +19,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tracecar.client import __version__
 
 from .auth import BearerAuth
-from .forward import Forwarder, NullSink, Sink, SpoolTrajectories
-from .loudness import AuthFailures, WatchedSink
-from .group_export_api import build_router as build_group_export_router
-from .metrics import Metrics
-from .json_out import dumps_deep
-from .pipeline import Backpressure, IngestPipeline
-from .query_params import INT64_MAX, Int64, OptionalInt64, SampleIndexError, check_bounded_ints, sample_index_filter, validation_error_body
-from .receive import BodyError
-from .receivers.otlp import build_router as build_otlp_router
-from .retention import Retention
-from .settings import CollectorSettings
-from .spool import Spool
-from .store_query import TrajectoryFilter, get_trajectory, list_trajectories
-from .validate import EnvelopeError
-from .viewer import build_router as build_viewer_router
+from ..exporters.forward import Forwarder, NullSink, Sink, SpoolTrajectories
+from ..loudness import AuthFailures, WatchedSink
+from ..viewer.group_export_api import build_router as build_group_export_router
+from ..metrics import Metrics
+from ..json_out import dumps_deep
+from ..receivers.pipeline import Backpressure, IngestPipeline
+from ..query_params import INT64_MAX, Int64, OptionalInt64, SampleIndexError, check_bounded_ints, sample_index_filter, validation_error_body
+from ..receivers.receive import BodyError
+from ..receivers.otlp import build_router as build_otlp_router
+from ..spool.retention import Retention
+from ..settings import CollectorSettings
+from ..spool.store import Spool
+from ..spool.query import TrajectoryFilter, get_trajectory, list_trajectories
+from ..processors.validate import EnvelopeError
+from ..viewer.routes import build_router as build_viewer_router
 
 log = logging.getLogger("tracecar.collector")
 
@@ -42,7 +42,7 @@ def make_sink(settings: CollectorSettings) -> Sink:
     """The backend spans are forwarded to: Weave with credentials, else none (local store)."""
     if settings.effective_backend != "weave":
         return NullSink()
-    from .weave_sink import WeaveSink  # imported only when forwarding to Weave
+    from ..exporters.weave_sink import WeaveSink  # imported only when forwarding to Weave
 
     if settings.wandb_api_key is None:
         raise RuntimeError("backend=weave needs WANDB_API_KEY")
@@ -252,8 +252,8 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
 
 def check_tokenizer_name(collector: Collector, name: str | None) -> dict[str, Any]:
     """The answer of GET /v1/tokenizers/check: loads through the pipeline's own registry."""
-    from .decoding import TokenizerNotFound
-    from .loudness import describe_tokenizer_attempts
+    from ..processors.decoding import TokenizerNotFound
+    from ..loudness import describe_tokenizer_attempts
 
     settings = collector.settings
     chosen = name or settings.tokenizer

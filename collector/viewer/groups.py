@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 
 import orjson
 
-from .viewer_shape import RESPONSE_ID_KEYS, int_list, numeric, shape
+from ..shape import RESPONSE_ID_KEYS, int_list, numeric, shape
 
 GROUP_SORTS = ("sample_index", "spread", "zero_spread", "mean")
 PREVIEW_CHARS = 300  # of the group's prompt, as decoded

@@ -4,7 +4,7 @@ A span is answered 2xx only after its row is committed (WAL; with ``synchronous=
 commit survives a killed process, ``TRACECAR_SPOOL_SYNC=full`` also survives power loss).
 Rows move pending → done (forwarded, or kept locally) or → dead (a permanent backend
 rejection, kept with its reason). Under a tail-based budget rows start held (awaiting their
-step's decision, see tracecar.collector.selection): a decision moves a kept trajectory's rows to
+step's decision, see tracecar.collector.processors.sampling): a decision moves a kept trajectory's rows to
 pending and deletes a dropped one's, in the same transaction as its ``trajectory_decisions``
 rows, so budgets stay exact across restarts. ``span_id`` is unique, so a client's retry of a batch the
 collector already took is dropped as a duplicate instead of being forwarded twice.
@@ -275,7 +275,7 @@ class Spool:
                 )
             }
 
-    # ---- held spans and tail-based decisions (tracecar.collector.selection) ---------------
+    # ---- held spans and tail-based decisions (tracecar.collector.processors.sampling) ---------------
     def release(self, kept: Sequence[str], dropped: Sequence[str], decisions: Sequence[tuple[Any, ...]] = (),
                 patches: Sequence[tuple[str, bytes]] = ()) -> tuple[int, int, int]:
         """One decision, in one transaction: held rows of ``kept`` traces become pending (done

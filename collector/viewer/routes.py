@@ -25,14 +25,13 @@ import orjson
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 
-from .json_out import dumps_deep
-from .query_params import INT64_MAX, OptionalInt64, sample_index_filter
-from .store_query import get_trajectory
-from .viewer_index import SORTS, ListFilter, TrajectoryIndex
-from .viewer_shape import shape
+from ..json_out import dumps_deep
+from ..query_params import INT64_MAX, OptionalInt64, sample_index_filter
+from ..spool.query import get_trajectory
+from .index import SORTS, ListFilter, TrajectoryIndex
+from ..shape import shape
 
-if TYPE_CHECKING:
-    from .app import Collector
+from . import StoreOwner
 
 STATIC = Path(__file__).with_name("static")
 COOKIE = "tracecar_viewer"
@@ -91,7 +90,7 @@ def _json(payload: Any) -> Response:
                     headers={"Cache-Control": "no-store"})
 
 
-def build_router(collector: "Collector", token: str | None) -> APIRouter:
+def build_router(collector: StoreOwner, token: str | None) -> APIRouter:
     """The viewer's routes for one collector; the trajectory index closes with the app."""
     settings = collector.settings
     index = TrajectoryIndex(collector.spool.path,

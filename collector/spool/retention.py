@@ -22,8 +22,8 @@ import logging
 import os
 import time
 
-from .metrics import Metrics
-from .spool import Spool, SpoolFull
+from ..metrics import Metrics
+from .store import Spool, SpoolFull
 
 log = logging.getLogger("tracecar.collector.retention")
 

@@ -23,7 +23,7 @@ rather than N ever.
 
 This is the head-based mode. With ``tail_sampling`` on (or any other budget set) the same limit
 is enforced by the tail-based decision instead, which chooses by rules (errors, reward
-extremes, spread, a seeded hash) once the step is seen; see :mod:`tracecar.collector.selection`.
+extremes, spread, a seeded hash) once the step is seen; see :mod:`tracecar.collector.processors.sampling`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .selection.decide import index_order, sample_hash
+from .decide import index_order, sample_hash
 
 SampleIndex = int | str
 Decision = tuple[str, SampleIndex, bool]

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import orjson
 
-from ..json_out import dumps_deep
+from ...json_out import dumps_deep
 
 _OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 _CHARS = "…[truncated by tracecar: {n} chars]"

@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from .spool import Spool
+from .store import Spool
 
 SORTS = {
     "start": "r.start_time", "step": "r.step", "reward": "reward", "duration": "duration",

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 import orjson
 
-from .metrics import Metrics
-from .spool import Spool
+from ..metrics import Metrics
+from ..spool.store import Spool
 
 log = logging.getLogger("tracecar.collector.forward")
 

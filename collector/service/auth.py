@@ -26,7 +26,7 @@ class BearerAuth:
         scheme, _, presented = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), self._token):
             if self._on_failure is not None:
-                from .loudness import client_of, route_of
+                from ..loudness import client_of, route_of
 
                 self._on_failure(route_of(request.scope), client_of(request.scope), not header)
             raise HTTPException(status_code=401, detail={"field": "Authorization", "reason": "missing or wrong bearer token"},

@@ -4,7 +4,7 @@ CPU stages run in worker threads so the event loop keeps answering health checks
 step runs on the loop itself (pure dict work) so decisions never race. A request is answered
 only after its spans are committed to the spool. Under a tail-based budget the spans it claims
 are routed (held / pass / drop) on the spool's writer thread, where its step decisions also run
-(tracecar.collector.selection); with no budget none of that is built.
+(tracecar.collector.processors.sampling); with no budget none of that is built.
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ import msgpack
 import orjson
 
 from . import receive
-from .decoding import TokenizerNotFound, TokenizerPolicy, TokenizerRegistry, collect_jobs, decode_spans
-from .loudness import TokenizerFailures
-from .metrics import Metrics
-from .receivers.joins import TrajectoryContexts
-from .sampling import MEMBERSHIP, StepBudgetSampler
-from .selection import Policies, TailSelector
-from .settings import CollectorSettings
-from .spool import Spool, SpoolFull, SpoolRow
-from .validate import Rejection, Validated, parents_to_look_up, reject_foreign_children, validate_batch
+from ..processors.decoding import TokenizerNotFound, TokenizerPolicy, TokenizerRegistry, collect_jobs, decode_spans
+from ..loudness import TokenizerFailures
+from ..metrics import Metrics
+from .joins import TrajectoryContexts
+from ..processors.sampling.head import MEMBERSHIP, StepBudgetSampler
+from ..processors.sampling import Policies, TailSelector
+from ..settings import CollectorSettings
+from ..spool.store import Spool, SpoolFull, SpoolRow
+from ..processors.validate import Rejection, Validated, parents_to_look_up, reject_foreign_children, validate_batch
 from tracecar.client.redact import RedactKeys
 
 _DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY

@@ -1,7 +1,8 @@
 """What a trajectory means to an RL engineer: turns, tool calls, reward and metrics.
 
 The store holds generic spans; the viewer needs the conversation. One set of rules, used by
-both the trajectory index (per span, for sorting by turns) and the trajectory page (per tree):
+the trajectory index (per span, for sorting by turns), the trajectory page (per tree) and the
+OTLP exporter (GenAI attributes), so it sits below both viewer/ and exporters/:
 
 * an *LLM call* (one turn) is an op span whose output carries generated tokens
   (``response_ids`` / ``token_ids`` ids or a decoded ``response_text``) and that has no child
@@ -10,7 +11,7 @@ both the trajectory index (per span, for sorting by turns) and the trajectory pa
 * a *tool call* is an op span without token output whose method is ``execute`` (VERL's
   ``BaseTool.execute``) or names a tool, or whose class ends in ``Tool`` (not a tool *parser*);
 * the *reward* is the root's ``attributes.reward`` if numeric, else the latest annotation's
-  (the same precedence as :mod:`store_query`);
+  (the same precedence as :mod:`spool.query`);
 * an *engine span* is one that came in over OTLP (``attributes["otel"]``, e.g. vLLM's
   ``llm_request``): it never makes its parent an aggregate; under a turn it gives that turn's
   engine timings (queue, time to first token, prefill, decode, tokens).

@@ -16,7 +16,7 @@ tail-based budget it holds each step's spans in the spool and keeps the ones wor
 
 With no budget configured none of this is built: spans are stored pending and forwarded at
 once, exactly as before. With only ``max_samples_per_step_per_worker`` (and ``tail_sampling``
-unset) the head sampler in :mod:`tracecar.collector.sampling` keeps VERL's first-N behaviour.
+unset) the head sampler in :mod:`tracecar.collector.processors.sampling.head` keeps VERL's first-N behaviour.
 """
 
 from .decide import Candidate, Verdict, decide, sample_hash

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 
 from pydantic import ValidationError
 
-from .settings import BudgetOverride, CollectorSettings, load_settings
+from ..settings import BudgetOverride, CollectorSettings, load_settings
 
 
 class ConfigError(Exception):
@@ -30,7 +30,7 @@ _OTHER_ENV = {"TRACECAR_CONFIG", "TRACECAR_HINT_CWD", "TRACECAR_FULL_LOAD", "TRA
 
 
 def _names_in_package_source() -> set[str]:
-    root = Path(__file__).resolve().parents[1]  # the tracecar package (client/ and collector/)
+    root = Path(__file__).resolve().parents[2]  # the tracecar package (client/ and collector/)
     names: set[str] = set()
     for file in list(root.glob("client/*.py")) + list(root.glob("collector/**/*.py")):
         try:
@@ -139,7 +139,7 @@ def check_tokenizer(settings: CollectorSettings) -> str | None:
             return ("token2text is on but TRACECAR_TOKENIZER is unset: only batches that name a tokenizer the collector "
                     "can load get text")
         return None
-    from .decoding import TokenizerNotFound, TokenizerPolicy, TokenizerRegistry
+    from ..processors.decoding import TokenizerNotFound, TokenizerPolicy, TokenizerRegistry
 
     try:
         TokenizerRegistry(TokenizerPolicy.from_settings(settings)).get(name)

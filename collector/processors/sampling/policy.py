@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..settings import BudgetOverride, CollectorSettings
+from ...settings import BudgetOverride, CollectorSettings
 
 BUDGET_FIELDS = tuple(f for f in BudgetOverride.model_fields if f != "validation")
 #: Limits that only a tail-based decision can enforce (they need whole trajectories or steps).

@@ -18,8 +18,8 @@ from tracecar.client import __version__
 
 from .app import create_app
 from .http_limits import ConnectionLimits, guarded_protocol
-from .logs import setup_logging
-from .settings import CollectorSettings
+from ..logs import setup_logging
+from ..settings import CollectorSettings
 
 log = logging.getLogger("tracecar.collector")
 

@@ -36,8 +36,8 @@ from typing import Any, Callable, Sequence
 
 import orjson
 
-from ..settings import CollectorSettings
-from ..spool import Spool, SpoolRow, WriteResult
+from ...settings import CollectorSettings
+from ...spool.store import Spool, SpoolRow, WriteResult
 from .decide import KEPT_MARK_BYTES, Candidate, Prior, Unit, Verdict, decide
 from .policy import Policies
 from .steps import Loose, OpenStep, StepKey, Traj, Waits

@@ -16,13 +16,12 @@ from fastapi.responses import Response, StreamingResponse
 
 from .export import FORMATS, MEDIA_TYPES, IndexBehind, export_chunks, parquet_available, settle
 from .groups import GROUP_SORTS, build_groups
-from .query_params import INT64_MAX, Int64, OptionalInt64, sample_index_filter
-from .spool import Spool
-from .store_query import get_trajectory
-from .viewer_index import ListFilter, TrajectoryIndex
+from ..query_params import INT64_MAX, Int64, OptionalInt64, sample_index_filter
+from ..spool.store import Spool
+from ..spool.query import get_trajectory
+from .index import ListFilter, TrajectoryIndex
 
-if TYPE_CHECKING:
-    from .app import Collector
+from . import StoreOwner
 
 GROUP_SORT_PATTERN = "^(" + "|".join(GROUP_SORTS) + ")$"
 FORMAT_PATTERN = "^(" + "|".join(FORMATS) + ")$"
@@ -44,7 +43,7 @@ def root_and_annotations(spool: Spool, trace_id: str) -> dict[str, Any] | None:
     return {"trace_id": trace_id, "root": root, "annotations": [s for r, s in zip(rows, spans) if r["kind"] == "annotation"]}
 
 
-def groups_of_step(collector: "Collector", index: TrajectoryIndex, experiment: str | None, step: int,
+def groups_of_step(collector: StoreOwner, index: TrajectoryIndex, experiment: str | None, step: int,
                    validate: bool, **options: Any) -> dict[str, Any]:
     """Blocking: the step's summaries from the index, grouped; trajectories read for the page only."""
     if experiment is None:  # as the overview: the latest experiment
@@ -59,7 +58,7 @@ def groups_of_step(collector: "Collector", index: TrajectoryIndex, experiment: s
             "truncated": page["total"] > len(page["trajectories"]), **result}
 
 
-def build_router(collector: "Collector", index: TrajectoryIndex, fresh: Callable[[], dict[str, Any]],
+def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[[], dict[str, Any]],
                  api_auth: Callable[..., Any], viewer_auth: Callable[..., Any]) -> APIRouter:
     router = APIRouter()
 

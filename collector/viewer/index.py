@@ -32,8 +32,8 @@ from typing import Any
 
 import orjson
 
-from .store_query import sample_index_values
-from .viewer_shape import is_engine_payload, is_tool, token_counts, token_output
+from ..spool.query import sample_index_values
+from ..shape import is_engine_payload, is_tool, token_counts, token_output
 
 log = logging.getLogger("tracecar.collector.viewer")
 
@@ -136,7 +136,7 @@ UPDATE trajectories SET
 WHERE trace_id = ?
 """
 
-HELD = 3  # spool state of a span awaiting a tail-based sampling decision (tracecar.collector.selection)
+HELD = 3  # spool state of a span awaiting a tail-based sampling decision (tracecar.collector.processors.sampling)
 _COLUMNS = """seq, span_id, trace_id, parent_id, name, kind, worker, experiment, step, sample_index, rollout_n, validate,
        start_time, end_time, has_error, reward, state, IIF(kind = 'annotation' OR state = 3, NULL, payload)"""
 _SCAN = f"SELECT {_COLUMNS} FROM spool.spans WHERE seq > ? ORDER BY seq LIMIT ?"

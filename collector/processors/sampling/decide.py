@@ -148,7 +148,7 @@ def sample_hash(seed: int, experiment: Any, step: int, sample_index: SampleIndex
     """The fill order: same (seed, experiment, step, sample_index) → same rank everywhere.
 
     Also the head mode's uniform choice over a step's announced sample indices
-    (:mod:`tracecar.collector.sampling`), so both modes pick the same samples for one seed.
+    (:mod:`tracecar.collector.processors.sampling.head`), so both modes pick the same samples for one seed.
     """
     key = f"{seed}\x1f{experiment}\x1f{step}\x1f{sample_index}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")

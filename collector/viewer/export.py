@@ -26,10 +26,10 @@ from typing import Any, Iterator
 import orjson
 
 from .groups import advantage_of
-from .spool import Spool
-from .store_query import get_trajectory
-from .viewer_index import ListFilter, TrajectoryIndex
-from .viewer_shape import RESPONSE_ID_KEYS, TOOL_METHODS, int_list, shape
+from ..spool.store import Spool
+from ..spool.query import get_trajectory
+from .index import ListFilter, TrajectoryIndex
+from ..shape import RESPONSE_ID_KEYS, TOOL_METHODS, int_list, shape
 
 FORMATS = ("jsonl", "parquet")
 MEDIA_TYPES = {"jsonl": "application/x-ndjson", "parquet": "application/vnd.apache.parquet"}
