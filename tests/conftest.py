@@ -104,7 +104,7 @@ class ProcessCollector:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.logs.append(self.log_path)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tracecar.client.cli", "serve"], env=self.env,
+            [sys.executable, "-m", "tracecar.collector"], env=self.env,
             stdout=subprocess.DEVNULL, stderr=self.log_path.open("wb"),
         )
         wait_ready(self.url, timeout, self.proc)
