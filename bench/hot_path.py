@@ -31,13 +31,32 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
-from common import (PY, SIDECAR_CPUS, WEAVE_PROJECT, WORKER_CPUS, clean_env, header, machine_note, median, percentile,
-                    pin, ratio, services, start_collector, start_stub, table, token_ids, tool_call, weave_env)
+from common import (
+    PY,
+    SIDECAR_CPUS,
+    WEAVE_PROJECT,
+    WORKER_CPUS,
+    clean_env,
+    header,
+    machine_note,
+    median,
+    percentile,
+    pin,
+    ratio,
+    services,
+    start_collector,
+    start_stub,
+    table,
+    token_ids,
+    tool_call,
+    weave_env,
+)
 
 MODES = ("plain", "verl_off", "tracecar_off", "weave", "tracecar", "plain_burst", "tracecar_burst")
 
@@ -196,8 +215,10 @@ def report(results: dict[str, dict[str, Any]], stub_stats: dict[str, Any], args:
         print(f"weave_added / tracecar_added (median): {ratio(w_add, t_add):,.0f}x   (target >= 20x)")
         print(f"weave_added / tracecar_added (p99):    {ratio(w_p99, t_p99):,.0f}x")
         print(f"weave_bg_cpu / tracecar_bg_cpu per call: {ratio(w['bg_cpu_us_per_call'], t['bg_cpu_us_per_call']):,.1f}x")
+        w_total = w['mean_us'] + w['bg_cpu_us_per_call'] + w['flush_cpu_us_per_call']
+        t_total = t['mean_us'] + t['bg_cpu_us_per_call'] + t['flush_cpu_us_per_call']
         print(f"weave_total_cpu / tracecar_total_cpu per call (caller + background + flush): "
-              f"{ratio(w['mean_us'] + w['bg_cpu_us_per_call'] + w['flush_cpu_us_per_call'], t['mean_us'] + t['bg_cpu_us_per_call'] + t['flush_cpu_us_per_call']):,.1f}x")
+              f"{ratio(w_total, t_total):,.1f}x")
         print(f"tracecar added cost: {t_add:.2f} µs median, {t_p99:.2f} µs p99 per call   (target: a few µs)")
         if "tracecar_burst" in results and "plain_burst" in results:
             tb, pb = results["tracecar_burst"], results["plain_burst"]

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import orjson
 
-from tracecar.collector.spool.store import Spool, SpoolRow
 from tracecar.collector.spool.query import TrajectoryFilter, list_trajectories
+from tracecar.collector.spool.store import Spool, SpoolRow
 from tracecar.collector.viewer.index import ListFilter, TrajectoryIndex
 
 

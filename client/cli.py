@@ -12,7 +12,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import httpx
 

@@ -19,7 +19,8 @@ OTLP exporter (GenAI attributes), so it sits below both viewer/ and exporters/:
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import orjson
 
@@ -210,7 +211,8 @@ def shape(tree: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _reward_and_metrics(root: dict[str, Any], spans: list[dict[str, Any]], annotations: list[dict[str, Any]]) -> tuple[float | None, list[dict[str, Any]]]:
+def _reward_and_metrics(root: dict[str, Any], spans: list[dict[str, Any]],
+                        annotations: list[dict[str, Any]]) -> tuple[float | None, list[dict[str, Any]]]:
     metrics: list[dict[str, Any]] = []
     reward = numeric((root.get("attributes") or {}).get("reward"))
     annotated = None

@@ -9,9 +9,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -99,7 +100,7 @@ class ProcessCollector:
     log_path: Path | None = None
     logs: list[Path] = field(default_factory=list)
 
-    def start(self, timeout: float = 60) -> "ProcessCollector":
+    def start(self, timeout: float = 60) -> ProcessCollector:
         self.log_path = Path(self.env["TRACECAR_DATA_DIR"]) / f"collector-{len(self.logs)}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.logs.append(self.log_path)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
 from tracecar.collector.processors.sampling import Candidate, TailSelector
 from tracecar.collector.settings import CollectorSettings
 from tracecar.collector.spool.store import HELD, Spool, SpoolRow

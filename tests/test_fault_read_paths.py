@@ -9,7 +9,8 @@ spans nest 128 and 1000 deep (each the child of the previous), flattened below
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest

@@ -20,8 +20,8 @@ import orjson
 import pytest
 
 from tracecar.client import cli
-from tracecar.collector.viewer.groups import GroupStats, build_groups, diff_turns, order_groups
 from tracecar.collector.spool.store import Spool, SpoolRow
+from tracecar.collector.viewer.groups import GroupStats, build_groups, diff_turns, order_groups
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -153,7 +153,9 @@ def test_groups_rank_rollouts_compute_stats_flag_zero_spread_and_diff_against_th
 
 
 def test_groups_sort_filter_page_and_are_the_viewers_too(fed):
-    order = lambda **p: [g["sample_index"] for g in get(fed.url, "/v1/groups", step=3, diff="false", **p)["groups"]]
+    def order(**p: Any) -> list[Any]:
+        return [g["sample_index"] for g in get(fed.url, "/v1/groups", step=3, diff="false", **p)["groups"]]
+
     assert order(sort="spread") == [0, 1, 2]  # widest first, unscored last
     assert order(sort="zero_spread") == [1, 0, 2]  # the groups GRPO learns nothing from, first
     assert order(sort="mean") == [1, 0, 2]

@@ -27,8 +27,10 @@ try:
 except ImportError:  # the ray extra is not installed: only the ray-free test runs
     ray = None
 
-from conftest import free_port  # noqa: E402
 from tracecar.client import ray_collectors  # noqa: E402
+
+from conftest import free_port  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Any:

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from tracecar.client import annotate, rollout_trace_attr, rollout_trace_op
 from tracecar.client.cli import main as cli_main
 from tracecar.collector.exporters.forward import SendResult

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from tracecar.collector.processors.sampling.decide import (
     KEPT_MARK_BYTES,
     Candidate,

@@ -22,8 +22,8 @@ from tracecar.client import annotate, rollout_trace_attr
 from tracecar.client.demo import run_demo
 from tracecar.collector.settings import CollectorSettings
 from tracecar.collector.spool.store import Spool, SpoolRow
-from tracecar.collector.viewer.routes import COOKIE
 from tracecar.collector.viewer.index import ListFilter, TrajectoryIndex
+from tracecar.collector.viewer.routes import COOKIE
 
 pytestmark = pytest.mark.timeout(240)
 

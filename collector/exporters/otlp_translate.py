@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import orjson
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -167,13 +168,15 @@ def to_otlp_span(span: Mapping[str, Any], *, aggregates: bool = False, content: 
             else trace_pb2.Span.SPAN_KIND_INTERNAL
         status = otel.get("status") or {}
         code = str(status.get("code"))
-        out.status.code = trace_pb2.Status.StatusCode.Value("STATUS_CODE_" + code) if code in _STATUS else trace_pb2.Status.STATUS_CODE_UNSET
+        out.status.code = (trace_pb2.Status.StatusCode.Value("STATUS_CODE_" + code) if code in _STATUS
+                           else trace_pb2.Status.STATUS_CODE_UNSET)
         out.status.message = str(status.get("message") or "")
         if isinstance(otel.get("trace_state"), str):
             out.trace_state = otel["trace_state"]
         for event in otel.get("events") or ():
             if isinstance(event, dict):
-                out.events.append(trace_pb2.Span.Event(name=str(event.get("name", "")), time_unix_nano=int(float(event.get("time") or 0) * 1e9),
+                out.events.append(trace_pb2.Span.Event(name=str(event.get("name", "")),
+                                                       time_unix_nano=int(float(event.get("time") or 0) * 1e9),
                                                        attributes=_key_values(event.get("attributes") or {})))
         out.attributes.extend(_key_values({**attrs, "gen_ai.conversation.id": trace_id}))
         return out

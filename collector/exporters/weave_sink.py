@@ -41,8 +41,9 @@ import json
 import logging
 import re
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 import orjson
@@ -501,7 +502,7 @@ class WeaveSink:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def __aenter__(self) -> "WeaveSink":
+    async def __aenter__(self) -> WeaveSink:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -14,9 +14,10 @@ import glob
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -91,7 +92,7 @@ class TokenizerPolicy:
     retry_s: float = 60.0
 
     @classmethod
-    def from_settings(cls, settings: Any) -> "TokenizerPolicy":
+    def from_settings(cls, settings: Any) -> TokenizerPolicy:
         """The operator's policy as configured (one place, for the pipeline and the start-up check)."""
         return cls(default=settings.tokenizer, root=settings.tokenizer_root, allowed=tuple(settings.tokenizers),
                    max_bytes=settings.tokenizer_max_bytes, retry_s=settings.tokenizer_retry_s)

@@ -94,7 +94,7 @@ class SpanIn(BaseModel):
         return attrs
 
     @model_validator(mode="after")
-    def _links(self) -> "SpanIn":
+    def _links(self) -> SpanIn:
         if self.parent_id == self.span_id:
             raise ValueError("parent_id: a span cannot be its own parent")
         if self.parent_id is None and self.kind != "annotation" and self.trace_id != self.span_id:
@@ -186,7 +186,8 @@ def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT
             out.rejected.append(Rejection(index, span_id, field_name, reason))
             continue
         if span["span_id"] in seen:
-            out.rejected.append(Rejection(index, span_id, f"spans[{index}].span_id", f"duplicate of spans[{seen[span['span_id']]}] in this batch"))
+            out.rejected.append(Rejection(index, span_id, f"spans[{index}].span_id",
+                                          f"duplicate of spans[{seen[span['span_id']]}] in this batch"))
             continue
         seen[span["span_id"]] = index
         if span["exception_info"] is not None:

@@ -28,8 +28,9 @@ another type is set aside under ``set_aside`` with a warning instead of costing 
 from __future__ import annotations
 
 import base64
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from pydantic import model_validator
 
@@ -46,7 +47,7 @@ class OtlpSpanIn(SpanIn):
     """A span translated from OTLP: tracecar's checks, except that a root may keep its own ids."""
 
     @model_validator(mode="after")
-    def _links(self) -> "OtlpSpanIn":
+    def _links(self) -> OtlpSpanIn:
         if self.parent_id == self.span_id:
             raise ValueError("parent_id: a span cannot be its own parent")
         if self.end_time is not None and self.end_time < self.start_time:

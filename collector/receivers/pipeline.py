@@ -15,27 +15,28 @@ import contextlib
 import logging
 import sqlite3
 import threading
-import time
 import urllib.parse
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import msgpack
 import orjson
 
-from . import receive
-from ..processors.decoding import TokenizerNotFound, TokenizerPolicy, TokenizerRegistry, collect_jobs, decode_spans
+from tracecar.client.redact import RedactKeys
+
 from ..loudness import TokenizerFailures
 from ..metrics import Metrics
-from .joins import TrajectoryContexts
-from ..processors.sampling.head import MEMBERSHIP, StepBudgetSampler
+from ..processors.decoding import TokenizerNotFound, TokenizerPolicy, TokenizerRegistry, collect_jobs, decode_spans
 from ..processors.sampling import Policies, TailSelector
+from ..processors.sampling.head import MEMBERSHIP, StepBudgetSampler
+from ..processors.validate import Rejection, Validated, parents_to_look_up, reject_foreign_children, validate_batch
 from ..settings import CollectorSettings
 from ..spool.store import Spool, SpoolFull, SpoolRow
-from ..processors.validate import Rejection, Validated, parents_to_look_up, reject_foreign_children, validate_batch
-from tracecar.client.redact import RedactKeys
+from . import receive
+from .joins import TrajectoryContexts
 
 _DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 log = logging.getLogger("tracecar.collector.pipeline")
@@ -188,7 +189,8 @@ class IngestPipeline:
         answered before uvicorn buffers more than its flow-control window of the body.
         """
         if self.inflight.locked():
-            raise Backpressure("inflight_requests", f"{self.settings.max_inflight_requests} requests already in flight (TRACECAR_MAX_INFLIGHT_REQUESTS)")
+            raise Backpressure("inflight_requests",
+                               f"{self.settings.max_inflight_requests} requests already in flight (TRACECAR_MAX_INFLIGHT_REQUESTS)")
         await self.inflight.acquire()
         try:
             yield
@@ -316,7 +318,8 @@ class IngestPipeline:
             if name is None:
                 self.metrics.decode_failures.labels(reason="no_tokenizer").inc()
                 for span in spans:
-                    validated.warnings.setdefault(span["span_id"], []).append("tokenizer: token2text is on but no tokenizer is configured (TRACECAR_TOKENIZER)")
+                    validated.warnings.setdefault(span["span_id"], []).append(
+                        "tokenizer: token2text is on but no tokenizer is configured (TRACECAR_TOKENIZER)")
             else:
                 try:
                     tokens = decode_spans(spans, self.tokenizers.get(name), validated.warnings)
@@ -344,7 +347,8 @@ class IngestPipeline:
                 continue
             if len(payload) > limit:
                 index = validated.index_of[span["span_id"]]
-                too_big.append(Rejection(index, span["span_id"], f"spans[{index}]", f"{len(payload)} bytes exceed TRACECAR_MAX_SPAN_BYTES={limit}"))
+                too_big.append(Rejection(index, span["span_id"], f"spans[{index}]",
+                                         f"{len(payload)} bytes exceed TRACECAR_MAX_SPAN_BYTES={limit}"))
                 continue
             row = SpoolRow(span, payload, warnings, inputs_at=inputs_at, output_at=output_at)
             if count_tokens:  # for max_tokens_per_step: token ids the span carries

@@ -17,7 +17,6 @@ import msgpack
 import orjson
 import zstandard
 
-
 _CHUNK = 256 * 1024
 _INFLATE_CHUNK = 4 * 1024 * 1024  # the largest piece of compressed input fed to zlib at once (after member 1)
 MAX_GZIP_MEMBERS = 4096  # members in one gzip body; above, 400 (each costs a few µs of Python)

@@ -7,33 +7,34 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
+import orjson
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
-import orjson
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect
 
 from tracecar.client import __version__
 
-from .auth import BearerAuth
 from ..exporters.forward import Forwarder, NullSink, Sink, SpoolTrajectories
-from ..loudness import AuthFailures, WatchedSink
-from ..viewer.group_export_api import build_router as build_group_export_router
-from ..metrics import Metrics
 from ..json_out import dumps_deep
-from ..receivers.pipeline import Backpressure, IngestPipeline
-from ..query_params import INT64_MAX, Int64, OptionalInt64, SampleIndexError, check_bounded_ints, sample_index_filter, validation_error_body
-from ..receivers.receive import BodyError
-from ..receivers.otlp import build_router as build_otlp_router
-from ..spool.retention import Retention
-from ..settings import CollectorSettings
-from ..spool.store import Spool
-from ..spool.query import TrajectoryFilter, get_trajectory, list_trajectories
+from ..loudness import AuthFailures, WatchedSink
+from ..metrics import Metrics
 from ..processors.validate import EnvelopeError
+from ..query_params import INT64_MAX, Int64, OptionalInt64, SampleIndexError, check_bounded_ints, sample_index_filter, validation_error_body
+from ..receivers.otlp import build_router as build_otlp_router
+from ..receivers.pipeline import Backpressure, IngestPipeline
+from ..receivers.receive import BodyError
+from ..settings import CollectorSettings
+from ..spool.query import TrajectoryFilter, get_trajectory, list_trajectories
+from ..spool.retention import Retention
+from ..spool.store import Spool
+from ..viewer.group_export_api import build_router as build_group_export_router
 from ..viewer.routes import build_router as build_viewer_router
+from .auth import BearerAuth
 
 log = logging.getLogger("tracecar.collector")
 
@@ -63,7 +64,7 @@ class Collector:
         self.metrics = Metrics()
         self.sink = sink if sink is not None else make_sink(settings)
         self.spool = Spool(settings.spool_path, local_only=isinstance(self.sink, NullSink), sync=settings.spool_sync)
-        if hasattr(self.sink, "trajectories") and getattr(self.sink, "trajectories") is None:
+        if hasattr(self.sink, "trajectories") and self.sink.trajectories is None:
             self.sink.trajectories = SpoolTrajectories(self.spool)  # kept_because, feedback targets
         self.pipeline = IngestPipeline(settings, self.spool, self.metrics)
         # the forwarder sends through a watcher that logs outages (rate-limited) and feeds /readyz
@@ -252,8 +253,8 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
 
 def check_tokenizer_name(collector: Collector, name: str | None) -> dict[str, Any]:
     """The answer of GET /v1/tokenizers/check: loads through the pipeline's own registry."""
-    from ..processors.decoding import TokenizerNotFound
     from ..loudness import describe_tokenizer_attempts
+    from ..processors.decoding import TokenizerNotFound
 
     settings = collector.settings
     chosen = name or settings.tokenizer
@@ -287,7 +288,8 @@ async def _read_body(request: Request, limit: int) -> bytearray:
 async def _ingest(request: Request, collector: Collector) -> tuple[int, Any, dict[str, str] | None]:
     settings = collector.settings
     if not collector.ready:
-        return 503, {"error": {"field": None, "reason": "collector is not ready (starting or draining)"}}, {"Retry-After": str(settings.retry_after_s)}
+        return (503, {"error": {"field": None, "reason": "collector is not ready (starting or draining)"}},
+                {"Retry-After": str(settings.retry_after_s)})
     try:
         collector.pipeline.check_capacity()
         async with collector.pipeline.permit():  # before the body is read: that is what bounds memory

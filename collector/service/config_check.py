@@ -11,8 +11,9 @@ from __future__ import annotations
 import difflib
 import os
 import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from pydantic import ValidationError
 

@@ -18,8 +18,9 @@ Each close is reported through ``on_close(reason)`` (counted in ``tracecar_http_
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 

@@ -16,10 +16,10 @@ import uvicorn
 
 from tracecar.client import __version__
 
-from .app import create_app
-from .http_limits import ConnectionLimits, guarded_protocol
 from ..logs import setup_logging
 from ..settings import CollectorSettings
+from .app import create_app
+from .http_limits import ConnectionLimits, guarded_protocol
 
 log = logging.getLogger("tracecar.collector")
 

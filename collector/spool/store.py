@@ -18,9 +18,10 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import orjson
 
@@ -507,7 +508,8 @@ class Spool:
                 for i in range(0, len(ids), 500):
                     chunk = ids[i:i + 500]
                     marks = ",".join("?" * len(chunk))
-                    c, b = conn.execute(f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans WHERE trace_id IN ({marks})", chunk).fetchone()
+                    c, b = conn.execute(f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans WHERE trace_id IN ({marks})",
+                                        chunk).fetchone()
                     conn.execute(f"DELETE FROM spans WHERE trace_id IN ({marks})", chunk)
                     n, nbytes = n + c, nbytes + b
             self.stored_bytes -= nbytes

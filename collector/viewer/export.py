@@ -21,15 +21,16 @@ Why the shape is what it is:
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import orjson
 
-from .groups import advantage_of
-from ..spool.store import Spool
-from ..spool.query import get_trajectory
-from .index import ListFilter, TrajectoryIndex
 from ..shape import RESPONSE_ID_KEYS, TOOL_METHODS, int_list, shape
+from ..spool.query import get_trajectory
+from ..spool.store import Spool
+from .groups import advantage_of
+from .index import ListFilter, TrajectoryIndex
 
 FORMATS = ("jsonl", "parquet")
 MEDIA_TYPES = {"jsonl": "application/x-ndjson", "parquet": "application/vnd.apache.parquet"}
@@ -64,8 +65,7 @@ def selected(index: TrajectoryIndex, flt: ListFilter, *, limit: int | None = Non
         rows = index.page_after(flt, cursor, page if limit is None else min(page, limit - count))
         if not rows:
             return
-        for row in rows:
-            yield row
+        yield from rows
         count += len(rows)
         cursor = rows[-1]["cursor"]
 

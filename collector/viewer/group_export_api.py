@@ -8,20 +8,20 @@ the one summary table of the store, so there is no second query layer to keep in
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.responses import Response, StreamingResponse
 
+from ..query_params import INT64_MAX, Int64, OptionalInt64, sample_index_filter
+from ..spool.query import get_trajectory
+from ..spool.store import Spool
+from . import StoreOwner
 from .export import FORMATS, MEDIA_TYPES, IndexBehind, export_chunks, parquet_available, settle
 from .groups import GROUP_SORTS, build_groups
-from ..query_params import INT64_MAX, Int64, OptionalInt64, sample_index_filter
-from ..spool.store import Spool
-from ..spool.query import get_trajectory
 from .index import ListFilter, TrajectoryIndex
-
-from . import StoreOwner
 
 GROUP_SORT_PATTERN = "^(" + "|".join(GROUP_SORTS) + ")$"
 FORMAT_PATTERN = "^(" + "|".join(FORMATS) + ")$"
@@ -35,7 +35,8 @@ def _json(payload: Any) -> Response:
 
 def root_and_annotations(spool: Spool, trace_id: str) -> dict[str, Any] | None:
     """What a group without diffs needs of a trajectory (its advantage): the root and annotations only."""
-    rows = spool.query("SELECT kind, payload FROM spans WHERE trace_id = ? AND (parent_id IS NULL OR kind = 'annotation') ORDER BY seq", [trace_id])
+    rows = spool.query("SELECT kind, payload FROM spans WHERE trace_id = ? AND (parent_id IS NULL OR kind = 'annotation') "
+                       "ORDER BY seq", [trace_id])
     if not rows:
         return None
     spans = [orjson.loads(r["payload"]) for r in rows]
@@ -52,7 +53,8 @@ def groups_of_step(collector: StoreOwner, index: TrajectoryIndex, experiment: st
     flt = ListFilter(experiment=experiment if experiment is not None else "", step=step, validate=validate)
     page = index.list(flt, sort="sample_index", descending=False, limit=MAX_STEP_TRAJECTORIES)
     spool = collector.spool
-    load = (lambda trace_id: get_trajectory(spool, trace_id)) if options.get("diff", True) else (lambda trace_id: root_and_annotations(spool, trace_id))
+    load = ((lambda trace_id: get_trajectory(spool, trace_id)) if options.get("diff", True)
+            else (lambda trace_id: root_and_annotations(spool, trace_id)))
     result = build_groups(page["trajectories"], load, **options)
     return {"experiment": experiment, "step": step, "validate": validate,
             "truncated": page["total"] > len(page["trajectories"]), **result}

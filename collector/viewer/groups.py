@@ -14,8 +14,9 @@ without arithmetic.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import orjson
 
@@ -52,7 +53,7 @@ class GroupStats:
     all_equal: bool
 
     @classmethod
-    def of(cls, n: int, rewards: list[float]) -> "GroupStats":
+    def of(cls, n: int, rewards: list[float]) -> GroupStats:
         """``std`` is the sample std (Bessel-corrected, as GRPO's ``torch.std``); None below 2 rewards."""
         if not rewards:
             return cls(n, 0, None, None, None, None, None, False)

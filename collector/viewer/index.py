@@ -32,8 +32,8 @@ from typing import Any
 
 import orjson
 
-from ..spool.query import sample_index_values
 from ..shape import is_engine_payload, is_tool, token_counts, token_output
+from ..spool.query import sample_index_values
 
 log = logging.getLogger("tracecar.collector.viewer")
 
@@ -418,7 +418,8 @@ class TrajectoryIndex:
         conn.execute("BEGIN")
         try:
             conn.executemany("INSERT OR IGNORE INTO parents (parent_id) VALUES (?)", [(p,) for p in parent_ids])
-            conn.executemany("INSERT OR IGNORE INTO llm_calls (span_id, trace_id, prompt_tokens, response_tokens) VALUES (?,?,?,?)", llm_rows)
+            conn.executemany("INSERT OR IGNORE INTO llm_calls (span_id, trace_id, prompt_tokens, response_tokens) "
+                             "VALUES (?,?,?,?)", llm_rows)
             conn.executemany(_UPSERT, [d.params(t) for t, d in deltas.items()])
             conn.executemany(_DERIVE, [(t,) for t in deltas])
             conn.executemany("INSERT OR IGNORE INTO held (seq) VALUES (?)", add_held)

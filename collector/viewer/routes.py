@@ -18,8 +18,9 @@ import contextlib
 import hashlib
 import hmac
 import mimetypes
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any
 
 import orjson
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
@@ -27,11 +28,10 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Resp
 
 from ..json_out import dumps_deep
 from ..query_params import INT64_MAX, OptionalInt64, sample_index_filter
-from ..spool.query import get_trajectory
-from .index import SORTS, ListFilter, TrajectoryIndex
 from ..shape import shape
-
+from ..spool.query import get_trajectory
 from . import StoreOwner
+from .index import SORTS, ListFilter, TrajectoryIndex
 
 STATIC = Path(__file__).with_name("static")
 COOKIE = "tracecar_viewer"

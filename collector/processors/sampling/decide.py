@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from .policy import Budget
 
@@ -80,11 +81,11 @@ class Usage:
     groups: set[SampleIndex] = field(default_factory=set)
     worker_samples: dict[str, set[SampleIndex]] = field(default_factory=dict)
 
-    def copy(self) -> "Usage":
+    def copy(self) -> Usage:
         return Usage(self.trajectories, self.bytes, self.tokens, set(self.groups),
                      {w: set(s) for w, s in self.worker_samples.items()})
 
-    def add(self, unit: "Unit") -> None:
+    def add(self, unit: Unit) -> None:
         self.trajectories += len(unit.members)
         self.bytes += unit.bytes
         self.tokens += unit.tokens
@@ -92,7 +93,7 @@ class Usage:
             self.groups.add(c.sample_index)
             self.worker_samples.setdefault(c.worker, set()).add(c.sample_index)
 
-    def blocked_by(self, unit: "Unit", limits: dict[str, int]) -> str | None:
+    def blocked_by(self, unit: Unit, limits: dict[str, int]) -> str | None:
         """The first limit ``unit`` would exceed on top of this usage, or None if it fits."""
         if not limits:
             return None

@@ -29,8 +29,9 @@ extremes, spread, a seeded hash) once the step is seen; see :mod:`tracecar.colle
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .decide import index_order, sample_hash
 

@@ -53,7 +53,7 @@ class Budget:
         return {name: getattr(self, name) for name in LIMIT_NAMES if getattr(self, name) is not None}
 
     @classmethod
-    def from_values(cls, values: dict[str, Any], where: str) -> "Budget":
+    def from_values(cls, values: dict[str, Any], where: str) -> Budget:
         tail_only = [name for name in TAIL_LIMITS if values.get(name) is not None]
         tail = values.get("tail_sampling")
         if tail is False and tail_only:

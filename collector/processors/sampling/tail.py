@@ -32,7 +32,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import orjson
 
@@ -431,9 +432,10 @@ class TailSelector:
 
         One whose trajectory was stored without holding (no tail budget) is forwarded. One that
         waited ``decision_wait_s`` (or is among the oldest beyond ``max_held_trajectories``) with
-        nothing of its trajectory seen is dropped (counted as ``orphan_annotation``): forwarding it could leak a reward of a trajectory dropped later,
-        or bytes no budget counted. A trajectory is decided only after its loose annotations
-        joined it, so a loose annotation never finds its trajectory already decided.
+        nothing of its trajectory seen is dropped (counted as ``orphan_annotation``): forwarding it
+        could leak a reward of a trajectory dropped later, or bytes no budget counted. A trajectory
+        is decided only after its loose annotations joined it, so a loose annotation never finds
+        its trajectory already decided.
         """
         if not self.loose:
             return 0

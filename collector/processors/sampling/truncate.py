@@ -10,7 +10,8 @@ attributes and timings are never cut.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 
