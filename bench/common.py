@@ -18,9 +18,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import httpx
 
@@ -115,7 +116,7 @@ def start_stub(rate: float | None = None, workdir: Path | None = None, cpus: set
 
 
 def start_collector(data_dir: Path, cpus: set[int] | None = None, **settings: Any) -> Service:
-    """``python -m tracecar.client.cli serve`` with TRACECAR_* settings (keys without the prefix)."""
+    """``python -m tracecar.collector`` with TRACECAR_* settings (keys without the prefix)."""
     port = free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     env = clean_env(TRACECAR_HOST="127.0.0.1", TRACECAR_PORT=port, TRACECAR_DATA_DIR=data_dir,
@@ -126,7 +127,7 @@ def start_collector(data_dir: Path, cpus: set[int] | None = None, **settings: An
         name = key if key.isupper() else "TRACECAR_" + key.upper()
         env[name] = str(value).lower() if isinstance(value, bool) else str(value)
     log = data_dir / f"collector-{port}.log"
-    proc = subprocess.Popen([PY, "-m", "tracecar.client.cli", "serve"], env=env, cwd=str(REPO),
+    proc = subprocess.Popen([PY, "-m", "tracecar.collector"], env=env, cwd=str(REPO),
                             stdout=subprocess.DEVNULL, stderr=log.open("wb"), preexec_fn=pin(cpus))
     url = f"http://127.0.0.1:{port}"
     try:

@@ -53,14 +53,33 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
-from common import (BENCH, PY, SIDECAR_CPUS, WEAVE_PROJECT, WORKER_CPUS, clean_env, header, machine_note, median,
-                    percentile, pin, ratio, services, start_collector, start_stub, table, token_ids, tool_call,
-                    weave_env)
+from common import (
+    BENCH,
+    PY,
+    SIDECAR_CPUS,
+    WEAVE_PROJECT,
+    WORKER_CPUS,
+    clean_env,
+    header,
+    machine_note,
+    median,
+    percentile,
+    pin,
+    ratio,
+    services,
+    start_collector,
+    start_stub,
+    table,
+    token_ids,
+    tool_call,
+    weave_env,
+)
 
 MODES = ("plain", "verl_off", "tracecar_off", "tracecar", "otel", "mlflow", "weave", "plain_burst", "tracecar_burst")
 DEFAULT_MODES = "plain,tracecar,otel,mlflow,weave"
@@ -88,7 +107,8 @@ def bound_inputs(sig: inspect.Signature, self: Any, args: tuple[Any, ...], kwarg
     return inputs
 
 
-def setup_otel(base_url: str, queue: int, project: str = "bench-rollout") -> tuple[Callable[..., Any], Callable[[], Any], Callable[[], int]]:
+def setup_otel(base_url: str, queue: int,
+               project: str = "bench-rollout") -> tuple[Callable[..., Any], Callable[[], Any], Callable[[], int]]:
     """OpenTelemetry SDK + OTLP/HTTP, attributes the OpenInference way; returns decorate, flush, delivered.
 
     The provider becomes the global one, so ``opentelemetry.trace.get_tracer`` opens parents of the
@@ -360,7 +380,8 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None
         return
     for label, p in peers.items():
         print(f"{label:>14} / tracecar: added median {ratio(p['added_med'], t['added_med']):10,.1f}x   "
-              f"p99 {ratio(p['added_p99'], t['added_p99']):10,.1f}x   bg CPU {ratio(p['bg_cpu_us_per_call'], t['bg_cpu_us_per_call']):8,.1f}x"
+              f"p99 {ratio(p['added_p99'], t['added_p99']):10,.1f}x   "
+              f"bg CPU {ratio(p['bg_cpu_us_per_call'], t['bg_cpu_us_per_call']):8,.1f}x"
               f"   added+bg {ratio(p['headline'], t['headline']):10,.1f}x")
     cheapest = min(peers, key=lambda k: peers[k]["headline"])
     c = peers[cheapest]

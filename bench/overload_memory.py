@@ -30,8 +30,7 @@ from typing import Any
 import httpx
 import psutil
 
-from common import (DUMMY_WANDB_KEY, WEAVE_ENTITY, WEAVE_PROJECT, header, machine_note, scrape, services,
-                    start_collector, start_stub, table)
+from common import DUMMY_WANDB_KEY, WEAVE_ENTITY, WEAVE_PROJECT, header, machine_note, scrape, services, start_collector, start_stub, table
 
 MiB = 2**20
 
@@ -43,8 +42,9 @@ def span_bytes_in_memory(ids: list[int]) -> int:
 
 def client_process(url: str, rate: float, seconds: float, queue_max: int, out: Any) -> None:
     """A worker: decorated generate calls at ``rate`` spans/s, each holding fresh id lists."""
-    from feed import _decorated
     from tracecar.client import tracer
+
+    from feed import _decorated
 
     tr = tracer.configure(url=url, experiment="bench-overload", queue_max_spans=queue_max)
     Loop, attr = _decorated()
@@ -93,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     print(machine_note())
 
-    from tracecar.collector.decoding import resolve_tokenizer_file
+    from tracecar.collector.processors.decoding import resolve_tokenizer_file
     from tracecar.collector.settings import CollectorSettings
 
     work = Path(tempfile.mkdtemp(prefix="tracecar-bench-overload-"))
@@ -204,7 +204,8 @@ def report(args: argparse.Namespace, samples: list[dict[str, Any]], probes: list
     print(machine_note())
 
     header("RATIOS")
-    print(f"client peak RSS / (start + queue bound):       {peak_client / queue_bound:.2f}   (peak {peak_client / MiB:,.0f} MiB, bound {queue_bound / MiB:,.0f} MiB)")
+    print(f"client peak RSS / (start + queue bound):       {peak_client / queue_bound:.2f}   "
+          f"(peak {peak_client / MiB:,.0f} MiB, bound {queue_bound / MiB:,.0f} MiB)")
     print(f"collector peak RSS / (start + inflight bound): {peak_collector / (base_collector_rss + inflight_bound):.2f}")
     print(f"spool peak pending / TRACECAR_SPOOL_MAX_BYTES: {peak_pending / spool_bound:.2f}")
     saw_503 = any(st == 503 for _, st, _ in probes)

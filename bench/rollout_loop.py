@@ -37,14 +37,30 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 
-from common import (PY, SIDECAR_CPUS, WEAVE_PROJECT, WORKER_CPUS, clean_env, header, machine_note, median, pin, ratio,
-                    services, start_collector, start_stub, table, weave_env)
+from common import (
+    PY,
+    SIDECAR_CPUS,
+    WEAVE_PROJECT,
+    WORKER_CPUS,
+    clean_env,
+    header,
+    machine_note,
+    median,
+    pin,
+    ratio,
+    services,
+    start_collector,
+    start_stub,
+    table,
+    weave_env,
+)
 
 MODES = ("off", "weave", "tracecar")
 SYSTEM_PROMPT = "You are a careful assistant. Use the python_interpreter tool to check every computation. " * 20
@@ -322,7 +338,8 @@ def summarize(variant: dict[str, Any], args: argparse.Namespace) -> list[str]:
                 per_call = (r["loop_cpu_s"] + r["bg_cpu_s"] - off_run["loop_cpu_s"]) / r["traced"]
                 projected = off_run["wall_s"] + per_call * r["calls"]
                 lines.append(f"{mode}: projected fully traced step (its measured CPU per traced call, {per_call * 1e3:.1f} ms, "
-                             f"× {r['calls']:,} calls, + the off step): ≈ {projected:.0f} s ({100 * (projected / off_run['wall_s'] - 1):+,.0f}%)")
+                             f"× {r['calls']:,} calls, + the off step): ≈ {projected:.0f} s "
+                             f"({100 * (projected / off_run['wall_s'] - 1):+,.0f}%)")
     print(table(rows, ["mode", "rounds", "median wall s", "min wall s", "slowdown %", "note", "loop CPU s",
                        "bg CPU s", "drain s", "collector CPU s"]))
     for line in lines:
@@ -360,7 +377,7 @@ def main() -> None:
         Child(args.child, args).serve()
         return
 
-    from tracecar.collector.decoding import resolve_tokenizer_file
+    from tracecar.collector.processors.decoding import resolve_tokenizer_file
 
     print(machine_note())
     work = Path(tempfile.mkdtemp(prefix="tracecar-bench-rollout-"))

@@ -16,11 +16,12 @@ import cProfile
 import pstats
 import random
 import time
-from typing import Any, Callable
-
-import orjson
+from collections.abc import Callable
+from typing import Any
 
 import hot_path
+import orjson
+
 from common import token_ids, tool_call
 
 

@@ -21,8 +21,9 @@ import contextlib
 import functools
 import inspect
 import time
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from common import init_weave_like_verl
 

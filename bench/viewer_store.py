@@ -2,11 +2,11 @@
 
 Builds a spool of demo-shaped trajectories (root, agent-loop run, 2-4 generate calls with
 token ids and decoded text, 1-3 tool calls, a reward annotation: about 7 spans each), then
-times, per query, the viewer's list (collector/viewer_index.py) against the same filter and
+times, per query, the viewer's list (collector/viewer/index.py) against the same filter and
 sort through ``store_query.list_trajectories`` (the /v1/trajectories API: SQL over the spans),
 run in this process on the same file. Prints each ratio (baseline ms / viewer ms), the index's
 one-time catch-up, and its page of EXPLAIN QUERY PLAN. Then the GRPO group view of one step
-(collector/groups.py) and the dataset export (collector/export.py): its rate, and its peak
+(collector/viewer/groups.py) and the dataset export (collector/viewer/export.py): its rate, and its peak
 traced memory for 1,000 against 8,000 trajectories (constant memory: a ratio near 1); with
 ``--http``, the same through a collector process (``/v1/groups`` latency, ``/v1/export`` of the
 whole store with the collector's RSS sampled).
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import orjson
 
-from tracecar.collector.spool import Spool, SpoolRow
-from tracecar.collector.store_query import TrajectoryFilter, list_trajectories
-from tracecar.collector.viewer_index import ListFilter, TrajectoryIndex
+from tracecar.collector.spool.query import TrajectoryFilter, list_trajectories
+from tracecar.collector.spool.store import Spool, SpoolRow
+from tracecar.collector.viewer.index import ListFilter, TrajectoryIndex
 
 
 def trajectory(rng: random.Random, t: int, per_step: int) -> list[dict]:
@@ -96,8 +96,8 @@ def groups_and_export(spool: Spool, index: TrajectoryIndex) -> None:
     """GET /v1/groups' work for one step (64 groups of 4), and the export's rate and memory."""
     import tracemalloc
 
-    from tracecar.collector.export import jsonl_chunks, parquet_chunks, records
-    from tracecar.collector.group_export_api import groups_of_step
+    from tracecar.collector.viewer.export import jsonl_chunks, parquet_chunks, records
+    from tracecar.collector.viewer.group_export_api import groups_of_step
 
     class Owner:  # what groups_of_step reads off the collector
         pass

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import sqlite3
@@ -44,8 +43,7 @@ from typing import Any
 import httpx
 import psutil
 
-from common import (PY, Service, clean_env, free_port, header, machine_note, ratio, scrape, start_collector, table,
-                    token_ids, tool_call)
+from common import PY, Service, clean_env, free_port, header, machine_note, ratio, scrape, start_collector, table, token_ids, tool_call
 
 DEAD_PROXY = "http://127.0.0.1:9"
 
@@ -255,7 +253,8 @@ def main() -> None:
     print(machine_note())
     results = {s: run_system(s, args) for s in args.systems.split(",")}
     header(f"{args.spans:,} rollout spans (+ {args.spans // args.turns:,} trajectory roots) from {args.senders} sender processes")
-    print(table([[r["system"], r["spans"], r["dropped"], r["stored"], r["ack_s"], r["query_s"] if r["complete"] else f">{r['query_s']:.0f} (incomplete)",
+    print(table([[r["system"], r["spans"], r["dropped"], r["stored"], r["ack_s"],
+                  r["query_s"] if r["complete"] else f">{r['query_s']:.0f} (incomplete)",
                   r["spans"] / r["query_s"], r["server_cpu_per_1k"], r["sender_cpu_per_1k"], r["peak_rss_mib"]]
                  for r in results.values()],
                 ["system", "spans sent", "dropped", "stored", "acknowledged s", "queryable s", "spans/s to queryable",

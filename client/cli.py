@@ -12,7 +12,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import httpx
 
@@ -50,7 +51,7 @@ def _need_collector() -> None:
 
 def _checked_settings(config_file: str | None, **overrides: Any) -> Any:
     """Settings as serve runs them; a mistake is one line on stderr and exit code 2."""
-    from tracecar.collector.config_check import ConfigError, load_checked_settings
+    from tracecar.collector.service.config_check import ConfigError, load_checked_settings
 
     if config_file is not None and not config_file.strip():
         _fail("--config was given an empty file name", 2)
@@ -65,7 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     import logging
 
     from tracecar.collector.logs import setup_logging
-    from tracecar.collector.server import serve
+    from tracecar.collector.service.server import serve
 
     settings, warnings = _checked_settings(
         args.config, host=args.host, port=args.port, data_dir=args.data_dir, backend=args.backend,

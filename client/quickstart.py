@@ -105,7 +105,7 @@ def run_quickstart(args: argparse.Namespace) -> None:
 
     previous = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     with open(log_path, "ab") as log_file:  # the collector's JSON logs, out of the newcomer's way
-        server = subprocess.Popen([sys.executable, "-m", "tracecar.client.cli", "serve"], env=env, stderr=log_file,
+        server = subprocess.Popen([sys.executable, "-m", "tracecar.collector"], env=env, stderr=log_file,
                                   preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     try:
         deadline = time.monotonic() + 60

@@ -2,7 +2,7 @@
 
 Rollout workers then post spans to ``http://127.0.0.1:PORT`` on their own node: no cross-node
 hop on the hot path, and one collector per node rather than per worker.  Each collector is a
-child process of its actor (``python -m tracecar.client.cli serve``: its own GIL, its own
+child process of its actor (``python -m tracecar.collector``: its own GIL, its own
 SQLite spool under a per-node data dir), so the actor only starts, watches and stops it::
 
     import ray
@@ -34,9 +34,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 log = logging.getLogger("tracecar.ray")
 
@@ -129,7 +130,7 @@ _LAUNCH = (
     "    pass\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    sys.exit('tracecar: the collector actor exited before its collector started')\n"
-    "os.execv(sys.executable, [sys.executable, '-m', 'tracecar.client.cli', 'serve'])\n"
+    "os.execv(sys.executable, [sys.executable, '-m', 'tracecar.collector'])\n"
 )
 
 
@@ -190,7 +191,7 @@ class CollectorActor:
         if sys.platform.startswith("linux"):
             argv = [sys.executable, "-c", _LAUNCH, str(os.getpid())]
         else:
-            argv = [sys.executable, "-m", "tracecar.client.cli", "serve"]
+            argv = [sys.executable, "-m", "tracecar.collector"]
         with self.log_path.open("ab") as log_file:
             # Own session: a signal to the Ray worker's process group does not skip the drain.
             self.proc = subprocess.Popen(argv, env=child_env, stdin=subprocess.DEVNULL, stdout=log_file,

@@ -15,7 +15,8 @@ the Python walk (:func:`redact_value`) runs only on spans that can hold a key at
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 DEFAULT_REDACT_KEYS: frozenset[str] = frozenset({"api_key", "auth_headers", "authorization"})
 REDACTED = "REDACTED"  # weave.utils.sanitize.REDACTED_VALUE

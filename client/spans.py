@@ -21,11 +21,11 @@ import os
 import secrets
 import threading
 import traceback
+from collections.abc import Callable
 from itertools import count
-from typing import Any, Callable
+from typing import Any
 
-from .wire import ValueShape, value_shape
-
+from .wire import value_shape
 
 KIND_OP = "op"
 KIND_TRAJECTORY = "trajectory"
@@ -63,9 +63,9 @@ class SpanRecord:
         name: str,
         kind: str,
         start: float,
-        parent: "SpanRecord | None",
+        parent: SpanRecord | None,
         attributes: dict[str, Any] | None,
-        signature: "_LazySignature | None" = None,
+        signature: _LazySignature | None = None,
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> None:

@@ -50,7 +50,7 @@ def traceparent() -> str | None:
         return _UNSAMPLED.format(prefix=ids.prefix)
     root = span.trace
     parent = span if span.prefix == root.prefix else root
-    return "00-%s%016x-%016x-01" % (root.prefix, root.number, parent.number)  # %-format: the cheapest here
+    return "00-%s%016x-%016x-01" % (root.prefix, root.number, parent.number)  # noqa: UP031  (%-format: the cheapest here)
 
 
 def tracestate() -> str | None:

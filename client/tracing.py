@@ -14,7 +14,8 @@ import contextlib
 import functools
 import inspect
 import time
-from typing import Any, Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from . import tracer as _tracer
 from .spans import KIND_ANNOTATION, KIND_OP, KIND_TRAJECTORY, SpanRecord, _LazySignature, outer_stack, snapshot

@@ -72,7 +72,8 @@ import os
 import sys
 import threading
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["BACKEND", "install", "uninstall", "is_installed", "is_active", "settings"]
 

@@ -42,8 +42,8 @@ class WireEncoder:
 
     Non-builtin values follow weave's serialisation rules (``weave.trace.serialization``):
     pydantic models and dataclasses become weave's type envelope (``_type``, the fields,
-    ``_class_name``, ``_bases``), tuples (namedtuples too: weave's redaction makes them plain) lists, objects with ``to_dict`` that dict, and
-    anything else its ``repr`` (cut at weave's 1,000 characters). Values under a redact key
+    ``_class_name``, ``_bases``), tuples (namedtuples too: weave's redaction makes them plain)
+    lists, objects with ``to_dict`` that dict, and anything else its ``repr`` (cut at weave's 1,000 characters). Values under a redact key
     (:mod:`tracecar.client.redact`) become ``"REDACTED"``. On the slow path (:meth:`encode`),
     strings longer than ``max_string_chars`` are cut with a marker; nesting deeper than
     ``max_depth`` and cycles become a repr; non-finite floats become the strings ``nan``,

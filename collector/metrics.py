@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -46,7 +46,7 @@ class Metrics:
         self.spool_file_bytes = Gauge("tracecar_spool_file_bytes", "Size of the spool/store file on disk.", registry=r)
         self.dead_letters = Gauge("tracecar_dead_letters", "Rows in the dead-letter table.", registry=r)
         self.ready = Gauge("tracecar_ready", "1 when accepting spans, 0 while starting or draining.", registry=r)
-        # tail-based budgets (tracecar.collector.selection)
+        # tail-based budgets (tracecar.collector.processors.sampling)
         self.trajectories_kept = Counter("tracecar_trajectories_kept", "Trajectories a tail-based decision kept, by the rule that kept them.", ["rule"], registry=r)
         self.trajectories_dropped = Counter("tracecar_trajectories_dropped", "Trajectories a tail-based decision dropped, by reason (the limit that stopped them, incomplete, ...).", ["reason"], registry=r)
         self.trajectories_truncated = Counter("tracecar_trajectories_truncated", "Kept trajectories cut under TRACECAR_MAX_TRAJECTORY_BYTES.", registry=r)

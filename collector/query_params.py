@@ -13,7 +13,8 @@ the parameter, like every other error of the API (:func:`validation_error_body`)
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Annotated, Any
 
 from fastapi import Query
 from fastapi.routing import APIRoute

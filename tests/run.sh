@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command (README "Set-up", command 2; .ci/run calls exactly this).
-# Creates ./.venv if needed, installs tracecar with its collector and dev extras, runs pytest.
+# Creates ./.venv if needed, installs tracecar with its collector and dev extras, runs ruff, then pytest.
 # With TRACECAR_TEST_WEAVE_SERVER=1 it makes ./.venv-weave52 (weave's own trace server) so the
 # Weave read-back tests run instead of skipping.
 # With TRACECAR_TEST_VERL=1 it then runs the VERL adapter tests and the Weave parity harness
@@ -29,4 +29,6 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 # setuptools prints a page-long notice on every editable install; it is not a problem of ours
 PYTHONWARNINGS=ignore::UserWarning .venv/bin/python -m pip install -q -e ".[dev]"
+# lint first ([tool.ruff] in pyproject.toml, tests/ruff.toml): one clear list of findings, before any test runs
+.venv/bin/python -m ruff check .
 exec .venv/bin/python -m pytest "$@"

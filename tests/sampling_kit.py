@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from tracecar.collector.selection import Candidate, TailSelector
+
+from tracecar.collector.processors.sampling import Candidate, TailSelector
 from tracecar.collector.settings import CollectorSettings
-from tracecar.collector.spool import HELD, Spool, SpoolRow
+from tracecar.collector.spool.store import HELD, Spool, SpoolRow
 
 _ids = itertools.count(1)
 

@@ -27,14 +27,15 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import pytest
+import tomllib
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -625,7 +626,7 @@ def test_dockerfile_copy_sources_exist_are_not_dockerignored_and_cover_the_packa
         needed.append(readme)
     for rel in needed:
         rel = rel.rstrip("/")
-        # a folder's COPY also covers the package folders nested in it (collector/ → collector/selection)
+        # a folder's COPY also covers the package folders nested in it (collector/ → collector/processors/sampling)
         covering = [src for src in copied if src == rel or rel.startswith(src + "/") or fnmatch.fnmatchcase(rel, src)]
         assert covering, f"{rel} is needed by the package build but not copied into the image"
         dest = copied[covering[0]].rstrip("/")
@@ -701,7 +702,8 @@ def test_dockerfile_declares_an_owned_data_volume(runtime: Stage, image_env: dic
     assert image_env.get("HOME"), "set HOME so it can be mounted writable under a read-only root"
 
 
-def test_dockerfile_bakes_in_no_secret_and_no_public_bind(stages: list[Stage], secret_env_names: set[str], collector_env_names: set[str], image_env: dict[str, str]) -> None:
+def test_dockerfile_bakes_in_no_secret_and_no_public_bind(stages: list[Stage], secret_env_names: set[str], collector_env_names: set[str],
+                                                          image_env: dict[str, str]) -> None:
     for stage in stages:
         for ins in stage.all("ENV"):
             for name in parse_env_instruction(ins):
@@ -779,7 +781,8 @@ def test_compose_publishes_only_on_loopback(compose: dict[str, Any], settings_cl
     assert [t for _, _, t in compose_published_ports(_services(compose)["collector"])] == [port]
 
 
-def test_compose_collector_env_is_valid_settings(compose: dict[str, Any], settings_cls: type, collector_env_names: set[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compose_collector_env_is_valid_settings(compose: dict[str, Any], settings_cls: type, collector_env_names: set[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     service = _services(compose)["collector"]
     declared = compose_environment(service)
     for name in declared:
@@ -983,7 +986,8 @@ def test_k8s_spool_volume_is_bounded_and_mounted_at_the_data_dir(
         assert path in mounts and not mounts[path].get("readOnly"), f"{path} must be a writable mount"
 
 
-def test_k8s_secrets_come_from_secret_refs(pod_spec: dict[str, Any], sidecar: dict[str, Any], trainer: dict[str, Any], k8s_docs: list[dict[str, Any]], secret_env_names: set[str]) -> None:
+def test_k8s_secrets_come_from_secret_refs(pod_spec: dict[str, Any], sidecar: dict[str, Any], trainer: dict[str, Any],
+                                          k8s_docs: list[dict[str, Any]], secret_env_names: set[str]) -> None:
     wandb = k8s_env_item(sidecar, "WANDB_API_KEY")
     assert wandb and "secretKeyRef" in wandb["valueFrom"], "WANDB_API_KEY must come from a Secret"
     refs = []

@@ -89,7 +89,7 @@ def test_token_required_and_no_secret_in_logs_metrics_or_bodies(faulty_weave_stu
 
 
 def test_compare_is_constant_time_and_a_wrong_token_stores_nothing(start_collector, kit, monkeypatch):
-    from tracecar.collector import auth
+    from tracecar.collector.service import auth
 
     calls: list[tuple[bytes, bytes]] = []
     real = auth.hmac.compare_digest
@@ -109,7 +109,7 @@ def test_compare_is_constant_time_and_a_wrong_token_stores_nothing(start_collect
 def test_loopback_by_default_and_an_open_bind_without_token_warns(monkeypatch, capfd):
     import logging
 
-    from tracecar.collector import server
+    from tracecar.collector.service import server
     from tracecar.collector.settings import CollectorSettings
 
     for name in list(os.environ):

@@ -15,8 +15,9 @@ import json
 import math
 import urllib.parse
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 import msgpack
@@ -207,7 +208,8 @@ CASES = [
     Case("token ids not a list", stored_too(with_bad(setting("output", {"response_ids": "1 2 3"}))), 200,
          warnings=["output.response_text: not decoded from output.response_ids: a str"]),
     Case("non-UTF-8 msgpack text", stored_too(with_bad(setting("name", "placeholder"))), 200, fmt="msgpack-bad-utf8"),
-    Case("unknown msgpack ext type and bytes", stored_too(with_bad(setting("inputs", {"ext": msgpack.ExtType(5, b"\x00\x01"), "raw": b"\xff\xfe"}))), 200, fmt="msgpack"),
+    Case("unknown msgpack ext type and bytes",
+         stored_too(with_bad(setting("inputs", {"ext": msgpack.ExtType(5, b"\x00\x01"), "raw": b"\xff\xfe"}))), 200, fmt="msgpack"),
     Case("a child whose parent never arrives", orphan, 200),
     # ---- body level: the request is refused, the field named ------------------------------
     Case("invalid JSON", raw(b'{"worker": "w", "spans": [}'), 400, ["body"]),
@@ -216,13 +218,15 @@ CASES = [
     Case("lone surrogate in JSON", raw(b'{"worker": "\\ud800", "spans": []}'), 400, ["body"]),
     Case("JSON nested 5000 deep", raw(b"[" * 5000 + b"]" * 5000), 400, ["body"]),
     Case("msgpack nested 5000 deep", raw(b"\x91" * 5000 + b"\xc0", "application/msgpack"), 400, ["body"]),
-    Case("msgpack packed ids of odd length", raw(msgpack.packb({"worker": "w", "spans": [msgpack.ExtType(1, b"\x01\x02\x03")]}), "application/msgpack"), 400, ["body"]),
+    Case("msgpack packed ids of odd length",
+         raw(msgpack.packb({"worker": "w", "spans": [msgpack.ExtType(1, b"\x01\x02\x03")]}), "application/msgpack"), 400, ["body"]),
     Case("msgpack map with a list key", raw(b"\x81\x91\x01\x01", "application/msgpack"), 400, ["body"]),
     Case("a JSON array, not an object", raw(b"[1, 2, 3]"), 400, ["body"]),
     Case("envelope without worker", envelope(worker=_DELETE), 400, ["worker"]),
     Case("worker not a string", envelope(worker=5), 400, ["worker"]),
     Case("spans not a list", envelope(spans={"a": 1}), 400, ["spans"]),
-    Case("more spans than TRACECAR_MAX_BATCH_SPANS", lambda kit: (kit.trajectory(children=60), {}, []), 413, ["spans"]),  # a size bound: the client splits on 413
+    # a size bound: the client splits on 413
+    Case("more spans than TRACECAR_MAX_BATCH_SPANS", lambda kit: (kit.trajectory(children=60), {}, []), 413, ["spans"]),
     Case("unknown content type", raw(b"hello", "text/plain"), 415, ["Content-Type"]),
     Case("unknown content encoding", lambda kit: good_body(kit, lambda b: b, "br"), 415, ["Content-Encoding"]),
     Case("garbage gzip", raw(b"\x1f\x8bnot gzip at all", encoding="gzip"), 400, ["Content-Encoding"]),

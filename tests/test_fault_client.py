@@ -20,14 +20,14 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from tracecar.client import rollout_trace_attr, rollout_trace_op
 from tracecar.client import tracer as tracer_module
-
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,7 +94,7 @@ class ResettingCollector:
         while not self._stop:
             try:
                 conn, _ = self.sock.accept()
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
             self.connections += 1
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

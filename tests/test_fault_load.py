@@ -109,7 +109,8 @@ def test_bounded_load_only_backpressure_and_accepted_equals_forwarded(faulty_wea
     p99, requests = _p99(metrics)
     delivered = stub.delivered()
     print(f"\nload: processes={PROCESSES} seconds={SECONDS} produced={produced} sent={sent} dropped={dropped} "
-          f"retries={sum(r['retries'] for r in results)} accepted={int(accepted)} collector_duplicates={int(kit.metric(metrics, 'tracecar_spans_duplicate_total'))} forwarded={len(set(delivered))} "
+          f"retries={sum(r['retries'] for r in results)} accepted={int(accepted)} "
+          f"collector_duplicates={int(kit.metric(metrics, 'tracecar_spans_duplicate_total'))} forwarded={len(set(delivered))} "
           f"duplicates={len(delivered) - len(set(delivered))} statuses={statuses} requests={requests} "
           f"p99_ingest<={p99}s rate={accepted / produce_s:.0f} spans/s")
     assert all(r["drained"] for r in results)

@@ -17,8 +17,8 @@ import sys
 import httpx
 import pytest
 
-from tracecar.collector import forward as forward_module
-from tracecar.collector.weave_sink import WeaveSink
+from tracecar.collector.exporters import forward as forward_module
+from tracecar.collector.exporters.weave_sink import WeaveSink
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,8 @@ spans nest 128 and 1000 deep (each the child of the previous), flattened below
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -227,7 +228,7 @@ def test_the_cap_is_a_setting_and_cycles_across_batches_stay_readable(start_coll
 def test_tail_truncation_copes_with_values_at_the_stores_depth_limit():
     """A kept trajectory cut under TRACECAR_MAX_TRAJECTORY_BYTES may hold a value nested as deep as
     the store accepts (254 levels); measuring it must not fail the step decision."""
-    from tracecar.collector.selection.truncate import truncate_trajectory
+    from tracecar.collector.processors.sampling.truncate import truncate_trajectory
 
     root = {"span_id": "r", "trace_id": "r", "parent_id": None, "attributes": {}, "inputs": {}, "output": None}
     child = {"span_id": "c", "trace_id": "r", "parent_id": "r", "attributes": {},

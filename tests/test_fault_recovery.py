@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tracecar.client import rollout_trace_attr, rollout_trace_op
-from tracecar.collector.weave_sink import WeaveSink
+from tracecar.collector.exporters.weave_sink import WeaveSink
 
 pytestmark = pytest.mark.timeout(120)
 MiB = 2**20

@@ -30,7 +30,7 @@ def _closed_after(sock: socket.socket, limit_s: float = 10.0) -> tuple[bytes, fl
     while time.monotonic() - started < limit_s:
         try:
             chunk = sock.recv(65536)
-        except (ConnectionResetError, socket.timeout):
+        except (TimeoutError, ConnectionResetError):
             break
         if not chunk:
             break

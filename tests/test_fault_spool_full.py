@@ -11,14 +11,15 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 
 from tracecar.client import rollout_trace_attr, rollout_trace_op
-from tracecar.collector.weave_sink import WeaveSink
+from tracecar.collector.exporters.weave_sink import WeaveSink
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,7 +90,8 @@ def test_spool_bound_answers_503_and_the_client_backs_off_with_a_bounded_queue(s
     delivered = stub.delivered()
     print(f"\nspool bound: acked_by_posts={acked} refused_posts={refused} client_emitted={emitted} "
           f"client_sent={after['sent']} client_dropped={after['dropped']} client_retries={after['retries']} "
-          f"collector_503s_to_client={int(client_refusals)} 503s_during_a_{flush_s:.1f}s_flush={int(during_flush)} accepted={int(accepted)} forwarded={len(delivered)} "
+          f"collector_503s_to_client={int(client_refusals)} 503s_during_a_{flush_s:.1f}s_flush={int(during_flush)} "
+          f"accepted={int(accepted)} forwarded={len(delivered)} "
           f"duplicates={len(delivered) - len(set(delivered))}")
     assert after["sent"] + after["dropped_total"] == emitted and after["queued"] == 0
     assert set(after["dropped"]) == {"queue_full"}  # the only loss: its full queue, counted

@@ -14,13 +14,14 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
 
-from tracecar.collector.weave_sink import WeaveSink
+from tracecar.collector.exporters.weave_sink import WeaveSink
 
 pytestmark = pytest.mark.timeout(180)
 MiB = 2**20
@@ -189,7 +190,7 @@ def test_counters_stay_exact_and_nothing_is_resent_when_the_disk_is_too_full_to_
         assert kit.wait_for(lambda: kit.metrics(col.url, "tracecar_forward_failures_total", kind="record_failed") >= 3, 20), (
             len(stub.delivered()), acked, spool.pending_count, httpx.get(col.url + "/readyz").json(),
             {p.name: p.stat().st_size for p in disk.rglob("*") if p.is_file()}, os.statvfs(disk).f_bavail,
-            [l for l in httpx.get(col.url + '/metrics').text.splitlines() if 'forward' in l and not l.startswith('#')])
+            [ln for ln in httpx.get(col.url + '/metrics').text.splitlines() if 'forward' in ln and not ln.startswith('#')])
         delivered_while_full = list(stub.delivered())
         assert len(delivered_while_full) == len(set(delivered_while_full))  # answered batches are not sent again
         ballast.unlink()  # space returns

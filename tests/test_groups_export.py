@@ -20,8 +20,8 @@ import orjson
 import pytest
 
 from tracecar.client import cli
-from tracecar.collector.groups import GroupStats, build_groups, diff_turns, order_groups
-from tracecar.collector.spool import Spool, SpoolRow
+from tracecar.collector.spool.store import Spool, SpoolRow
+from tracecar.collector.viewer.groups import GroupStats, build_groups, diff_turns, order_groups
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -153,7 +153,9 @@ def test_groups_rank_rollouts_compute_stats_flag_zero_spread_and_diff_against_th
 
 
 def test_groups_sort_filter_page_and_are_the_viewers_too(fed):
-    order = lambda **p: [g["sample_index"] for g in get(fed.url, "/v1/groups", step=3, diff="false", **p)["groups"]]
+    def order(**p: Any) -> list[Any]:
+        return [g["sample_index"] for g in get(fed.url, "/v1/groups", step=3, diff="false", **p)["groups"]]
+
     assert order(sort="spread") == [0, 1, 2]  # widest first, unscored last
     assert order(sort="zero_spread") == [1, 0, 2]  # the groups GRPO learns nothing from, first
     assert order(sort="mean") == [1, 0, 2]
@@ -447,7 +449,7 @@ def test_groups_and_export_of_trajectories_sent_by_the_real_client(start_collect
 
 
 def test_groups_page_script_ships_and_names_no_other_origin():
-    from tracecar.collector import viewer
+    from tracecar.collector.viewer import routes as viewer
 
     assert "groups.js" in viewer._static_files()
     text = (viewer.STATIC / "groups.js").read_text()

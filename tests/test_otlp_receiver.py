@@ -484,9 +484,9 @@ def test_viewer_shows_each_turns_engine_timings_and_still_counts_the_turns(start
 
 
 def test_engine_spans_and_foreign_traces_are_forwarded_to_weave_like_any_other(start_collector, tracer_to, kit):
-    from weave_stub import WeaveStub  # the loopback Weave trace server stand-in of the forwarding tests
+    from tracecar.collector.exporters.weave_sink import weave_call_id
 
-    from tracecar.collector.weave_sink import weave_call_id
+    from weave_stub import WeaveStub  # the loopback Weave trace server stand-in of the forwarding tests
 
     with WeaveStub() as stub:
         col = start_collector(backend="weave", wandb_api_key=kit.WANDB_KEY, wandb_entity="team", wandb_project="rl",

@@ -7,9 +7,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1 import trace_pb2
 
+from tracecar.collector.exporters.weave_sink import SpanError, to_weave_call
+from tracecar.collector.processors.validate import SpanIn, validate_batch
 from tracecar.collector.receivers.otlp_translate import OtlpSpanIn, any_value, hex_ids_to_base64, translate
-from tracecar.collector.validate import SpanIn, validate_batch
-from tracecar.collector.weave_sink import SpanError, to_weave_call
 
 TRACE = bytes.fromhex("0af7651916cd43dd8448eb211c80319c")
 SPAN = bytes.fromhex("b7ad6b7169203331")

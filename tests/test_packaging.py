@@ -39,8 +39,8 @@ def test_build_prints_no_setuptools_warnings(wheel: Path) -> None:
     assert ours == [], "\n".join(ours[:20])
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
-    for data in ("tracecar/collector/static/index.html", "tracecar/collector/static/app.js",
-                 "tracecar/collector/static/vendor/chart.umd.min.js"):
+    for data in ("tracecar/collector/viewer/static/index.html", "tracecar/collector/viewer/static/app.js",
+                 "tracecar/collector/viewer/static/vendor/chart.umd.min.js"):
         assert data in names
 
 
@@ -60,7 +60,7 @@ def test_import_names_are_namespaced(wheel: Path) -> None:
         names = zf.namelist()
     top = {n.split("/")[0] for n in names if not n.startswith("tracecar-")}
     assert top == {"tracecar"}  # never a bare `client` or `collector` in site-packages
-    assert "tracecar/client/tracing.py" in names and "tracecar/collector/app.py" in names
+    assert "tracecar/client/tracing.py" in names and "tracecar/collector/service/app.py" in names
 
 
 def test_client_imports_without_collector_dependencies(tmp_path: Path) -> None:

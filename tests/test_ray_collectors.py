@@ -27,8 +27,10 @@ try:
 except ImportError:  # the ray extra is not installed: only the ray-free test runs
     ray = None
 
-from conftest import free_port  # noqa: E402
 from tracecar.client import ray_collectors  # noqa: E402
+
+from conftest import free_port  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Any:
@@ -157,7 +159,7 @@ def test_one_collector_per_node_end_to_end(ray_cluster: Any, tmp_path: Path) -> 
     import psutil
 
     assert not psutil.pid_exists(info["pid"])
-    from tracecar.collector.spool import Spool
+    from tracecar.collector.spool.store import Spool
 
     spool = Spool(Path(info["data_dir"]) / "spool.sqlite3", local_only=True)
     try:

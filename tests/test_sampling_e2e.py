@@ -11,9 +11,10 @@ from typing import Any
 
 import httpx
 import pytest
+
 from tracecar.client import annotate, rollout_trace_attr, rollout_trace_op
 from tracecar.client.cli import main as cli_main
-from tracecar.collector.forward import SendResult
+from tracecar.collector.exporters.forward import SendResult
 
 pytestmark = pytest.mark.timeout(120)
 EXPERIMENT = "exp-tail"

@@ -21,9 +21,11 @@ from typing import Any
 import orjson
 import psutil
 import pytest
+
+from tracecar.collector.processors.sampling import sample_hash
+from tracecar.collector.spool.store import HELD, PENDING
+
 from sampling_kit import Harness
-from tracecar.collector.selection import sample_hash
-from tracecar.collector.spool import HELD, PENDING
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tracecar.collector.selection.decide import (
+
+from tracecar.collector.processors.sampling.decide import (
     KEPT_MARK_BYTES,
     Candidate,
     Prior,
@@ -21,7 +22,7 @@ from tracecar.collector.selection.decide import (
     scaled_limits,
     trajectory_cost,
 )
-from tracecar.collector.selection.policy import LIMIT_NAMES, Budget, Policies
+from tracecar.collector.processors.sampling.policy import LIMIT_NAMES, Budget, Policies
 from tracecar.collector.settings import CollectorSettings
 
 #: More examples for a longer hunt: SAMPLING_EXAMPLES_SCALE=20 pytest tests/test_sampling_*.py

@@ -17,12 +17,14 @@ import orjson
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
-from sampling_kit import Harness, Spec, spans_of
+
 from tracecar.collector.metrics import Metrics
-from tracecar.collector.pipeline import IngestPipeline
-from tracecar.collector.selection import Candidate, Policies, decide
+from tracecar.collector.processors.sampling import Candidate, Policies, decide
+from tracecar.collector.receivers.pipeline import IngestPipeline
 from tracecar.collector.settings import CollectorSettings
-from tracecar.collector.spool import HELD, PENDING, Spool
+from tracecar.collector.spool.store import HELD, PENDING, Spool
+
+from sampling_kit import Harness, Spec, spans_of
 
 #: More examples for a longer hunt: SAMPLING_EXAMPLES_SCALE=20 pytest tests/test_sampling_*.py
 SCALE = int(os.environ.get("SAMPLING_EXAMPLES_SCALE", "1"))
@@ -395,7 +397,8 @@ def check_invariants(h: Harness, specs: list[Spec]) -> dict[str, tuple[bool, str
             assert counts[name] <= limit, (name, counts[name], limit)
         for s in kept:  # the decision rows account for every forwarded byte
             stored = [r for r in rows if r["trace_id"] == s.trace_id]
-            assert sum(r["nbytes"] for r in stored) == rows_of_step[s.trace_id]["nbytes"], (s, [(r["span_id"], r["nbytes"]) for r in stored], rows_of_step[s.trace_id])
+            assert sum(r["nbytes"] for r in stored) == rows_of_step[s.trace_id]["nbytes"], (
+                s, [(r["span_id"], r["nbytes"]) for r in stored], rows_of_step[s.trace_id])
         for s in kept:
             assert s.root, "a partial trajectory was kept"
             spans = {sp["span_id"] for sp in spans_of(s) if sp["kind"] != "annotation"}

@@ -8,12 +8,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from tracecar.client import rollout_trace_attr
 from tracecar.client.demo import run_demo
 
 from test_viewer import Page, _browser, expect, get

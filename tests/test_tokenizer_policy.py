@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import time
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -53,7 +52,7 @@ def test_a_batch_cannot_make_the_collector_read_an_arbitrary_file(start_collecto
     assert kit.metrics(col.url, "tracecar_tokenizer_refused_total", reason="not_allowed") == refused == 4
     assert kit.metrics(col.url, "tracecar_decode_failures_total", reason="tokenizer_not_allowed") == 4 + 5
     logged = [r for r in caplog.records if getattr(r, "event", None) == "tokenizer_refused"]
-    assert 1 <= len(logged) <= 2 and getattr(logged[0], "tokenizer") == str(secret)  # rate-limited, names what was tried
+    assert 1 <= len(logged) <= 2 and logged[0].tokenizer == str(secret)  # rate-limited, names what was tried
     # the operator's own tokenizer still decodes
     spans = kit.trajectory(children=1)
     assert kit.post(col.url, spans, tokenizer=small_bpe_path).status_code == 200 and _decoded(col, spans)

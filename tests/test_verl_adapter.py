@@ -315,7 +315,7 @@ def test_budget_from_collector_settings_keeps_whole_samples(adapter, start_colle
     assert len({t["sample_index"] for t in trajs}) == 1
     assert sorted(t["rollout_n"] for t in trajs) == [0, 1]  # all rollouts of the kept sample
     # the adapter announced the call's indices: the kept one is the seeded hash choice, not the first back
-    from tracecar.collector.selection import sample_hash
+    from tracecar.collector.processors.sampling import sample_hash
 
     assert {t["sample_index"] for t in trajs} == {min((0, 1), key=lambda i: sample_hash(0, EXPERIMENT, STEP, i))}
 
@@ -567,10 +567,11 @@ def test_ray_worker_process_setup_hook_traces_from_an_actor(start_collector, mod
                 import tracecar.client.verl as tv
 
                 installed_by_hook = tv.is_installed()
-                import test_verl_adapter as t
                 from transformers import AutoTokenizer
 
                 from tracecar.client import get_tracer
+
+                import test_verl_adapter as t
 
                 worker, _ = t.make_worker(t.verl_config(Path(model_dir)), AutoTokenizer.from_pretrained(model_dir))
                 asyncio.run(worker.generate_sequences(t.make_batch()))
@@ -617,8 +618,9 @@ def test_vllm_engine_spans_join_verl_generate_calls_with_the_readme_lines(adapte
     import contextvars
     import time
 
-    from test_otlp_receiver import VllmEngine  # vLLM's request tracing, with vLLM's names
     from verl.workers.rollout.llm_server import LLMServerClient
+
+    from test_otlp_receiver import VllmEngine  # vLLM's request tracing, with vLLM's names
 
     col = start_collector()
     monkeypatch.setenv("TRACECAR_URL", col.url)

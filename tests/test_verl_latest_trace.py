@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tracecar.collector.selection import sample_hash
+from tracecar.collector.processors.sampling import sample_hash
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -237,7 +237,7 @@ def test_adapter_routes_the_newest_verl_module_to_the_collector(verl_latest, sta
     # the budget went to the collector; VERL traces every sample (its own pre-selection is off)
     assert rt.RolloutTraceConfig.get_instance().max_samples_per_step_per_worker is None
 
-    uuids = ["u-%02d-5f0e" % i for i in range(4)]
+    uuids = [f"u-{i:02d}-5f0e" for i in range(4)]
     train = al.DataProto({"index": [u for u in uuids for _ in range(2)], "fail": [False, True] * 4},
                          {"global_steps": 6})
     asyncio.run(worker.generate_sequences(train))

@@ -28,7 +28,7 @@ import pytest
 from tracecar.client import annotate, announce_step, rollout_trace_attr, rollout_trace_op
 from tracecar.client import tracer as tracer_module
 from tracecar.client.config import ClientConfig
-from tracecar.collector.selection import sample_hash
+from tracecar.collector.processors.sampling import sample_hash
 
 try:
     from weave_stub import WeaveStub, weave_stub  # noqa: F401

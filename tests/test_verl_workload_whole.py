@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tracecar.collector.selection import sample_hash
+from tracecar.collector.processors.sampling import sample_hash
 
 pytestmark = pytest.mark.timeout(180)
 

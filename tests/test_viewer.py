@@ -21,9 +21,9 @@ import pytest
 from tracecar.client import annotate, rollout_trace_attr
 from tracecar.client.demo import run_demo
 from tracecar.collector.settings import CollectorSettings
-from tracecar.collector.spool import Spool, SpoolRow
-from tracecar.collector.viewer import COOKIE
-from tracecar.collector.viewer_index import ListFilter, TrajectoryIndex
+from tracecar.collector.spool.store import Spool, SpoolRow
+from tracecar.collector.viewer.index import ListFilter, TrajectoryIndex
+from tracecar.collector.viewer.routes import COOKIE
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -377,7 +377,7 @@ def test_token_guards_every_viewer_route_and_the_cookie_only_reads(start_collect
 
 
 def test_static_files_are_shipped_with_the_vendored_chart_library():
-    from tracecar.collector import viewer
+    from tracecar.collector.viewer import routes as viewer
 
     names = viewer._static_files()
     assert {"app.js", "style.css", "vendor/chart.umd.min.js", "vendor/chart.js.LICENSE.md"} <= set(names)

@@ -12,7 +12,6 @@ import httpx
 import pytest
 
 from tracecar.client import annotate, rollout_trace_attr, rollout_trace_op
-from tracecar.collector.weave_sink import weave_call_id
 
 try:
     from weave_stub import WeaveStub, weave_stub  # noqa: F401

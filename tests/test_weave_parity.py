@@ -30,8 +30,9 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -56,7 +57,12 @@ from verl.utils import rollout_trace as verl_rt  # noqa: E402
 from verl.utils.rollout_trace import rollout_trace_op  # noqa: E402  (VERL's, as a user's tool would)
 
 from test_verl_adapter import (  # noqa: E402  (the adapter tests' tiny model and VERL config)
-    CHAT_TEMPLATE, FakeLoadBalancer, _Remote, hf_tokenizer, model_dir, verl_config,  # noqa: F401
+    CHAT_TEMPLATE,  # noqa: F401
+    FakeLoadBalancer,
+    _Remote,
+    hf_tokenizer,  # noqa: F401  (a fixture)
+    model_dir,  # noqa: F401  (a fixture)
+    verl_config,
 )
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -232,10 +238,11 @@ def _run_verl_weave(server_url: str, model_dir: Path, tokenizer: Any) -> None:
 def _start_collector(data_dir: Path, **settings: Any) -> tuple[str, Any, threading.Thread]:
     import uvicorn
 
-    from conftest import free_port, wait_ready
-    from tracecar.collector.app import create_app
-    from tracecar.collector.server import _DrainingServer
+    from tracecar.collector.service.app import create_app
+    from tracecar.collector.service.server import _DrainingServer
     from tracecar.collector.settings import CollectorSettings
+
+    from conftest import free_port, wait_ready
 
     port = free_port()
     s = CollectorSettings(host="127.0.0.1", port=port, data_dir=data_dir, **settings)

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from tracecar.collector import weave_sink as ws
-from tracecar.collector.weave_sink import SendResult, WeaveSink, weave_call_id
+from tracecar.collector.exporters import weave_sink as ws
+from tracecar.collector.exporters.weave_sink import SendResult, WeaveSink, weave_call_id
 
 try:
     from weave_stub import WeaveSqliteServer, WeaveStub, weave_server_python, weave_stub  # noqa: F401

@@ -22,7 +22,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 import numpy as np
@@ -55,14 +55,14 @@ class AgentLoopOutput(BaseModel):
     prompt_ids: list[int]
     response_ids: list[int]
     response_mask: list[int]
-    response_logprobs: Optional[list[float]] = None
-    routed_experts: Optional[Any] = None
-    multi_modal_data: Optional[dict[str, Any]] = None
-    reward_score: Optional[float] = None
+    response_logprobs: list[float] | None = None
+    routed_experts: Any | None = None
+    multi_modal_data: dict[str, Any] | None = None
+    reward_score: float | None = None
     num_turns: int = 0
     metrics: AgentLoopMetrics
     extra_fields: dict[str, Any] = {}
-    mm_processor_kwargs: Optional[dict[str, Any]] = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 class _InternalAgentLoopOutput(AgentLoopOutput):
@@ -72,7 +72,7 @@ class _InternalAgentLoopOutput(AgentLoopOutput):
 class FunctionCall(BaseModel):
     arguments: str
     name: str
-    tool_call_id: Optional[str] = None
+    tool_call_id: str | None = None
 
 
 class ToolResponse(BaseModel):
@@ -83,10 +83,10 @@ class ToolResponse(BaseModel):
 
 class TokenOutput(BaseModel):
     token_ids: list[int]
-    log_probs: Optional[list[float]] = None
-    routed_experts: Optional[Any] = None
-    stop_reason: Optional[str] = None
-    num_preempted: Optional[int] = None
+    log_probs: list[float] | None = None
+    routed_experts: Any | None = None
+    stop_reason: str | None = None
+    num_preempted: int | None = None
     extra_fields: dict[str, Any] = {}
 
 
@@ -385,8 +385,8 @@ def test_collector_redacts_again_and_keeps_secrets_out_of_store_logs_and_errors(
 
 def test_forwarded_call_carries_attributes_weave_and_weaves_exception_json(tracer_to):
     from tracecar.client.config import client_info
-    from tracecar.collector.validate import validate_batch
-    from tracecar.collector.weave_sink import to_weave_call
+    from tracecar.collector.exporters.weave_sink import to_weave_call
+    from tracecar.collector.processors.validate import validate_batch
 
     server = _Capture()
     try:

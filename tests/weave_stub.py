@@ -36,11 +36,12 @@ import subprocess
 import tempfile
 import threading
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from email.parser import BytesParser
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -100,7 +101,7 @@ class WeaveStub:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}"
 
-    def start(self) -> "WeaveStub":
+    def start(self) -> WeaveStub:
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name="weave-stub", daemon=True)
         self._thread.start()
         return self
@@ -111,7 +112,7 @@ class WeaveStub:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
-    def __enter__(self) -> "WeaveStub":
+    def __enter__(self) -> WeaveStub:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -404,7 +405,7 @@ class WeaveSqliteServer:
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
 
-    def __enter__(self) -> "WeaveSqliteServer":
+    def __enter__(self) -> WeaveSqliteServer:
         self._log = tempfile.TemporaryFile()  # a file, not a pipe: a chatty server never blocks
         self.proc = subprocess.Popen([self.python, "-c", WEAVE_SERVER_SCRIPT], stdout=subprocess.PIPE,
                                      stderr=self._log, text=True)

@@ -1,5 +1,7 @@
-"""Exporters: each destination's translation of stored spans (its transport lives apart).
+"""Exporters: stored spans sent on to their destination.
 
-``otlp_translate``: tracecar spans → OTLP spans with the OpenTelemetry GenAI conventions.
-The Weave exporter is still ``tracecar.collector.weave_sink``.
+``forward`` is the transport every backend shares (drains the spool, retries with backoff,
+probes, marks done/dead); ``weave_sink`` is the W&B Weave backend (calls built from
+trajectories and pushed); ``otlp_translate``: tracecar spans → OTLP spans with the
+OpenTelemetry GenAI conventions.
 """

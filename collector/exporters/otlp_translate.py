@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import orjson
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from ..viewer_shape import is_tool, token_counts, token_output
+from ..shape import is_tool, token_counts, token_output
 
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
@@ -167,13 +168,15 @@ def to_otlp_span(span: Mapping[str, Any], *, aggregates: bool = False, content: 
             else trace_pb2.Span.SPAN_KIND_INTERNAL
         status = otel.get("status") or {}
         code = str(status.get("code"))
-        out.status.code = trace_pb2.Status.StatusCode.Value("STATUS_CODE_" + code) if code in _STATUS else trace_pb2.Status.STATUS_CODE_UNSET
+        out.status.code = (trace_pb2.Status.StatusCode.Value("STATUS_CODE_" + code) if code in _STATUS
+                           else trace_pb2.Status.STATUS_CODE_UNSET)
         out.status.message = str(status.get("message") or "")
         if isinstance(otel.get("trace_state"), str):
             out.trace_state = otel["trace_state"]
         for event in otel.get("events") or ():
             if isinstance(event, dict):
-                out.events.append(trace_pb2.Span.Event(name=str(event.get("name", "")), time_unix_nano=int(float(event.get("time") or 0) * 1e9),
+                out.events.append(trace_pb2.Span.Event(name=str(event.get("name", "")),
+                                                       time_unix_nano=int(float(event.get("time") or 0) * 1e9),
                                                        attributes=_key_values(event.get("attributes") or {})))
         out.attributes.extend(_key_values({**attrs, "gen_ai.conversation.id": trace_id}))
         return out

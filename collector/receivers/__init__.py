@@ -1,5 +1,6 @@
-"""Receivers: the formats spans arrive in, each turned into tracecar spans for the pipeline.
+"""Receivers: the formats spans arrive in, and the ingest pipeline they all feed.
 
-``otlp``: OTLP/HTTP at ``/v1/traces`` (vLLM, SGLang, any OpenTelemetry SDK). tracecar's own
-wire format (``/v1/spans``) is still served from ``tracecar.collector.app``/``receive``.
+``receive`` decodes tracecar's own wire format (``/v1/spans``: JSON/msgpack, gzip/zstd);
+``otlp`` serves OTLP/HTTP at ``/v1/traces`` (vLLM, SGLang, any OpenTelemetry SDK) through
+``otlp_translate`` and ``joins``; ``pipeline`` runs each batch through the processors into the spool.
 """

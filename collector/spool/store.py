@@ -1,0 +1,586 @@
+"""Spool: the durable SQLite file behind every acknowledgement, and the embedded local store.
+
+A span is answered 2xx only after its row is committed (WAL; with ``synchronous=NORMAL`` a
+commit survives a killed process, ``TRACECAR_SPOOL_SYNC=full`` also survives power loss).
+Rows move pending → done (forwarded, or kept locally) or → dead (a permanent backend
+rejection, kept with its reason). Under a tail-based budget rows start held (awaiting their
+step's decision, see tracecar.collector.processors.sampling): a decision moves a kept trajectory's rows to
+pending and deletes a dropped one's, in the same transaction as its ``trajectory_decisions``
+rows, so budgets stay exact across restarts. ``span_id`` is unique, so a client's retry of a batch the
+collector already took is dropped as a duplicate instead of being forwarded twice.
+All writes go through one connection on one thread; reads use their own connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+PENDING, DONE, DEAD, HELD = 0, 1, 2, 3
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS spans (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    span_id TEXT NOT NULL UNIQUE,
+    trace_id TEXT NOT NULL,
+    parent_id TEXT,
+    name TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    worker TEXT,
+    project TEXT,
+    entity TEXT,
+    experiment TEXT,
+    step INTEGER,
+    sample_index,  -- no type on purpose: VERL's index is an int or a string, kept as sent
+    rollout_n INTEGER,
+    validate INTEGER,
+    start_time REAL,
+    end_time REAL,
+    has_error INTEGER NOT NULL DEFAULT 0,
+    reward REAL,
+    nbytes INTEGER NOT NULL,
+    state INTEGER NOT NULL,
+    received_at REAL NOT NULL,
+    warnings TEXT,
+    payload BLOB NOT NULL,
+    tokens INTEGER NOT NULL DEFAULT 0,
+    inputs_at INTEGER,
+    output_at INTEGER
+);
+CREATE INDEX IF NOT EXISTS spans_pending ON spans(seq) WHERE state = 0;
+CREATE INDEX IF NOT EXISTS spans_trace ON spans(trace_id);
+CREATE INDEX IF NOT EXISTS spans_roots ON spans(experiment, step, sample_index, rollout_n) WHERE parent_id IS NULL AND kind != 'annotation';
+CREATE TABLE IF NOT EXISTS dead_letters (
+    span_id TEXT PRIMARY KEY,
+    trace_id TEXT,
+    name TEXT,
+    reason TEXT NOT NULL,
+    failed_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS spans_held ON spans(seq) WHERE state = 3;
+CREATE TABLE IF NOT EXISTS trajectory_decisions (
+    trace_id TEXT PRIMARY KEY,
+    experiment TEXT,
+    validate INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    round INTEGER NOT NULL,
+    worker TEXT,
+    sample_index,
+    rollout_n INTEGER,
+    keep INTEGER NOT NULL,
+    rule TEXT,
+    reason TEXT,
+    reward REAL,
+    has_error INTEGER NOT NULL,
+    nbytes INTEGER NOT NULL,
+    tokens INTEGER NOT NULL,
+    truncated INTEGER NOT NULL DEFAULT 0,
+    closed_by TEXT,
+    decided_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS trajectory_decisions_step ON trajectory_decisions(step, experiment, validate);
+CREATE TABLE IF NOT EXISTS sample_decisions (
+    budget_key TEXT NOT NULL,
+    sample_index NOT NULL,
+    keep INTEGER NOT NULL,
+    PRIMARY KEY (budget_key, sample_index)
+);
+"""
+
+
+_COUNTS_SQL = (
+    "SELECT COALESCE(SUM(state = 0), 0), COALESCE(SUM(CASE WHEN state = 0 THEN nbytes END), 0),"
+    " COALESCE(SUM(nbytes), 0), COALESCE(SUM(state = 3), 0),"
+    " COALESCE(SUM(CASE WHEN state = 3 THEN nbytes END), 0) FROM spans"
+)
+
+
+class SpoolFull(Exception):
+    """The disk (or the configured bound) is full: answer 503 with Retry-After, store nothing."""
+
+
+@dataclass
+class SpoolRow:
+    """One span ready to insert: its index columns, its payload, its size."""
+
+    span: dict[str, Any]
+    payload: bytes
+    warnings: list[str] | None
+    tokens: int = 0
+    held: bool = False
+    # Byte offsets of the serialised inputs/output inside ``payload`` (see pipeline.pack_payload):
+    # the forwarder splices them into the backend request without parsing them again.
+    inputs_at: int | None = None
+    output_at: int | None = None
+
+
+@dataclass
+class WriteResult:
+    inserted: int
+    duplicates: int
+    duplicate_ids: list[str]
+
+
+def _connect(path: Path, sync: str) -> sqlite3.Connection:
+    fresh = not path.exists() or path.stat().st_size == 0
+    conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=30)
+    if fresh:  # before WAL and the first table: lets eviction give pages back to the disk
+        conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute(f"PRAGMA synchronous={'FULL' if sync == 'full' else 'NORMAL'}")
+    conn.execute("PRAGMA busy_timeout=30000")
+    conn.execute("PRAGMA journal_size_limit=16777216")  # the WAL is trimmed back to 16 MiB after a checkpoint
+    return conn
+
+
+def _attr(span: dict[str, Any], key: str) -> Any:
+    value = span["attributes"].get(key)
+    return value if type(value) in (int, str) else None
+
+
+def _row_params(row: SpoolRow, state: int, now: float) -> tuple[Any, ...]:
+    s = row.span
+    attrs = s["attributes"]
+    reward = attrs.get("reward")
+    validate = attrs.get("validate")
+    return (
+        s["span_id"], s["trace_id"], s["parent_id"], s["name"], s["kind"], s["worker"],
+        s.get("project"), s.get("entity"), _attr(s, "experiment_name"), _attr(s, "step"),
+        _attr(s, "sample_index"), _attr(s, "rollout_n"), None if validate is None else int(bool(validate)),
+        s["start_time"], s["end_time"], int(s["exception"] is not None),
+        reward if type(reward) in (int, float) else None,
+        len(row.payload), HELD if row.held else state, now,
+        orjson.dumps(row.warnings).decode() if row.warnings else None, row.payload, row.tokens,
+        row.inputs_at, row.output_at,
+    )
+
+
+class Spool:
+    """Thread-safe spool. Writes are serialised by a lock (callers run them in one executor)."""
+
+    def __init__(self, path: Path, *, local_only: bool, sync: str = "normal") -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.local_only = local_only
+        self._write = _connect(path, sync)
+        self._write.executescript(SCHEMA)
+        columns = {name for _, name, *_ in self._write.execute("PRAGMA table_info(spans)")}
+        if "tokens" not in columns:  # spools written before tail-based budgets
+            self._write.execute("ALTER TABLE spans ADD COLUMN tokens INTEGER NOT NULL DEFAULT 0")
+        for column in ("inputs_at", "output_at"):  # spools written before the splicing forwarder
+            if column not in columns:
+                self._write.execute(f"ALTER TABLE spans ADD COLUMN {column} INTEGER")
+        self._read = _connect(path, sync)
+        # Local mode: called with the number of rows that just reached the store (state done)
+        self.on_stored: Callable[[int], None] | None = None
+        self._write_lock = threading.RLock()
+        self._read_lock = threading.Lock()
+        self.pending_count = self.pending_bytes = self.stored_bytes = self.held_count = self.held_bytes = 0
+        self.disk_full_at: float | None = None  # monotonic time of the last write refused for a full disk
+        self.recount()
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction on the writer connection (under the write lock, re-entrant).
+
+        Rolled back on any error; a full disk surfaces as :class:`SpoolFull` so ingest answers
+        503 instead of 500 and nothing partial is stored.
+        """
+        with self._write_lock:
+            conn = self._write
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                yield conn
+                conn.execute("COMMIT")
+            except sqlite3.OperationalError as exc:
+                _rollback(conn)
+                if "full" in str(exc).lower() or "disk" in str(exc).lower():
+                    self.disk_full_at = time.monotonic()
+                    raise SpoolFull(str(exc)) from None
+                raise
+            except BaseException:
+                _rollback(conn)
+                raise
+
+    # ---- ingest --------------------------------------------------------------------------
+    def write(self, rows: Sequence[SpoolRow], decisions: Iterable[tuple[str, int, bool]] = (),
+              now: float | None = None, late: frozenset[str] | set[str] = frozenset()) -> WriteResult:
+        """Commits new spans and sampling decisions in one transaction; known span ids are skipped.
+
+        Rows marked ``held`` are stored held (awaiting a tail-based decision), the rest pending.
+        ``late`` names spans of already decided, kept trajectories: their bytes and tokens are
+        added to the trajectory's decision row in the same transaction (budgets stay exact).
+        """
+        state = DONE if self.local_only else PENDING
+        now = time.time() if now is None else now
+        with self._write_lock:
+            with self._transaction() as conn:
+                known = self._existing_ids(conn, [r.span["span_id"] for r in rows])
+                fresh = [r for r in rows if r.span["span_id"] not in known]
+                conn.executemany(
+                    "INSERT INTO spans (span_id, trace_id, parent_id, name, kind, worker, project, entity,"
+                    " experiment, step, sample_index, rollout_n, validate, start_time, end_time, has_error, reward,"
+                    " nbytes, state, received_at, warnings, payload, tokens, inputs_at, output_at)"
+                    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    [_row_params(r, state, now) for r in fresh],
+                )
+                conn.executemany(
+                    "INSERT OR IGNORE INTO sample_decisions (budget_key, sample_index, keep) VALUES (?,?,?)",
+                    [(k, i, int(keep)) for k, i, keep in decisions],
+                )
+                if late:
+                    conn.executemany(
+                        "UPDATE trajectory_decisions SET nbytes = nbytes + ?, tokens = tokens + ? WHERE trace_id = ?",
+                        [(len(r.payload), r.tokens, r.span["trace_id"]) for r in fresh if r.span["span_id"] in late],
+                    )
+            new_bytes = sum(len(r.payload) for r in fresh)
+            held = [r for r in fresh if r.held]
+            held_bytes = sum(len(r.payload) for r in held)
+            self.stored_bytes += new_bytes
+            self.held_count += len(held)
+            self.held_bytes += held_bytes
+            if state == PENDING:
+                self.pending_count += len(fresh) - len(held)
+                self.pending_bytes += new_bytes - held_bytes
+            elif self.on_stored is not None and len(fresh) > len(held):
+                self.on_stored(len(fresh) - len(held))
+        duplicate_ids = [r.span["span_id"] for r in rows if r.span["span_id"] in known]
+        return WriteResult(inserted=len(fresh), duplicates=len(duplicate_ids), duplicate_ids=duplicate_ids)
+
+    @staticmethod
+    def _existing_ids(conn: sqlite3.Connection, ids: list[str]) -> set[str]:
+        found: set[str] = set()
+        for i in range(0, len(ids), 500):
+            chunk = ids[i:i + 500]
+            found.update(
+                sid for (sid,) in conn.execute(
+                    f"SELECT span_id FROM spans WHERE span_id IN ({','.join('?' * len(chunk))})", chunk
+                )
+            )
+        return found
+
+    def load_decisions(self, budget_key: str) -> dict[int, bool]:
+        with self._read_lock:
+            return {
+                i: bool(k) for i, k in self._read.execute(
+                    "SELECT sample_index, keep FROM sample_decisions WHERE budget_key = ?", (budget_key,)
+                )
+            }
+
+    # ---- held spans and tail-based decisions (tracecar.collector.processors.sampling) ---------------
+    def release(self, kept: Sequence[str], dropped: Sequence[str], decisions: Sequence[tuple[Any, ...]] = (),
+                patches: Sequence[tuple[str, bytes]] = ()) -> tuple[int, int, int]:
+        """One decision, in one transaction: held rows of ``kept`` traces become pending (done
+        in local mode) with ``patches`` (span_id, new payload) applied, those of ``dropped``
+        traces are deleted, and the ``trajectory_decisions`` rows are recorded.
+
+        Returns (spans released, spans dropped, bytes dropped).
+        """
+        target = DONE if self.local_only else PENDING
+        with self._write_lock:
+            with self._transaction() as conn:
+                delta_bytes = 0
+                for span_id, payload in patches:
+                    old = conn.execute("SELECT nbytes FROM spans WHERE span_id = ? AND state = 3", (span_id,)).fetchone()
+                    if old is None:
+                        continue
+                    conn.execute("UPDATE spans SET payload = ?, nbytes = ?, inputs_at = NULL, output_at = NULL"
+                                 " WHERE span_id = ?", (payload, len(payload), span_id))
+                    delta_bytes += len(payload) - old[0]
+                moved, moved_bytes = _apply_to_held(conn, kept, "UPDATE spans SET state = ?", (target,))
+                gone, gone_bytes = _apply_to_held(conn, dropped, "DELETE FROM spans", ())
+                conn.executemany(
+                    "INSERT OR REPLACE INTO trajectory_decisions (trace_id, experiment, validate, step, round, worker,"
+                    " sample_index, rollout_n, keep, rule, reason, reward, has_error, nbytes, tokens, truncated,"
+                    " closed_by, decided_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    decisions,
+                )
+            self.held_bytes += delta_bytes
+            self.stored_bytes += delta_bytes - gone_bytes
+            self.held_count -= moved + gone
+            self.held_bytes -= moved_bytes + gone_bytes
+            if target == PENDING:
+                self.pending_count += moved
+                self.pending_bytes += moved_bytes
+            elif self.on_stored is not None and moved:
+                self.on_stored(moved)
+        return moved, gone, gone_bytes
+
+    def held_rows(self) -> list[tuple[Any, ...]]:
+        """Index columns of every held span, oldest first: what a restart rebuilds its summaries from."""
+        with self._read_lock:
+            return self._read.execute(
+                "SELECT span_id, trace_id, parent_id, kind, worker, experiment, validate, step, sample_index,"
+                " rollout_n, has_error, reward, nbytes, tokens, received_at, start_time FROM spans"
+                " WHERE state = 3 ORDER BY seq"
+            ).fetchall()
+
+    def held_payloads(self, trace_ids: Sequence[str], roots_only: bool) -> list[tuple[str, str, bytes]]:
+        """(span_id, trace_id, payload) of held spans of these traces (only their roots, or all)."""
+        out: list[tuple[str, str, bytes]] = []
+        extra = " AND span_id = trace_id" if roots_only else ""
+        with self._read_lock:
+            for i in range(0, len(trace_ids), 500):
+                chunk = list(trace_ids[i:i + 500])
+                out.extend(self._read.execute(
+                    f"SELECT span_id, trace_id, payload FROM spans WHERE state = 3{extra}"
+                    f" AND trace_id IN ({','.join('?' * len(chunk))}) ORDER BY seq", chunk
+                ))
+        return out
+
+    def decided_usage(self, trace_id: str) -> tuple[Any, ...] | None:
+        """(experiment, validate, step, trajectory bytes, step kept bytes, step kept tokens) of a decided trajectory."""
+        with self._read_lock:
+            row = self._read.execute(
+                "SELECT experiment, validate, step, nbytes FROM trajectory_decisions WHERE trace_id = ?", (trace_id,)
+            ).fetchone()
+            if row is None:
+                return None
+            kept_bytes, kept_tokens = self._read.execute(
+                "SELECT COALESCE(SUM(nbytes), 0), COALESCE(SUM(tokens), 0) FROM trajectory_decisions"
+                " WHERE step = ? AND experiment IS ? AND validate = ? AND keep = 1", (row[2], row[0], row[1]),
+            ).fetchone()
+        return (row[0], bool(row[1]), row[2], row[3], kept_bytes, kept_tokens)
+
+    def trace_verdict(self, trace_id: str) -> bool | None:
+        """Whether a decided trajectory was kept; None if it was never decided."""
+        with self._read_lock:
+            row = self._read.execute("SELECT keep FROM trajectory_decisions WHERE trace_id = ?", (trace_id,)).fetchone()
+        return None if row is None else bool(row[0])
+
+    def trace_seen_unheld(self, trace_id: str) -> bool:
+        """True if spans of this trace are stored but not held (it was never under a tail budget)."""
+        with self._read_lock:
+            return self._read.execute("SELECT 1 FROM spans WHERE trace_id = ? AND state != 3 LIMIT 1", (trace_id,)).fetchone() is not None
+
+    def step_last_round(self, experiment: Any, validate: bool, step: int) -> int:
+        with self._read_lock:
+            row = self._read.execute(
+                "SELECT MAX(round) FROM trajectory_decisions WHERE step = ? AND experiment IS ? AND validate = ?",
+                (step, experiment, int(validate)),
+            ).fetchone()
+        return row[0] or 0
+
+    def step_decisions(self, experiment: Any, validate: bool | None, step: int) -> list[dict[str, Any]]:
+        """The decision records of one step (every round), kept ones first."""
+        sql = ("SELECT trace_id, experiment, validate, step, round, worker, sample_index, rollout_n, keep, rule,"
+               " reason, reward, has_error, nbytes, tokens, truncated, closed_by, decided_at FROM trajectory_decisions"
+               " WHERE step = ? AND experiment IS ?")
+        params: list[Any] = [step, experiment]
+        if validate is not None:
+            sql += " AND validate = ?"
+            params.append(int(validate))
+        return self.query(sql + " ORDER BY keep DESC, sample_index, rollout_n, trace_id", params)
+
+    def latest_decided_steps(self) -> list[tuple[Any, str, int]]:
+        """(experiment, worker, highest decided step): where each worker had got to."""
+        with self._read_lock:
+            return self._read.execute(
+                "SELECT experiment, worker, MAX(step) FROM trajectory_decisions GROUP BY experiment, worker"
+            ).fetchall()
+
+    # ---- forwarding ----------------------------------------------------------------------
+    def next_pending(self, limit: int) -> list[tuple[int, bytes, int | None, int | None]]:
+        """Oldest pending spans first, so each trace is delivered in arrival order.
+
+        Rows are (seq, payload, inputs_at, output_at); the offsets are None for payloads that
+        were rewritten after ingest (tail-based decisions) or written by an older version.
+        """
+        with self._read_lock:
+            return self._read.execute(
+                "SELECT seq, payload, inputs_at, output_at FROM spans WHERE state = 0 ORDER BY seq LIMIT ?", (limit,)
+            ).fetchall()
+
+    def mark_forwarded(self, seqs: Sequence[int], keep: bool) -> None:
+        self._finish(seqs, keep=keep)
+
+    def mark_dead(self, dead: Sequence[tuple[int, str, str, str, str]]) -> None:
+        """Moves permanently rejected spans to the dead-letter table with the backend's reason."""
+        if not dead:
+            return
+        now = time.time()
+        with self._write_lock:
+            with self._transaction() as conn:
+                conn.executemany(
+                    "INSERT OR REPLACE INTO dead_letters (span_id, trace_id, name, reason, failed_at) VALUES (?,?,?,?,?)",
+                    [(sid, tid, name, reason, now) for _, sid, tid, name, reason in dead],
+                )
+                n, nbytes = self._set_state(conn, [d[0] for d in dead], DEAD)
+            self._pending_done(n, nbytes, deleted=False)
+
+    def _finish(self, seqs: Sequence[int], keep: bool) -> None:
+        if not seqs:
+            return
+        with self._write_lock:
+            with self._transaction() as conn:
+                if keep:
+                    n, nbytes = self._set_state(conn, seqs, DONE)
+                else:
+                    n, nbytes = self._pending_of(conn, seqs)
+                    for i in range(0, len(seqs), 500):
+                        chunk = seqs[i:i + 500]
+                        conn.execute(f"DELETE FROM spans WHERE state = 0 AND seq IN ({','.join('?' * len(chunk))})", chunk)
+            self._pending_done(n, nbytes, deleted=not keep)
+
+    def _pending_done(self, n: int, nbytes: int, *, deleted: bool) -> None:
+        """Counters follow a COMMIT, never precede it: a rolled-back transaction changes none."""
+        self.pending_count -= n
+        self.pending_bytes -= nbytes
+        if deleted:
+            self.stored_bytes -= nbytes
+
+    def _set_state(self, conn: sqlite3.Connection, seqs: Sequence[int], state: int) -> tuple[int, int]:
+        """Moves pending rows to ``state``; returns (rows, bytes) it moved, for after the commit."""
+        n, nbytes = self._pending_of(conn, seqs)
+        for i in range(0, len(seqs), 500):
+            chunk = seqs[i:i + 500]
+            conn.execute(f"UPDATE spans SET state = ? WHERE state = 0 AND seq IN ({','.join('?' * len(chunk))})", (state, *chunk))
+        return n, nbytes
+
+    @staticmethod
+    def _pending_of(conn: sqlite3.Connection, seqs: Sequence[int]) -> tuple[int, int]:
+        n = nbytes = 0
+        for i in range(0, len(seqs), 500):
+            chunk = seqs[i:i + 500]
+            c, b = conn.execute(
+                f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans WHERE state = 0 AND seq IN ({','.join('?' * len(chunk))})",
+                chunk,
+            ).fetchone()
+            n, nbytes = n + c, nbytes + b
+        return n, nbytes
+
+    def recount(self) -> None:
+        """Counters re-derived from SQL (after a failed write, so a drift can never outlive it)."""
+        with self._write_lock:
+            (self.pending_count, self.pending_bytes, self.stored_bytes, self.held_count,
+             self.held_bytes) = self._write.execute(_COUNTS_SQL).fetchone()
+
+    # ---- retention of forwarded spans -----------------------------------------------------
+    def used_bytes(self) -> int:
+        """Bytes of the store file in use: its pages minus the free list (new rows reuse freed pages).
+
+        The WAL beside it is checkpointed by SQLite every ~4 MiB and trimmed to 16 MiB.
+        """
+        with self._read_lock:
+            page_size = self._read.execute("PRAGMA page_size").fetchone()[0]
+            pages = self._read.execute("PRAGMA page_count").fetchone()[0]
+            free = self._read.execute("PRAGMA freelist_count").fetchone()[0]
+        return (pages - free) * page_size
+
+    def oldest_forwarded(self, limit: int, before: float | None = None) -> list[tuple[str, int, int]]:
+        """(trace_id, spans, bytes) of the trajectories whose spans are all forwarded, oldest last arrival first."""
+        having = " AND MAX(received_at) < ?" if before is not None else ""
+        params: tuple[Any, ...] = (DONE, DONE, before, limit) if before is not None else (DONE, DONE, limit)
+        with self._read_lock:
+            return self._read.execute(
+                "SELECT trace_id, COUNT(*), SUM(nbytes) FROM spans GROUP BY trace_id"
+                f" HAVING MIN(state) = ? AND MAX(state) = ?{having} ORDER BY MAX(received_at) LIMIT ?", params,
+            ).fetchall()
+
+    def evict(self, trace_ids: Sequence[str]) -> tuple[int, int]:
+        """Deletes these trajectories whole, if every span of each is still forwarded (done).
+
+        Returns (trajectories, spans) deleted. A trajectory that gained a pending span since it
+        was chosen is left alone, so no trajectory is ever half evicted.
+        """
+        if not trace_ids:
+            return 0, 0
+        with self._write_lock:
+            with self._transaction() as conn:
+                ids = list(trace_ids)
+                busy: set[str] = set()
+                for i in range(0, len(ids), 500):
+                    chunk = ids[i:i + 500]
+                    busy.update(t for (t,) in conn.execute(
+                        f"SELECT DISTINCT trace_id FROM spans WHERE state != ? AND trace_id IN ({','.join('?' * len(chunk))})",
+                        (DONE, *chunk)))
+                ids = [t for t in ids if t not in busy]
+                n = nbytes = 0
+                for i in range(0, len(ids), 500):
+                    chunk = ids[i:i + 500]
+                    marks = ",".join("?" * len(chunk))
+                    c, b = conn.execute(f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans WHERE trace_id IN ({marks})",
+                                        chunk).fetchone()
+                    conn.execute(f"DELETE FROM spans WHERE trace_id IN ({marks})", chunk)
+                    n, nbytes = n + c, nbytes + b
+            self.stored_bytes -= nbytes
+        return len(ids), n
+
+    def checkpoint(self) -> bool:
+        """Moves the WAL into the main file and truncates it, giving its space back to the disk."""
+        with self._write_lock:
+            try:
+                busy = self._write.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+            except sqlite3.Error:
+                return False
+        return not busy
+
+    def shrink(self) -> None:
+        """Returns the free pages to the disk (spools created with incremental auto-vacuum), then the WAL."""
+        with self._write_lock:
+            try:
+                self._write.executescript("PRAGMA incremental_vacuum;")  # executescript steps it to the end
+            except sqlite3.Error:
+                pass
+        self.checkpoint()
+
+    # ---- reading -------------------------------------------------------------------------
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        with self._read_lock:
+            cur = self._read.execute(sql, params)
+            cols = [c[0] for c in cur.description or ()]
+            return [dict(zip(cols, row)) for row in cur.fetchall()]  # type: ignore[misc]
+
+    def dead_letters(self, limit: int = 100) -> list[dict[str, Any]]:
+        return self.query("SELECT span_id, trace_id, name, reason, failed_at FROM dead_letters ORDER BY failed_at DESC LIMIT ?", (limit,))
+
+    def dead_count(self) -> int:
+        return self.query("SELECT COUNT(*) AS n FROM dead_letters")[0]["n"]
+
+    def size_bytes(self) -> int:
+        total = 0
+        for suffix in ("", "-wal"):
+            try:
+                total += os.path.getsize(str(self.path) + suffix)
+            except OSError:
+                pass
+        return total
+
+    def close(self) -> None:
+        with self._write_lock:
+            try:
+                self._write.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            except sqlite3.Error:
+                pass
+            self._write.close()
+        with self._read_lock:
+            self._read.close()
+
+
+def _apply_to_held(conn: sqlite3.Connection, trace_ids: Sequence[str], statement: str,
+                   params: tuple[Any, ...]) -> tuple[int, int]:
+    """Runs ``statement`` on the held rows of ``trace_ids`` (in chunks); returns (rows, bytes) it hit."""
+    rows = nbytes = 0
+    for i in range(0, len(trace_ids), 500):
+        chunk = list(trace_ids[i:i + 500])
+        where = f" WHERE state = 3 AND trace_id IN ({','.join('?' * len(chunk))})"
+        n, size = conn.execute(f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans{where}", chunk).fetchone()
+        conn.execute(statement + where, (*params, *chunk))
+        rows, nbytes = rows + n, nbytes + size
+    return rows, nbytes
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    try:
+        conn.execute("ROLLBACK")
+    except sqlite3.Error:
+        pass

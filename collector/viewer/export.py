@@ -1,0 +1,302 @@
+"""Export selected trajectories as a dataset: JSONL or Parquet, streamed with constant memory.
+
+One record per trajectory, shaped for ``datasets.load_dataset("json" | "parquet", ...)`` and for
+SFT/RL tooling that reads OpenAI-style chat: ``messages`` (the prompt, each assistant turn with
+its tool calls, each tool result), the reward (and the trainer's advantage when annotated), the
+index columns, and optionally the token ids.
+
+Why the shape is what it is:
+
+* every record has every column (null where unknown), and free-form values (root attributes,
+  metrics, tool arguments) are JSON *strings*, so Arrow infers one schema for the whole file
+  however the trajectories differ; tool-call ``arguments`` as a JSON string is also OpenAI's
+  convention;
+* Parquet has a fixed schema written up front, so ``sample_index`` (an opaque key, int or
+  string) is a string there; JSONL keeps it as sent;
+* the selection is walked in keyset pages of the viewer's trajectory index and each trajectory
+  is read, shaped and written before the next, so memory is one page of summaries plus one
+  Parquet row group, whatever the size of the store.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+
+from ..shape import RESPONSE_ID_KEYS, TOOL_METHODS, int_list, shape
+from ..spool.query import get_trajectory
+from ..spool.store import Spool
+from .groups import advantage_of
+from .index import ListFilter, TrajectoryIndex
+
+FORMATS = ("jsonl", "parquet")
+MEDIA_TYPES = {"jsonl": "application/x-ndjson", "parquet": "application/vnd.apache.parquet"}
+PAGE_TRAJECTORIES = 200  # summaries read per index page
+ROW_GROUP_ROWS = 500  # Parquet rows per row group (bounded by bytes too)
+ROW_GROUP_BYTES = 16 << 20
+JSONL_CHUNK_BYTES = 256 << 10
+SETTLE_TIMEOUT_S = 300.0  # how long an export waits for the trajectory index to catch up
+PROMPT_KEYS = ("raw_prompt", "messages")  # VERL's agent loops get the chat as kwargs["raw_prompt"]
+
+
+class IndexBehind(RuntimeError):
+    """The trajectory index could not catch up with the store in time: an export would miss data."""
+
+
+def settle(index: TrajectoryIndex, timeout_s: float = SETTLE_TIMEOUT_S) -> dict[str, Any]:
+    """Indexes everything stored so far (an export must not silently miss what is not indexed yet)."""
+    deadline = time.monotonic() + timeout_s
+    while not index.refresh(budget_s=1.0):
+        if time.monotonic() >= deadline:
+            state = index.status()
+            raise IndexBehind(f"trajectory index still {state['behind_spans']} spans behind the store after {timeout_s:.0f} s;"
+                              " retry when it has caught up (GET /ui/api/status)")
+    return index.status()
+
+
+def selected(index: TrajectoryIndex, flt: ListFilter, *, limit: int | None = None,
+             page: int = PAGE_TRAJECTORIES) -> Iterator[dict[str, Any]]:
+    """Summaries of the selection, page by page (keyset: stable while new trajectories arrive)."""
+    cursor, count = 0, 0
+    while limit is None or count < limit:
+        rows = index.page_after(flt, cursor, page if limit is None else min(page, limit - count))
+        if not rows:
+            return
+        yield from rows
+        count += len(rows)
+        cursor = rows[-1]["cursor"]
+
+
+def _json_text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY, default=repr).decode()
+
+
+def _walk(root: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    stack = [root]
+    while stack:
+        span = stack.pop()
+        yield span
+        stack.extend(reversed(span.get("children") or ()))
+
+
+def _tool_name(span: dict[str, Any]) -> str:
+    """``CalculatorTool.execute`` -> ``CalculatorTool``; a tool named by its inputs wins."""
+    inputs = span.get("inputs") if isinstance(span.get("inputs"), dict) else {}
+    for key in ("tool_name", "name"):
+        if isinstance(inputs.get(key), str):
+            return inputs[key]
+    owner, _, method = str(span.get("name", "")).rpartition(".")
+    return owner if owner and method.lower() in TOOL_METHODS else str(span.get("name", "tool"))
+
+
+def _initial_messages(root: dict[str, Any], first_prompt: str | None) -> list[dict[str, Any]]:
+    """The chat the agent loop was given, when a span carries it; else the decoded first prompt."""
+    for span in _walk(root):
+        inputs = span.get("inputs")
+        if not isinstance(inputs, dict):
+            continue
+        for key in PROMPT_KEYS:
+            chat = inputs.get(key)
+            if isinstance(chat, list) and chat and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in chat):
+                return [_message(str(m["role"]), _json_text(m.get("content"))) for m in chat]
+    return [_message("user", first_prompt)] if first_prompt is not None else []
+
+
+def _message(role: str, content: str | None, *, tool_calls: list[dict[str, Any]] | None = None,
+             tool_call_id: str | None = None, name: str | None = None) -> dict[str, Any]:
+    return {"role": role, "content": content, "tool_calls": tool_calls or [], "tool_call_id": tool_call_id, "name": name}
+
+
+def _token_arrays(root: dict[str, Any], spans: dict[str, dict[str, Any]], turns: list[dict[str, Any]]) -> dict[str, Any]:
+    """prompt_ids / response_ids / response_mask: the agent loop's own output when it has them
+    (VERL's ``AgentLoopOutput``: tool outputs included, masked 0), else the turns' ids joined."""
+    for span in _walk(root):
+        output = span.get("output")
+        if span.get("children") and isinstance(output, dict) and int_list(output.get("response_ids")) is not None:
+            return {"prompt_ids": int_list(output.get("prompt_ids")), "response_ids": output["response_ids"],
+                    "response_mask": int_list(output.get("response_mask"))}
+    prompt, response = None, []
+    for number, turn in enumerate(turns):
+        span = spans.get(turn["span_id"]) or {}
+        output = span.get("output") if isinstance(span.get("output"), dict) else {}
+        inputs = span.get("inputs") if isinstance(span.get("inputs"), dict) else {}
+        if number == 0:
+            prompt = int_list(output.get("prompt_ids")) or int_list(inputs.get("prompt_ids"))
+        response += next((ids for ids in (int_list(output.get(k)) for k in RESPONSE_ID_KEYS) if ids), [])
+    return {"prompt_ids": prompt, "response_ids": response or None, "response_mask": None}
+
+
+def record(tree: dict[str, Any], summary: dict[str, Any], *, token_ids: bool = False) -> dict[str, Any]:
+    """One exported trajectory: index columns, reward, chat messages, attributes (JSON text)."""
+    view = shape(tree)
+    root = tree["root"]
+    spans = {s.get("span_id"): s for s in _walk(root)}
+    turns = view["turns"]
+    first_prompt = turns[0].get("prompt_text") if turns else None
+    messages = _initial_messages(root, first_prompt)
+    for turn in turns:
+        tools = [e for e in turn["after"] if e["type"] == "tool"]
+        calls = [{"id": e["span_id"], "type": "function",
+                  "function": {"name": _tool_name(spans.get(e["span_id"]) or {}), "arguments": _json_text(e.get("arguments")) or "{}"}}
+                 for e in tools]
+        assistant = _message("assistant", turn.get("response_text"), tool_calls=calls)
+        if token_ids:
+            output = (spans.get(turn["span_id"]) or {}).get("output") or {}
+            assistant["token_ids"] = next((int_list(output.get(k)) for k in RESPONSE_ID_KEYS if int_list(output.get(k))), None)
+        messages.append(assistant)
+        for event in tools:
+            content = f"error: {event['error']}" if event.get("error") else _json_text(event.get("result"))
+            messages.append(_message("tool", content, tool_call_id=event["span_id"],
+                                     name=_tool_name(spans.get(event["span_id"]) or {})))
+    if token_ids:
+        for message in messages:
+            message.setdefault("token_ids", None)
+    metrics = {m["key"]: m["value"] for m in view["metrics"]}
+    out = {
+        "trace_id": tree["trace_id"], "name": view["name"], "experiment": summary.get("experiment"),
+        "step": summary.get("step"), "sample_index": summary.get("sample_index"), "rollout_n": summary.get("rollout_n"),
+        "validate": summary.get("validate"), "worker": summary.get("worker"), "reward": view["reward"],
+        "advantage": advantage_of(tree), "kept_because": _json_text(view["kept_because"]),
+        "has_error": bool(view["has_error"]), "turns": view["turn_count"], "tool_calls": view["tool_calls"],
+        "start_time": view["start_time"], "duration": view["duration"],
+        "prompt": first_prompt, "final_response": turns[-1].get("response_text") if turns else None,
+        "messages": messages, "attributes": _json_text(view["attributes"]) or "{}", "metrics": _json_text(metrics) or "{}",
+    }
+    if token_ids:
+        out.update(_token_arrays(root, spans, turns))
+    return out
+
+
+def records(spool: Spool, index: TrajectoryIndex, flt: ListFilter, *, token_ids: bool = False,
+            limit: int | None = None) -> Iterator[dict[str, Any]]:
+    """The selection's records, one trajectory read at a time (one dropped meanwhile is skipped)."""
+    for summary in selected(index, flt, limit=limit):
+        tree = get_trajectory(spool, summary["trace_id"])
+        if tree is not None:
+            yield record(tree, summary, token_ids=token_ids)
+
+
+# ---- writers -------------------------------------------------------------------------------------
+def jsonl_chunks(rows: Iterator[dict[str, Any]], chunk_bytes: int = JSONL_CHUNK_BYTES) -> Iterator[bytes]:
+    """One JSON object per line, yielded in chunks of about ``chunk_bytes``."""
+    buffer: list[bytes] = []
+    size = 0
+    for row in rows:
+        line = orjson.dumps(row, option=orjson.OPT_NON_STR_KEYS) + b"\n"
+        buffer.append(line)
+        size += len(line)
+        if size >= chunk_bytes:
+            yield b"".join(buffer)
+            buffer, size = [], 0
+    if buffer:
+        yield b"".join(buffer)
+
+
+def parquet_schema(token_ids: bool) -> Any:
+    import pyarrow as pa
+
+    call = pa.struct([("id", pa.string()), ("type", pa.string()),
+                      ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
+    message_fields = [("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.list_(call)),
+                      ("tool_call_id", pa.string()), ("name", pa.string())]
+    if token_ids:
+        message_fields.append(("token_ids", pa.list_(pa.int64())))
+    fields = [
+        ("trace_id", pa.string()), ("name", pa.string()), ("experiment", pa.string()), ("step", pa.int64()),
+        ("sample_index", pa.string()), ("rollout_n", pa.int64()), ("validate", pa.bool_()), ("worker", pa.string()),
+        ("reward", pa.float64()), ("advantage", pa.float64()), ("kept_because", pa.string()), ("has_error", pa.bool_()),
+        ("turns", pa.int64()), ("tool_calls", pa.int64()), ("start_time", pa.float64()), ("duration", pa.float64()),
+        ("prompt", pa.string()), ("final_response", pa.string()), ("messages", pa.list_(pa.struct(message_fields))),
+        ("attributes", pa.string()), ("metrics", pa.string()),
+    ]
+    if token_ids:
+        fields += [("prompt_ids", pa.list_(pa.int64())), ("response_ids", pa.list_(pa.int64())),
+                   ("response_mask", pa.list_(pa.int64()))]
+    return pa.schema(fields)
+
+
+class _Drain:
+    """A write-only file that hands over what was written since the last ``take``."""
+
+    def __init__(self) -> None:
+        self._chunks: list[bytes] = []
+        self._position = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        chunk = bytes(data)
+        self._chunks.append(chunk)
+        self._position += len(chunk)
+        return len(chunk)
+
+    def tell(self) -> int:
+        return self._position
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def take(self) -> bytes:
+        out = b"".join(self._chunks)
+        self._chunks.clear()
+        return out
+
+
+def parquet_chunks(rows: Iterator[dict[str, Any]], *, token_ids: bool = False, row_group_rows: int = ROW_GROUP_ROWS,
+                   row_group_bytes: int = ROW_GROUP_BYTES) -> Iterator[bytes]:
+    """A Parquet file, yielded a row group at a time (footer last)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = parquet_schema(token_ids)
+    drain = _Drain()
+    writer = pq.ParquetWriter(pa.PythonFile(drain, mode="w"), schema, compression="zstd")
+    batch: list[dict[str, Any]] = []
+    size = 0
+
+    def flush() -> bytes:
+        nonlocal batch, size
+        writer.write_table(pa.Table.from_pylist(batch, schema=schema))
+        batch, size = [], 0
+        return drain.take()
+
+    try:
+        for row in rows:
+            if row["sample_index"] is not None:
+                row["sample_index"] = str(row["sample_index"])
+            batch.append(row)
+            size += sum(len(m["content"] or "") for m in row["messages"]) + len(row["attributes"])
+            if len(batch) >= row_group_rows or size >= row_group_bytes:
+                yield flush()
+        if batch:
+            yield flush()
+    finally:
+        writer.close()
+    yield drain.take()
+
+
+def export_chunks(spool: Spool, index: TrajectoryIndex, flt: ListFilter, fmt: str, *, token_ids: bool = False,
+                  limit: int | None = None) -> Iterator[bytes]:
+    """The whole export as byte chunks (what the HTTP response streams and the CLI writes)."""
+    rows = records(spool, index, flt, token_ids=token_ids, limit=limit)
+    if fmt == "parquet":
+        yield from parquet_chunks(rows, token_ids=token_ids)
+    else:
+        yield from jsonl_chunks(rows)
+
+
+def parquet_available() -> bool:
+    try:
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,103 @@
+"""HTTP routes of the GRPO group view and the dataset export.
+
+``GET /v1/groups`` and ``GET /v1/export`` take the API's token; ``GET /ui/api/groups`` is the
+same answer for the viewer page (its token or cookie). All read the viewer's trajectory index,
+the one summary table of the store, so there is no second query layer to keep in step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Depends, HTTPException, Query
+from fastapi.responses import Response, StreamingResponse
+
+from ..query_params import INT64_MAX, Int64, OptionalInt64, sample_index_filter
+from ..spool.query import get_trajectory
+from ..spool.store import Spool
+from . import StoreOwner
+from .export import FORMATS, MEDIA_TYPES, IndexBehind, export_chunks, parquet_available, settle
+from .groups import GROUP_SORTS, build_groups
+from .index import ListFilter, TrajectoryIndex
+
+GROUP_SORT_PATTERN = "^(" + "|".join(GROUP_SORTS) + ")$"
+FORMAT_PATTERN = "^(" + "|".join(FORMATS) + ")$"
+MAX_STEP_TRAJECTORIES = 200_000  # one step's summaries are grouped in memory: bounded
+
+
+def _json(payload: Any) -> Response:
+    return Response(orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS), media_type="application/json",
+                    headers={"Cache-Control": "no-store"})
+
+
+def root_and_annotations(spool: Spool, trace_id: str) -> dict[str, Any] | None:
+    """What a group without diffs needs of a trajectory (its advantage): the root and annotations only."""
+    rows = spool.query("SELECT kind, payload FROM spans WHERE trace_id = ? AND (parent_id IS NULL OR kind = 'annotation') "
+                       "ORDER BY seq", [trace_id])
+    if not rows:
+        return None
+    spans = [orjson.loads(r["payload"]) for r in rows]
+    root = next((s for k, s in zip((r["kind"] for r in rows), spans) if k != "annotation"), {"attributes": {}})
+    return {"trace_id": trace_id, "root": root, "annotations": [s for r, s in zip(rows, spans) if r["kind"] == "annotation"]}
+
+
+def groups_of_step(collector: StoreOwner, index: TrajectoryIndex, experiment: str | None, step: int,
+                   validate: bool, **options: Any) -> dict[str, Any]:
+    """Blocking: the step's summaries from the index, grouped; trajectories read for the page only."""
+    if experiment is None:  # as the overview: the latest experiment
+        known = index.facets()["experiments"]
+        experiment = known[0]["experiment"] if known else None
+    flt = ListFilter(experiment=experiment if experiment is not None else "", step=step, validate=validate)
+    page = index.list(flt, sort="sample_index", descending=False, limit=MAX_STEP_TRAJECTORIES)
+    spool = collector.spool
+    load = ((lambda trace_id: get_trajectory(spool, trace_id)) if options.get("diff", True)
+            else (lambda trace_id: root_and_annotations(spool, trace_id)))
+    result = build_groups(page["trajectories"], load, **options)
+    return {"experiment": experiment, "step": step, "validate": validate,
+            "truncated": page["total"] > len(page["trajectories"]), **result}
+
+
+def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[[], dict[str, Any]],
+                 api_auth: Callable[..., Any], viewer_auth: Callable[..., Any]) -> APIRouter:
+    router = APIRouter()
+
+    async def groups(step: Int64, experiment: str | None = None, validate: bool = False,
+                     sort: str = Query("sample_index", pattern=GROUP_SORT_PATTERN), sample_index: str | None = Query(None, max_length=256),
+                     diff: bool = True, limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0, le=INT64_MAX)) -> Any:
+        """Per sample index of one step: rollouts ranked by reward, group stats, diffs against the best."""
+        state = await asyncio.to_thread(fresh)
+        result = await asyncio.to_thread(groups_of_step, collector, index, experiment, step, validate, sort=sort,
+                                         sample_index=sample_index or None, limit=limit, offset=offset, diff=diff)
+        return _json({**result, "index": state})
+
+    router.add_api_route("/v1/groups", groups, methods=["GET"], dependencies=[Depends(api_auth)])
+    router.add_api_route("/ui/api/groups", groups, methods=["GET"], dependencies=[Depends(viewer_auth)],
+                         include_in_schema=False)
+
+    @router.get("/v1/export", dependencies=[Depends(api_auth)])
+    async def export(
+        format: str = Query("jsonl", pattern=FORMAT_PATTERN), experiment: str | None = None, step: OptionalInt64 = None,
+        step_min: OptionalInt64 = None, step_max: OptionalInt64 = None, sample_index: str | None = Query(None, max_length=256),
+        rollout_n: OptionalInt64 = None, validate: bool | None = None, kept_because: str | None = None,
+        reward_min: float | None = None, reward_max: float | None = None, has_error: bool | None = None,
+        worker: str | None = None, token_ids: bool = False, limit: int | None = Query(None, ge=1, le=INT64_MAX),
+    ) -> Any:
+        """Selected trajectories as a dataset file (JSONL or Parquet), streamed."""
+        if format == "parquet" and not parquet_available():
+            raise HTTPException(501, detail={"field": "format", "reason": "parquet needs pyarrow: pip install 'tracecar[export]'"})
+        try:
+            await asyncio.to_thread(settle, index)
+        except IndexBehind as exc:
+            raise HTTPException(503, detail={"field": None, "reason": str(exc)}, headers={"Retry-After": "10"}) from exc
+        flt = ListFilter(experiment, step, step_min, step_max, sample_index_filter(sample_index), rollout_n, validate,
+                         kept_because or None, reward_min, reward_max, has_error, worker)
+        chunks = export_chunks(collector.spool, index, flt, format, token_ids=token_ids, limit=limit)
+        filename = f"tracecar-export.{format}"
+        return StreamingResponse(chunks, media_type=MEDIA_TYPES[format],
+                                 headers={"Content-Disposition": f'attachment; filename="{filename}"',
+                                          "Cache-Control": "no-store"})
+
+    return router

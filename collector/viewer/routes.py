@@ -1,0 +1,201 @@
+"""The local trajectory viewer: a page under ``/ui/`` and the read-only JSON it draws from.
+
+For clusters without W&B access the embedded store is otherwise only readable from a CLI.
+Everything the page needs is served from this process (the chart library is vendored under
+``static/vendor/``), and the page's Content-Security-Policy allows no other origin.
+
+Access is the API's: with ``TRACECAR_TOKEN`` set, every route here needs it, as an
+``Authorization: Bearer`` header, or (for a browser) once as ``/ui/?token=...``, which sets an
+HttpOnly cookie and redirects to drop the token from the address bar. The cookie holds an
+HMAC of the token, not the token, and is honoured on ``/ui`` only, so it reads traces but can
+never write them. All comparisons are constant-time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import mimetypes
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
+
+from ..json_out import dumps_deep
+from ..query_params import INT64_MAX, OptionalInt64, sample_index_filter
+from ..shape import shape
+from ..spool.query import get_trajectory
+from . import StoreOwner
+from .index import SORTS, ListFilter, TrajectoryIndex
+
+STATIC = Path(__file__).with_name("static")
+COOKIE = "tracecar_viewer"
+PREFIX = "/ui"
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+       "base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
+PAGE_HEADERS = {"Content-Security-Policy": CSP, "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff",
+                "Cache-Control": "no-cache"}
+SORT_PATTERN = "^(" + "|".join(SORTS) + ")$"
+
+_LOGIN_PAGE = """<!doctype html><html lang="en"><head><meta charset="utf-8"><title>tracecar: token needed</title></head>
+<body>
+<h1>tracecar viewer</h1><p>This collector requires its access token (<code>TRACECAR_TOKEN</code>).
+Open <code>/ui/?token=YOUR_TOKEN</code> once; the browser then keeps a cookie for this page.</p></body></html>"""
+
+
+class ViewerAuth:
+    """The API's bearer token, plus a browser cookie derived from it; constant-time checks."""
+
+    def __init__(self, token: str | None) -> None:
+        self._token = token.encode() if token else None
+        self.cookie = hmac.new(self._token, b"tracecar viewer cookie v1", hashlib.sha256).hexdigest() if self._token else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._token is not None
+
+    def token_matches(self, presented: str) -> bool:
+        return self._token is not None and hmac.compare_digest(presented.encode(), self._token)
+
+    def allowed(self, request: Request) -> bool:
+        if self._token is None:
+            return True
+        scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+        by_header = scheme.lower() == "bearer" and self.token_matches(presented.strip())
+        cookie = request.cookies.get(COOKIE)
+        by_cookie = cookie is not None and self.cookie is not None and hmac.compare_digest(cookie.encode(), self.cookie.encode())
+        return by_header or by_cookie
+
+    def __call__(self, request: Request) -> None:
+        if not self.allowed(request):
+            raise HTTPException(status_code=401, headers={"WWW-Authenticate": "Bearer"}, detail={
+                "field": "Authorization", "reason": "missing or wrong token: send the bearer token, or open /ui/?token=..."})
+
+
+def _static_files() -> dict[str, Path]:
+    """Only files shipped in static/ are served: no path from a request reaches the filesystem."""
+    if not STATIC.is_dir():
+        return {}
+    return {p.relative_to(STATIC).as_posix(): p for p in STATIC.rglob("*") if p.is_file() and p.name != "index.html"}
+
+
+def _json(payload: Any) -> Response:
+    """orjson, also for values nested past its 255 levels (a deep trajectory: see json_out)."""
+    return Response(dumps_deep(payload, option=orjson.OPT_NON_STR_KEYS), media_type="application/json",
+                    headers={"Cache-Control": "no-store"})
+
+
+def build_router(collector: StoreOwner, token: str | None) -> APIRouter:
+    """The viewer's routes for one collector; the trajectory index closes with the app."""
+    settings = collector.settings
+    index = TrajectoryIndex(collector.spool.path,
+                            prune_deleted=not collector.spool.local_only and not settings.keep_forwarded)
+    auth = ViewerAuth(token)
+    files = _static_files()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Any) -> AsyncIterator[None]:
+        yield
+        await asyncio.to_thread(index.close)
+
+    router = APIRouter(prefix=PREFIX, lifespan=lifespan, include_in_schema=False)
+    guarded = APIRouter(dependencies=[Depends(auth)])
+
+    def fresh() -> dict[str, Any]:
+        """Indexes what arrived since the last request (bounded), then says how far behind it is.
+
+        A backlog (a big store opened for the first time) is left to the background thread, so
+        requests meanwhile answer at once from what is indexed so far.
+        """
+        if not index.catching_up() and not index.refresh(budget_s=0.3):
+            index.catch_up_in_background()
+        return index.status()
+
+    @router.get("")
+    async def bare() -> Any:
+        return RedirectResponse(PREFIX + "/", status_code=307)
+
+    @router.get("/")
+    async def page(request: Request, token: str | None = None) -> Any:
+        if token is not None and auth.enabled:
+            if not auth.token_matches(token):
+                return HTMLResponse(_LOGIN_PAGE, status_code=401, headers=PAGE_HEADERS)
+            response = RedirectResponse(PREFIX + "/", status_code=303)
+            response.set_cookie(COOKIE, auth.cookie or "", httponly=True, samesite="strict", path=PREFIX)
+            return response
+        if not auth.allowed(request):
+            return HTMLResponse(_LOGIN_PAGE, status_code=401, headers=PAGE_HEADERS)
+        return FileResponse(STATIC / "index.html", media_type="text/html", headers=PAGE_HEADERS)
+
+    @guarded.get("/static/{path:path}")
+    async def static(path: str) -> Any:
+        found = files.get(path)
+        if found is None:
+            raise HTTPException(404, detail={"field": "path", "reason": f"no static file {path!r}"})
+        media = mimetypes.guess_type(found.name)[0] or "application/octet-stream"
+        if media.startswith("text/") or media.endswith("javascript"):
+            media += "; charset=utf-8"
+        return FileResponse(found, media_type=media, headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"})
+
+    @guarded.get("/api/status")
+    async def status() -> Any:
+        return _json({"index": await asyncio.to_thread(fresh), "auth": auth.enabled})
+
+    @guarded.get("/api/facets")
+    async def facets() -> Any:
+        state = await asyncio.to_thread(fresh)
+        return _json({**await asyncio.to_thread(index.facets), "index": state})
+
+    @guarded.get("/api/overview")
+    async def overview(experiment: str | None = None,
+                       split: str = Query("train", pattern="^(train|validation|all)$")) -> Any:
+        """Per-step reward distribution of one experiment (default: the latest), kept per rule.
+
+        ``experiment=`` (empty) is the trajectories sent without an experiment name.
+        """
+        state = await asyncio.to_thread(fresh)
+        if experiment is None:
+            known = (await asyncio.to_thread(index.facets))["experiments"]
+            experiment = known[0]["experiment"] if known else None
+        validate = {"train": False, "validation": True, "all": None}[split]
+        result = await asyncio.to_thread(index.overview, experiment or None, validate)
+        return _json({**result, "split": split, "index": state})
+
+    @guarded.get("/api/trajectories")
+    async def trajectories(
+        experiment: str | None = None, step: OptionalInt64 = None, step_min: OptionalInt64 = None,
+        step_max: OptionalInt64 = None, sample_index: str | None = Query(None, max_length=256), rollout_n: OptionalInt64 = None,
+        validate: bool | None = None, kept_because: str | None = None, reward_min: float | None = None,
+        reward_max: float | None = None, has_error: bool | None = None, worker: str | None = None,
+        sort: str = Query("start", pattern=SORT_PATTERN), order: str = Query("desc", pattern="^(asc|desc)$"),
+        limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0, le=INT64_MAX),
+    ) -> Any:
+        """One page of trajectory summaries; unscored ones sort last either way."""
+        flt = ListFilter(experiment, step, step_min, step_max, sample_index_filter(sample_index), rollout_n, validate, kept_because or None,
+                         reward_min, reward_max, has_error, worker)
+        state = await asyncio.to_thread(fresh)
+        page = await asyncio.to_thread(index.list, flt, sort=sort, descending=order == "desc", limit=limit, offset=offset)
+        return _json({**page, "index": state})
+
+    @guarded.get("/api/trajectories/{trace_id}")
+    async def trajectory(trace_id: str, tree: bool = True) -> Any:
+        """One trajectory as a conversation (turns, tool calls, reward, metrics) and its span tree."""
+        found = await asyncio.to_thread(get_trajectory, collector.spool, trace_id, settings.max_tree_depth)
+        if found is None:
+            raise HTTPException(404, detail={"field": "trace_id", "reason": f"no trajectory {trace_id!r} in the store"})
+        view = await asyncio.to_thread(shape, found)
+        await asyncio.to_thread(fresh)
+        view["summary"] = await asyncio.to_thread(index.summary, trace_id)
+        if tree:
+            view["tree"] = found["root"]
+            view["tree_depth_cap"] = found["depth_cap"]
+        return await asyncio.to_thread(_json, view)
+
+    router.include_router(guarded)
+    router.trajectory_index, router.fresh, router.viewer_auth = index, fresh, auth  # for group_export_api
+    return router

@@ -1,0 +1,128 @@
+"""The collector's folders are its pipeline, and imports only go down it (README "Code map").
+
+Every ``import`` in the collector package (module level, inside functions and under
+``TYPE_CHECKING`` alike) is read with ``ast`` and checked against the layering:
+
+    shared modules (collector/*.py)  <  spool/  <  processors/, exporters/  <  receivers/, viewer/  <  service/
+
+A module may import its own component or a strictly lower layer, never a sibling or a higher one,
+and the module graph has no cycle. The thin client imports the collector only lazily.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COLLECTOR = ROOT / "collector"
+PACKAGE = "tracecar.collector"
+
+# component -> layer; the shared top-level modules are the component "" (layer 0)
+LAYERS = {"": 0, "spool": 1, "processors": 2, "exporters": 2, "receivers": 3, "viewer": 3, "service": 4, "__main__": 5}
+
+
+def module_name(path: Path) -> tuple[str, bool]:
+    parts = list(path.relative_to(COLLECTOR).with_suffix("").parts)
+    is_package = parts[-1] == "__init__"
+    if is_package:
+        parts = parts[:-1]
+    return ".".join([PACKAGE, *parts]), is_package
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p)[0]: p for p in COLLECTOR.rglob("*.py") if "__pycache__" not in p.parts}
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """The tracecar.collector modules ``path`` imports (a ``from pkg import mod`` names the module)."""
+    name, is_package = module_name(path)
+    package = name if is_package else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            targets = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in known else source for alias in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t == PACKAGE or t.startswith(PACKAGE + "."))
+    return found
+
+
+def component(module: str) -> str:
+    """The folder a module lives in ("" for the shared top-level modules)."""
+    first = module[len(PACKAGE) + 1:].split(".")[0]
+    return first if first in LAYERS else ""
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    known = set(found)
+    return {name: imports_of(path, known) - {name} for name, path in found.items()}
+
+
+def test_every_collector_folder_has_a_layer() -> None:
+    folders = {p.name for p in COLLECTOR.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == {c for c in LAYERS if c not in ("", "__main__")}, "a new component needs its layer in LAYERS"
+    assert {component(m) for m in modules()} <= set(LAYERS)
+    assert component(f"{PACKAGE}.settings") == "" and component(f"{PACKAGE}.spool.store") == "spool"
+    assert component(f"{PACKAGE}.viewer") == "viewer" and component(f"{PACKAGE}.__main__") == "__main__"
+
+
+def test_imports_only_go_down_the_pipeline() -> None:
+    wrong = []
+    for module, targets in graph().items():
+        mine = component(module)
+        for target in targets:
+            theirs = component(target)
+            if theirs != mine and LAYERS[theirs] >= LAYERS[mine]:
+                wrong.append(f"{module} ({mine or 'shared'}) imports {target} ({theirs or 'shared'})")
+    assert wrong == [], "\n".join(sorted(wrong))
+
+
+def test_the_checker_sees_imports_of_every_kind() -> None:
+    """The layering check is only as good as its import reading: relative, nested and TYPE_CHECKING ones count."""
+    edges = graph()
+    assert f"{PACKAGE}.spool.store" in edges[f"{PACKAGE}.processors.sampling.tail"]  # from ...spool.store import
+    assert f"{PACKAGE}.receivers.receive" in edges[f"{PACKAGE}.receivers.pipeline"]  # from . import receive
+    assert f"{PACKAGE}.exporters.weave_sink" in edges[f"{PACKAGE}.service.app"]  # imported inside a function
+    assert f"{PACKAGE}.spool.store" in edges[f"{PACKAGE}.viewer"]  # under TYPE_CHECKING
+
+
+def test_no_import_cycle() -> None:
+    edges = graph()
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges.get(node, set())):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for start in sorted(edges):
+        if start not in state:
+            visit(start, [start])
+    assert cycles == [], "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_thin_client_imports_the_collector_only_lazily() -> None:
+    """``pip install tracecar`` (no collector extra) must import: the client names the collector inside functions only."""
+    eager = []
+    for path in (ROOT / "client").glob("*.py"):
+        for node in ast.parse(path.read_text()).body:  # module level only
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PACKAGE):
+                eager.append(f"{path.name}: from {node.module}")
+            elif isinstance(node, ast.Import) and any(a.name.startswith(PACKAGE) for a in node.names):
+                eager.append(f"{path.name}: import {node.names[0].name}")
+    assert eager == []
