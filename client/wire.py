@@ -30,7 +30,7 @@ _TRUNCATED = "…[truncated by tracecar: {n} chars]"
 # dataclasses and numpy values go through ``default`` too, so they get weave's envelope / repr
 # rather than orjson's plain dict / list
 _OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_PASSTHROUGH_DATACLASS
-# Token-id fields the collector decodes (tracecar.collector.decoding's PROMPT_KEYS/RESPONSE_KEYS):
+# Token-id fields the collector decodes (tracecar.collector.processors.decoding's PROMPT_KEYS/RESPONSE_KEYS):
 # an integer numpy array there travels as a list, so token2text still works; every other numpy
 # value is its repr, as weave stores it (``np.int64(0)``, ``array([...], dtype=object)``).
 ID_KEYS = ("prompt_ids", "response_ids", "token_ids")

@@ -395,7 +395,7 @@ def test_forwarded_call_carries_attributes_weave_and_weaves_exception_json(trace
         assert tracer.flush(20)
     finally:
         server.shutdown()
-    from tracecar.collector.weave_sink import is_elided
+    from tracecar.collector.exporters.weave_sink import is_elided
 
     spans = [s for b in server.bodies for s in validate_batch(orjson.loads(b), 10_000, body=b).spans]
     spans = [s for s in spans if not is_elided(s)]  # the trajectory is no Weave call (VERL makes none)
