@@ -18,6 +18,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+import orjson
+
 DEFAULT_REDACT_KEYS: frozenset[str] = frozenset({"api_key", "auth_headers", "authorization"})
 REDACTED = "REDACTED"  # weave.utils.sanitize.REDACTED_VALUE
 
@@ -55,6 +57,12 @@ class RedactKeys:
         """
         if self._always_walk:
             return True
+        body = packed[start_at:] if start_at else packed
+        if not body.isascii() or (is_json and b"\\" in body):
+            # a key written with an escape ("api\u005fkey") or with a character that lower-cases
+            # to ASCII (a Kelvin sign K) matches no needle byte for byte: look at such pieces closer
+            if not is_json or self._odd_key(body):
+                return True
         if is_json:
             # Every key is a whole quoted string: split at quotes (one C pass) and look only at
             # pieces of a key's length (measured faster than hopping quote to quote in Python,
@@ -67,6 +75,22 @@ class RedactKeys:
             return any(bytes(p).lower() in needles for p in pieces if len(p) in lengths)  # bytes: a body may be a bytearray
         low = packed.lower()
         return any(n in low for n in self._needles)
+
+    def _odd_key(self, body: bytes | bytearray) -> bool:
+        """Is a quoted piece with an escape or a non-ASCII byte, decoded, one of the keys?"""
+        longest = 6 * max(self._lengths)  # a key written entirely in \uXXXX escapes
+        for piece in bytes(body).split(b'"'):
+            if len(piece) > longest or (piece.isascii() and b"\\" not in piece):
+                continue
+            if (len(piece) - len(piece.rstrip(b"\\"))) % 2:  # cut at an escaped quote: part of a longer string
+                continue
+            try:
+                text = orjson.loads(b'"' + piece + b'"')
+            except orjson.JSONDecodeError:
+                return True  # cannot tell: walk
+            if text.lower() in self.keys:
+                return True
+        return False
 
     def scrub_text(self, text: str) -> str:
         """``api_key='sk-…'`` / ``"Authorization": "Bearer …"`` inside free text, value replaced."""
@@ -86,13 +110,13 @@ def parse_keys(raw: str | None) -> tuple[str, ...]:
 DEFAULT = RedactKeys()
 
 
-def redact_value(value: Any, keys: RedactKeys = DEFAULT, depth: int = 0, max_depth: int = 64) -> Any:
+def redact_value(value: Any, keys: RedactKeys = DEFAULT, depth: int = 0, max_depth: int = 254) -> Any:
     """A copy of a JSON-like value with every value under a redact key replaced by ``REDACTED``.
 
     Walks dicts, lists and tuples (as weave's ``redact_sensitive_keys`` does); anything else,
-    strings included, is returned as is (a prompt that mentions "api_key" stays intact). Past ``max_depth`` a
-    container is replaced by a marker rather than walked (values that deep come from the
-    bounded encoder as text already).
+    strings included, is returned as is (a prompt that mentions "api_key" stays intact). Past
+    ``max_depth`` (the 254 levels the store keeps) a container is replaced by a marker rather
+    than walked.
     """
     kind = type(value)
     if kind is dict or kind is list or kind is tuple:
@@ -111,6 +135,11 @@ def redact_span(span: dict[str, Any], keys: RedactKeys = DEFAULT) -> None:
         value = span.get(name)
         if value is not None:
             span[name] = redact_value(value, keys)
+    scrub_exception(span, keys)
+
+
+def scrub_exception(span: dict[str, Any], keys: RedactKeys = DEFAULT) -> None:
+    """``key=value`` secrets an error formatted into its text, replaced (runs on every span)."""
     exc = span.get("exception")
     if type(exc) is str:
         span["exception"] = keys.scrub_text(exc)

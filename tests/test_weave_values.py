@@ -493,3 +493,23 @@ def test_forwarded_weave_calls_hold_no_secret_and_show_weaves_exception_and_clie
                for c in calls)
     [run] = [c for c in calls if c["op_name"].endswith("ToolAgentLoop.run") or "/op/ToolAgentLoop.run:" in c["op_name"]]
     assert run["output"] == weave_json(agent_loop_output())
+
+
+def test_the_collector_redacts_keys_written_with_escapes_or_unicode_and_secrets_in_error_text():
+    """The byte prefilter must not let a key through because of how it is written (review finding)."""
+    from tracecar.collector.processors.validate import validate_batch
+
+    keys = RedactKeys(("password",))
+    span = {"span_id": "s1", "trace_id": "s1", "parent_id": None, "name": "op", "kind": "op",
+            "start_time": 1.0, "end_time": 2.0, "attributes": {}, "inputs": {}, "output": None, "exception": None}
+    bodies = {
+        "escaped key": b'{"worker":"w","spans":[' + orjson.dumps(span)[:-1] +
+                       b',"inputs":{"api\\u005fkey":"sk-ESC","pass\\u0077ord":"hunter2"}}]}',
+        "Kelvin sign": orjson.dumps({"worker": "w", "spans": [{**span, "inputs": {"api_\u212aey": "sk-KELVIN"}}]}),
+        "error text only": orjson.dumps({"worker": "w", "spans": [{**span, "exception": "AuthError: bad api_key=sk-EXC1"}]}),
+    }
+    for name, body in bodies.items():
+        [stored] = validate_batch(orjson.loads(body), 100, keys, body).spans
+        text = orjson.dumps(stored).decode()
+        assert "sk-" not in text and "hunter2" not in text, (name, text)
+    assert not keys.might_hold(b'{"args":"{\\"a\\": 2}","text":"caf\xc3\xa9"}')  # escaped quotes, accents: no walk

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tracecar.client.redact import DEFAULT as DEFAULT_REDACT
-from tracecar.client.redact import REDACTED, RedactKeys, redact_span
+from tracecar.client.redact import REDACTED, RedactKeys, redact_span, scrub_exception
 
 SpanKind = Literal["op", "trajectory", "annotation", "membership"]  # membership: a step's sample indices
 _ID = Field(pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -199,6 +199,8 @@ def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT
             del span["exception_info"]
         if walk:
             redact_span(span, redact)
+        else:  # no key anywhere in the body, but an error may have formatted a secret into its text
+            scrub_exception(span, redact)
         warnings = _sanitize_non_finite(span)
         if run_warning:
             warnings.append(run_warning)
