@@ -116,6 +116,15 @@ class CollectorSettings(BaseSettings):
     def _split_keys(cls, value: Any) -> Any:
         return parse_keys(value) if isinstance(value, str) else value
 
+    @field_validator("token", mode="before")
+    @classmethod
+    def _no_empty_token(cls, value: Any) -> Any:
+        """An empty token would mean "auth off" while looking set: refuse it."""
+        raw = value.get_secret_value() if isinstance(value, SecretStr) else value
+        if isinstance(raw, str) and not raw.strip():
+            raise ValueError("is set but empty: give a token, or unset TRACECAR_TOKEN to serve without one")
+        return value
+
     @field_validator("data_dir", mode="before")
     @classmethod
     def _expand(cls, value: Any) -> Any:

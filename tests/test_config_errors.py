@@ -129,3 +129,9 @@ def test_serve_on_a_busy_port_is_one_line(tmp_path: Path) -> None:
     lines = done.stderr.strip().splitlines()
     assert lines == [f"tracecar: port {port} on 127.0.0.1 is already in use (another collector?): stop it, or set "
                      "--port N / TRACECAR_PORT=N (0 picks a free one)"]
+
+
+@pytest.mark.parametrize("command", ["config", "serve"])
+def test_an_empty_token_is_refused_rather_than_turning_auth_off(command: str, tmp_path: Path) -> None:
+    line = one_line_error(tracecar([command], env_for(tmp_path, TRACECAR_TOKEN="")))
+    assert "token" in line and "is set but empty" in line and "unset TRACECAR_TOKEN" in line

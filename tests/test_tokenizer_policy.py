@@ -38,7 +38,9 @@ def test_a_batch_cannot_make_the_collector_read_an_arbitrary_file(start_collecto
     secret = tmp_path / "elsewhere" / "tokenizer.json"
     secret.parent.mkdir()
     shutil.copy(small_bpe_path, secret)  # a real tokenizer, but not one the operator allowed
-    col = start_collector(token2text=True, tokenizer=small_bpe_path, tokenizer_retry_s=60)
+    # the operator's tokenizer is allowed by list, not as the default: a refused name then falls back
+    # to nothing, so "not decoded" proves the copy was never read (see the fallback test below)
+    col = start_collector(token2text=True, tokenizers=[small_bpe_path], tokenizer_retry_s=60)
     with caplog.at_level(logging.WARNING, logger="tracecar.collector.pipeline"):
         for name in (str(secret), str(secret.parent), "/etc/passwd", "../../etc/passwd"):
             spans = kit.trajectory(children=1)
@@ -100,3 +102,13 @@ def test_root_list_size_bound_and_retry(start_collector, small_bpe_path, kit, tm
     spans = kit.trajectory(children=1)
     assert kit.post(col.url, spans, tokenizer="later").status_code == 200 and _decoded(col, spans)
     assert os.path.getsize(huge) == 512 * 2**20
+
+
+def test_a_refused_or_missing_worker_tokenizer_falls_back_to_the_operators_default(start_collector, small_bpe_path, kit):
+    """VERL names the model's tokenizer_path, which the sidecar may not see: TRACECAR_TOKENIZER decodes, said per span."""
+    col = start_collector(token2text=True, tokenizer=small_bpe_path)
+    for name in ("/models/Qwen2.5-7B", "/etc/passwd"):
+        spans = kit.trajectory(children=1)
+        assert kit.post(col.url, spans, tokenizer=name).status_code == 200
+        assert _decoded(col, spans)
+        assert any(name in w and "decoded with TRACECAR_TOKENIZER" in w for w in _warnings(col, spans)), _warnings(col, spans)

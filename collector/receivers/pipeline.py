@@ -326,8 +326,31 @@ class IngestPipeline:
                 except TokenizerNotFound as exc:
                     self.metrics.decode_failures.labels(reason=f"tokenizer_{exc.reason}").inc()
                     self.tokenizer_failures.failed(name, exc, configured=batch.tokenizer is None, worker=batch.worker)
-                    for span in spans:
-                        validated.warnings.setdefault(span["span_id"], []).append(f"tokenizer: {exc}")
+                    tokens = self._decode_with_default(validated, spans, name, exc)
+        rows, too_big = self._serialize(validated, spans)
+        return rows, tokens, too_big
+
+    def _decode_with_default(self, validated: Validated, spans: list[dict[str, Any]], name: str, exc: Exception) -> int:
+        """A worker's tokenizer the collector cannot (or may not) load: the operator's
+        ``TRACECAR_TOKENIZER`` decodes instead, said on every span, as the docs promise (VERL's
+        adapter always names the model's ``tokenizer_path``, which the sidecar may not see)."""
+        default = self.settings.tokenizer
+        note = f"tokenizer: {exc}"
+        if default and default != name:
+            try:
+                tokenizer = self.tokenizers.get(default)
+            except TokenizerNotFound:
+                tokenizer = None
+            if tokenizer is not None:
+                note += f"; decoded with TRACECAR_TOKENIZER ({default}) instead"
+                for span in spans:
+                    validated.warnings.setdefault(span["span_id"], []).append(note)
+                return decode_spans(spans, tokenizer, validated.warnings)
+        for span in spans:
+            validated.warnings.setdefault(span["span_id"], []).append(note)
+        return 0
+
+    def _serialize(self, validated: Validated, spans: list[dict[str, Any]]) -> tuple[list[SpoolRow], list[Rejection]]:
         rows, too_big = [], []
         limit = self.settings.max_span_bytes
         count_tokens = self.selection is not None
@@ -354,7 +377,7 @@ class IngestPipeline:
             if count_tokens:  # for max_tokens_per_step: token ids the span carries
                 row.tokens = sum(len(job.ids) for job in collect_jobs(span))
             rows.append(row)
-        return rows, tokens, too_big
+        return rows, too_big
 
     # ---- tail-based decisions -------------------------------------------------------------
     async def run_selection(self) -> None:
@@ -428,7 +451,11 @@ def _reason_label(rejection: Rejection) -> str:
     return field_name.split(".")[0].split("[")[0] or "span"
 
 
+_TEXT_TARGETS = frozenset({"output.prompt_text", "output.response_text"})
+
+
 def _warning_kind(warning: str) -> str:
+    """The metric label of a warning: a span field (or a decoded text), never a client's own key."""
     head = warning.split(":", 1)[0]
-    return head.split(".", 1)[-1] if head.startswith("output.") else head.split(".", 1)[0]
+    return head.split(".", 1)[1] if head in _TEXT_TARGETS else head.split(".", 1)[0][:32]
 

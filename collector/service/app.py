@@ -253,7 +253,7 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
 
 def check_tokenizer_name(collector: Collector, name: str | None) -> dict[str, Any]:
     """The answer of GET /v1/tokenizers/check: loads through the pipeline's own registry."""
-    from ..loudness import describe_tokenizer_attempts
+    from ..loudness import REFUSALS, describe_tokenizer_attempts
     from ..processors.decoding import TokenizerNotFound
 
     settings = collector.settings
@@ -264,7 +264,8 @@ def check_tokenizer_name(collector: Collector, name: str | None) -> dict[str, An
     try:
         tokenizer = collector.pipeline.tokenizers.get(chosen)
     except TokenizerNotFound as exc:
-        return {**answer, "ok": False, "error": str(exc), "tried": describe_tokenizer_attempts(chosen)}
+        refused = getattr(exc, "reason", "") in REFUSALS  # the policy said no: the path was not looked at
+        return {**answer, "ok": False, "error": str(exc), "tried": None if refused else describe_tokenizer_attempts(chosen)}
     return {**answer, "ok": True, "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True)}
 
 
