@@ -561,3 +561,23 @@ def test_hostile_otlp_bodies_never_get_a_5xx_and_good_spans_beside_them_are_kept
         otlp_json()
     r = httpx.post(col.url + "/v1/traces", content=good, headers=PROTOBUF)
     assert r.status_code == 200 and col.collector.spool.query("SELECT 1 FROM spans WHERE name = 'good'")
+
+
+def test_secrets_under_dotted_otel_attribute_names_are_redacted(start_collector):
+    """OpenTelemetry's own names (http.request.header.authorization, llm.api_key) carry secrets too."""
+    col = start_collector(redact_keys=["password"])
+    span = _span(TID, bytes.fromhex("eee19b7ec3c1b190"), "llm call")
+    for key, value in (("http.request.header.authorization", "Bearer sk-OTEL1"), ("llm.api_key", "sk-OTEL2"),
+                       ("db.password", "hunter2"), ("gen_ai.usage.input_tokens", "7")):
+        kv = span.attributes.add()
+        kv.key, kv.value.string_value = key, value
+    req = _request(span)
+    kv = req.resource_spans[0].resource.attributes.add()
+    kv.key, kv.value.string_value = "cloud.api_key", "sk-OTEL3"
+    r = httpx.post(col.url + "/v1/traces", content=req.SerializeToString(), headers=PROTOBUF, timeout=10)
+    assert r.status_code == 200, r.text
+    [row] = col.collector.spool.query("SELECT payload FROM spans WHERE name = 'llm call'")
+    stored = row["payload"].decode() if isinstance(row["payload"], bytes) else row["payload"]
+    assert "sk-OTEL" not in stored and "hunter2" not in stored
+    attrs = orjson.loads(stored)["attributes"]
+    assert attrs["llm.api_key"] == "REDACTED" and attrs["gen_ai.usage.input_tokens"] == "7"

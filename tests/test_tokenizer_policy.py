@@ -112,3 +112,23 @@ def test_a_refused_or_missing_worker_tokenizer_falls_back_to_the_operators_defau
         assert kit.post(col.url, spans, tokenizer=name).status_code == 200
         assert _decoded(col, spans)
         assert any(name in w and "decoded with TRACECAR_TOKENIZER" in w for w in _warnings(col, spans)), _warnings(col, spans)
+
+
+def test_aliases_of_one_tokenizer_are_loaded_once_and_loaded_tokenizers_are_bounded(small_bpe_path, tmp_path):
+    """A client naming the same file many ways ("./t.json", "././t.json") must not load it again each time."""
+    import shutil
+
+    from tracecar.collector.processors.decoding import TokenizerPolicy, TokenizerRegistry
+
+    root = tmp_path / "models"
+    for i in range(4):
+        (root / f"m{i}").mkdir(parents=True)
+        shutil.copy(small_bpe_path, root / f"m{i}" / "tokenizer.json")
+    registry = TokenizerRegistry(TokenizerPolicy(root=root), max_loaded=2)
+    first = registry.get(str(root / "m0" / "tokenizer.json"))
+    for alias in ("m0", "m0/tokenizer.json", "./m0/tokenizer.json", "m0/../m0/tokenizer.json", str(root / "m0")):
+        assert registry.get(alias) is first, alias
+    assert len(registry._loaded) == 1
+    for i in range(4):
+        registry.get(f"m{i}")
+    assert len(registry._loaded) == 2  # the least recently used are let go

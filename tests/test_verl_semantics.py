@@ -146,6 +146,22 @@ def test_bad_sample_index_types_are_rejected_by_name(start_collector):
     ]
 
 
+def test_step_announcements_are_bounded_like_sample_indices(start_collector):
+    """Each announced index becomes a decision row: the list and its elements have sample_index's bounds."""
+    col = start_collector(max_samples_per_step_per_worker=1)
+    base = {"name": "membership", "kind": "membership", "start_time": 1.0, "end_time": 1.0}
+    body = {"worker": "w", "spans": [
+        {**base, "span_id": "m1", "trace_id": "m1", "attributes": {"step": 1, "sample_indices": list(range(65537))}},
+        {**base, "span_id": "m2", "trace_id": "m2", "attributes": {"step": 1, "sample_indices": ["x" * 100_000]}},
+        {**base, "span_id": "m3", "trace_id": "m3", "attributes": {"step": 1, "sample_indices": [0, 1, "uuid-2"]}},
+    ]}
+    answer = httpx.post(col.url + "/v1/spans", json=body, timeout=60).json()
+    assert [(r["span_id"], r["field"]) for r in answer["rejected"]] == [
+        ("m1", "spans[0].attributes.sample_indices"), ("m2", "spans[1].attributes.sample_indices")]
+    assert "more than 65536" in answer["rejected"][0]["reason"] and "1 to 256 characters" in answer["rejected"][1]["reason"]
+    assert metric(col.url, "tracecar_memberships_received_total") == 1
+
+
 def test_string_sample_index_reaches_weave_as_a_string(start_collector, weave_stub: WeaveStub):
     col = start_collector(backend="weave", wandb_api_key="k" * 40, wandb_entity="team", wandb_project="rl",
                           weave_server_url=weave_stub.url)

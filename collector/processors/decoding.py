@@ -14,6 +14,7 @@ import glob
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,42 +132,57 @@ class TokenizerPolicy:
 class TokenizerRegistry:
     """Loads each allowed tokenizer once; a failure is remembered for ``retry_s``, then tried again.
 
+    Names come from clients, so loaded tokenizers are keyed by the file's real path (``./t.json``
+    and ``t.json`` are one tokenizer, loaded once) and at most ``max_loaded`` stay in memory
+    (least recently used first out); names, paths and failures are bounded too.
     ``on_failure(reason, name, message)`` is called once per failed attempt, so refusals are
     counted and logged at most once per name per ``retry_s`` however many batches name it.
     """
 
     def __init__(self, policy: TokenizerPolicy | None = None,
-                 on_failure: Callable[[str, str, str], None] | None = None) -> None:
+                 on_failure: Callable[[str, str, str], None] | None = None,
+                 max_loaded: int = 8, max_names: int = 4096) -> None:
         self.policy = policy or TokenizerPolicy()
         self.on_failure = on_failure
-        self._loaded: dict[str, Tokenizer] = {}
-        self._failed: dict[str, tuple[float, TokenizerNotFound]] = {}
+        self.max_loaded, self.max_names = max_loaded, max_names
+        self._paths: OrderedDict[str, str] = OrderedDict()  # name -> real path of its tokenizer.json
+        self._loaded: OrderedDict[str, Tokenizer] = OrderedDict()  # real path -> tokenizer
+        self._failed: OrderedDict[str, tuple[float, TokenizerNotFound]] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, name: str) -> Tokenizer:
         with self._lock:
-            loaded = self._loaded.get(name)
+            path = self._paths.get(name)
+            loaded = self._loaded.get(path) if path is not None else None
             if loaded is not None:
+                self._loaded.move_to_end(path)
                 return loaded
             failed = self._failed.get(name)
             if failed is not None and time.monotonic() - failed[0] < self.policy.retry_s:
                 raise failed[1]
             try:
-                tokenizer = Tokenizer.from_file(str(self.policy.resolve(name)))
+                path = os.path.realpath(self.policy.resolve(name))
+                tokenizer = self._loaded.get(path) or Tokenizer.from_file(path)
             except TokenizerNotFound as exc:
                 error = exc
             except Exception as exc:  # noqa: BLE001 - a corrupt file is reported like a missing one
                 error = TokenizerNotFound(f"tokenizer {name!r} failed to load: {exc}", "load_failed")
             else:
                 self._failed.pop(name, None)
-                self._loaded[name] = tokenizer
+                self._remember(self._paths, name, path, self.max_names)
+                self._remember(self._loaded, path, tokenizer, self.max_loaded)
                 return tokenizer
-            if len(self._failed) >= 1024:  # names come from clients: keep the memory bounded
-                self._failed.pop(next(iter(self._failed)))
-            self._failed[name] = (time.monotonic(), error)
+            self._remember(self._failed, name, (time.monotonic(), error), self.max_names)
         if self.on_failure is not None:
             self.on_failure(error.reason, name, str(error))
         raise error
+
+    @staticmethod
+    def _remember(cache: OrderedDict[str, Any], key: str, value: Any, bound: int) -> None:
+        cache[key] = value
+        cache.move_to_end(key)
+        while len(cache) > bound:
+            cache.popitem(last=False)
 
 
 @dataclass

@@ -20,6 +20,7 @@ SpanKind = Literal["op", "trajectory", "annotation", "membership"]  # membership
 _ID = Field(pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
 _INT_ATTRS = ("step", "rollout_n")
 #: VERL passes ``extra_info.index`` through unchanged: an int, or a string (uuid datasets).
+MAX_STEP_SAMPLES = 65536  # sample indices one step announcement may carry (a VERL batch per worker is far smaller)
 MAX_SAMPLE_INDEX_CHARS = 256
 _INT64 = (-(2**63), 2**63 - 1)  # what an SQLite INTEGER column (the store's index) can hold
 
@@ -82,8 +83,16 @@ class SpanIn(BaseModel):
             elif not _INT64[0] <= index <= _INT64[1]:
                 raise ValueError(f"attributes.sample_index must fit in a signed 64-bit integer, got {index}")
         members = attrs.get("sample_indices")
-        if members is not None and (not isinstance(members, list) or any(type(i) not in (int, str) for i in members)):
-            raise ValueError("attributes.sample_indices must be a list of integers or strings")
+        if members is not None:
+            if not isinstance(members, list) or any(type(i) not in (int, str) for i in members):
+                raise ValueError("attributes.sample_indices must be a list of integers or strings")
+            if len(members) > MAX_STEP_SAMPLES:
+                raise ValueError(f"attributes.sample_indices holds {len(members)} indices, more than {MAX_STEP_SAMPLES}")
+            for i in members:  # each as sample_index is checked: it becomes a decision row
+                if type(i) is str and not 0 < len(i) <= MAX_SAMPLE_INDEX_CHARS:
+                    raise ValueError(f"attributes.sample_indices: each string must be 1 to {MAX_SAMPLE_INDEX_CHARS} characters")
+                if type(i) is int and not _INT64[0] <= i <= _INT64[1]:
+                    raise ValueError("attributes.sample_indices: each integer must fit in a signed 64-bit integer")
         reward = attrs.get("reward")
         if type(reward) is int and not _INT64[0] <= reward <= _INT64[1]:
             raise ValueError(f"attributes.reward must fit in a signed 64-bit integer, got {reward}")

@@ -29,7 +29,7 @@ from google.protobuf.message import DecodeError
 from google.rpc import status_pb2
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
 
-from tracecar.client.redact import RedactKeys
+from tracecar.client.redact import REDACTED, RedactKeys
 
 from ..metrics import Metrics
 from ..processors.validate import EnvelopeError, Rejection, Validated, validate_batch
@@ -102,6 +102,8 @@ class OtlpRequest:
         self.translated = translated = translate(parse_request(data, content_type))
         if translated.total > self.max_batch_spans:
             raise EnvelopeError("resourceSpans", f"{translated.total} spans exceed TRACECAR_MAX_BATCH_SPANS={self.max_batch_spans}")
+        for span in translated.spans:
+            redact_dotted(span.get("attributes"), self.redact)
         validated = validate_batch({"worker": OTLP_WORKER_PREFIX.rstrip(":"), "spans": translated.spans},
                                    self.max_batch_spans, self.redact, span_model=OtlpSpanIn)
         positions = translated.indices  # validated indices -> positions in the request
@@ -233,3 +235,23 @@ def place_in_weave_tree(span: dict[str, Any]) -> None:
     else:
         mark = {"root": entry, "turn": span["span_id"]}  # under a top-level call: a turn of its own
     span["attributes"][MARK] = mark
+
+
+def redact_dotted(attrs: Any, redact: RedactKeys, depth: int = 0) -> None:
+    """OpenTelemetry names attributes with dots (``http.request.header.authorization``,
+    ``llm.api_key``): a name whose last segment is a redact key has its value replaced, in the
+    span's attributes and in the resource, scope and event attributes kept under ``otel``."""
+    if not isinstance(attrs, dict) or depth > 4:
+        return
+    for key in list(attrs):
+        if isinstance(key, str) and key.rsplit(".", 1)[-1] in redact:
+            attrs[key] = REDACTED
+    otel = attrs.get("otel") if depth == 0 else None
+    if isinstance(otel, dict):
+        redact_dotted(otel.get("resource"), redact, depth + 1)
+        scope = otel.get("scope")
+        if isinstance(scope, dict):
+            redact_dotted(scope.get("attributes"), redact, depth + 1)
+        for event in otel.get("events") or ():
+            if isinstance(event, dict):
+                redact_dotted(event.get("attributes"), redact, depth + 1)
