@@ -224,6 +224,17 @@ def cmd_decisions(args: argparse.Namespace) -> None:
 
 
 def print_decisions(page: dict[str, Any]) -> None:
+    head = page.get("head") or []
+    if head and not page["decisions"]:
+        kept, dropped = sum(len(h["kept"]) for h in head), sum(len(h["dropped"]) for h in head)
+        print(f"step {page['step']} of experiment {page['experiment']!r} uses the head-based budget "
+              f"(max_samples_per_step_per_worker, {page['budget'] or 'the job' + chr(39) + 's own'}): "
+              f"kept {kept} sample indices, dropped {dropped}; all rollouts of a kept sample are kept")
+        for h in head:
+            where = f"{h['worker']}{' (validation)' if h['validate'] else ''}"
+            where += f", policy version {h['policy_version']}" if h.get("policy_version") else ""
+            print(f"  {where}: kept {h['kept']}, dropped {h['dropped']}")
+        return
     if not page["decisions"] and not page.get("open"):
         if page["mode"] == "pass":
             print(f"sampling is off for experiment {page['experiment']!r}: no budget is set, so every trajectory of "

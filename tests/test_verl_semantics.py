@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import subprocess
 import sys
@@ -365,3 +366,24 @@ def test_announced_choice_uses_the_experiments_own_seed(start_collector):
     assert tracer.flush(20)
     expected = set(sorted(range(8), key=lambda i: sample_hash(7, "seeded", 1, i))[:2])
     assert {r["sample_index"] for r in listing(col.url, experiment="seeded")} == expected
+
+
+def test_decisions_show_the_job_budget_the_batches_brought(start_collector):
+    """No budget in the collector, VERL's max_samples_per_step_per_worker sent with the batches: not "sampling is off"."""
+    col = start_collector()
+    spans = []
+    for index in range(3):
+        sid = f"t{index}"
+        spans.append({"span_id": sid, "trace_id": sid, "name": "agent_loop", "kind": "trajectory", "start_time": 1.0,
+                      "end_time": 2.0, "attributes": {"step": 9, "sample_index": index, "rollout_n": 0,
+                                                      "experiment_name": "jobbudget"}})
+    body = {"worker": "w0", "max_samples_per_step_per_worker": 1, "spans": spans}
+    answer = httpx.post(col.url + "/v1/spans", json=body).json()
+    assert answer["accepted"] == 1 and answer["sampled_out"] == 2, answer
+    page = httpx.get(col.url + "/v1/decisions", params={"step": 9, "experiment": "jobbudget"}).json()
+    assert page["mode"] == "head" and len(page["head"]) == 1
+    assert len(page["head"][0]["kept"]) == 1 and len(page["head"][0]["dropped"]) == 2 and page["head"][0]["worker"] == "w0"
+    out = subprocess.run([sys.executable, "-m", "tracecar.client.cli", "decisions", "--step", "9", "--experiment", "jobbudget"],
+                         env={**os.environ, "TRACECAR_URL": col.url}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "kept 1 sample indices, dropped 2" in out.stdout and "sampling is off" not in out.stdout, out.stdout

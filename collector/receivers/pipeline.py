@@ -415,7 +415,7 @@ class IngestPipeline:
         def read() -> dict[str, Any]:
             rows = self.spool.step_decisions(experiment, validate, step)
             open_rounds = self.selection.describe(experiment, step, validate) if self.selection else []
-            return {"rows": rows, "open": open_rounds}
+            return {"rows": rows, "open": open_rounds, "head": self._head_decisions(experiment, step, validate)}
 
         got = await asyncio.get_running_loop().run_in_executor(self.writer, read)
         rows = got["rows"]
@@ -431,11 +431,32 @@ class IngestPipeline:
             else:
                 by_reason[row["reason"]] = by_reason.get(row["reason"], 0) + 1
         budget = self.policies.get(experiment, bool(validate))
+        head = got["head"]
+        mode = budget.mode
+        if head and mode == "pass":  # no budget of the collector's: the job's own (the batch's) applied
+            mode = "head"
         return {
-            "experiment": experiment, "step": step, "validate": validate, "mode": budget.mode,
+            "experiment": experiment, "step": step, "validate": validate, "mode": mode,
             "budget": budget.limits(), "kept": sum(by_rule.values()), "dropped": sum(by_reason.values()),
             "kept_by_rule": by_rule, "dropped_by_reason": by_reason, "open": got["open"], "decisions": rows,
+            "head": head,
         }
+
+    def _head_decisions(self, experiment: str | None, step: int, validate: bool | None) -> list[dict[str, Any]]:
+        """The head budget's per-sample decisions of one step, per worker (and policy version), from the spool."""
+        prefix = f"{experiment}\x1f{step}\x1f"
+        out: dict[str, dict[str, Any]] = {}
+        for row in self.spool.query("SELECT budget_key, sample_index, keep FROM sample_decisions"
+                                    " WHERE substr(budget_key, 1, ?) = ? ORDER BY rowid", [len(prefix), prefix]):
+            parts = row["budget_key"][len(prefix):].split("\x1f")
+            worker, is_validation = parts[0], len(parts) > 1 and parts[1] == "1"
+            if validate is not None and is_validation != bool(validate):
+                continue
+            version = parts[2][1:] if len(parts) > 2 else None
+            entry = out.setdefault(row["budget_key"], {"worker": worker, "validate": is_validation, "policy_version": version,
+                                                       "kept": [], "dropped": []})
+            entry["kept" if row["keep"] else "dropped"].append(row["sample_index"])
+        return list(out.values())
 
     def close(self) -> None:
         self.cpu.shutdown(wait=True, cancel_futures=True)
