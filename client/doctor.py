@@ -135,9 +135,11 @@ class Doctor:
         else:
             who = ("TRACECAR_CLIENT_TOKENIZER (or the VERL adapter's tokenizer_path)" if self.tokenizer
                    else "the collector's TRACECAR_TOKENIZER")
-            self.report.fail("tokenizer", f"the collector cannot load {answer['name']!r} named by {who}: {answer.get('error')}; "
-                                          f"{answer.get('tried', '')}. Mount the model's tokenizer.json into the collector "
-                                          "(shared volume or HF cache) and set TRACECAR_TOKENIZER to it")
+            tried = f"; {answer['tried']}" if answer.get("tried") else ""  # none when the policy refused the name unread
+            self.report.fail("tokenizer", f"the collector cannot load {answer['name']!r} named by {who}: {answer.get('error')}"
+                                          f"{tried}. Mount the model's tokenizer.json into the collector (shared volume or HF "
+                                          "cache) and allow it (TRACECAR_TOKENIZER_ROOT or TRACECAR_TOKENIZERS), or set "
+                                          "TRACECAR_TOKENIZER to it")
 
     def check_spans(self) -> str | None:
         """Sends one trajectory through the real client and reads it back."""

@@ -65,7 +65,8 @@ def test_collector_down_and_url_without_scheme(start_collector) -> None:
 
 
 def test_tokenizer_the_collector_cannot_load(start_collector, tmp_path) -> None:
-    col = start_collector(token2text=True)
+    # the operator allows the models directory, but this model is not in it
+    col = start_collector(token2text=True, tokenizer_root=str(tmp_path / "models"))
     missing = str(tmp_path / "models" / "qwen")
     rc, checks, out = doctor("--tokenizer", missing, TRACECAR_URL=col.url)
     assert rc == 1
@@ -73,6 +74,11 @@ def test_tokenizer_the_collector_cannot_load(start_collector, tmp_path) -> None:
     assert line.startswith("FAIL") and f"cannot load {missing!r}" in line and "tried: no file or directory" in line, out
     assert "set TRACECAR_TOKENIZER" in line
     assert checks["spans"].startswith("PASS")  # spans still arrive, only without text
+    # a path outside what the operator allows: refused unread, and the line says how to allow it
+    rc, checks, out = doctor("--tokenizer", "/etc/passwd", TRACECAR_URL=col.url)
+    line = checks["tokenizer"]
+    assert rc == 1 and line.startswith("FAIL") and "refused" in line and "TRACECAR_TOKENIZER_ROOT" in line, out
+    assert "None" not in line and "tried:" not in line
 
 
 def test_weave_unreachable_fails_and_reachable_passes(start_collector, weave_stub: WeaveStub) -> None:
