@@ -58,11 +58,13 @@ class RedactKeys:
         if self._always_walk:
             return True
         body = packed[start_at:] if start_at else packed
-        if not body.isascii() or (is_json and b"\\" in body):
+        if is_json and (not body.isascii() or b"\\" in body):
             # a key written with an escape ("api\u005fkey") or with a character that lower-cases
             # to ASCII (a Kelvin sign K) matches no needle byte for byte: look at such pieces closer
-            if not is_json or self._odd_key(body):
+            if self._odd_key(body):
                 return True
+        elif not is_json and _KELVIN in body:  # msgpack strings are raw UTF-8: the one such character
+            return True
         if is_json:
             # Every key is a whole quoted string: split at quotes (one C pass) and look only at
             # pieces of a key's length (measured faster than hopping quote to quote in Python,
@@ -106,6 +108,8 @@ def parse_keys(raw: str | None) -> tuple[str, ...]:
         return ()
     return tuple(k.strip().lower() for k in raw.split(",") if k.strip())
 
+
+_KELVIN = "\u212a".encode()  # KELVIN SIGN: the non-ASCII character whose lower() is an ASCII letter (k)
 
 DEFAULT = RedactKeys()
 
