@@ -31,6 +31,8 @@ from . import tracer as _tracer
 from .spans import ids
 from .tracing import MARK
 
+TRACESTATE_KEY = "tracecar"  # our entry in the W3C tracestate list (the collector's OTLP receiver reads it)
+
 # A valid (non-zero) context whose sampled flag is off: the engine skips its span. The ids
 # carry no meaning; they only have to parse.
 _UNSAMPLED = "00-{prefix}ffffffffffffffff-ffffffffffffffff-00"
@@ -64,16 +66,16 @@ def tracestate() -> str | None:
     if span is None or span is _tracer.DISABLED or not span.attributes:
         return None
     if span.prefix != span.trace.prefix:  # traceparent names the trajectory root then: so does this
-        return "tracecar=top"
+        return f"{TRACESTATE_KEY}=top"
     mark = span.attributes.get(MARK)
     if not isinstance(mark, dict):
         return None
     if mark.get("trajectory") is True and span.parent is None:
-        return "tracecar=top"
+        return f"{TRACESTATE_KEY}=top"
     if mark.get("top") is True:
-        return f"tracecar={span.span_id}"
+        return f"{TRACESTATE_KEY}={span.span_id}"
     root, turn = mark.get("root"), mark.get("turn")
-    return f"tracecar={root}.{turn}" if root and turn else None
+    return f"{TRACESTATE_KEY}={root}.{turn}" if root and turn else None
 
 
 def trace_headers() -> dict[str, str] | None:

@@ -50,6 +50,7 @@ import orjson
 import pydantic_core
 
 from tracecar.client.retry_after import parse_retry_after
+from tracecar.client.tracing import MARK  # the client's place mark on a span's attributes
 
 from .forward import RawJSON, SendResult
 
@@ -92,8 +93,6 @@ _EXC_RE = re.compile(r"^([A-Za-z_][\w.]*): ?(.*)$", re.DOTALL)
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 
 
-#: The attribute key under which tracecar's client marks a call's place in its trajectory.
-MARK = "tracecar"
 MAX_REMEMBERED_TRAJECTORIES = 1 << 16
 
 

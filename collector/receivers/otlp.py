@@ -30,6 +30,8 @@ from google.rpc import status_pb2
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
 
 from tracecar.client.redact import REDACTED, RedactKeys
+from tracecar.client.traceparent import TRACESTATE_KEY
+from tracecar.client.tracing import MARK  # the place mark the Weave sink reads
 
 from ..metrics import Metrics
 from ..processors.validate import EnvelopeError, Rejection, Validated, validate_batch
@@ -40,8 +42,6 @@ from .pipeline import Backpressure, IngestResult
 from .receive import BodyError
 
 PROTOBUF = "application/x-protobuf"
-TRACESTATE_KEY = "tracecar"  # the client's tracestate entry (tracecar.client.traceparent.tracestate)
-MARK = "tracecar"  # the attribute the Weave sink reads (tracecar.client.tracing.MARK)
 _PLACE = re.compile(r"top|[0-9a-f]{32}(\.[0-9a-f]{32})?")
 JSON = "application/json"
 _PROTOBUF_TYPES = frozenset({PROTOBUF, "application/protobuf", "application/vnd.google.protobuf"})
