@@ -1,0 +1,1 @@
+"""Static and live checks of the deployment files (Dockerfile, compose, Kubernetes)."""
