@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable
 
 from fastapi import HTTPException, Request
+
+from ..bearer import bearer_matches
 
 
 class BearerAuth:
@@ -23,8 +24,7 @@ class BearerAuth:
         if self._token is None:
             return
         header = request.headers.get("authorization", "")
-        scheme, _, presented = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), self._token):
+        if not bearer_matches(header, self._token):
             if self._on_failure is not None:
                 from ..loudness import client_of, route_of
 

@@ -26,6 +26,7 @@ import orjson
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 
+from ..bearer import bearer_matches
 from ..json_out import dumps_deep
 from ..query_params import INT64_MAX, OptionalInt64, sample_index_filter
 from ..shape import shape
@@ -65,8 +66,7 @@ class ViewerAuth:
     def allowed(self, request: Request) -> bool:
         if self._token is None:
             return True
-        scheme, _, presented = request.headers.get("authorization", "").partition(" ")
-        by_header = scheme.lower() == "bearer" and self.token_matches(presented.strip())
+        by_header = bearer_matches(request.headers.get("authorization", ""), self._token)
         cookie = request.cookies.get(COOKIE)
         by_cookie = cookie is not None and self.cookie is not None and hmac.compare_digest(cookie.encode(), self.cookie.encode())
         return by_header or by_cookie
