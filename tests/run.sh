@@ -25,6 +25,20 @@ if [ "${TRACECAR_TEST_VERL:-0}" = 1 ]; then
   # both read back from weave's own trace server (skips without .venv-weave52)
   .venv-verl/bin/python -m pytest -p no:cacheprovider -q tests/test_verl_adapter.py tests/test_weave_parity.py
 fi
+if [ "${TRACECAR_TEST_PY310:-0}" = 1 ]; then
+  PY310=""  # a working 3.10: on PATH, or a pyenv install (its shim fails when 3.10 is not selected)
+  for candidate in python3.10 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.10*/bin/python3.10; do
+    if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 10)' >/dev/null 2>&1; then PY310=$candidate; break; fi
+  done
+  if [ -n "$PY310" ]; then
+    [ -x .venv-py310/bin/python ] || "$PY310" -m venv .venv-py310
+    PYTHONWARNINGS=ignore::UserWarning .venv-py310/bin/python -m pip install -q -e ".[dev]"
+    .venv-py310/bin/python -m pytest -p no:cacheprovider -q tests/test_client_resilience.py tests/test_fault_client.py \
+      tests/test_traceparent.py tests/test_pipeline_e2e.py tests/test_ingest_formats.py tests/test_bearer.py tests/deploy
+  else
+    echo "tests/run.sh: no working python3.10 found; the Python 3.10 tests did not run" >&2
+  fi
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 # setuptools prints a page-long notice on every editable install; it is not a problem of ours
