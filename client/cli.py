@@ -336,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
                                             "a port already in use is an error, never someone else's collector")
     p.add_argument("--data-dir", default="./tracecar-data", help="store and collector.log (default ./tracecar-data)")
     p.add_argument("--exit", action="store_true", help="stop after listing instead of serving on")
+    p.add_argument("--budget", type=int, default=16,
+                   help="trajectories kept per step by tail-based sampling (default 16 of the demo's 32, so the "
+                        "viewer's sampling panel shows decisions); 0 keeps all")
     add_demo_args(p)
     p.set_defaults(func=cmd_quickstart)
 

