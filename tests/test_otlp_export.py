@@ -19,10 +19,11 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
 
-from conftest import free_port
-from test_otlp_receiver import VllmEngine, _walk
 from tracecar.client import rollout_trace_attr, rollout_trace_op, trace_headers
 from tracecar.collector.exporters.otlp_sink import MlflowSink, OtlpSink, parse_headers
+
+from conftest import free_port
+from test_otlp_receiver import VllmEngine, _walk
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -213,5 +214,21 @@ def test_mlflow_sink_sends_experiment_header_and_mlflow_span_attributes():
 
 def test_otlp_headers_parse_and_refuse_a_part_without_value():
     assert parse_headers("a=1, b = two=2 ,") == {"a": "1", "b": "two=2"}
-    with pytest.raises(ValueError, match="no '=value'"):
-        parse_headers("authorization")
+    with pytest.raises(ValueError, match="part 2 has no 'name=value'") as caught:
+        parse_headers("a=1,Bearer s3cret")
+    assert "s3cret" not in str(caught.value)
+
+
+def test_otlp_and_mlflow_misconfiguration_is_one_clear_line():
+    from tracecar.collector.service.config_check import ConfigError, check_backend
+    from tracecar.collector.settings import CollectorSettings
+
+    with pytest.raises(ConfigError, match="TRACECAR_OTLP_ENDPOINT is not set"):
+        check_backend(CollectorSettings(backend="otlp"))
+    with pytest.raises(ConfigError, match="TRACECAR_MLFLOW_TRACKING_URI is not an http"):
+        check_backend(CollectorSettings(backend="mlflow", mlflow_tracking_uri="sqlite:///x.db"))
+    with pytest.raises(ConfigError, match="TRACECAR_OTLP_HEADERS") as caught:
+        check_backend(CollectorSettings(backend="otlp", otlp_endpoint="http://127.0.0.1:1/v1/traces",
+                                        otlp_headers="Bearer s3cret"))
+    assert "s3cret" not in str(caught.value)
+    check_backend(CollectorSettings(backend="otlp", otlp_endpoint="http://127.0.0.1:1/v1/traces", otlp_headers="a=b"))

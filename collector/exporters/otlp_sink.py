@@ -39,12 +39,12 @@ _MAX_REASON = 300
 def parse_headers(raw: str | None) -> dict[str, str]:
     """``k1=v1,k2=v2`` (the OTEL_EXPORTER_OTLP_HEADERS form) as a dict; a part without ``=`` is refused."""
     out: dict[str, str] = {}
-    for part in (raw or "").split(","):
+    for number, part in enumerate((raw or "").split(","), 1):
         if not part.strip():
             continue
         key, sep, value = part.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"header {key.strip()[:40]!r} has no '=value' (expected k1=v1,k2=v2)")
+        if not sep or not key.strip():  # the part itself may be a bare token: never echo it
+            raise ValueError(f"part {number} has no 'name=value' (expected k1=v1,k2=v2)")
         out[key.strip()] = value.strip()
     return out
 
