@@ -52,7 +52,14 @@ class CollectorSettings(BaseSettings):
     port: int = Field(9470, ge=0, le=65535, description="HTTP port (0 picks a free one).")
     data_dir: Path = Field(Path("./tracecar-data"), description="Directory of the SQLite spool/store.")
     token: SecretStr | None = Field(None, description="Shared bearer token required on every API and viewer route when set.")
-    backend: Literal["auto", "local", "weave"] = Field("auto", description="Where traces go: weave if WANDB_API_KEY is set (auto), or the embedded local store only.")
+    backend: Literal["auto", "local", "weave", "otlp", "mlflow"] = Field("auto", description="Where traces go: weave if WANDB_API_KEY is set (auto), the embedded local store only, an OTLP/HTTP endpoint (otlp), or an MLflow >= 3.6 server (mlflow).")
+    otlp_endpoint: str | None = Field(None, description="backend=otlp: the full OTLP/HTTP traces URL, e.g. http://127.0.0.1:6006/v1/traces (Phoenix) or .../api/public/otel/v1/traces (Langfuse).")
+    otlp_headers: SecretStr | None = Field(None, description="Headers sent with every OTLP (and MLflow) export, k1=v1,k2=v2 (like OTEL_EXPORTER_OTLP_HEADERS); a secret, never logged.")
+    otlp_content: bool = Field(True, description="backend=otlp: send message content (gen_ai.input.messages/output.messages, tracecar.inputs/output); off sends structure, timings and usage only.")
+    otlp_timeout_s: float = Field(10.0, gt=0, description="Timeout of one OTLP or MLflow export request.")
+    mlflow_tracking_uri: str | None = Field(None, validation_alias=AliasChoices("TRACECAR_MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_URI"), description="backend=mlflow: the MLflow server (http(s) URL; also read from MLFLOW_TRACKING_URI); spans go to <it>/v1/traces.")
+    mlflow_experiment_id: str | None = Field(None, description="backend=mlflow: experiment the traces land in (x-mlflow-experiment-id).")
+    mlflow_experiment_name: str | None = Field(None, description="backend=mlflow: experiment name resolved (or created) through MLflow's REST API when no id is given; default tracecar (VERL uses the project name).")
     wandb_api_key: SecretStr | None = Field(None, validation_alias=AliasChoices("WANDB_API_KEY", "TRACECAR_WANDB_API_KEY"), description="W&B API key (read from WANDB_API_KEY).")
     wandb_entity: str | None = Field(None, validation_alias=AliasChoices("TRACECAR_WANDB_ENTITY", "WANDB_ENTITY"), description="W&B entity (team or user) the Weave project lives in (also read from WANDB_ENTITY).")
     wandb_project: str | None = Field(None, validation_alias=AliasChoices("TRACECAR_WANDB_PROJECT", "WANDB_PROJECT"), description="Default W&B project when a batch names none (also read from WANDB_PROJECT).")
@@ -159,7 +166,7 @@ class CollectorSettings(BaseSettings):
         return self.data_dir / "spool.sqlite3"
 
     @property
-    def effective_backend(self) -> Literal["local", "weave"]:
+    def effective_backend(self) -> Literal["local", "weave", "otlp", "mlflow"]:
         if self.backend == "auto":
             return "weave" if self.wandb_api_key is not None else "local"
         return self.backend

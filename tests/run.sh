@@ -3,6 +3,7 @@
 # Creates ./.venv if needed, installs tracecar with its collector and dev extras, runs ruff, then pytest.
 # With TRACECAR_TEST_WEAVE_SERVER=1 it makes ./.venv-weave52 (weave's own trace server) so the
 # Weave read-back tests run instead of skipping.
+# With TRACECAR_TEST_OTLP_SERVERS=1 it makes ./.venv-mlflow (MLflow's server) and ./.venv-phoenix (Phoenix) for the exporters' read-back tests.
 # With TRACECAR_TEST_VERL=1 it then runs the VERL adapter tests and the Weave parity harness
 # (tests/test_weave_parity.py, which also needs .venv-weave52) against the real verl package in
 # ./.venv-verl (CPU torch 2.13.0 from this machine's wheel directory; about 2 GB, 3 minutes).
@@ -15,6 +16,17 @@ if [ "${TRACECAR_TEST_WEAVE_SERVER:-0}" = 1 ]; then
   [ -x .venv-weave52/bin/python ] || "$PYTHON" -m venv .venv-weave52
   .venv-weave52/bin/python -m pip install -q weave==0.52.42 emoji sqlparse redis clickhouse_connect ddtrace
   export TRACECAR_WEAVE_SERVER_PYTHON="$PWD/.venv-weave52/bin/python"
+fi
+if [ "${TRACECAR_TEST_OTLP_SERVERS:-0}" = 1 ]; then
+  # MLflow's own server (SQLite backend) for the mlflow exporter's read-back test
+  # (tests/test_mlflow_export.py); its pins clash with the collector's, so it has its own venv.
+  [ -x .venv-mlflow/bin/python ] || "$PYTHON" -m venv .venv-mlflow
+  .venv-mlflow/bin/python -m pip install -q mlflow==3.17.2
+  export TRACECAR_MLFLOW_SERVER_PYTHON="$PWD/.venv-mlflow/bin/python"
+  # Arize Phoenix (phoenix serve, SQLite) for the OTLP exporter's read-back test (tests/test_phoenix_export.py)
+  [ -x .venv-phoenix/bin/python ] || "$PYTHON" -m venv .venv-phoenix
+  .venv-phoenix/bin/python -m pip install -q arize-phoenix==20.26.1
+  export TRACECAR_PHOENIX_SERVER_PYTHON="$PWD/.venv-phoenix/bin/python"
 fi
 if [ "${TRACECAR_TEST_VERL:-0}" = 1 ]; then
   [ -x .venv-verl/bin/python ] || "$PYTHON" -m venv .venv-verl

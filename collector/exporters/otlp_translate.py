@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import orjson
@@ -206,12 +206,14 @@ def _otel_id(value: Any) -> bytes | None:
 
 
 def to_otlp_request(spans: Iterable[Mapping[str, Any]], *, service_name: str = "tracecar", content: bool = False,
-                    max_content_chars: int = 1_000_000) -> ExportTraceServiceRequest:
+                    max_content_chars: int = 1_000_000,
+                    extra: Callable[[Mapping[str, Any], bool], Mapping[str, Any]] | None = None) -> ExportTraceServiceRequest:
     """Stored spans as one export request: tracecar's under one resource, OTLP ones under their own.
 
     Annotations are not spans (rewards merge into the trajectory upstream) and are left out.
     Whether an LLM call aggregates others is judged among the spans given (a whole trajectory
-    is the unit the spool forwards).
+    is the unit the spool forwards). ``extra(span, aggregates)`` adds a destination's own
+    attributes (MLflow's ``mlflow.span*``) to each span.
     """
     spans = [s for s in spans if s.get("kind") != "annotation"]
     children: dict[str, list[Mapping[str, Any]]] = {}
@@ -237,6 +239,9 @@ def to_otlp_request(spans: Iterable[Mapping[str, Any]], *, service_name: str = "
             scope_spans.scope.version = str(scope.get("version") or "")
             scope_spans.scope.attributes.extend(_key_values(scope.get("attributes") or {}))
             groups[key] = scope_spans
-        scope_spans.spans.append(to_otlp_span(s, aggregates=bool(_own_children(s["span_id"], children)), content=content,
-                                              max_content_chars=max_content_chars))
+        aggregates = bool(_own_children(s["span_id"], children))
+        out = to_otlp_span(s, aggregates=aggregates, content=content, max_content_chars=max_content_chars)
+        if extra is not None:
+            out.attributes.extend(_key_values(extra(s, aggregates)))
+        scope_spans.spans.append(out)
     return request

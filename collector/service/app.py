@@ -40,7 +40,15 @@ log = logging.getLogger("tracecar.collector")
 
 
 def make_sink(settings: CollectorSettings) -> Sink:
-    """The backend spans are forwarded to: Weave with credentials, else none (local store)."""
+    """The backend spans are forwarded to: Weave with credentials, OTLP, MLflow, else none (local store)."""
+    if settings.effective_backend == "otlp":
+        from ..exporters.otlp_sink import make_otlp_sink
+
+        return make_otlp_sink(settings)
+    if settings.effective_backend == "mlflow":
+        from ..exporters.otlp_sink import make_mlflow_sink
+
+        return make_mlflow_sink(settings)
     if settings.effective_backend != "weave":
         return NullSink()
     from ..exporters.weave_sink import WeaveSink  # imported only when forwarding to Weave

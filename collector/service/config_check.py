@@ -110,14 +110,25 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
             parts.append(f"{loc}: unknown setting{_did_you_mean(last, budget_keys)}")
             continue
         value = err.get("input")
-        secret = any(word in loc.lower() for word in ("key", "token", "secret", "password"))
+        secret = any(word in loc.lower() for word in ("key", "token", "secret", "password", "header"))
         shown = "" if secret or isinstance(value, (dict, list)) or value is None else f" (got {value!r:.60})"
         parts.append(f"{loc or 'settings'}: {err.get('msg')}{shown}")
     return f"{source}: " + "; ".join(parts)
 
 
 def check_backend(settings: CollectorSettings) -> None:
-    """Weave needs a key and an entity: say so now, not as a traceback from ``serve``."""
+    """Weave needs a key and an entity, OTLP an endpoint, MLflow a server: say so now, not as a traceback from ``serve``."""
+    if settings.effective_backend == "otlp" and not settings.otlp_endpoint:
+        raise ConfigError("TRACECAR_BACKEND=otlp but TRACECAR_OTLP_ENDPOINT is not set: give the full /v1/traces URL")
+    if settings.effective_backend == "mlflow" and not (settings.mlflow_tracking_uri or "").startswith(("http://", "https://")):
+        raise ConfigError("TRACECAR_BACKEND=mlflow but TRACECAR_MLFLOW_TRACKING_URI is not an http(s) URL of an MLflow >= 3.6 server")
+    if settings.effective_backend in ("otlp", "mlflow") and settings.otlp_headers is not None:
+        from ..exporters.otlp_sink import parse_headers
+
+        try:
+            parse_headers(settings.otlp_headers.get_secret_value())
+        except ValueError as exc:
+            raise ConfigError(f"TRACECAR_OTLP_HEADERS: {exc}") from None
     if settings.effective_backend != "weave":
         return
     why = "TRACECAR_BACKEND=weave" if settings.backend == "weave" else "WANDB_API_KEY is set, so the backend is weave"
