@@ -4,6 +4,8 @@
 # With TRACECAR_TEST_WEAVE_SERVER=1 it makes ./.venv-weave52 (weave's own trace server) so the
 # Weave read-back tests run instead of skipping.
 # With TRACECAR_TEST_OTLP_SERVERS=1 it makes ./.venv-mlflow (MLflow's server) and ./.venv-phoenix (Phoenix) for the exporters' read-back tests.
+# With TRACECAR_TEST_PY310=1 it runs the client, pipeline and deploy tests on Python 3.10 in ./.venv-py310
+# (skipped, with one line, when no working 3.10 with venv/ensurepip is found).
 # With TRACECAR_TEST_VERL=1 it then runs the VERL adapter tests and the Weave parity harness
 # (tests/test_weave_parity.py, which also needs .venv-weave52) against the real verl package in
 # ./.venv-verl (CPU torch 2.13.0 from this machine's wheel directory; about 2 GB, 3 minutes).
@@ -40,7 +42,7 @@ fi
 if [ "${TRACECAR_TEST_PY310:-0}" = 1 ]; then
   PY310=""  # a working 3.10: on PATH, or a pyenv install (its shim fails when 3.10 is not selected)
   for candidate in python3.10 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.10*/bin/python3.10; do
-    if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 10)' >/dev/null 2>&1; then PY310=$candidate; break; fi
+    if "$candidate" -c 'import sys, venv, ensurepip; assert sys.version_info[:2] == (3, 10)' >/dev/null 2>&1; then PY310=$candidate; break; fi
   done
   if [ -n "$PY310" ]; then
     [ -x .venv-py310/bin/python ] || "$PY310" -m venv .venv-py310
@@ -48,7 +50,7 @@ if [ "${TRACECAR_TEST_PY310:-0}" = 1 ]; then
     .venv-py310/bin/python -m pytest -p no:cacheprovider -q tests/test_client_resilience.py tests/test_fault_client.py \
       tests/test_traceparent.py tests/test_pipeline_e2e.py tests/test_ingest_formats.py tests/test_bearer.py tests/deploy
   else
-    echo "tests/run.sh: no working python3.10 found; the Python 3.10 tests did not run" >&2
+    echo "tests/run.sh: no working python3.10 (with venv and ensurepip) found; the Python 3.10 tests did not run" >&2
   fi
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
