@@ -250,7 +250,9 @@ def print_decisions(page: dict[str, Any]) -> None:
     print(f"step {page['step']} of experiment {page['experiment']!r} (mode {page['mode']}, budget {page['budget'] or 'none'}): "
           f"kept {page['kept']} ({rules}); dropped {page['dropped']} ({reasons})")
     for o in page.get("open", []):
-        print(f"  held, undecided (round {o['round']}{', validation' if o['validate'] else ''}): {o['held_trajectories']} trajectories, "
+        version = f", policy version {o['policy_version']}" if o.get("policy_version") is not None else ""
+        where = f"round {o['round']}{', validation' if o['validate'] else ''}{version}"
+        print(f"  held, undecided ({where}): {o['held_trajectories']} trajectories, "
               f"{o['with_root']} with root, {o['with_reward']} with reward, idle {o['idle_s']} s")
     print(f"{'trace_id':34} {'idx':>4} {'n':>3} {'worker':16} {'reward':>8} {'err':>3} {'kept':>4}  why")
     for d in page["decisions"]:
@@ -258,6 +260,8 @@ def print_decisions(page: dict[str, Any]) -> None:
         why = d["rule"] if d["keep"] else d["reason"]
         if d["truncated"]:
             why += " (truncated)"
+        if d.get("policy_version") is not None:
+            why += f" (policy version {d['policy_version']})"
         print(f"{d['trace_id']:34} {d['sample_index'] if d['sample_index'] is not None else '':>4} "
               f"{d['rollout_n'] if d['rollout_n'] is not None else '':>3} {str(d['worker'])[:16]:16} {reward:>8} "
               f"{'yes' if d['has_error'] else '':>3} {'yes' if d['keep'] else 'no':>4}  {why}")

@@ -37,6 +37,7 @@ class Spec:
     payload: int = 100
     tokens: int = 0
     trace_id: str = ""
+    policy_version: int | None = None  # fully-async VERL (step -1): the step is the policy version
 
     def __post_init__(self) -> None:
         if not self.trace_id:
@@ -47,6 +48,8 @@ def spans_of(spec: Spec) -> list[dict[str, Any]]:
     """Children first (as they finish), then the root, then the reward annotation."""
     attrs = {"step": spec.step, "sample_index": spec.sample_index, "rollout_n": spec.rollout_n,
              "validate": spec.validate, "experiment_name": spec.experiment}
+    if spec.policy_version is not None:
+        attrs["policy_version"] = spec.policy_version
     base = {"worker": spec.worker, "project": None, "entity": None}
     out = []
     for i in range(spec.children):

@@ -79,13 +79,13 @@ def test_step_closes_when_the_worker_moves_on_after_the_reward_wait(tmp_path):
     feed_all(h, [a])
     h.feed(spans_of(Spec(step=2, sample_index=0, children=1, root=False)))
     h.clock.advance(0.5)
-    assert h.selector.tick() == 0 and ("exp", False, 1) in h.selector.open  # waiting for a's reward
+    assert h.selector.tick() == 0 and ("exp", False, 1, None) in h.selector.open  # waiting for a's reward
     a.reward = 0.75
     h.feed(spans_of(a)[-1:])  # the annotation, after the root
     assert h.selector.tick() == 4  # 2 children + root + annotation
     d = decisions(h, 1)[a.trace_id]
     assert d["closed_by"] == "next_step" and d["reward"] == 0.75 and d["keep"]
-    assert ("exp", False, 2) in h.selector.open
+    assert ("exp", False, 2, None) in h.selector.open
     h.close()
 
 
@@ -132,7 +132,7 @@ def test_held_limit_decides_the_oldest_step_early(tmp_path):
     feed_all(h, [Spec(step=7, sample_index=i, worker="b") for i in range(2)])
     h.selector.tick()
     assert {d["closed_by"] for d in decisions(h, 1).values()} == {"held_limit"}
-    assert ("exp", False, 7) in h.selector.open and h.selector.held_trajectories == 2
+    assert ("exp", False, 7, None) in h.selector.open and h.selector.held_trajectories == 2
     h.close()
 
 
@@ -140,7 +140,7 @@ def test_shutdown_decides_complete_steps_and_holds_the_rest(tmp_path):
     h = Harness(tmp_path, max_trajectories_per_step=10, reward_wait_s=0)
     feed_all(h, [Spec(step=1, sample_index=0), Spec(step=2, sample_index=0, root=False)])
     h.selector.tick(shutdown=True)
-    assert decisions(h, 1) and not decisions(h, 2) and ("exp", False, 2) in h.selector.open
+    assert decisions(h, 1) and not decisions(h, 2) and ("exp", False, 2, None) in h.selector.open
     h.close()
 
 
@@ -529,4 +529,58 @@ def test_orphan_annotations_are_bounded_and_dropped_not_forwarded(tmp_path):
     h.clock.advance(h.settings.decision_wait_s)
     h.selector.tick()
     assert not h.selector.loose and h.rows() == []
+    h.close()
+
+
+# ---- fully-async VERL: step -1, budgeted per policy version -------------------------------
+def test_fully_async_step_minus_one_gets_a_budget_per_policy_version_across_a_restart(tmp_path):
+    """Fully-async VERL rolls out the whole run as step -1: a per-step tail budget must not be one
+    budget for the run. Each policy version is a step of its own (as in the head budget): its own
+    N, its own decision rows, closed when the worker moves to a newer version, rebuilt on restart."""
+    h = Harness(tmp_path, tail_sampling=True, max_samples_per_step_per_worker=2, reward_wait_s=1.0)
+    v1 = [Spec(step=-1, sample_index=i, policy_version=1, reward=float(i)) for i in range(5)]
+    v2 = [Spec(step=-1, sample_index=10 + i, policy_version=2, reward=float(i)) for i in range(5)]
+    unversioned = [Spec(step=-1, sample_index=20 + i, reward=float(i)) for i in range(3)]
+    feed_all(h, unversioned + v1)
+    assert ("exp", False, -1, 1) in h.selector.open and ("exp", False, -1, None) in h.selector.open
+    h.restart()  # held rows carry their version: the open steps come back split the same way
+    assert ("exp", False, -1, 1) in h.selector.open and ("exp", False, -1, None) in h.selector.open
+    feed_all(h, v2)  # the worker moved on: versions 1 and "none" close as next_step
+    h.clock.advance(2.0)
+    h.selector.tick()
+    rows = h.spool.step_decisions("exp", False, -1)
+    by_version: dict[Any, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_version.setdefault(row["policy_version"], []).append(row)
+    assert set(by_version) == {None, 1}, by_version.keys()  # version 2 is still open
+    for version, specs in ((None, unversioned), (1, v1)):
+        kept = [r for r in by_version[version] if r["keep"]]
+        assert len(kept) == 2 and len(by_version[version]) == len(specs)
+        assert {r["closed_by"] for r in by_version[version]} == {"next_step"}
+        assert {r["sample_index"] for r in by_version[version]} == {s.sample_index for s in specs}
+    assert ("exp", False, -1, 2) in h.selector.open
+    h.restart()  # the decided versions are remembered: version 2 gets a full budget of its own
+    h.settle()
+    v2_rows = h.spool.step_decisions("exp", False, -1, 2, any_version=False)
+    assert len(v2_rows) == 5 and sum(r["keep"] for r in v2_rows) == 2 and {r["round"] for r in v2_rows} == {1}
+    assert len(h.kept_roots()) == 6  # 2 per version, not 2 for the whole run
+    h.close()
+
+
+def test_a_spool_from_before_policy_versions_is_migrated_in_place(tmp_path):
+    """An existing spool (no policy_version columns) opens, gains them, and its decisions still read."""
+    h = Harness(tmp_path, tail_sampling=True, max_samples_per_step_per_worker=1)
+    feed_all(h, [Spec(step=3, sample_index=i, reward=float(i)) for i in range(2)])
+    h.settle()
+    h.close()
+    conn = sqlite3.connect(str(h.settings.spool_path))
+    conn.execute("ALTER TABLE trajectory_decisions DROP COLUMN policy_version")
+    conn.execute("ALTER TABLE spans DROP COLUMN policy_version")
+    conn.commit()
+    conn.close()
+    h.open()
+    assert len(decisions(h, 3)) == 2 and all(d["policy_version"] is None for d in decisions(h, 3).values())
+    feed_all(h, [Spec(step=-1, sample_index=i, policy_version=7) for i in range(2)])
+    h.settle()
+    assert len(h.spool.step_decisions("exp", False, -1, 7, any_version=False)) == 2
     h.close()

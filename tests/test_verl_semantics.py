@@ -270,8 +270,11 @@ def test_membership_survives_a_restart(start_collector, tmp_path):
 # ---- item 10: fully-async rollouts (step -1) -------------------------------------------------
 
 
-def test_step_minus_one_is_budgeted_per_policy_version(start_collector):
-    col = start_collector(max_samples_per_step_per_worker=2)
+@pytest.mark.parametrize("mode", ["head", "tail"])
+def test_step_minus_one_is_budgeted_per_policy_version(start_collector, mode):
+    """Head budgets (VERL's) and tail-based budgets alike: each policy version is a step."""
+    tail = {"tail_sampling": True, "step_idle_s": 0.5, "reward_wait_s": 0.2} if mode == "tail" else {}
+    col = start_collector(max_samples_per_step_per_worker=2, **tail)
     tracer = configure(col.url, "w0", "async")
 
     async def main() -> None:
@@ -283,6 +286,20 @@ def test_step_minus_one_is_budgeted_per_policy_version(start_collector):
 
     asyncio.run(main())
     assert tracer.flush(20)
+    if mode == "tail":  # versions 0 and 1 close as next_step, 2 and the early bucket when idle
+        deadline = time.monotonic() + 30
+        page: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            page = httpx.get(col.url + "/v1/decisions", params={"experiment": "async", "step": -1}).json()
+            if not page["open"] and len(page["decisions"]) == 19:
+                break
+            time.sleep(0.2)
+        assert len(page["decisions"]) == 19 and not page["open"], page.get("open")
+        versions = {(d["policy_version"], d["keep"]) for d in page["decisions"]}
+        assert versions == {(v, k) for v in (0, 1, 2, None) for k in (True, False)}
+        assert sum(d["keep"] for d in page["decisions"]) == 8
+        closed = {d["policy_version"]: d["closed_by"] for d in page["decisions"]}
+        assert closed[0] == closed[1] == "next_step", closed
     rows = listing(col.url, experiment="async")
     per_version: dict[Any, int] = {}
     for r in rows:

@@ -85,7 +85,8 @@ CREATE TABLE IF NOT EXISTS trajectory_decisions (
     tokens INTEGER NOT NULL,
     truncated INTEGER NOT NULL DEFAULT 0,
     closed_by TEXT,
-    decided_at REAL NOT NULL
+    decided_at REAL NOT NULL,
+    policy_version INTEGER
 );
 CREATE INDEX IF NOT EXISTS trajectory_decisions_step ON trajectory_decisions(step, experiment, validate);
 CREATE TABLE IF NOT EXISTS sample_decisions (
@@ -160,8 +161,14 @@ def _row_params(row: SpoolRow, state: int, now: float) -> tuple[Any, ...]:
         reward if type(reward) in (int, float) else None,
         len(row.payload), HELD if row.held else state, now,
         orjson.dumps(row.warnings).decode() if row.warnings else None, row.payload, row.tokens,
-        row.inputs_at, row.output_at,
+        row.inputs_at, row.output_at, _policy_version(s),
     )
+
+
+def _policy_version(span: dict[str, Any]) -> int | None:
+    """The policy version a fully-async (step -1) span is budgeted under (tail budgets per version)."""
+    version = span["attributes"].get("policy_version")
+    return version if type(version) is int and -(2**63) <= version < 2**63 else None
 
 
 class Spool:
@@ -179,6 +186,11 @@ class Spool:
         for column in ("inputs_at", "output_at"):  # spools written before the splicing forwarder
             if column not in columns:
                 self._write.execute(f"ALTER TABLE spans ADD COLUMN {column} INTEGER")
+        if "policy_version" not in columns:  # spools written before tail budgets per policy version
+            self._write.execute("ALTER TABLE spans ADD COLUMN policy_version INTEGER")
+        decision_columns = {name for _, name, *_ in self._write.execute("PRAGMA table_info(trajectory_decisions)")}
+        if "policy_version" not in decision_columns:
+            self._write.execute("ALTER TABLE trajectory_decisions ADD COLUMN policy_version INTEGER")
         self._read = _connect(path, sync)
         # Local mode: called with the number of rows that just reached the store (state done)
         self.on_stored: Callable[[int], None] | None = None
@@ -229,8 +241,8 @@ class Spool:
                 conn.executemany(
                     "INSERT INTO spans (span_id, trace_id, parent_id, name, kind, worker, project, entity,"
                     " experiment, step, sample_index, rollout_n, validate, start_time, end_time, has_error, reward,"
-                    " nbytes, state, received_at, warnings, payload, tokens, inputs_at, output_at)"
-                    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    " nbytes, state, received_at, warnings, payload, tokens, inputs_at, output_at, policy_version)"
+                    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     [_row_params(r, state, now) for r in fresh],
                 )
                 conn.executemany(
@@ -301,7 +313,7 @@ class Spool:
                 conn.executemany(
                     "INSERT OR REPLACE INTO trajectory_decisions (trace_id, experiment, validate, step, round, worker,"
                     " sample_index, rollout_n, keep, rule, reason, reward, has_error, nbytes, tokens, truncated,"
-                    " closed_by, decided_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    " closed_by, decided_at, policy_version) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     decisions,
                 )
             self.held_bytes += delta_bytes
@@ -320,7 +332,7 @@ class Spool:
         with self._read_lock:
             return self._read.execute(
                 "SELECT span_id, trace_id, parent_id, kind, worker, experiment, validate, step, sample_index,"
-                " rollout_n, has_error, reward, nbytes, tokens, received_at, start_time FROM spans"
+                " rollout_n, has_error, reward, nbytes, tokens, received_at, start_time, policy_version FROM spans"
                 " WHERE state = 3 ORDER BY seq"
             ).fetchall()
 
@@ -338,18 +350,21 @@ class Spool:
         return out
 
     def decided_usage(self, trace_id: str) -> tuple[Any, ...] | None:
-        """(experiment, validate, step, trajectory bytes, step kept bytes, step kept tokens) of a decided trajectory."""
+        """(experiment, validate, step, policy version, trajectory bytes, step kept bytes, step kept
+        tokens) of a decided trajectory."""
         with self._read_lock:
             row = self._read.execute(
-                "SELECT experiment, validate, step, nbytes FROM trajectory_decisions WHERE trace_id = ?", (trace_id,)
+                "SELECT experiment, validate, step, policy_version, nbytes FROM trajectory_decisions WHERE trace_id = ?",
+                (trace_id,),
             ).fetchone()
             if row is None:
                 return None
             kept_bytes, kept_tokens = self._read.execute(
                 "SELECT COALESCE(SUM(nbytes), 0), COALESCE(SUM(tokens), 0) FROM trajectory_decisions"
-                " WHERE step = ? AND experiment IS ? AND validate = ? AND keep = 1", (row[2], row[0], row[1]),
+                " WHERE step = ? AND experiment IS ? AND validate = ? AND policy_version IS ? AND keep = 1",
+                (row[2], row[0], row[1], row[3]),
             ).fetchone()
-        return (row[0], bool(row[1]), row[2], row[3], kept_bytes, kept_tokens)
+        return (row[0], bool(row[1]), row[2], row[3], row[4], kept_bytes, kept_tokens)
 
     def trace_verdict(self, trace_id: str) -> bool | None:
         """Whether a decided trajectory was kept; None if it was never decided."""
@@ -362,30 +377,41 @@ class Spool:
         with self._read_lock:
             return self._read.execute("SELECT 1 FROM spans WHERE trace_id = ? AND state != 3 LIMIT 1", (trace_id,)).fetchone() is not None
 
-    def step_last_round(self, experiment: Any, validate: bool, step: int) -> int:
+    def step_last_round(self, experiment: Any, validate: bool, step: int, policy_version: int | None = None) -> int:
         with self._read_lock:
             row = self._read.execute(
-                "SELECT MAX(round) FROM trajectory_decisions WHERE step = ? AND experiment IS ? AND validate = ?",
-                (step, experiment, int(validate)),
+                "SELECT MAX(round) FROM trajectory_decisions WHERE step = ? AND experiment IS ? AND validate = ?"
+                " AND policy_version IS ?",
+                (step, experiment, int(validate), policy_version),
             ).fetchone()
         return row[0] or 0
 
-    def step_decisions(self, experiment: Any, validate: bool | None, step: int) -> list[dict[str, Any]]:
-        """The decision records of one step (every round), kept ones first."""
-        sql = ("SELECT trace_id, experiment, validate, step, round, worker, sample_index, rollout_n, keep, rule,"
-               " reason, reward, has_error, nbytes, tokens, truncated, closed_by, decided_at FROM trajectory_decisions"
-               " WHERE step = ? AND experiment IS ?")
+    def step_decisions(self, experiment: Any, validate: bool | None, step: int,
+                       policy_version: int | None = None, *, any_version: bool = True) -> list[dict[str, Any]]:
+        """The decision records of one step (every round), kept ones first.
+
+        A fully-async step (-1) is budgeted per policy version: ``any_version=False`` reads one
+        version's records (``policy_version``, None for the trajectories that had none).
+        """
+        sql = ("SELECT trace_id, experiment, validate, step, policy_version, round, worker, sample_index, rollout_n,"
+               " keep, rule, reason, reward, has_error, nbytes, tokens, truncated, closed_by, decided_at"
+               " FROM trajectory_decisions WHERE step = ? AND experiment IS ?")
         params: list[Any] = [step, experiment]
         if validate is not None:
             sql += " AND validate = ?"
             params.append(int(validate))
+        if not any_version:
+            sql += " AND policy_version IS ?"
+            params.append(policy_version)
         return self.query(sql + " ORDER BY keep DESC, sample_index, rollout_n, trace_id", params)
 
-    def latest_decided_steps(self) -> list[tuple[Any, str, int]]:
-        """(experiment, worker, highest decided step): where each worker had got to."""
+    def latest_decided_steps(self) -> list[tuple[Any, str, int, int | None]]:
+        """(experiment, worker, step, highest policy version) of each worker's decided steps: where
+        each worker had got to (the caller takes the highest)."""
         with self._read_lock:
             return self._read.execute(
-                "SELECT experiment, worker, MAX(step) FROM trajectory_decisions GROUP BY experiment, worker"
+                "SELECT experiment, worker, step, MAX(policy_version) FROM trajectory_decisions"
+                " GROUP BY experiment, worker, step"
             ).fetchall()
 
     # ---- forwarding ----------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Steps: what the collector knows, in memory, about steps whose spans are held.
 
-A step is (experiment, validate, step): validation steps reuse training step numbers, so they
-are budgeted apart. Per held trajectory only a small summary lives here (:class:`Traj`, a few
+A step is (experiment, validate, step, policy version): validation steps reuse training step
+numbers, so they are budgeted apart, and fully-async VERL rolls out with step -1 for the whole
+run, so there the policy version (the trajectory's ``policy_version`` attribute) is the step;
+for every other step the version is None. Per held trajectory only a small summary lives here (:class:`Traj`, a few
 slots: ~250 bytes with its dict entry); the spans themselves are rows in the spool. Everything
 here is rebuilt from the spool's held rows on start, so nothing is lost with the process.
 
@@ -25,7 +27,13 @@ from typing import Any
 
 from .decide import Candidate
 
-StepKey = tuple[Any, bool, int]  # (experiment, validate, step)
+StepKey = tuple[Any, bool, int, "int | None"]  # (experiment, validate, step, policy version of step -1)
+StepOrder = tuple[int, int, int]
+
+
+def step_order(step: int, version: int | None) -> StepOrder:
+    """Sorts a worker's steps: by step, and within step -1 by policy version (none first)."""
+    return (step, 0, 0) if version is None else (step, 1, version)
 
 
 class Traj:
@@ -101,14 +109,15 @@ class OpenStep:
     def all_complete(self, now: float, waits: Waits) -> bool:
         return self.rooted == len(self.trajs) and self.rewards_done(now, waits)
 
-    def ready(self, now: float, waits: Waits, latest: dict[tuple[Any, str], int]) -> str | None:
+    def ready(self, now: float, waits: Waits, latest: dict[tuple[Any, str], StepOrder]) -> str | None:
         """Why the step should be decided now, or None to keep holding it."""
         if self.expected is not None and self.rooted >= self.expected and self.rewards_done(now, waits):
             return "count"
         complete = self.all_complete(now, waits)
         if complete:
-            experiment, _, step = self.key
-            if all(latest.get((experiment, w), step) > step for w in self.workers):
+            experiment, _, step, version = self.key
+            order = step_order(step, version)
+            if all(latest.get((experiment, w), order) > order for w in self.workers):
                 return "next_step"
             if now - self.last_at >= waits.step_idle_s:
                 return "idle"

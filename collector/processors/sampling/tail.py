@@ -40,8 +40,9 @@ import orjson
 from ...settings import CollectorSettings
 from ...spool.store import Spool, SpoolRow, WriteResult
 from .decide import KEPT_MARK_BYTES, Candidate, Prior, Unit, Verdict, decide
+from .head import ASYNC_STEP, budget_step
 from .policy import Policies
-from .steps import Loose, OpenStep, StepKey, Traj, Waits
+from .steps import Loose, OpenStep, StepKey, StepOrder, Traj, Waits, step_order
 from .truncate import truncate_trajectory
 
 log = logging.getLogger("tracecar.collector.selection")
@@ -64,6 +65,13 @@ class _Lru(OrderedDict):  # type: ignore[type-arg]
             self.popitem(last=False)
 
 
+def _step_key(attrs: dict[str, Any]) -> StepKey:
+    """The step a routed span is budgeted under (its policy version only for step -1)."""
+    where = budget_step(attrs)
+    step, version = where if where is not None else (attrs["step"], None)
+    return (attrs.get("experiment_name"), bool(attrs.get("validate")), step, version)
+
+
 def _number(value: Any) -> float | None:
     return float(value) if type(value) in (int, float) else None
 
@@ -84,7 +92,7 @@ class TailSelector:
         self.open: dict[StepKey, OpenStep] = {}
         self.trace_step: dict[str, OpenStep] = {}
         self.loose: dict[str, Loose] = {}
-        self.latest: dict[tuple[Any, str], int] = {}
+        self.latest: dict[tuple[Any, str], StepOrder] = {}
         self.verdicts = _Lru(65536)  # trace_id -> kept, for recently decided trajectories
         self.rounds = _Lru(4096)  # step key -> last decided round
         self.passed = _Lru(65536)  # trace ids stored without holding (for their annotations)
@@ -145,11 +153,12 @@ class TailSelector:
                         self.passed.put(span["trace_id"], True)
                     continue
                 attrs = span["attributes"]
+                where = budget_step(attrs)
                 self._observe(
                     span["kind"], span["span_id"], span["trace_id"], span["parent_id"], span["worker"],
                     attrs.get("experiment_name"), attrs.get("validate"), attrs.get("step"), attrs.get("sample_index"),
                     attrs.get("rollout_n"), span["exception"] is not None, _number(attrs.get("reward")),
-                    len(row.payload), row.tokens, span["start_time"], now,
+                    len(row.payload), row.tokens, span["start_time"], now, None if where is None else where[1],
                 )
             if dropped and self.metrics is not None:
                 self.metrics.spans_sampled_out.labels(budget="tail").inc(dropped)
@@ -170,7 +179,7 @@ class TailSelector:
                 return LATE if verdict else DROP
             return PASS if self.spool.trace_seen_unheld(trace_id) else HOLD
         attrs = span["attributes"]
-        key = (attrs.get("experiment_name"), bool(attrs.get("validate")), attrs["step"])
+        key = _step_key(attrs)
         step = self.open.get(key)
         if step is not None and step.round == 1:
             return HOLD  # nothing of this step was decided yet
@@ -193,9 +202,9 @@ class TailSelector:
             if known is None:  # cannot happen (kept implies a decision row); forward it
                 admitted.append(row)
                 continue
-            experiment, validate, step, nbytes, kept_bytes, kept_tokens = known
+            experiment, validate, step, version, nbytes, kept_bytes, kept_tokens = known
             budget = self.policies.get(experiment, validate)
-            key = (experiment, validate, step)
+            key = (experiment, validate, step, version)
             step_usage = usage.setdefault(key, [kept_bytes, kept_tokens])
             size = traj_bytes.setdefault(trace_id, nbytes)
             n = len(row.payload)
@@ -213,7 +222,8 @@ class TailSelector:
 
     def _observe(self, kind: str, span_id: str, trace_id: str, parent_id: str | None, worker: str | None,
                  experiment: Any, validate: Any, step: Any, sample_index: Any, rollout_n: Any, has_error: bool,
-                 reward: float | None, nbytes: int, tokens: int, start_time: float, now: float) -> None:
+                 reward: float | None, nbytes: int, tokens: int, start_time: float, now: float,
+                 policy_version: int | None = None) -> None:
         """Adds one committed held span to the in-memory summaries (live, or rebuilt on start)."""
         if kind == "annotation":
             key = (1, start_time, span_id)
@@ -235,7 +245,7 @@ class TailSelector:
                     waiting.reward, waiting.reward_key = reward, key
             return
         worker = worker or ""
-        skey: StepKey = (experiment, bool(validate), step)
+        skey: StepKey = (experiment, bool(validate), step, policy_version)
         open_step = self.open.get(skey)
         if open_step is None:
             budget = self.policies.get(experiment, validate)
@@ -263,8 +273,9 @@ class TailSelector:
             open_step.root_arrived(traj, now)
         wkey = (experiment, worker)
         previous = self.latest.get(wkey)
-        if previous is None or previous < step:
-            self.latest[wkey] = step
+        order = step_order(step, policy_version)
+        if previous is None or previous < order:
+            self.latest[wkey] = order
             if len(self.latest) > 65536:
                 self.latest.pop(next(iter(self.latest)))
 
@@ -309,11 +320,12 @@ class TailSelector:
             return released
 
     def _decide(self, step: OpenStep, why: str, now: float) -> int:
-        experiment, validate, number = step.key
+        experiment, validate, number, version = step.key
         budget = self.policies.get(experiment, validate)
         prior = self._prior(step.key, budget.group_unit) if step.round > 1 else None
         candidates = [traj.candidate(trace_id) for trace_id, traj in step.trajs.items()]
-        verdicts, _ = decide(candidates, budget, experiment, number, prior)
+        # fully-async: the version is the step, for the sample hash too (as the head budget does)
+        verdicts, _ = decide(candidates, budget, experiment, number if version is None else version, prior)
         patches, sizes, truncated = self._marks(verdicts, step, budget.max_trajectory_bytes)
         rows = []
         for v in verdicts:
@@ -321,7 +333,7 @@ class TailSelector:
             rows.append((
                 v.trace_id, experiment, int(validate), number, step.round, traj.worker, traj.sample_index,
                 traj.rollout_n, int(v.keep), v.rule, v.reason, traj.reward, int(traj.has_error),
-                sizes.get(v.trace_id, traj.nbytes), traj.tokens, int(v.trace_id in truncated), why, now,
+                sizes.get(v.trace_id, traj.nbytes), traj.tokens, int(v.trace_id in truncated), why, now, version,
             ))
         kept = [v.trace_id for v in verdicts if v.keep]
         dropped = [v.trace_id for v in verdicts if not v.keep]
@@ -345,7 +357,7 @@ class TailSelector:
                 m.spans_sampled_out.labels(budget="tail").inc(gone)
         log.info("step decided", extra={
             "event": "step_decided", "experiment": experiment, "validate": validate, "step": number,
-            "round": step.round, "closed_by": why, "kept": len(kept), "dropped": len(dropped),
+            "policy_version": version, "round": step.round, "closed_by": why, "kept": len(kept), "dropped": len(dropped),
         })
         return moved
 
@@ -411,7 +423,7 @@ class TailSelector:
         prior = Prior()
         rule_units: dict[str, set[Any]] = {}
         groups: dict[Any, bool] = {}
-        for row in self.spool.step_decisions(key[0], key[1], key[2]):
+        for row in self.spool.step_decisions(key[0], key[1], key[2], key[3], any_version=False):
             c = Candidate(row["trace_id"], row["worker"] or "", row["sample_index"], row["rollout_n"],
                           bool(row["has_error"]), row["reward"], row["nbytes"], row["tokens"], True)
             if row["keep"]:
@@ -460,19 +472,22 @@ class TailSelector:
     # ---- restart and inspection ----------------------------------------------------------
     def _rebuild(self) -> None:
         """Rebuilds open steps and loose annotations from the spool's held rows."""
-        for experiment, worker, step in self.spool.latest_decided_steps():
+        for experiment, worker, step, version in self.spool.latest_decided_steps():
             if worker is not None and step is not None:
-                self.latest[(experiment, worker)] = step
+                order, current = step_order(step, version), self.latest.get((experiment, worker))
+                if current is None or order > current:
+                    self.latest[(experiment, worker)] = order
         rows = self.spool.held_rows()
         for want_annotations in (False, True):
             for (span_id, trace_id, parent_id, kind, worker, experiment, validate, step, sample_index, rollout_n,
-                 has_error, reward, nbytes, tokens, received_at, start_time) in rows:
+                 has_error, reward, nbytes, tokens, received_at, start_time, policy_version) in rows:
                 if (kind == "annotation") != want_annotations:
                     continue
                 if kind != "annotation" and (step is None or sample_index is None):
                     continue  # not held by this selector's routing (cannot happen; be safe)
                 self._observe(kind, span_id, trace_id, parent_id, worker, experiment, validate, step, sample_index,
-                              rollout_n, bool(has_error), reward, nbytes, tokens or 0, start_time, received_at)
+                              rollout_n, bool(has_error), reward, nbytes, tokens or 0, start_time, received_at,
+                              policy_version if step == ASYNC_STEP else None)
         if rows:
             log.info("held steps rebuilt", extra={"event": "held_rebuilt", "open_steps": len(self.open),
                                                   "held_trajectories": len(self.trace_step), "loose": len(self.loose)})
@@ -486,7 +501,7 @@ class TailSelector:
                 if key[0] != experiment or key[2] != step or (validate is not None and key[1] != validate):
                     continue
                 out.append({
-                    "validate": key[1], "round": open_step.round, "held_trajectories": len(open_step.trajs),
+                    "validate": key[1], "policy_version": key[3], "round": open_step.round, "held_trajectories": len(open_step.trajs),
                     "with_root": open_step.rooted, "with_reward": sum(t.reward is not None for t in open_step.trajs.values()),
                     "workers": sorted(open_step.workers), "idle_s": round(now - open_step.last_at, 3),
                     "held_spans": sum(t.spans for t in open_step.trajs.values()),
