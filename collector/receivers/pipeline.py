@@ -235,7 +235,7 @@ class IngestPipeline:
         try:
             try:
                 written, tail_dropped = await loop.run_in_executor(self.writer, self._write, rows, sampled, selection)
-            except SpoolFull:  # a full disk: evict forwarded trajectories (weave mode), then one more try
+            except SpoolFull:  # a full disk: evict forwarded trajectories (when forwarding), then one more try
                 need = 2 * sum(len(r.payload) for r in rows)
                 # the tail selector's routing is not idempotent: there, the client's retry is the next try
                 if not await loop.run_in_executor(self.writer, self.make_room, need) or selection is not None:

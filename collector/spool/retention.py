@@ -8,11 +8,13 @@ forwarded, else the trace is left alone):
 
 * above ``TRACECAR_STORE_MAX_BYTES`` of used file pages (reason ``max_bytes``);
 * older than ``TRACECAR_STORE_MAX_AGE_S`` by their last span's arrival (reason ``max_age``);
-* when a write failed on a full disk, in weave mode, where the backend holds the forwarded
+* when a write failed on a full disk, when forwarding to a backend, which holds the forwarded
   spans (reason ``disk_full``). In local mode the store is the only copy: a full disk answers
   503 and nothing stored is evicted unless a bound above says so.
 
 Spans waiting to be forwarded (pending) or held for a sampling decision are never evicted.
+The sampling-decision tables get a row bound of their own (``TRACECAR_DECISIONS_MAX_ROWS``,
+oldest rows first), checked with the age rule.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ _AGE_CHECK_S = 10.0  # the age rule scans the store; the size rule is three PRAG
 
 class Retention:
     def __init__(self, spool: Spool, metrics: Metrics, *, max_bytes: int | None, max_age_s: float | None,
-                 evict_on_disk_full: bool, reserve_bytes: int = 0, tick_s: float = 1.0) -> None:
+                 evict_on_disk_full: bool, reserve_bytes: int = 0, tick_s: float = 1.0,
+                 decisions_max_rows: int | None = None) -> None:
         self.spool = spool
         # disk space held back (a preallocated file): SQLite cannot even delete on a full disk
         # (a delete writes the WAL, a checkpoint may grow the main file), so a full disk first
@@ -46,7 +49,9 @@ class Retention:
         self.max_age_s = max_age_s
         self.evict_on_disk_full = evict_on_disk_full
         self.tick_s = tick_s
+        self.decisions_max_rows = decisions_max_rows
         self._age_checked = 0.0
+        self._decisions_checked = 0.0
         self._disk_full_seen: float | None = None
 
     async def run(self) -> None:
@@ -88,6 +93,10 @@ class Retention:
             self.take_reserve()  # e.g. there was no room for it at start
         if self.max_bytes is not None:
             self._enforce_max_bytes()
+        if self.decisions_max_rows is not None and time.monotonic() - self._decisions_checked >= _AGE_CHECK_S:
+            self._decisions_checked = time.monotonic()  # a COUNT(*) per table: not every tick
+            for table, rows in self.spool.trim_decisions(self.decisions_max_rows).items():
+                self.metrics.decisions_evicted.labels(table=table).inc(rows)
         now = time.time()
         if self.max_age_s is not None and time.monotonic() - self._age_checked >= min(_AGE_CHECK_S, self.max_age_s):
             self._age_checked = time.monotonic()

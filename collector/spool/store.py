@@ -541,6 +541,29 @@ class Spool:
             self.stored_bytes -= nbytes
         return len(ids), n
 
+    def trim_decisions(self, max_rows: int) -> dict[str, int]:
+        """Deletes the oldest sampling-decision rows above ``max_rows`` per table (5 % more, so
+        trimming is rare); returns the rows deleted per table.
+
+        Both tables only grow (one row per sampled index or decided trajectory); the oldest rows
+        are of steps long closed, whose late spans no longer come.
+        """
+        deleted: dict[str, int] = {}
+        with self._write_lock:
+            for table in ("sample_decisions", "trajectory_decisions"):
+                (count,) = self._write.execute(f"SELECT COUNT(*) FROM {table}").fetchone()
+                excess = count - max_rows
+                if excess <= 0:
+                    continue
+                excess += max_rows // 20
+                with self._transaction() as conn:
+                    cutoff = conn.execute(f"SELECT rowid FROM {table} ORDER BY rowid LIMIT 1 OFFSET ?",
+                                          (min(excess, count) - 1,)).fetchone()
+                    if cutoff is None:
+                        continue
+                    deleted[table] = conn.execute(f"DELETE FROM {table} WHERE rowid <= ?", cutoff).rowcount
+        return deleted
+
     def checkpoint(self) -> bool:
         """Moves the WAL into the main file and truncates it, giving its space back to the disk."""
         with self._write_lock:
