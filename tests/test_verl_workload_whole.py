@@ -43,7 +43,7 @@ def metrics(url: str) -> dict[str, float]:
 @pytest.mark.parametrize("mode", ["head", "tail"])
 def test_several_workers_every_trajectory_whole_and_exact_metrics(start_collector, tmp_path, mode):
     """head: VERL's budget at ingest (announced steps: the seeded choice; step -1 per policy version).
-    tail: the same limit decided on whole held steps (step -1 is one step there)."""
+    tail: the same limit decided on whole held steps (step -1 per policy version there too)."""
     extra = {} if mode == "head" else {"tail_sampling": True, "step_idle_s": 0.5, "reward_wait_s": 0.2}
     col = start_collector(max_samples_per_step_per_worker=N, sampling_seed=SEED, **extra)
     procs = []
@@ -69,7 +69,7 @@ def test_several_workers_every_trajectory_whole_and_exact_metrics(start_collecto
 
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
     for t in manifest:
-        version = t["policy_version"] if mode == "head" else None
+        version = t["policy_version"]
         groups[(t["worker"], t["step"], t["validate"], version)].append(t)
 
     kept_spans = dropped_spans = 0
