@@ -550,7 +550,11 @@ def test_page_shows_trajectories_kept_per_rule(start_collector, tracer_to, deeps
             page.locator("[data-testid=apply-filters]").click()
             expect(page).to_have_url(re.compile("kept_because=" + re.escape(rules[0])))
             page.wait_for_selector("[data-testid=traj-row]")
+            deadline = time.monotonic() + 15  # the unfiltered rows stay on screen until the filtered page lands
             kept = page.locator("[data-testid=traj-row] .badge.rule").all_inner_texts()
+            while time.monotonic() < deadline and not (kept and set(kept) == {rules[0]}):
+                time.sleep(0.1)
+                kept = page.locator("[data-testid=traj-row] .badge.rule").all_inner_texts()
             assert kept and set(kept) == {rules[0]}
             b.shot("07-list-kept-because")
             b.check_clean()
