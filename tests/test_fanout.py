@@ -334,7 +334,7 @@ def test_unknown_exporter_is_one_line_and_exit_2(tmp_path):
                               text=True, timeout=60)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1, done.stderr
-        assert "exporters" in lines[0] and "'zipkin'" in lines[0] and "weave, otlp, mlflow" in lines[0]
+        assert "TRACECAR_EXPORTERS" in lines[0] and "'zipkin'" in lines[0] and "weave, otlp, mlflow" in lines[0]
     env["TRACECAR_EXPORTERS"] = "weave,otlp"
     done = subprocess.run([sys.executable, "-m", "tracecar.client.cli", "config"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "TRACECAR_EXPORTERS includes otlp but TRACECAR_OTLP_ENDPOINT is not set" in done.stderr

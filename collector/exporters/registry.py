@@ -49,10 +49,16 @@ EXPORTERS: dict[str, Callable[[Any], Sink]] = {
 EXPORTER_NAMES: tuple[str, ...] = tuple(EXPORTERS)
 
 
+def unknown_exporter(name: str) -> str:
+    return f"TRACECAR_EXPORTERS: unknown exporter {name!r}; known: {', '.join(EXPORTER_NAMES)} (empty: the local store only)"
+
+
 def make_sinks(settings: Any) -> list[Sink]:
     """One sink per configured exporter, in the configured order (empty: local store only)."""
     sinks = []
     for name in settings.effective_exporters:
+        if name not in EXPORTERS:
+            raise RuntimeError(unknown_exporter(name))
         sink = EXPORTERS[name](settings)
         if sink.name != name:  # the name is the spool cursor's key: a mismatch would lose track
             raise RuntimeError(f"exporter {name!r} built a sink named {sink.name!r}")

@@ -119,7 +119,12 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
 def check_backend(settings: CollectorSettings) -> None:
     """Each configured exporter's needs (Weave a key and an entity, OTLP an endpoint, MLflow a
     server): said now, in one line, not as a traceback from ``serve``."""
+    from ..exporters.registry import EXPORTERS, unknown_exporter
+
     exporters = settings.effective_exporters
+    for name in exporters:
+        if name not in EXPORTERS:
+            raise ConfigError(unknown_exporter(name))
     chosen = "TRACECAR_EXPORTERS includes {}" if settings.exporters is not None else "TRACECAR_BACKEND={}"
     if "otlp" in exporters and not settings.otlp_endpoint:
         raise ConfigError(f"{chosen.format('otlp')} but TRACECAR_OTLP_ENDPOINT is not set: give the full /v1/traces URL")
