@@ -338,3 +338,7 @@ def test_unknown_exporter_is_one_line_and_exit_2(tmp_path):
     env["TRACECAR_EXPORTERS"] = "weave,otlp"
     done = subprocess.run([sys.executable, "-m", "tracecar.client.cli", "config"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "TRACECAR_EXPORTERS includes otlp but TRACECAR_OTLP_ENDPOINT is not set" in done.stderr
+    env["TRACECAR_OTLP_ENDPOINT"] = "http://127.0.0.1:9/v1/traces"
+    done = subprocess.run([sys.executable, "-m", "tracecar.client.cli", "config"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "TRACECAR_EXPORTERS includes weave but WANDB_API_KEY is not set" in done.stderr
+    assert "take weave out of TRACECAR_EXPORTERS" in done.stderr

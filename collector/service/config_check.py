@@ -140,14 +140,15 @@ def check_backend(settings: CollectorSettings) -> None:
     if "weave" not in exporters:
         return
     if settings.exporters is not None:
-        why = chosen.format("weave")
+        why, instead = chosen.format("weave"), "take weave out of TRACECAR_EXPORTERS"
     else:
         why = "TRACECAR_BACKEND=weave" if settings.backend == "weave" else "WANDB_API_KEY is set, so the backend is weave"
+        instead = "TRACECAR_BACKEND=local to keep traces in the local store"
     if settings.wandb_api_key is None:
-        raise ConfigError(f"{why} but WANDB_API_KEY is not set: set it, or TRACECAR_BACKEND=local to keep traces in the local store")
+        raise ConfigError(f"{why} but WANDB_API_KEY is not set: set it, or {instead}")
     if not settings.wandb_entity:
         raise ConfigError(f"{why} but no W&B entity is set: set WANDB_ENTITY (or TRACECAR_WANDB_ENTITY) to your team or "
-                          "user name, or TRACECAR_BACKEND=local to keep traces in the local store")
+                          f"user name, or {instead}")
 
 
 def check_tokenizer(settings: CollectorSettings) -> str | None:
