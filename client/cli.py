@@ -268,7 +268,10 @@ def print_decisions(page: dict[str, Any]) -> None:
 
 
 def cmd_dead_letters(args: argparse.Namespace) -> None:
-    print(json.dumps(_get(args, "/v1/dead-letters", {"limit": args.limit}), indent=2))
+    params: dict[str, Any] = {"limit": args.limit}
+    if args.exporter:
+        params["exporter"] = args.exporter
+    print(json.dumps(_get(args, "/v1/dead-letters", params), indent=2))
 
 
 def cmd_quickstart(args: argparse.Namespace) -> None:
@@ -385,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("dead-letters", help="list spans the backend rejected permanently")
     p.add_argument("--url")
     p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--exporter", help="only this exporter's dead letters (a TRACECAR_EXPORTERS name)")
     p.set_defaults(func=cmd_dead_letters)
 
     from .cli_groups_export import add_parsers as add_groups_export_parsers

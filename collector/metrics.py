@@ -25,12 +25,16 @@ class Metrics:
         self.span_warnings = Counter("tracecar_span_warnings", "Spans stored with a recorded warning, by kind.", ["kind"], registry=r)
         self.decoded_tokens = Counter("tracecar_decoded_tokens", "Token ids decoded to text.", registry=r)
         self.decode_failures = Counter("tracecar_decode_failures", "Spans whose decoding failed (stored without text).", ["reason"], registry=r)
-        self.forwarded = Counter("tracecar_spans_forwarded", "Spans delivered to the backend.", ["backend"], registry=r)
-        self.forward_failures = Counter("tracecar_forward_failures", "Failed forward attempts, by kind.", ["kind"], registry=r)
-        self.dead_lettered = Counter("tracecar_spans_dead_lettered", "Spans the backend rejected permanently.", registry=r)
+        # per exporter (label ``exporter``, the TRACECAR_EXPORTERS name; ``backend`` kept for existing dashboards)
+        self.forwarded = Counter("tracecar_spans_forwarded", "Spans delivered, by exporter (backend: the same name, or local).", ["backend", "exporter"], registry=r)
+        self.forward_failures = Counter("tracecar_forward_failures", "Failed forward attempts, by exporter and kind.", ["exporter", "kind"], registry=r)
+        self.dead_lettered = Counter("tracecar_spans_dead_lettered", "Spans an exporter's backend rejected permanently, by exporter.", ["exporter"], registry=r)
+        self.partial_rejected = Counter("tracecar_otlp_partial_rejected_spans", "Spans an OTLP backend refused in a 2xx answer (ExportTraceServiceResponse.partial_success.rejected_spans), by exporter.", ["exporter"], registry=r)
+        self.exporter_pending = Gauge("tracecar_exporter_pending", "Spans an exporter has still to deliver (its delivery cursor's backlog).", ["exporter"], registry=r)
+        self.exporter_backoff = Gauge("tracecar_exporter_backoff_seconds", "The exporter's current retry backoff (0 while delivering).", ["exporter"], registry=r)
         self.auth_failures = Counter("tracecar_auth_failures", "Requests refused for a missing or wrong bearer token, by route.", ["route"], registry=r)
-        self.backend_unreachable = Gauge("tracecar_backend_unreachable", "1 while forwarding to the backend fails (Weave unreachable or refusing), else 0.", registry=r)
-        self.forward_probes = Counter("tracecar_forward_probes", "One-span probes of a failing backend while the spool is at its bound.", registry=r)
+        self.backend_unreachable = Gauge("tracecar_backend_unreachable", "1 while forwarding to the exporter's backend fails (unreachable or refusing), else 0, by exporter.", ["exporter"], registry=r)
+        self.forward_probes = Counter("tracecar_forward_probes", "One-span probes of a failing backend while the spool is at its bound, by exporter.", ["exporter"], registry=r)
         self.store_evicted_trajectories = Counter("tracecar_store_evicted_trajectories", "Forwarded trajectories evicted from the store, by reason (max_bytes, max_age, disk_full).", ["reason"], registry=r)
         self.store_evicted_spans = Counter("tracecar_store_evicted_spans", "Spans of evicted trajectories, by reason.", ["reason"], registry=r)
         self.decisions_evicted = Counter("tracecar_decisions_evicted", "Oldest sampling-decision rows deleted above TRACECAR_DECISIONS_MAX_ROWS, by table.", ["table"], registry=r)
@@ -63,6 +67,15 @@ class Metrics:
         self.held_bytes.set_function(held_bytes)
         self.held_trajectories.set_function(held_trajectories)
         self.open_steps.set_function(open_steps)
+
+    def bind_exporter(self, name: str, pending: Callable[[], float], backoff: Callable[[], float]) -> None:
+        """Per-exporter series exist from the start (at 0), so a dashboard sees every configured one."""
+        for counter in (self.dead_lettered, self.partial_rejected, self.forward_probes):
+            counter.labels(exporter=name)
+        self.forwarded.labels(backend=name, exporter=name)
+        self.backend_unreachable.labels(exporter=name).set(0)
+        self.exporter_pending.labels(exporter=name).set_function(pending)
+        self.exporter_backoff.labels(exporter=name).set_function(backoff)
 
     def bind_spool(self, depth: Callable[[], float], pending_bytes: Callable[[], float], file_bytes: Callable[[], float], dead: Callable[[], float]) -> None:
         self.spool_depth.set_function(depth)

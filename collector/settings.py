@@ -53,6 +53,7 @@ class CollectorSettings(BaseSettings):
     data_dir: Path = Field(Path("./tracecar-data"), description="Directory of the SQLite spool/store.")
     token: SecretStr | None = Field(None, description="Shared bearer token required on every API and viewer route when set.")
     backend: Literal["auto", "local", "weave", "otlp", "mlflow"] = Field("auto", description="Where traces go: weave if WANDB_API_KEY is set (auto), the embedded local store only, an OTLP/HTTP endpoint (otlp), or an MLflow >= 3.6 server (mlflow).")
+    exporters: Annotated[list[str], NoDecode] | None = Field(None, description="Exporters that all get every kept span, each with its own delivery cursor, retries and dead letters: a comma list of weave, otlp, mlflow (empty: local store only); unset: the one TRACECAR_BACKEND names.")
     otlp_endpoint: str | None = Field(None, description="backend=otlp: the full OTLP/HTTP traces URL, e.g. http://127.0.0.1:6006/v1/traces (Phoenix) or .../api/public/otel/v1/traces (Langfuse).")
     otlp_headers: SecretStr | None = Field(None, description="Headers sent with every OTLP (and MLflow) export, k1=v1,k2=v2 (like OTEL_EXPORTER_OTLP_HEADERS); a secret, never logged.")
     otlp_content: bool = Field(True, description="backend=otlp: send message content (gen_ai.input.messages/output.messages, tracecar.inputs/output); off sends structure, timings and usage only.")
@@ -124,6 +125,21 @@ class CollectorSettings(BaseSettings):
     def _split_keys(cls, value: Any) -> Any:
         return parse_keys(value) if isinstance(value, str) else value
 
+    @field_validator("exporters", mode="before")
+    @classmethod
+    def _split_exporters(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("exporters")
+    @classmethod
+    def _no_repeated_exporter(cls, value: list[str] | None) -> list[str] | None:
+        """A name twice would mean two cursors under one key. (Unknown names: config_check, which knows the registry.)"""
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError("names an exporter twice")
+        return value
+
     @field_validator("token", mode="before")
     @classmethod
     def _no_empty_token(cls, value: Any) -> Any:
@@ -172,6 +188,14 @@ class CollectorSettings(BaseSettings):
             return "weave" if self.wandb_api_key is not None else "local"
         return self.backend
 
+    @property
+    def effective_exporters(self) -> list[str]:
+        """The exporters forwarded to: TRACECAR_EXPORTERS, else the one the backend setting names."""
+        if self.exporters is not None:
+            return list(self.exporters)
+        backend = self.effective_backend
+        return [] if backend == "local" else [backend]
+
     def masked(self) -> dict[str, Any]:
         """Effective configuration for printing and the startup log: secrets shown as set/unset."""
         out: dict[str, Any] = {}
@@ -187,6 +211,7 @@ class CollectorSettings(BaseSettings):
                 value = {k: v.model_dump(exclude_unset=True) for k, v in value.items()}
             out[name] = value
         out["effective_backend"] = self.effective_backend
+        out["effective_exporters"] = self.effective_exporters
         return out
 
 

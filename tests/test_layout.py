@@ -92,7 +92,7 @@ def test_the_checker_sees_imports_of_every_kind() -> None:
     edges = graph()
     assert f"{PACKAGE}.spool.store" in edges[f"{PACKAGE}.processors.sampling.tail"]  # from ...spool.store import
     assert f"{PACKAGE}.receivers.receive" in edges[f"{PACKAGE}.receivers.pipeline"]  # from . import receive
-    assert f"{PACKAGE}.exporters.weave_sink" in edges[f"{PACKAGE}.service.app"]  # imported inside a function
+    assert f"{PACKAGE}.exporters.registry" in edges[f"{PACKAGE}.service.config_check"]  # imported inside a function
     assert f"{PACKAGE}.spool.store" in edges[f"{PACKAGE}.viewer"]  # under TYPE_CHECKING
 
 

@@ -338,11 +338,11 @@ def test_empty_response_ids_decode_to_empty_text(start_collector, small_bpe_path
 
 def test_local_mode_counts_spans_forwarded_to_the_local_store(start_collector):
     col = start_collector()
-    assert 'tracecar_spans_forwarded_total{backend="local"} 0.0' in httpx.get(col.url + "/metrics").text
+    assert 'tracecar_spans_forwarded_total{backend="local",exporter="local"} 0.0' in httpx.get(col.url + "/metrics").text
     tracer = configure(col.url, "w0", "local")
     asyncio.run(trajectory(0, 0, reward=1.0))
     assert tracer.flush(20)
-    assert metric(col.url, "tracecar_spans_forwarded_total", '{backend="local"}') == 5
+    assert metric(col.url, "tracecar_spans_forwarded_total", '{backend="local",exporter="local"}') == 5
 
 
 def test_local_mode_counts_tail_released_spans_as_forwarded(start_collector):
@@ -352,10 +352,10 @@ def test_local_mode_counts_tail_released_spans_as_forwarded(start_collector):
     asyncio.run(trajectory(0, 1))
     assert tracer.flush(20)
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and metric(col.url, "tracecar_spans_forwarded_total", '{backend="local"}') < 4:
+    while time.monotonic() < deadline and metric(col.url, "tracecar_spans_forwarded_total", '{backend="local",exporter="local"}') < 4:
         time.sleep(0.1)
     time.sleep(0.5)
-    assert metric(col.url, "tracecar_spans_forwarded_total", '{backend="local"}') == 4  # one trajectory kept
+    assert metric(col.url, "tracecar_spans_forwarded_total", '{backend="local",exporter="local"}') == 4  # one trajectory kept
 
 
 def test_cli_show_prints_the_reward(start_collector):

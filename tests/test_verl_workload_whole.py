@@ -114,4 +114,4 @@ def test_several_workers_every_trajectory_whole_and_exact_metrics(start_collecto
     assert sum(v for k, v in m.items() if k.startswith("tracecar_spans_rejected_total")) == 0
     assert m["tracecar_spans_duplicate_total"] == 0
     assert m["tracecar_memberships_received_total"] == WORKERS * 3  # steps 1, 2 and the validation pass
-    assert m['tracecar_spans_forwarded_total{backend="local"}'] == kept_spans  # what reached the store
+    assert m['tracecar_spans_forwarded_total{backend="local",exporter="local"}'] == kept_spans  # what reached the store

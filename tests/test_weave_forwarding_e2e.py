@@ -115,5 +115,5 @@ def test_rollout_reaches_weave_as_call_trees(start_collector, tracer_to, weave_s
     assert sorted((f["weave_ref"], f["payload"]["reward"]) for f in feedback) == sorted(
         (f"weave:///team/rl/call/{run_of[t]}", float(x)) for t, x in zip(trace_ids, (3, -1)))
     metrics = httpx.get(col.url + "/metrics").text
-    assert 'tracecar_spans_forwarded_total{backend="weave"} 10.0' in metrics
+    assert 'tracecar_spans_forwarded_total{backend="weave",exporter="weave"} 10.0' in metrics
     assert API_KEY not in metrics

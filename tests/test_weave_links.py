@@ -154,7 +154,7 @@ def test_run_step_follows_the_trajectory_and_the_collector_knows_a_default_run(
     steps = {kind: {(c["wb_run_id"], c["wb_run_step"]) for c in got[t]} for kind, t in ids.items()}
     assert steps == {"train": {("team/rl/collector-run", 4)}, "validation": {("team/rl/collector-run", 4)},
                      "async": {("team/rl/collector-run", None)}}
-    assert "tracecar_spans_dead_lettered_total 0.0" in httpx.get(col.url + "/metrics").text
+    assert 'tracecar_spans_dead_lettered_total{exporter="weave"} 0.0' in httpx.get(col.url + "/metrics").text
 
 
 def test_an_offline_wandb_run_in_the_process_is_found(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -443,7 +443,7 @@ def test_the_workload_is_what_it_claims(projects: dict[str, Any]) -> None:
     assert any(exception_of(c) and exception_of(c)["type"] == "RuntimeError" for c in verl.calls)
     assert {c.attributes.get("validate") for c in verl.calls} == {True, False}
     assert len(verl.calls) > 50 and projects["collector"]["client"]["dropped_total"] == 0
-    assert 'tracecar_spans_dead_lettered_total 0.0' in projects["collector"]["metrics"], projects["collector"]["dead"]
+    assert 'tracecar_spans_dead_lettered_total{exporter="weave"} 0.0' in projects["collector"]["metrics"], projects["collector"]["dead"]
 
 
 def test_same_roots_ops_tree_attributes_and_statuses(projects: dict[str, Any]) -> None:

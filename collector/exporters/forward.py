@@ -4,6 +4,10 @@ One batch is in flight at a time, so spans of a trace reach the backend in arriv
 Transient failures (connection errors, 408/429/5xx) back off exponentially with full jitter up
 to a cap, honouring Retry-After; the batch is retried as it was. Spans the backend rejects
 permanently go to the dead-letter table with its reason and never block the rest.
+
+With several exporters there is one Forwarder each (fan-out): each reads its own delivery
+cursor in the spool and has its own backoff, probe and metrics (label ``exporter``), so one
+backend's outage never delays another.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from ..loudness import RateLimited
 from ..metrics import Metrics
 from ..spool.store import Spool
 
@@ -32,6 +37,8 @@ class SendResult:
     rejected: dict[str, str] = field(default_factory=dict)  # span_id -> reason (dead-lettered)
     retry_after: float | None = None  # seconds, the largest Retry-After the backend sent
     retry_reason: str | None = None  # the last retryable failure, for logs (never holds secrets)
+    refused: int = 0  # spans the backend said it refused without naming them (OTLP partial_success)
+    refused_reason: str | None = None
 
 
 class RawJSON(bytes):
@@ -120,6 +127,8 @@ class Forwarder:
         self.keep_forwarded = keep_forwarded
         self.probe_s = probe_s
         self.urgent = urgent or (lambda: False)
+        self.name: str = sink.name  # the exporter: its spool cursor and its metrics label
+        self._refusals = RateLimited(30.0)
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self.backoff_s = 0.0
@@ -150,7 +159,7 @@ class Forwarder:
                 ok, retry_after = False, None
             else:
                 limit = 1 if self._probing else self.batch_spans
-                rows = await asyncio.to_thread(self.spool.next_pending, limit)
+                rows = await asyncio.to_thread(self.spool.next_pending, limit, self.name)
                 if not rows:
                     if deadline is not None:
                         return
@@ -164,7 +173,7 @@ class Forwarder:
                     ok, retry_after = await self._forward(rows)
                 except Exception as exc:  # noqa: BLE001 - one failing batch must not end forwarding for good
                     log.exception("forward: batch failed; retrying after backoff")
-                    self.metrics.forward_failures.labels(kind="internal_error").inc()
+                    self.metrics.forward_failures.labels(exporter=self.name, kind="internal_error").inc()
                     self.last_error = f"internal error: {type(exc).__name__}"
                     ok, retry_after = False, None
             if ok:
@@ -196,9 +205,9 @@ class Forwarder:
                 pass
             if self.urgent() and loop.time() - started >= self.probe_s - 1e-3:
                 if not self._probing:
-                    log.info("forward: spool at its bound and the backend failing; probing every %.1fs", self.probe_s)
+                    log.info("forward to %s: spool at its bound and the backend failing; probing every %.1fs", self.name, self.probe_s)
                 self._probing = True
-                self.metrics.forward_probes.inc()
+                self.metrics.forward_probes.labels(exporter=self.name).inc()
                 return
 
     async def _record_pending_answers(self) -> bool:
@@ -208,7 +217,7 @@ class Forwarder:
             try:
                 await self._write_answer(kind, rows)
             except Exception as exc:  # noqa: BLE001 - e.g. the disk is still full
-                self.metrics.forward_failures.labels(kind="record_failed").inc()
+                self.metrics.forward_failures.labels(exporter=self.name, kind="record_failed").inc()
                 self.last_error = f"recording a delivered batch failed: {type(exc).__name__}: {exc}"
                 return False
             self._unrecorded.pop(0)
@@ -216,9 +225,9 @@ class Forwarder:
 
     async def _write_answer(self, kind: str, rows: Any) -> None:
         if kind == "forwarded":
-            await asyncio.to_thread(self.spool.mark_forwarded, rows, self.keep_forwarded)
+            await asyncio.to_thread(self.spool.mark_forwarded, rows, self.keep_forwarded, self.name)
         else:
-            await asyncio.to_thread(self.spool.mark_dead, rows)
+            await asyncio.to_thread(self.spool.mark_dead, rows, self.name, self.keep_forwarded)
 
     async def _record(self, kind: str, rows: Any) -> None:
         try:
@@ -226,7 +235,7 @@ class Forwarder:
         except Exception as exc:  # noqa: BLE001 - the backend has them: record later, never resend
             log.warning("forward: the backend answered but recording it failed (%s); retrying the record, not the send",
                         type(exc).__name__)
-            self.metrics.forward_failures.labels(kind="record_failed").inc()
+            self.metrics.forward_failures.labels(exporter=self.name, kind="record_failed").inc()
             self._unrecorded.append((kind, rows))
 
     async def _forward(self, rows: list[tuple[int, bytes, int | None, int | None]]) -> tuple[bool, float | None]:
@@ -237,13 +246,13 @@ class Forwarder:
             result = await self.sink.send(spans)
         except Exception as exc:  # noqa: BLE001 - a sink bug must not kill forwarding
             log.exception("forward: sink raised")
-            self.metrics.forward_failures.labels(kind="sink_error").inc()
+            self.metrics.forward_failures.labels(exporter=self.name, kind="sink_error").inc()
             self.last_error = f"sink error: {type(exc).__name__}"
             return False, None
         delivered = [seq_of[sid] for sid in result.delivered if sid in seq_of]
         if delivered:
             self.last_send_s = asyncio.get_running_loop().time() - sent_at
-            self.metrics.forwarded.labels(backend=self.sink.name).inc(len(delivered))
+            self.metrics.forwarded.labels(backend=self.name, exporter=self.name).inc(len(delivered))
             await self._record("forwarded", delivered)
         if result.rejected:
             by_id = {s["span_id"]: s for s in spans}
@@ -251,17 +260,30 @@ class Forwarder:
                 (seq_of[sid], sid, by_id[sid].get("trace_id", ""), by_id[sid].get("name", ""), reason)
                 for sid, reason in result.rejected.items() if sid in seq_of
             ]
-            self.metrics.dead_lettered.inc(len(dead))
-            log.warning("forward: %d spans dead-lettered: %s", len(dead), next(iter(result.rejected.values())))
+            self.metrics.dead_lettered.labels(exporter=self.name).inc(len(dead))
+            log.warning("forward to %s: %d spans dead-lettered: %s", self.name, len(dead), next(iter(result.rejected.values())))
             await self._record("dead", dead)
+        if result.refused:
+            self._count_refused(result.refused, result.refused_reason)
         if self._unrecorded:
             return False, None
         if result.retryable:
-            self.metrics.forward_failures.labels(kind="retryable").inc()
+            self.metrics.forward_failures.labels(exporter=self.name, kind="retryable").inc()
             self.last_error = result.retry_reason or "retryable failure"
             return False, result.retry_after
         self.last_error = None
         return True, None
+
+
+    def _count_refused(self, n: int, reason: str | None) -> None:
+        """A backend that refused spans without naming them: counted, logged at most every 30 s."""
+        self.metrics.partial_rejected.labels(exporter=self.name).inc(n)
+        count = self._refusals.hit()
+        if count is not None:
+            log.warning("forward to %s: the backend refused spans in %d answer(s) (partial success; latest: %s); "
+                        "further refusals are logged at most once every %g s", self.name, count, reason or "no reason given",
+                        self._refusals.interval_s,
+                        extra={"event": "forward_partial_rejected", "exporter": self.name, "rejected_spans": n})
 
 
 class NullSink:

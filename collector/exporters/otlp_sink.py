@@ -118,11 +118,10 @@ class OtlpSink:
             return SendResult(delivered=ids)
         reason = (f"{self.name}: partial success, {rejected} of {len(ids)} spans rejected: "
                   f"{answer.partial_success.error_message[:_MAX_REASON]}")
-        log.warning(reason)
         if rejected >= len(ids):
-            return SendResult(rejected={i: reason for i in ids})
-        # OTLP does not name the refused spans: keep them all delivered and count the refusal loudly
-        return SendResult(delivered=ids)
+            return SendResult(rejected={i: reason for i in ids}, refused=rejected, refused_reason=reason)
+        # OTLP does not name the refused spans: keep them all delivered; the forwarder counts and logs the refusal
+        return SendResult(delivered=ids, refused=rejected, refused_reason=reason)
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -20,6 +20,7 @@ from starlette.requests import ClientDisconnect
 from tracecar.client import __version__
 
 from ..exporters.forward import Forwarder, NullSink, Sink, SpoolTrajectories
+from ..exporters.registry import make_sinks
 from ..json_out import dumps_deep
 from ..loudness import AuthFailures, WatchedSink
 from ..metrics import Metrics
@@ -39,54 +40,47 @@ from .auth import BearerAuth
 log = logging.getLogger("tracecar.collector")
 
 
-def make_sink(settings: CollectorSettings) -> Sink:
-    """The backend spans are forwarded to: Weave with credentials, OTLP, MLflow, else none (local store)."""
-    if settings.effective_backend == "otlp":
-        from ..exporters.otlp_sink import make_otlp_sink
-
-        return make_otlp_sink(settings)
-    if settings.effective_backend == "mlflow":
-        from ..exporters.otlp_sink import make_mlflow_sink
-
-        return make_mlflow_sink(settings)
-    if settings.effective_backend != "weave":
-        return NullSink()
-    from ..exporters.weave_sink import WeaveSink  # imported only when forwarding to Weave
-
-    if settings.wandb_api_key is None:
-        raise RuntimeError("backend=weave needs WANDB_API_KEY")
-    if not settings.wandb_entity:
-        raise RuntimeError("backend=weave needs TRACECAR_WANDB_ENTITY (the W&B entity of the project)")
-    return WeaveSink(
-        api_key=settings.wandb_api_key.get_secret_value(), entity=settings.wandb_entity,
-        project=settings.wandb_project or "tracecar", server_url=settings.weave_server_url,
-        wb_run_id=settings.wandb_run_id,
-    )
-
-
 class Collector:
     """Everything one collector process owns; the app's lifespan opens and closes it."""
 
-    def __init__(self, settings: CollectorSettings, sink: Sink | None = None) -> None:
+    def __init__(self, settings: CollectorSettings, sink: Sink | None = None, sinks: list[Sink] | None = None) -> None:
         self.settings = settings
         self.metrics = Metrics()
-        self.sink = sink if sink is not None else make_sink(settings)
-        self.spool = Spool(settings.spool_path, local_only=isinstance(self.sink, NullSink), sync=settings.spool_sync)
-        if hasattr(self.sink, "trajectories") and self.sink.trajectories is None:
-            self.sink.trajectories = SpoolTrajectories(self.spool)  # kept_because, feedback targets
+        built = list(sinks) if sinks is not None else [sink] if sink is not None else make_sinks(settings)
+        local_only = all(isinstance(s, NullSink) for s in built)
+        self.sinks: list[Sink] = built if not local_only else [NullSink()]
+        names = [s.name for s in self.sinks]
+        if len(set(names)) != len(names):
+            raise RuntimeError(f"two exporters share a name ({', '.join(names)}): each needs its own delivery cursor")
+        self.sink = self.sinks[0]
+        self.spool = Spool(settings.spool_path, local_only=local_only, sync=settings.spool_sync,
+                           exporters=() if local_only else names)
+        for s in self.sinks:
+            if hasattr(s, "trajectories") and s.trajectories is None:
+                s.trajectories = SpoolTrajectories(self.spool)  # kept_because, feedback targets
         self.pipeline = IngestPipeline(settings, self.spool, self.metrics)
-        # the forwarder sends through a watcher that logs outages (rate-limited) and feeds /readyz
-        self.watched_sink = WatchedSink(self.sink, self.metrics.backend_unreachable)
         self.auth_failures = AuthFailures(self.metrics.auth_failures)
-        self.forwarder = Forwarder(
-            self.spool, self.watched_sink, self.metrics, batch_spans=settings.forward_batch_spans,
-            retry_initial_s=settings.forward_retry_initial_s, retry_max_s=settings.forward_retry_max_s,
-            keep_forwarded=settings.keep_forwarded, probe_s=settings.forward_probe_s,
-            urgent=self.pipeline.at_capacity,
-        )
-        self.pipeline.on_committed.append(self.forwarder.notify)
+        # one forwarder per exporter (fan-out), each sending through a watcher that logs its
+        # outages (rate-limited) and feeds /readyz
+        self.watched_sinks: list[WatchedSink] = []
+        self.forwarders: list[Forwarder] = []
+        for s in self.sinks:
+            watched = WatchedSink(s, self.metrics.backend_unreachable.labels(exporter=s.name))
+            forwarder = Forwarder(
+                self.spool, watched, self.metrics, batch_spans=settings.forward_batch_spans,
+                retry_initial_s=settings.forward_retry_initial_s, retry_max_s=settings.forward_retry_max_s,
+                keep_forwarded=settings.keep_forwarded, probe_s=settings.forward_probe_s,
+                urgent=self.pipeline.at_capacity,
+            )
+            self.watched_sinks.append(watched)
+            self.forwarders.append(forwarder)
+            self.pipeline.on_committed.append(forwarder.notify)
+            if not local_only:
+                self.metrics.bind_exporter(s.name, lambda n=s.name: self.spool.owed_count(n),
+                                           lambda f=forwarder: f.backoff_s)
+        self.watched_sink, self.forwarder = self.watched_sinks[0], self.forwarders[0]  # the first (or only) one
         if self.spool.local_only:  # the store is the destination: count what reaches it as forwarded
-            stored = self.metrics.forwarded.labels(backend="local")
+            stored = self.metrics.forwarded.labels(backend="local", exporter="local")
             self.spool.on_stored = stored.inc
         self.retention = Retention(self.spool, self.metrics, max_bytes=settings.store_max_bytes,
                                    max_age_s=settings.store_max_age_s, evict_on_disk_full=not self.spool.local_only,
@@ -99,12 +93,12 @@ class Collector:
             self.spool.size_bytes, self.spool.dead_count,
         )
         self.ready = False
-        self._forward_task: asyncio.Task[None] | None = None
+        self._forward_tasks: list[asyncio.Task[None]] = []
         self._select_task: asyncio.Task[None] | None = None
         self._retention_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._forward_task = asyncio.create_task(self.forwarder.run(), name="tracecar-forwarder")
+        self._forward_tasks = [asyncio.create_task(f.run(), name=f"tracecar-forwarder-{f.name}") for f in self.forwarders]
         await asyncio.to_thread(self.retention.take_reserve)
         self._retention_task = asyncio.create_task(self.retention.run(), name="tracecar-retention")
         if self.pipeline.selection is not None:  # tail-based budgets: decide held steps
@@ -128,29 +122,41 @@ class Collector:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._select_task
             await self.pipeline.finish_selection()
-        self.forwarder.stop()
+        for forwarder in self.forwarders:
+            forwarder.stop()
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + self.settings.shutdown_drain_s
-        if self._forward_task is not None:
+        if self._forward_tasks:
             # A forward in flight counts against the drain budget (a hung backend must not hold
             # SIGTERM for the sink's whole timeout); cut off, its batch simply stays pending.
-            await asyncio.wait({self._forward_task}, timeout=self.settings.shutdown_drain_s)
-            self._forward_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._forward_task
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.forwarder.run(deadline=deadline), timeout=max(0.0, deadline - loop.time()))
+            await asyncio.wait(set(self._forward_tasks), timeout=self.settings.shutdown_drain_s)
+            for task in self._forward_tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        with contextlib.suppress(asyncio.TimeoutError):  # every exporter drains at once, to one deadline
+            await asyncio.wait_for(asyncio.gather(*(f.run(deadline=deadline) for f in self.forwarders)),
+                                   timeout=max(0.0, deadline - loop.time()))
         log.info("drained", extra={"event": "drained", "left_in_spool": self.spool.pending_count,
                                    "drain_s": round(loop.time() - started, 3)})
-        await self.sink.aclose()
+        for s in self.sinks:
+            with contextlib.suppress(Exception):
+                await s.aclose()
         self.pipeline.close()
         self.spool.close()
 
 
-def create_app(settings: CollectorSettings | None = None, sink: Sink | None = None) -> FastAPI:
+    def exporter_states(self) -> dict[str, Any]:
+        """Per exporter, for /readyz: reachable, backlog, backoff, last error."""
+        return {f.name: {**w.details(), "pending": self.spool.owed_count(f.name), "backoff_s": f.backoff_s,
+                         "last_forward_error": f.last_error}
+                for f, w in zip(self.forwarders, self.watched_sinks) if not self.spool.local_only}
+
+
+def create_app(settings: CollectorSettings | None = None, sink: Sink | None = None, sinks: list[Sink] | None = None) -> FastAPI:
     settings = settings or CollectorSettings()
-    collector = Collector(settings, sink)
+    collector = Collector(settings, sink, sinks)
     auth = BearerAuth(settings.token.get_secret_value() if settings.token else None, on_failure=collector.auth_failures)
 
     @contextlib.asynccontextmanager
@@ -202,7 +208,8 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
     async def readyz() -> Any:
         body = {"ready": collector.ready, "spool_depth": collector.spool.pending_count,
                 "forward_backoff_s": collector.forwarder.backoff_s, "last_forward_error": collector.forwarder.last_error,
-                "forwarding": collector.watched_sink.details(), "auth_failures": collector.auth_failures.details()}
+                "forwarding": collector.watched_sink.details(), "exporters": collector.exporter_states(),
+                "auth_failures": collector.auth_failures.details()}
         return _json(body, status_code=200 if collector.ready else 503)
 
     @app.get("/metrics")
@@ -244,10 +251,14 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         return await asyncio.to_thread(check_tokenizer_name, collector, name)
 
     @app.get("/v1/dead-letters", dependencies=[Depends(auth)])
-    async def dead_letters(limit: int = Query(100, ge=1, le=10000)) -> Any:
-        """Spans the backend rejected permanently, with its reason."""
-        rows = await asyncio.to_thread(collector.spool.dead_letters, limit)
-        return {"count": await asyncio.to_thread(collector.spool.dead_count), "dead_letters": rows}
+    async def dead_letters(limit: int = Query(100, ge=1, le=10000), exporter: str | None = Query(None, max_length=64)) -> Any:
+        """Spans a backend rejected permanently, with its reason and exporter (``exporter``: one only)."""
+        known = [s.name for s in collector.sinks]
+        if exporter is not None and exporter not in known:
+            reason = f"no exporter {exporter!r} here (configured: {', '.join(known)})"
+            raise HTTPException(422, detail={"field": "exporter", "reason": reason})
+        rows = await asyncio.to_thread(collector.spool.dead_letters, limit, exporter)
+        return {"count": await asyncio.to_thread(collector.spool.dead_count, exporter), "dead_letters": rows}
 
     # OTLP/HTTP in (vLLM/SGLang engine spans, any OpenTelemetry SDK): same pipeline, same token
     app.include_router(build_otlp_router(collector, auth, _read_body))

@@ -117,26 +117,38 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
 
 
 def check_backend(settings: CollectorSettings) -> None:
-    """Weave needs a key and an entity, OTLP an endpoint, MLflow a server: say so now, not as a traceback from ``serve``."""
-    if settings.effective_backend == "otlp" and not settings.otlp_endpoint:
-        raise ConfigError("TRACECAR_BACKEND=otlp but TRACECAR_OTLP_ENDPOINT is not set: give the full /v1/traces URL")
-    if settings.effective_backend == "mlflow" and not (settings.mlflow_tracking_uri or "").startswith(("http://", "https://")):
-        raise ConfigError("TRACECAR_BACKEND=mlflow but TRACECAR_MLFLOW_TRACKING_URI is not an http(s) URL of an MLflow >= 3.6 server")
-    if settings.effective_backend in ("otlp", "mlflow") and settings.otlp_headers is not None:
+    """Each configured exporter's needs (Weave a key and an entity, OTLP an endpoint, MLflow a
+    server): said now, in one line, not as a traceback from ``serve``."""
+    from ..exporters.registry import EXPORTERS, unknown_exporter
+
+    exporters = settings.effective_exporters
+    for name in exporters:
+        if name not in EXPORTERS:
+            raise ConfigError(unknown_exporter(name))
+    chosen = "TRACECAR_EXPORTERS includes {}" if settings.exporters is not None else "TRACECAR_BACKEND={}"
+    if "otlp" in exporters and not settings.otlp_endpoint:
+        raise ConfigError(f"{chosen.format('otlp')} but TRACECAR_OTLP_ENDPOINT is not set: give the full /v1/traces URL")
+    if "mlflow" in exporters and not (settings.mlflow_tracking_uri or "").startswith(("http://", "https://")):
+        raise ConfigError(f"{chosen.format('mlflow')} but TRACECAR_MLFLOW_TRACKING_URI is not an http(s) URL of an MLflow >= 3.6 server")
+    if {"otlp", "mlflow"} & set(exporters) and settings.otlp_headers is not None:
         from ..exporters.otlp_sink import parse_headers
 
         try:
             parse_headers(settings.otlp_headers.get_secret_value())
         except ValueError as exc:
             raise ConfigError(f"TRACECAR_OTLP_HEADERS: {exc}") from None
-    if settings.effective_backend != "weave":
+    if "weave" not in exporters:
         return
-    why = "TRACECAR_BACKEND=weave" if settings.backend == "weave" else "WANDB_API_KEY is set, so the backend is weave"
+    if settings.exporters is not None:
+        why, instead = chosen.format("weave"), "take weave out of TRACECAR_EXPORTERS"
+    else:
+        why = "TRACECAR_BACKEND=weave" if settings.backend == "weave" else "WANDB_API_KEY is set, so the backend is weave"
+        instead = "TRACECAR_BACKEND=local to keep traces in the local store"
     if settings.wandb_api_key is None:
-        raise ConfigError(f"{why} but WANDB_API_KEY is not set: set it, or TRACECAR_BACKEND=local to keep traces in the local store")
+        raise ConfigError(f"{why} but WANDB_API_KEY is not set: set it, or {instead}")
     if not settings.wandb_entity:
         raise ConfigError(f"{why} but no W&B entity is set: set WANDB_ENTITY (or TRACECAR_WANDB_ENTITY) to your team or "
-                          "user name, or TRACECAR_BACKEND=local to keep traces in the local store")
+                          f"user name, or {instead}")
 
 
 def check_tokenizer(settings: CollectorSettings) -> str | None:

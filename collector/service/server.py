@@ -111,6 +111,7 @@ def serve(settings: CollectorSettings) -> None:
     log.info("tracecar collector starting", extra={
         "event": "startup", "version": __version__, "bind": f"{settings.host}:{settings.port}",
         "store": str(settings.spool_path), "backend": settings.effective_backend,
+        "exporters": settings.effective_exporters,
         "token2text": settings.token2text, "tokenizer": settings.tokenizer,
         "max_samples_per_step_per_worker": settings.max_samples_per_step_per_worker,
         "spool_max_bytes": settings.spool_max_bytes, "auth": settings.token is not None,

@@ -8,6 +8,8 @@ step's decision, see tracecar.collector.processors.sampling): a decision moves a
 pending and deletes a dropped one's, in the same transaction as its ``trajectory_decisions``
 rows, so budgets stay exact across restarts. ``span_id`` is unique, so a client's retry of a batch the
 collector already took is dropped as a duplicate instead of being forwarded twice.
+With several exporters, each has its own delivery cursor (:mod:`.deliveries`); a span stays
+pending until every one of them took it or dead-lettered it.
 All writes go through one connection on one thread; reads use their own connection.
 """
 
@@ -24,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+from . import deliveries
 
 PENDING, DONE, DEAD, HELD = 0, 1, 2, 3
 
@@ -60,11 +64,13 @@ CREATE INDEX IF NOT EXISTS spans_pending ON spans(seq) WHERE state = 0;
 CREATE INDEX IF NOT EXISTS spans_trace ON spans(trace_id);
 CREATE INDEX IF NOT EXISTS spans_roots ON spans(experiment, step, sample_index, rollout_n) WHERE parent_id IS NULL AND kind != 'annotation';
 CREATE TABLE IF NOT EXISTS dead_letters (
-    span_id TEXT PRIMARY KEY,
+    span_id TEXT NOT NULL,
+    exporter TEXT NOT NULL,
     trace_id TEXT,
     name TEXT,
     reason TEXT NOT NULL,
-    failed_at REAL NOT NULL
+    failed_at REAL NOT NULL,
+    PRIMARY KEY (span_id, exporter)
 );
 CREATE INDEX IF NOT EXISTS spans_held ON spans(seq) WHERE state = 3;
 CREATE TABLE IF NOT EXISTS trajectory_decisions (
@@ -174,10 +180,13 @@ def _policy_version(span: dict[str, Any]) -> int | None:
 class Spool:
     """Thread-safe spool. Writes are serialised by a lock (callers run them in one executor)."""
 
-    def __init__(self, path: Path, *, local_only: bool, sync: str = "normal") -> None:
+    def __init__(self, path: Path, *, local_only: bool, sync: str = "normal", exporters: Sequence[str] = ()) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.local_only = local_only
+        self.exporters = tuple(exporters)
+        # two or more destinations: a delivery cursor each (the deliveries table), else the state column alone
+        self.multi = len(self.exporters) >= 2 and not local_only
         self._write = _connect(path, sync)
         self._write.executescript(SCHEMA)
         columns = {name for _, name, *_ in self._write.execute("PRAGMA table_info(spans)")}
@@ -191,6 +200,10 @@ class Spool:
         decision_columns = {name for _, name, *_ in self._write.execute("PRAGMA table_info(trajectory_decisions)")}
         if "policy_version" not in decision_columns:
             self._write.execute("ALTER TABLE trajectory_decisions ADD COLUMN policy_version INTEGER")
+        # spools from before fan-out: dead letters rekeyed by (span, exporter), cursors reconciled
+        deliveries.migrate_dead_letters(self._write, self.exporters[0] if len(self.exporters) == 1 else "")
+        deliveries.reconcile(self._write, self.exporters if self.multi else self.exporters[:1])
+        self.owed: dict[str, int] = {}  # multi: spans each exporter still owes
         self._read = _connect(path, sync)
         # Local mode: called with the number of rows that just reached the store (state done)
         self.on_stored: Callable[[int], None] | None = None
@@ -238,6 +251,7 @@ class Spool:
             with self._transaction() as conn:
                 known = self._existing_ids(conn, [r.span["span_id"] for r in rows])
                 fresh = [r for r in rows if r.span["span_id"] not in known]
+                last_seq = conn.execute("SELECT COALESCE(MAX(seq), 0) FROM spans").fetchone()[0] if self.multi else 0
                 conn.executemany(
                     "INSERT INTO spans (span_id, trace_id, parent_id, name, kind, worker, project, entity,"
                     " experiment, step, sample_index, rollout_n, validate, start_time, end_time, has_error, reward,"
@@ -245,6 +259,7 @@ class Spool:
                     " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     [_row_params(r, state, now) for r in fresh],
                 )
+                owed = deliveries.owe_new(conn, self.exporters, last_seq) if self.multi and fresh else 0
                 conn.executemany(
                     "INSERT OR IGNORE INTO sample_decisions (budget_key, sample_index, keep) VALUES (?,?,?)",
                     [(k, i, int(keep)) for k, i, keep in decisions],
@@ -263,6 +278,7 @@ class Spool:
             if state == PENDING:
                 self.pending_count += len(fresh) - len(held)
                 self.pending_bytes += new_bytes - held_bytes
+                self._owe(owed)
             elif self.on_stored is not None and len(fresh) > len(held):
                 self.on_stored(len(fresh) - len(held))
         duplicate_ids = [r.span["span_id"] for r in rows if r.span["span_id"] in known]
@@ -308,6 +324,7 @@ class Spool:
                     conn.execute("UPDATE spans SET payload = ?, nbytes = ?, inputs_at = NULL, output_at = NULL"
                                  " WHERE span_id = ?", (payload, len(payload), span_id))
                     delta_bytes += len(payload) - old[0]
+                owed = deliveries.owe_held(conn, self.exporters, kept) if self.multi and target == PENDING else 0
                 moved, moved_bytes = _apply_to_held(conn, kept, "UPDATE spans SET state = ?", (target,))
                 gone, gone_bytes = _apply_to_held(conn, dropped, "DELETE FROM spans", ())
                 conn.executemany(
@@ -323,6 +340,7 @@ class Spool:
             if target == PENDING:
                 self.pending_count += moved
                 self.pending_bytes += moved_bytes
+                self._owe(owed)
             elif self.on_stored is not None and moved:
                 self.on_stored(moved)
         return moved, gone, gone_bytes
@@ -415,33 +433,73 @@ class Spool:
             ).fetchall()
 
     # ---- forwarding ----------------------------------------------------------------------
-    def next_pending(self, limit: int) -> list[tuple[int, bytes, int | None, int | None]]:
-        """Oldest pending spans first, so each trace is delivered in arrival order.
+    def _owe(self, per_exporter: int) -> None:
+        if self.multi:
+            for name in self.exporters:
+                self.owed[name] = self.owed.get(name, 0) + per_exporter
+
+    def next_pending(self, limit: int, exporter: str | None = None) -> list[tuple[int, bytes, int | None, int | None]]:
+        """Oldest pending spans first (of ``exporter``'s cursor, with several), so each trace is
+        delivered in arrival order.
 
         Rows are (seq, payload, inputs_at, output_at); the offsets are None for payloads that
         were rewritten after ingest (tail-based decisions) or written by an older version.
         """
         with self._read_lock:
+            if self.multi:
+                return deliveries.next_owed(self._read, self._cursor(exporter), limit)
             return self._read.execute(
                 "SELECT seq, payload, inputs_at, output_at FROM spans WHERE state = 0 ORDER BY seq LIMIT ?", (limit,)
             ).fetchall()
 
-    def mark_forwarded(self, seqs: Sequence[int], keep: bool) -> None:
+    def _cursor(self, exporter: str | None) -> str:
+        if exporter not in self.exporters:
+            raise ValueError(f"no delivery cursor for exporter {exporter!r} (configured: {', '.join(self.exporters)})")
+        return exporter
+
+    def mark_forwarded(self, seqs: Sequence[int], keep: bool, exporter: str | None = None) -> None:
+        if self.multi:
+            self._settle(self._cursor(exporter), seqs, (), keep)
+            return
         self._finish(seqs, keep=keep)
 
-    def mark_dead(self, dead: Sequence[tuple[int, str, str, str, str]]) -> None:
+    def mark_dead(self, dead: Sequence[tuple[int, str, str, str, str]], exporter: str | None = None,
+                  keep: bool = True) -> None:
         """Moves permanently rejected spans to the dead-letter table with the backend's reason."""
         if not dead:
             return
+        if self.multi:
+            self._settle(self._cursor(exporter), [d[0] for d in dead], dead, keep)
+            return
         now = time.time()
+        name = exporter or (self.exporters[0] if self.exporters else "")
         with self._write_lock:
             with self._transaction() as conn:
-                conn.executemany(
-                    "INSERT OR REPLACE INTO dead_letters (span_id, trace_id, name, reason, failed_at) VALUES (?,?,?,?,?)",
-                    [(sid, tid, name, reason, now) for _, sid, tid, name, reason in dead],
-                )
+                self._insert_dead(conn, name, dead, now)
                 n, nbytes = self._set_state(conn, [d[0] for d in dead], DEAD)
             self._pending_done(n, nbytes, deleted=False)
+
+    @staticmethod
+    def _insert_dead(conn: sqlite3.Connection, exporter: str, dead: Sequence[tuple[int, str, str, str, str]], now: float) -> None:
+        conn.executemany(
+            "INSERT OR REPLACE INTO dead_letters (span_id, exporter, trace_id, name, reason, failed_at) VALUES (?,?,?,?,?,?)",
+            [(sid, exporter, tid, name, reason, now) for _, sid, tid, name, reason in dead],
+        )
+
+    def _settle(self, exporter: str, seqs: Sequence[int], dead: Sequence[tuple[int, str, str, str, str]], keep: bool) -> None:
+        """Several exporters: this one's answer for ``seqs``; spans nobody owes any more leave pending."""
+        if not seqs:
+            return
+        with self._write_lock:
+            with self._transaction() as conn:
+                if dead:
+                    self._insert_dead(conn, exporter, dead, time.time())
+                removed, n, nbytes, deleted = deliveries.settle(
+                    conn, self.exporters, exporter, seqs, {d[1] for d in dead}, keep)
+            self.owed[exporter] = self.owed.get(exporter, 0) - removed
+            self.pending_count -= n
+            self.pending_bytes -= nbytes
+            self.stored_bytes -= deleted
 
     def _finish(self, seqs: Sequence[int], keep: bool) -> None:
         if not seqs:
@@ -489,6 +547,12 @@ class Spool:
         with self._write_lock:
             (self.pending_count, self.pending_bytes, self.stored_bytes, self.held_count,
              self.held_bytes) = self._write.execute(_COUNTS_SQL).fetchone()
+            if self.multi:
+                self.owed = deliveries.owed_counts(self._write, self.exporters)
+
+    def owed_count(self, exporter: str) -> int:
+        """Spans ``exporter`` has still to take (with one exporter: every pending span)."""
+        return self.owed.get(exporter, 0) if self.multi else self.pending_count
 
     # ---- retention of forwarded spans -----------------------------------------------------
     def used_bytes(self) -> int:
@@ -589,10 +653,14 @@ class Spool:
             cols = [c[0] for c in cur.description or ()]
             return [dict(zip(cols, row)) for row in cur.fetchall()]  # type: ignore[misc]
 
-    def dead_letters(self, limit: int = 100) -> list[dict[str, Any]]:
-        return self.query("SELECT span_id, trace_id, name, reason, failed_at FROM dead_letters ORDER BY failed_at DESC LIMIT ?", (limit,))
+    def dead_letters(self, limit: int = 100, exporter: str | None = None) -> list[dict[str, Any]]:
+        where, params = ("WHERE exporter = ? ", (exporter,)) if exporter is not None else ("", ())
+        return self.query("SELECT span_id, exporter, trace_id, name, reason, failed_at FROM dead_letters "
+                          f"{where}ORDER BY failed_at DESC LIMIT ?", (*params, limit))
 
-    def dead_count(self) -> int:
+    def dead_count(self, exporter: str | None = None) -> int:
+        if exporter is not None:
+            return self.query("SELECT COUNT(*) AS n FROM dead_letters WHERE exporter = ?", (exporter,))[0]["n"]
         return self.query("SELECT COUNT(*) AS n FROM dead_letters")[0]["n"]
 
     def size_bytes(self) -> int:
