@@ -67,8 +67,9 @@ def span_from_row(payload: bytes, inputs_at: int | None, output_at: int | None) 
 class SpoolTrajectories:
     """What a sink may ask the spool about trajectories (reads only, on the read connection)."""
 
-    def __init__(self, spool: Spool) -> None:
+    def __init__(self, spool: Spool, exporter: str | None = None) -> None:
         self.spool = spool
+        self.exporter = exporter  # whose dead letters are not calls (with fan-out, others may have taken them)
 
     def kept_because(self, trace_ids: list[str]) -> dict[str, str]:
         """The rule that kept each tail-decided trajectory (its ``trajectory_decisions`` row)."""
@@ -88,7 +89,9 @@ class SpoolTrajectories:
         for trace_id in trace_ids:
             rows = self.spool.query(
                 "SELECT span_id, parent_id, kind FROM spans WHERE trace_id = ? AND state != 2 "
-                "AND kind != 'annotation' AND (parent_id IS NULL OR parent_id = ?) ORDER BY seq", (trace_id, trace_id))
+                "AND kind != 'annotation' AND (parent_id IS NULL OR parent_id = ?) AND NOT EXISTS "
+                "(SELECT 1 FROM dead_letters d WHERE d.span_id = spans.span_id AND d.exporter = ?) ORDER BY seq",
+                (trace_id, trace_id, self.exporter or ""))
             root = next((r for r in rows if r["parent_id"] is None), None)
             if root is not None and root["kind"] != "trajectory":
                 out[trace_id] = [root["span_id"]]

@@ -57,7 +57,7 @@ class Collector:
                            exporters=() if local_only else names)
         for s in self.sinks:
             if hasattr(s, "trajectories") and s.trajectories is None:
-                s.trajectories = SpoolTrajectories(self.spool)  # kept_because, feedback targets
+                s.trajectories = SpoolTrajectories(self.spool, s.name)  # kept_because, feedback targets
         self.pipeline = IngestPipeline(settings, self.spool, self.metrics)
         self.auth_failures = AuthFailures(self.metrics.auth_failures)
         # one forwarder per exporter (fan-out), each sending through a watcher that logs its
