@@ -110,7 +110,7 @@ def serve(settings: CollectorSettings) -> None:
     c = server.collector
     log.info("tracecar collector starting", extra={
         "event": "startup", "version": __version__, "bind": f"{settings.host}:{settings.port}",
-        "store": str(settings.spool_path), "backend": settings.effective_backend,
+        "store": str(settings.spool_path), "backend": ",".join(settings.effective_exporters) or "local",
         "exporters": settings.effective_exporters,
         "token2text": settings.token2text, "tokenizer": settings.tokenizer,
         "max_samples_per_step_per_worker": settings.max_samples_per_step_per_worker,
