@@ -637,3 +637,56 @@ def test_an_unmarked_trajectory_keeps_its_root_call(weave_stub: WeaveStub) -> No
     assert root["parent_id"] is None and root["id"] == root["trace_id"]
     assert loop["parent_id"] == root["id"] and tool["parent_id"] == loop["id"]
     assert {c["trace_id"] for c in calls.values()} == {root["id"]} and loop["thread_id"] is None
+
+
+def _engine_span(parent: dict[str, Any], n: int) -> dict[str, Any]:
+    """A vLLM ``llm_request`` span joined under ``parent`` as the OTLP receiver stores it: no place mark."""
+    return {"trace_id": parent["trace_id"], "worker": "w0", "project": None, "entity": None, "span_id": sid(n),
+            "parent_id": parent["span_id"], "name": "llm_request", "kind": "op", "start_time": parent["start_time"],
+            "end_time": parent["end_time"], "attributes": {"otel": {"scope": "vllm"}, "gen_ai.usage.output_tokens": 3},
+            "inputs": {}, "output": None, "exception": None}
+
+
+class _Marks:
+    """The spool's side of the lookup (forward.SpoolTrajectories.marks) for a parent sent long ago."""
+
+    def __init__(self, spans: list[dict[str, Any]]) -> None:
+        self.by_id = {s["span_id"]: s["attributes"]["tracecar"] for s in spans if "tracecar" in s["attributes"]}
+        self.asked: list[str] = []
+
+    def kept_because(self, trace_ids: list[str]) -> dict[str, str]:
+        return {}
+
+    def top_calls(self, trace_ids: list[str]) -> dict[str, list[str]]:
+        return {}
+
+    def marks(self, span_ids: list[str]) -> dict[str, dict[str, Any]]:
+        self.asked.extend(span_ids)
+        return {i: self.by_id[i] for i in span_ids if i in self.by_id}
+
+
+def test_an_engine_span_lands_in_its_generate_calls_weave_trace(weave_stub: WeaveStub) -> None:
+    """An OTLP engine span under a tool (a turn) or under the agent loop itself goes into the
+    agent loop's Weave trace, whether its parent is in the same batch, was sent by this sink
+    earlier, or is only in the spool (a restart): never into a trace of its own."""
+    spans = trajectory()
+    loop, tool = spans[1], spans[2]
+    under_tool, under_loop, after_restart = _engine_span(tool, 20), _engine_span(loop, 21), _engine_span(tool, 22)
+    lookup = _Marks(spans)
+
+    async def go() -> None:
+        async with sink(weave_stub, publish_ops=False) as s:
+            await s.send([tool, under_tool])  # parent in the batch
+            await s.send([loop, spans[0]])
+            await s.send([under_loop])  # parent sent earlier by this sink
+        async with sink(weave_stub, publish_ops=False, trajectories=lookup) as s:  # a fresh sink: the spool knows
+            await s.send([after_restart])
+    run(go())
+    calls = {c["id"]: c for c in weave_stub.completed_calls()}
+    root_id = weave_call_id(loop["span_id"])
+    for engine, turn in ((under_tool, tool), (under_loop, None), (after_restart, tool)):
+        call = calls[weave_call_id(engine["span_id"])]
+        assert call["trace_id"] == root_id and call["parent_id"] == weave_call_id(engine["parent_id"])
+        assert call["thread_id"] == spans[0]["span_id"]
+        assert call["turn_id"] == weave_call_id(turn["span_id"] if turn else engine["span_id"])
+    assert lookup.asked == [tool["span_id"]]

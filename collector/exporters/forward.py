@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import orjson
 
+from tracecar.client.tracing import MARK  # the client's place mark on a span's attributes
+
 from ..loudness import RateLimited
 from ..metrics import Metrics
 from ..spool.store import Spool
@@ -97,6 +99,22 @@ class SpoolTrajectories:
                 out[trace_id] = [root["span_id"]]
             else:
                 out[trace_id] = [r["span_id"] for r in rows if r["parent_id"] is not None and r["kind"] == "op"]
+        return out
+
+
+    def marks(self, span_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """The place marks (``attributes.tracecar``) of stored spans: where a joined engine span goes in Weave."""
+        out: dict[str, dict[str, Any]] = {}
+        for i in range(0, len(span_ids), 500):
+            chunk = span_ids[i:i + 500]
+            for r in self.spool.query(f"SELECT span_id, payload FROM spans WHERE span_id IN ({','.join('?' * len(chunk))})",
+                                      chunk):
+                try:
+                    mark = (orjson.loads(r["payload"]).get("attributes") or {}).get(MARK)
+                except (orjson.JSONDecodeError, AttributeError):
+                    continue
+                if isinstance(mark, dict):
+                    out[r["span_id"]] = mark
         return out
 
 

@@ -107,6 +107,8 @@ class TrajectoryLookup(Protocol):
 
     def top_calls(self, trace_ids: list[str]) -> dict[str, list[str]]: ...
 
+    def marks(self, span_ids: list[str]) -> dict[str, dict[str, Any]]: ...
+
 
 def is_elided(span: Mapping[str, Any]) -> bool:
     """A marked trajectory root: tracecar's unit, not a Weave call (VERL's weave backend makes
@@ -123,6 +125,27 @@ def _mark(span: Mapping[str, Any]) -> dict[str, Any]:
 def is_top_call(span: Mapping[str, Any]) -> bool:
     """A call directly under a trajectory root: a trace root in Weave."""
     return _mark(span).get("top") is True and span.get("parent_id") == span.get("trace_id")
+
+
+def needs_placement(span: Mapping[str, Any]) -> bool:
+    """An OTLP span joined under a tracecar call (a vLLM ``llm_request`` under ``generate``):
+    it carries no place mark, so its Weave trace follows its parent's (:func:`placed_under`)."""
+    attrs = span.get("attributes") or {}
+    parent = span.get("parent_id")
+    return (isinstance(attrs.get("otel"), dict) and MARK not in attrs and isinstance(parent, str)
+            and parent != span.get("trace_id"))
+
+
+def placed_under(span: Mapping[str, Any], parent_id: str, parent_mark: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The place mark a span takes from its parent's: under a top-level call, that call is its
+    Weave root and the span is a turn of its own; deeper, the parent's root and turn."""
+    if parent_mark.get("top") is True:
+        return {"root": parent_id, "turn": span.get("span_id")}
+    root = parent_mark.get("root")
+    if isinstance(root, str) and root:
+        turn = parent_mark.get("turn")
+        return {"root": root, "turn": turn if isinstance(turn, str) and turn else parent_id}
+    return None
 
 
 def wb_run_id_for(run: str | None, project_id: str) -> str | None:
@@ -497,6 +520,8 @@ class WeaveSink:
         self._sent_counts: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._file_digests: dict[str, str] = {}  # project_id -> digest of ANONYMOUS_OP_CODE
         self._op_refs: dict[tuple[str, str], str] = {}  # (project_id, name) -> op ref URI
+        # span id -> place mark of calls sent lately: where a joined engine span goes (its parent's trace)
+        self._marks: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -531,6 +556,7 @@ class WeaveSink:
                 elided.append(sid)
                 continue
             (notes if s.get("kind") == "annotation" else groups).setdefault(pid, []).append(s)
+        await self._place_joined(groups)
         counts = status_counts((s for g in groups.values() for s in g), self._sent_counts)
         tops = [s for g in groups.values() for s in g if is_top_call(s) or s.get("parent_id") is None]
         for s in tops:
@@ -611,6 +637,34 @@ class WeaveSink:
             self._sent_counts.popitem(last=False)
 
     # -- trajectories ---------------------------------------------------------------------
+    async def _place_joined(self, groups: dict[str, list[dict[str, Any]]]) -> None:
+        """Gives each joined OTLP span (an engine span under ``generate``) its parent's place in
+        Weave, so it lands in the agent loop's trace rather than in a trace of its own; remembers
+        every mark sent. The parent is looked up in the batch, in what was sent lately, then in
+        the spool; one not found anywhere leaves the span where its own ids put it."""
+        spans = [s for g in groups.values() for s in g]
+        marks = {s["span_id"]: m for s in spans if (m := _mark(s))}
+        wanted = {s["parent_id"] for s in spans if needs_placement(s)}
+        missing = [p for p in wanted if p not in marks and p not in self._marks]
+        found: dict[str, dict[str, Any]] = {}
+        if missing and self.trajectories is not None:
+            found = await asyncio.to_thread(self.trajectories.marks, missing)
+        for group in groups.values():
+            for i, s in enumerate(group):
+                if not needs_placement(s):
+                    continue
+                parent = s["parent_id"]
+                parent_mark = marks.get(parent) or self._marks.get(parent) or found.get(parent)
+                place = placed_under(s, parent, parent_mark) if parent_mark else None
+                if place is not None:
+                    group[i] = {**s, "attributes": {**s["attributes"], MARK: place}}
+                    marks[s["span_id"]] = place
+        for sid, mark in marks.items():
+            self._marks[sid] = mark
+            self._marks.move_to_end(sid)
+        while len(self._marks) > MAX_REMEMBERED_TRAJECTORIES:
+            self._marks.popitem(last=False)
+
     def _remember(self, trace_id: str, span_id: str) -> None:
         known = self._tops.setdefault(trace_id, [])
         if span_id not in known:

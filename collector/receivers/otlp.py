@@ -133,7 +133,7 @@ class OtlpRequest:
             joined[source] = joined.get(source, 0) + 1
             if context is not None:
                 context.apply(span)
-                place_in_weave_tree(span)
+            place_in_weave_tree(span)  # the trace state says where it goes, even before its trajectory is seen
         for source, count in joined.items():
             self.metrics.otlp_spans.labels(joined=source).inc(count)
 
