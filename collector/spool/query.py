@@ -41,6 +41,8 @@ class TrajectoryFilter:
     has_error: bool | None = None
     reward_min: float | None = None
     reward_max: float | None = None
+    trained: bool | None = None  # what the trainer did, from annotations (client.annotate(trained=...))
+    filtered_by: str | None = None
 
     def where(self) -> tuple[str, list[Any]]:
         clauses = ["r.parent_id IS NULL", "r.kind != 'annotation'"]
@@ -74,9 +76,18 @@ SELECT r.trace_id, r.name, r.experiment, r.step, r.sample_index, r.rollout_n, r.
        (SELECT COUNT(*) FROM spans s WHERE s.trace_id = r.trace_id AND s.kind != 'annotation') AS span_count,
        (SELECT MAX(s.has_error) FROM spans s WHERE s.trace_id = r.trace_id) AS has_error,
        COALESCE(r.reward, (SELECT s.reward FROM spans s WHERE s.trace_id = r.trace_id AND s.kind = 'annotation'
-                           AND s.reward IS NOT NULL ORDER BY s.seq DESC LIMIT 1)) AS reward
+                           AND s.reward IS NOT NULL ORDER BY s.seq DESC LIMIT 1)) AS reward,
+       {trainer}
 FROM spans r
 """
+
+#: What the trainer did with a trajectory (client.annotate: advantage=, trained=, filtered_by=,
+#: policy_version=, trained_on_version=): the latest annotation that set each key wins.
+TRAINER_KEYS = ("advantage", "trained", "filtered_by", "policy_version", "trained_on_version")
+_LATEST_NOTE = ("(SELECT json_extract(CAST(s.payload AS TEXT), '$.attributes.{key}') FROM spans s"
+                " WHERE s.trace_id = r.trace_id AND s.kind = 'annotation'"
+                " AND json_extract(CAST(s.payload AS TEXT), '$.attributes.{key}') IS NOT NULL ORDER BY s.seq DESC LIMIT 1) AS {key}")
+_SUMMARY = _SUMMARY.format(trainer=",\n       ".join(_LATEST_NOTE.format(key=k) for k in TRAINER_KEYS))
 
 
 def list_trajectories(spool: Spool, flt: TrajectoryFilter, *, limit: int = 50, offset: int = 0,
@@ -94,6 +105,12 @@ def list_trajectories(spool: Spool, flt: TrajectoryFilter, *, limit: int = 50, o
     if flt.reward_max is not None:
         outer.append("reward <= ?")
         outer_params.append(flt.reward_max)
+    if flt.trained is not None:
+        outer.append("trained = ?")
+        outer_params.append(int(flt.trained))
+    if flt.filtered_by is not None:
+        outer.append("filtered_by = ?")
+        outer_params.append(flt.filtered_by)
     outer_sql = (" WHERE " + " AND ".join(outer)) if outer else ""
     base = f"SELECT * FROM ({_SUMMARY} WHERE {where}){outer_sql}"
     total = spool.query(f"SELECT COUNT(*) AS n FROM ({base})", [*params, *outer_params])[0]["n"]
@@ -105,6 +122,7 @@ def list_trajectories(spool: Spool, flt: TrajectoryFilter, *, limit: int = 50, o
     for row in rows:
         row["validate"] = None if row["validate"] is None else bool(row["validate"])
         row["has_error"] = bool(row["has_error"])
+        row["trained"] = None if row["trained"] is None else bool(row["trained"])
     return {"total": total, "limit": limit, "offset": offset, "trajectories": rows}
 
 
