@@ -69,7 +69,7 @@ class TokenOutput:
 def _logprobs(ids: list[int], seed: str, unsure: bool) -> list[float]:
     """Made-up log-probabilities for the demo's token view: confident, with dips where the call went wrong."""
     rng = random.Random(seed)  # its own generator: the demo's trajectories do not depend on it
-    return [round(-abs(rng.gauss(0, 0.25)) - (rng.uniform(1.5, 6.0) if unsure and rng.random() < 0.15 else 0.0), 4)
+    return [round(-abs(rng.gauss(0, 0.25)) - (rng.uniform(1.5, 6.0) if rng.random() < (0.25 if unsure else 0.04) else 0.0), 4)
             for _ in ids]
 
 

@@ -92,12 +92,13 @@ CREATE INDEX IF NOT EXISTS traj_duration ON trajectories(duration) WHERE {ROOT};
 CREATE INDEX IF NOT EXISTS traj_kept ON trajectories(kept_because) WHERE {ROOT};
 CREATE INDEX IF NOT EXISTS traj_root_seq ON trajectories(root_seq) WHERE {ROOT};
 CREATE INDEX IF NOT EXISTS traj_trained ON trajectories(trained, filtered_by) WHERE {ROOT};
+CREATE INDEX IF NOT EXISTS traj_advantage ON trajectories(advantage) WHERE {ROOT};
 """
 
 SORTS = {
     "start": "start_time", "reward": "reward", "turns": "turns", "duration": "duration", "step": "step",
     "sample_index": "sample_index", "rollout_n": "rollout_n", "tools": "tool_calls", "tokens": "response_tokens",
-    "spans": "span_count",
+    "spans": "span_count", "advantage": "advantage",
 }
 NOT_NULL = {"turns", "tool_calls", "response_tokens", "span_count"}
 COLUMNS = ("trace_id, name, experiment, step, sample_index, rollout_n, validate, worker, start_time, end_time, duration,"

@@ -31,6 +31,7 @@ from ..json_out import dumps_deep
 from ..query_params import INT64_MAX, OptionalInt64, sample_index_filter
 from ..shape import shape
 from ..spool.query import get_trajectory
+from ..spool.tokens import trajectory_tokens
 from . import StoreOwner
 from .index import SORTS, ListFilter, TrajectoryIndex
 
@@ -196,6 +197,14 @@ def build_router(collector: StoreOwner, token: str | None) -> APIRouter:
             view["tree"] = found["root"]
             view["tree_depth_cap"] = found["depth_cap"]
         return await asyncio.to_thread(_json, view)
+
+    @guarded.get("/api/trajectories/{trace_id}/tokens")
+    async def tokens(trace_id: str, lowest: int = Query(10, ge=0, le=1000)) -> Any:
+        """The token view (see spool.tokens): the same JSON as ``GET /v1/trajectories/{id}/tokens``."""
+        found = await asyncio.to_thread(trajectory_tokens, collector.spool, trace_id, lowest)
+        if found is None:
+            raise HTTPException(404, detail={"field": "trace_id", "reason": f"no trajectory {trace_id!r} in the store"})
+        return await asyncio.to_thread(_json, found)
 
     router.include_router(guarded)
     router.trajectory_index, router.fresh, router.viewer_auth = index, fresh, auth  # for group_export_api
