@@ -195,6 +195,18 @@ def test_tokens_endpoint_gives_pieces_logprobs_mask_and_lowest(start_collector, 
     assert httpx.get(f"{col.url}/v1/trajectories/nope/tokens", timeout=30).status_code == 404
 
 
+def test_a_mask_without_logprobs_is_a_token_view_too(start_collector, kit):
+    col = start_collector()
+    spans = kit.trajectory(children=1)
+    spans[0]["output"] = {"response_ids": [5, 6, 7, 8], "response_mask": [1, 0, 0, 1]}  # calculate_log_probs off
+    assert kit.post(col.url, spans).status_code == 200
+    view = httpx.get(f"{col.url}/v1/trajectories/{spans[-1]['span_id']}/tokens", timeout=30).json()
+    [span] = view["spans"]
+    assert span["has"] == {"logprobs": False, "mask": True, "entropy": False} and span["outside_mask"] == 2
+    assert [t["mask"] for t in span["tokens"]] == [1, 0, 0, 1] and span["lowest"] == view["lowest"] == []
+    assert span["text"] is None and "not decoded" in span["text_note"]  # no tokenizer here: ids only
+
+
 def test_arrays_that_do_not_line_up_are_named_and_kept_as_sent(start_collector, kit):
     col = start_collector()
     spans = kit.trajectory(children=1)

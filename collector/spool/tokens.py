@@ -26,7 +26,7 @@ def _number(value: float | None) -> float | None:
 
 def _lowest(tokens: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
     """The ``k`` least probable tokens the policy generated (inside the loss mask when there is one)."""
-    scored = [t for t in tokens if t["logprob"] is not None and t.get("mask", 1) != 0]
+    scored = [t for t in tokens if t.get("logprob") is not None and t.get("mask", 1) != 0]
     return sorted(scored, key=lambda t: t["logprob"])[:k]
 
 
