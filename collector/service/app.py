@@ -33,9 +33,9 @@ from ..settings import CollectorSettings
 from ..spool.query import TrajectoryFilter, get_trajectory, list_trajectories
 from ..spool.retention import Retention
 from ..spool.store import Spool
-from ..spool.tokens import trajectory_tokens
 from ..viewer.group_export_api import build_router as build_group_export_router
 from ..viewer.routes import build_router as build_viewer_router
+from ..viewer.tokens import trajectory_tokens
 from .auth import BearerAuth
 
 log = logging.getLogger("tracecar.collector")

@@ -31,9 +31,9 @@ from ..json_out import dumps_deep
 from ..query_params import INT64_MAX, OptionalInt64, sample_index_filter
 from ..shape import shape
 from ..spool.query import get_trajectory
-from ..spool.tokens import trajectory_tokens
 from . import StoreOwner
 from .index import SORTS, ListFilter, TrajectoryIndex
+from .tokens import trajectory_tokens
 
 STATIC = Path(__file__).with_name("static")
 COOKIE = "tracecar_viewer"

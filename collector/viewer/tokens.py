@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from ..processors.token_arrays import TokenArrays
-from .store import Spool
+from ..spool.store import Spool
 
 LOWEST = 10
 
