@@ -238,9 +238,16 @@ def annotate(trajectory: SpanRecord | str | None = None, *, reward: float | None
         if trajectory is None:
             return
     payload = dict(values)
-    for key, value in (("reward", reward), ("advantage", advantage), ("trained", trained), ("filtered_by", filtered_by),
+    if reward is not None:
+        payload["reward"] = reward
+    for key, value in (("advantage", advantage), ("trained", trained), ("filtered_by", filtered_by),
                        ("policy_version", policy_version), ("trained_on_version", trained_on_version)):
         if value is not None:
+            if hasattr(value, "item") and not isinstance(value, (str, bytes)):  # numpy / torch scalars from a trainer
+                try:
+                    value = value.item()
+                except Exception:  # noqa: BLE001 - e.g. a tensor of many values: sent as is, the collector names the field
+                    pass
             payload[key] = value
     record = SpanRecord("annotation", KIND_ANNOTATION, _now(), None, payload)
     record.trace = _TraceRef(trajectory if isinstance(trajectory, str) else trajectory.trace.span_id)  # type: ignore[assignment]

@@ -168,3 +168,13 @@ def test_hook_trainer_never_breaks_the_training_step():
                         {"uid": np.array(["a", "a"], dtype=object), verl_trainer.TRACE_KEY: np.array([1, 2])})  # not ids
     assert "advantages" in module.compute_advantage(odd).batch
     assert verl_trainer.hook_trainer(types.ModuleType("no_trainer_here")) is False
+
+
+def test_numpy_scalars_from_a_trainer_are_sent_as_plain_values(start_collector, tracer_to):
+    col = start_collector()
+    tracer = tracer_to(col.url, experiment="numpy")
+    [trace_id] = trajectories(1)
+    annotate(trace_id, advantage=np.float32(0.25), trained=np.bool_(True), trained_on_version=np.int64(4))
+    assert tracer.flush(30)
+    [row] = get(col.url, "/v1/trajectories")["trajectories"]
+    assert (row["advantage"], row["trained"], row["trained_on_version"]) == (0.25, True, 4)
