@@ -39,8 +39,12 @@ def deepseek(deepseek_tokenizer_path: str) -> Tokenizer:
 def check_pieces(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
     """Asserts the pieces rebuild the full decode exactly and no piece is garbled; returns them."""
     full = tokenizer.decode(ids, skip_special_tokens=False)
-    found = token_pieces(tokenizer, ids)
+    found = token_pieces(tokenizer, ids)  # for a ByteLevel decoder: the fast road
     assert found.exact
+    windows = token_pieces(tokenizer, ids, byte_road=False)
+    assert windows.exact and "".join(windows.piece(i) for i in range(len(ids))) == full
+    if REPLACEMENT not in full:  # the ByteLevel fast road agrees with the windows (invalid bytes: both rebuild the decode)
+        assert windows.ends == found.ends
     pieces = [found.piece(i) for i in range(len(ids))]
     assert "".join(pieces) == full
     assert found.ends == sorted(found.ends) and (not ids or found.ends[-1] == len(full))
