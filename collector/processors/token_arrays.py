@@ -5,7 +5,8 @@ output) and, with ``calculate_log_probs``, ``response_logprobs``; a server's ``T
 has ``log_probs``. As JSON a float costs ~20 bytes; packed it costs 4. The collector packs them
 (with the token ids and each token's end offset in ``response_text``, see token_pieces) into one
 blob in the span's row, read by ``GET /v1/trajectories/{id}/tokens``. With nothing to forward
-to (local mode) the float and mask lists leave the stored payload, replaced by a short note;
+to (local mode) the float lists leave the stored payload, replaced by a short note (the 0/1 mask
+stays: a few bytes a token, and the output keeps the fields VERL's ``model_dump`` has);
 spans forwarded to a backend keep them, so the backend shows what VERL's own tracing shows.
 """
 
@@ -130,9 +131,9 @@ def extract(span: dict[str, Any], warnings: list[str]) -> TokenArrays | None:
 
 
 def strip_from_payload(span: dict[str, Any], arrays: TokenArrays) -> None:
-    """Replaces the packed float and mask lists in the span's output by a short note (local mode)."""
+    """Replaces the packed float lists in the span's output by a short note (local mode)."""
     output = span["output"]
-    for name in ("logprobs", "mask", "entropy"):
+    for name in ("logprobs", "entropy"):  # the mask stays: small ints, and the output keeps VERL's shape
         key = (arrays.keys or {}).get(name)
         if key is not None and getattr(arrays, name) is not None:
             output[key] = PACKED_NOTE.format(n=len(arrays.ids), trace_id=span.get("trace_id"))
