@@ -25,6 +25,7 @@ from pathlib import Path
 
 import orjson
 
+from tracecar.collector.processors.token_arrays import TokenArrays
 from tracecar.collector.spool.query import TrajectoryFilter, list_trajectories
 from tracecar.collector.spool.store import Spool, SpoolRow
 from tracecar.collector.viewer.index import ListFilter, TrajectoryIndex
@@ -59,7 +60,22 @@ def trajectory(rng: random.Random, t: int, per_step: int) -> list[dict]:
     spans.append({**base, "span_id": f"{trace}a", "parent_id": None, "name": "annotation", "kind": "annotation",
                   "start_time": start + turns + 1, "end_time": start + turns + 1, "attributes": {"reward": round(rng.uniform(-1, 1), 3)},
                   "inputs": {}, "output": None})
+    if t % 4 == 0:  # what the trainer did (client.annotate), on a quarter of the trajectories
+        note = ({"trained": False, "filtered_by": ("overlong", "dynamic_sampling")[t % 8 // 4]} if t % 8 == 0 else
+                {"trained": True, "advantage": round(rng.uniform(-2, 2), 3), "policy_version": t // 256,
+                 "trained_on_version": t // 256 + 1})
+        spans.append({**base, "span_id": f"{trace}b", "parent_id": None, "name": "annotation", "kind": "annotation",
+                      "start_time": start + turns + 2, "end_time": start + turns + 2, "attributes": note, "inputs": {}, "output": None})
     return spans
+
+
+def token_blob(span: dict) -> bytes | None:
+    """Per-token arrays of an agent loop's output (response_mask, response_logprobs), packed as the collector packs them."""
+    ids = (span.get("output") or {}).get("response_ids")
+    if span["name"] != "ToolAgentLoop.run" or not ids:
+        return None
+    return TokenArrays(ids=ids, logprobs=[-0.01 * (i % 50) for i in range(len(ids))], mask=[i % 3 != 0 for i in range(len(ids))],
+                       ends=list(range(1, len(ids) + 1))).pack()
 
 
 def build(path: Path, target: int) -> tuple[int, int]:
@@ -69,7 +85,7 @@ def build(path: Path, target: int) -> tuple[int, int]:
     batch: list[SpoolRow] = []
     while n < target:
         for span in trajectory(rng, t, 256):
-            batch.append(SpoolRow(span, orjson.dumps(span), None))
+            batch.append(SpoolRow(span, orjson.dumps(span), None, token_arrays=token_blob(span)))
         t += 1
         if len(batch) >= 5000:
             spool.write(batch)
@@ -199,6 +215,8 @@ def main() -> None:
         ("one step, worst reward", {"experiment": "exp1", "step": 200}, "reward", False),
         ("step range, best reward", {"step_min": 10, "step_max": 20}, "reward", True),
         ("reward range, newest", {"reward_min": 0.9}, "start", True),
+        ("dropped by the trainer, newest", {"trained": False}, "start", True),
+        ("filtered by one rule, best", {"filtered_by": "overlong"}, "reward", True),
     ]
     print(f"{'query (page of 50)':32} {'store_query ms':>15} {'viewer ms':>10} {'ratio':>8}")
     for name, filters, sort, descending in [] if args.groups_export_only else cases:
@@ -207,6 +225,10 @@ def main() -> None:
         print(f"{name:32} {base:15.1f} {view:10.1f} {base / view:7.1f}x")
     view = timed(lambda: index.list(ListFilter(), sort="turns", limit=50))
     print(f"{'most turns, no filter':32} {'(no such sort)':>15} {view:10.1f}")
+    from tracecar.collector.viewer.tokens import trajectory_tokens
+
+    some = index.list(ListFilter(), limit=1)["trajectories"][0]["trace_id"]
+    print(f"{'token view of one trajectory':32} {'':>15} {timed(lambda: trajectory_tokens(spool, some)):10.1f}")
     index._cache.clear()
     print(f"{'step overview of one experiment':32} {'':>15} {timed(lambda: (index._cache.clear(), index.overview('exp1'))):10.1f}")
     groups_and_export(spool, index)

@@ -178,19 +178,31 @@ def cmd_trajectories(args: argparse.Namespace) -> None:
     params = {k: v for k, v in {
         "experiment": args.experiment, "step": args.step, "sample_index": args.sample_index,
         "rollout_n": args.rollout_n, "validate": args.validate, "sort": args.sort, "order": args.order,
-        "limit": args.limit, "offset": args.offset,
+        "limit": args.limit, "offset": args.offset, "trained": args.trained, "filtered_by": args.filtered_by,
     }.items() if v is not None}
     _show(args, _get(args, "/v1/trajectories", params), print_trajectories)
 
 
 def print_trajectories(page: dict[str, Any]) -> None:
     print(f"{page['total']} trajectories (showing {len(page['trajectories'])} from offset {page['offset']})")
-    print(f"{'trace_id':34} {'experiment':20} {'step':>4} {'idx':>4} {'n':>3} {'spans':>5} {'reward':>7} {'err':>3}")
+    print(f"{'trace_id':34} {'experiment':20} {'step':>4} {'idx':>4} {'n':>3} {'spans':>5} {'reward':>7} {'err':>3}  trainer")
     for t in page["trajectories"]:
         reward = "" if t["reward"] is None else f"{t['reward']:.3f}"
         print(f"{t['trace_id']:34} {str(t['experiment'])[:20]:20} {t['step'] if t['step'] is not None else '':>4} "
               f"{t['sample_index'] if t['sample_index'] is not None else '':>4} {t['rollout_n'] if t['rollout_n'] is not None else '':>3} "
-              f"{t['span_count']:>5} {reward:>7} {'yes' if t['has_error'] else '':>3}")
+              f"{t['span_count']:>5} {reward:>7} {'yes' if t['has_error'] else '':>3}  {trainer_status(t)}")
+
+
+def trainer_status(t: dict[str, Any]) -> str:
+    """What the trainer did with it (client.annotate), in a few words; empty when not told."""
+    if t.get("trained") is None and t.get("filtered_by") is None:
+        return ""
+    words = ["trained" if t.get("trained") else f"dropped ({t.get('filtered_by') or 'by the trainer'})"]
+    if t.get("advantage") is not None:
+        words.append(f"adv {t['advantage']:+.3f}")
+    if t.get("policy_version") is not None and t.get("trained_on_version") is not None:
+        words.append(f"staleness {t['trained_on_version'] - t['policy_version']}")
+    return ", ".join(words)
 
 
 def cmd_show(args: argparse.Namespace) -> None:
@@ -356,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-index", help="sample index (VERL's extra_info.index): an integer or a string")
     p.add_argument("--rollout-n", type=int)
     p.add_argument("--validate", choices=["true", "false"])
+    p.add_argument("--trained", choices=["true", "false"], help="what the trainer did (annotate(trained=...))")
+    p.add_argument("--filtered-by", help="the trainer's filter that dropped it (annotate(filtered_by=...))")
     p.add_argument("--sort", choices=["start", "step", "reward", "duration", "spans", "sample_index"])
     p.add_argument("--order", choices=["asc", "desc"])
     p.add_argument("--limit", type=int, default=50)
@@ -394,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_groups_export import add_parsers as add_groups_export_parsers
 
     add_groups_export_parsers(sub)  # groups, export
+    from .cli_tokens import add_parsers as add_tokens_parsers
+
+    add_tokens_parsers(sub)  # tokens
     return parser
 
 

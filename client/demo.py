@@ -56,12 +56,21 @@ class AgentLoopOutput:
     num_turns: int
     metrics: dict[str, Any] = field(default_factory=dict)
     reward_score: float | None = None
+    response_logprobs: list[float] | None = None  # as VERL's with calculate_log_probs (0.0 for tool tokens)
 
 
 @dataclass
 class TokenOutput:
     token_ids: list[int]
     stop_reason: str = "stop"
+    log_probs: list[float] | None = None
+
+
+def _logprobs(ids: list[int], seed: str, unsure: bool) -> list[float]:
+    """Made-up log-probabilities for the demo's token view: confident, with dips where the call went wrong."""
+    rng = random.Random(seed)  # its own generator: the demo's trajectories do not depend on it
+    return [round(-abs(rng.gauss(0, 0.25)) - (rng.uniform(1.5, 6.0) if rng.random() < (0.25 if unsure else 0.04) else 0.0), 4)
+            for _ in ids]
 
 
 class CalculatorTool:
@@ -87,13 +96,17 @@ class DemoToolAgentLoop:
     @rollout_trace_op
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]) -> TokenOutput:
         await asyncio.sleep(self.rng.uniform(0.005, 0.02))  # the GPU's time
-        return TokenOutput(token_ids=self.codec.encode(sampling_params["_reply"]))
+        ids = self.codec.encode(sampling_params["_reply"])
+        unsure = "x" in sampling_params["_reply"].replace("expression", "")  # the call it got wrong ("17x23")
+        return TokenOutput(token_ids=ids, log_probs=_logprobs(ids, f"{request_id}-{len(prompt_ids)}", unsure))
 
     @rollout_trace_op
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         question, expression, answer = kwargs["question"]
         prompt_ids = self.codec.encode(f"<|user|>{question}<|assistant|>")
         response_ids: list[int] = []
+        response_mask: list[int] = []
+        response_logprobs: list[float] = []
         turns = self.rng.randint(1, 3)
         final = None
         calls = 0
@@ -104,21 +117,28 @@ class DemoToolAgentLoop:
             reply = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{call}"}}}}</tool_call>'
             out = await self.generate(f"{kwargs['request_id']}", prompt_ids + response_ids, {**sampling_params, "_reply": reply})
             response_ids += out.token_ids
+            response_mask += [1] * len(out.token_ids)
+            response_logprobs += out.log_probs or [0.0] * len(out.token_ids)
             try:
                 result = await self.tool.execute(f"{kwargs['request_id']}-{turn}", {"expression": call})
                 final = result["result"]
                 tool_text = f"<tool_response>{final}</tool_response>"
             except ValueError as exc:
                 tool_text = f"<tool_response>error: {exc}</tool_response>"
-            response_ids += self.codec.encode(tool_text)
+            tool_ids = self.codec.encode(tool_text)
+            response_ids += tool_ids
+            response_mask += [0] * len(tool_ids)  # tool output: outside the loss mask, as in VERL
+            response_logprobs += [0.0] * len(tool_ids)
             if final is not None:
                 break
         closing = f"The answer is {final}." if final is not None else "I could not compute it."
         out = await self.generate(kwargs["request_id"], prompt_ids + response_ids, {**sampling_params, "_reply": closing})
         response_ids += out.token_ids
+        response_mask += [1] * len(out.token_ids)
+        response_logprobs += out.log_probs or [0.0] * len(out.token_ids)
         return AgentLoopOutput(
-            prompt_ids=prompt_ids, response_ids=response_ids, response_mask=[1] * len(response_ids),
-            num_turns=calls + 1, metrics={"generate_calls": calls + 1, "answer": final},
+            prompt_ids=prompt_ids, response_ids=response_ids, response_mask=response_mask,
+            num_turns=calls + 1, metrics={"generate_calls": calls + 1, "answer": final}, response_logprobs=response_logprobs,
         )
 
 

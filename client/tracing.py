@@ -215,12 +215,20 @@ def current_trajectory_id() -> str | None:
     return span.trace.span_id
 
 
-def annotate(trajectory: SpanRecord | str | None = None, *, reward: float | None = None, **values: Any) -> None:
-    """Attaches a reward (and other scalars) to a finished trajectory.
+def annotate(trajectory: SpanRecord | str | None = None, *, reward: float | None = None,
+             advantage: float | None = None, trained: bool | None = None, filtered_by: str | None = None,
+             policy_version: int | None = None, trained_on_version: int | None = None, **values: Any) -> None:
+    """Attaches a reward, what the trainer did with the trajectory, and other scalars to it.
 
     VERL computes rewards after the agent loop returns, outside ``rollout_trace_attr``: keep the
     record it yielded (or its ``span_id``) and call this when the score is known. The collector
     merges annotations into the trajectory root before it samples and forwards it.
+
+    The trainer's side, from the trainer process (``tracecar.client.verl_trainer`` does it for
+    VERL): ``advantage`` (the sequence's advantage), ``trained`` (False when the trainer dropped
+    it), ``filtered_by`` (why: e.g. ``"dynamic_sampling"``, ``"overlong"``), ``policy_version``
+    (the weights that generated it) and ``trained_on_version`` (the step that trained on it: the
+    difference is its staleness). Queued like every span: never blocks, never raises.
     """
     tracer = _tracer.active
     if tracer is None:
@@ -232,6 +240,15 @@ def annotate(trajectory: SpanRecord | str | None = None, *, reward: float | None
     payload = dict(values)
     if reward is not None:
         payload["reward"] = reward
+    for key, value in (("advantage", advantage), ("trained", trained), ("filtered_by", filtered_by),
+                       ("policy_version", policy_version), ("trained_on_version", trained_on_version)):
+        if value is not None:
+            if hasattr(value, "item") and not isinstance(value, (str, bytes)):  # numpy / torch scalars from a trainer
+                try:
+                    value = value.item()
+                except Exception:  # noqa: BLE001 - e.g. a tensor of many values: sent as is, the collector names the field
+                    pass
+            payload[key] = value
     record = SpanRecord("annotation", KIND_ANNOTATION, _now(), None, payload)
     record.trace = _TraceRef(trajectory if isinstance(trajectory, str) else trajectory.trace.span_id)  # type: ignore[assignment]
     record.end = record.start

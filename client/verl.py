@@ -204,6 +204,10 @@ def install() -> bool:
                         instance.max_samples_per_step_per_worker = None
         except Exception:  # pragma: no cover - defensive
             logger.exception("tracecar.verl: late activation failed; tracing stays off")
+        if _env_flag("TRACECAR_VERL_HOOK_TRAINER", False):  # opt-in: imports VERL's trainer in every process
+            from .verl_trainer import hook_trainer
+
+            hook_trainer()
         return True
 
 
@@ -381,6 +385,7 @@ def _activate(*, project, experiment, token2text: bool, max_samples, caller) -> 
         _patch_module_names()
         rewards = _hook_rewards(tc)
         _hook_membership(tc)
+        _hook_trace_ids(tc)
         logger.info("tracecar.verl: active (project=%s experiment=%s, %d VERL ops, rewards %s)",
                     project, experiment, n, "hooked" if rewards else "not hooked")
 
@@ -461,6 +466,40 @@ def _hook_membership(tc) -> bool:
     setattr(generate_sequences, _SHIM_FLAG, True)
     worker_cls.generate_sequences = generate_sequences
     _state.patched_names.append((worker_cls, "generate_sequences", original))
+    return True
+
+
+def _hook_trace_ids(tc) -> bool:
+    """Put each trajectory's id in ``AgentLoopOutput.extra_fields["tracecar_trace_id"]``.
+
+    VERL carries every extra field into the trainer's batch (``non_tensor_batch``), where
+    :func:`tracecar.client.verl_trainer.hook_trainer` reads it to annotate the trajectory with
+    what the trainer did. ``_agent_loop_postprocess`` runs inside the trajectory's
+    ``rollout_trace_attr``; the field dict is replaced, not changed, so the agent loop's traced
+    output stays what it returned.
+    """
+    from .verl_trainer import TRACE_KEY
+
+    module = sys.modules.get("verl.experimental.agent_loop.agent_loop")
+    worker_cls = getattr(module, "AgentLoopWorker", None)
+    original = getattr(worker_cls, "_agent_loop_postprocess", None)
+    if original is None or getattr(original, _SHIM_FLAG, False) or not inspect.iscoroutinefunction(original):
+        return False
+
+    @functools.wraps(original)
+    async def _agent_loop_postprocess(self, output, *args, **kwargs):
+        if _state.active:
+            try:
+                trace_id = tc.current_trajectory_id()
+                if trace_id is not None:
+                    output.extra_fields = {**(getattr(output, "extra_fields", None) or {}), TRACE_KEY: trace_id}
+            except Exception:  # noqa: BLE001 - tracing never fails a rollout
+                logger.debug("tracecar.verl: trajectory id not attached", exc_info=True)
+        return await original(self, output, *args, **kwargs)
+
+    setattr(_agent_loop_postprocess, _SHIM_FLAG, True)
+    worker_cls._agent_loop_postprocess = _agent_loop_postprocess
+    _state.patched_names.append((worker_cls, "_agent_loop_postprocess", original))
     return True
 
 

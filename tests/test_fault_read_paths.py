@@ -44,6 +44,8 @@ INT_PARAMS = [
     ("/ui/api/groups", "step", INT64_MIN, INT64_MAX),
     ("/ui/api/groups", "limit", 1, 1000),
     ("/ui/api/groups", "offset", 0, INT64_MAX),
+    ("/v1/trajectories/{trace_id}/tokens", "lowest", 0, 1000),
+    ("/ui/api/trajectories/{trace_id}/tokens", "lowest", 0, 1000),
     ("/v1/export", "step", INT64_MIN, INT64_MAX),
     ("/v1/export", "step_min", INT64_MIN, INT64_MAX),
     ("/v1/export", "step_max", INT64_MIN, INT64_MAX),
@@ -59,7 +61,8 @@ def _base(path: str) -> dict[str, Any]:
 
 def test_every_integer_query_parameter_is_bounded_with_a_422_naming_it(start_collector, kit):
     col = start_collector()
-    assert kit.post(col.url, kit.trajectory(children=2, step=3)).status_code == 200
+    spans = kit.trajectory(children=2, step=3)
+    assert kit.post(col.url, spans).status_code == 200
     listed = {(p, n) for p, n, _, _ in INT_PARAMS}
     # the table above covers every integer query parameter the app declares
     from tracecar.collector.query_params import api_routes, int_query_params
@@ -67,7 +70,8 @@ def test_every_integer_query_parameter_is_bounded_with_a_422_naming_it(start_col
     sample_index = {(p, n) for p, n in listed if n == "sample_index"}  # an int or a string: bounded when an int
     assert declared | sample_index == listed, declared ^ listed
     with httpx.Client(base_url=col.url, timeout=10) as client:
-        for path, name, low, high in INT_PARAMS:
+        for route, name, low, high in INT_PARAMS:
+            path = route.replace("{trace_id}", spans[-1]["span_id"])  # a trajectory that exists
             for value in (low, high):  # the ends of the range are served
                 r = client.get(path, params={**_base(path), name: str(value)})
                 assert r.status_code == 200, (path, name, value, r.text[:300])

@@ -662,3 +662,53 @@ def test_vllm_engine_spans_join_verl_generate_calls_with_the_readme_lines(adapte
             # generate sits under the agent loop's run (VERL's Weave root): the tracestate says so
             assert {"traceparent": f"00-{summary['trace_id']}-{generate['span_id'][16:]}-01",
                     "tracestate": f"tracecar={run['span_id']}.{generate['span_id']}"} in seen
+
+
+def test_trainer_learns_what_it_did_through_extra_fields_and_the_real_compute_advantage(
+        adapter, start_collector, monkeypatch, model_dir, hf_tokenizer):
+    """Issue 15 §3/§2 against real VERL: the worker puts each trajectory id in extra_fields, VERL carries it
+    into the batch, and hook_trainer() annotates after VERL's own ray_trainer.compute_advantage (GRPO)."""
+    ray_trainer = pytest.importorskip("verl.trainer.ppo.ray_trainer")
+    import torch
+
+    from tracecar.client import verl_trainer
+
+    col = start_collector(token2text=True, tokenizer=str(model_dir))
+    monkeypatch.setenv("TRACECAR_URL", col.url)
+    assert adapter.install() is True
+    worker, _ = make_worker(verl_config(model_dir), hf_tokenizer)
+    out = asyncio.run(worker.generate_sequences(make_batch()))
+    flush()
+    ids = list(out.non_tensor_batch[verl_trainer.TRACE_KEY])
+    stored = {t["trace_id"]: t for t in trajectories(col.url, step=STEP)}
+    assert sorted(ids) == sorted(stored) and len(ids) == 4
+    for trace_id in ids:  # the traced output stays what the agent loop returned
+        run = httpx.get(f"{col.url}/v1/trajectories/{trace_id}").json()["root"]["children"][0]
+        assert verl_trainer.TRACE_KEY not in str(run["output"])
+    tool_traj = next(t for t in ids if stored[t]["sample_index"] == 0)
+    view = httpx.get(f"{col.url}/v1/trajectories/{tool_traj}/tokens").json()
+    whole = next(s for s in view["spans"] if s["aggregate"])
+    assert whole["outside_mask"] > 0 and "".join(t["text"] for t in whole["tokens"]) == whole["text"]
+    assert "5" in "".join(t["text"] for t in whole["tokens"] if t["mask"] == 0)  # the tool's answer, not trained on
+
+    assert verl_trainer.hook_trainer()
+    try:
+        scores = torch.zeros_like(out.batch["response_mask"], dtype=torch.float32)
+        scores[[0, 2], 0] = 1.0
+        out.batch["token_level_rewards"] = scores
+        out.non_tensor_batch["uid"] = np.array(["a", "a", "b", "b"], dtype=object)
+
+        class Trainer:
+            global_steps = STEP
+
+            def fit(self) -> Any:
+                return ray_trainer.compute_advantage(out, adv_estimator=ray_trainer.AdvantageEstimator.GRPO, num_repeat=2)
+
+        Trainer().fit()
+        flush()
+        rows = {t["trace_id"]: t for t in trajectories(col.url, step=STEP)}
+        advantages = [rows[t]["advantage"] for t in ids]
+        assert advantages[0] > 0 > advantages[1] and advantages[2] > 0 > advantages[3]
+        assert all(rows[t]["trained"] is True and rows[t]["trained_on_version"] == STEP for t in ids)
+    finally:
+        verl_trainer.unhook_trainer()

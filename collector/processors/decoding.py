@@ -22,6 +22,9 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from .token_arrays import ARRAY_KEYS
+from .token_pieces import token_pieces
+
 PROMPT_KEYS = ("prompt_ids",)
 RESPONSE_KEYS = ("response_ids", "token_ids")
 
@@ -256,8 +259,12 @@ def _keep_in_vocab(job: _Job, ids: list[Any], vocab: int, warnings: dict[str, li
     return kept if kept else None
 
 
-def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: dict[str, list[str]]) -> int:
+def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: dict[str, list[str]],
+                 pieces: dict[str, list[int]] | None = None) -> int:
     """Adds decoded text to each span in place; returns the number of tokens decoded.
+
+    With ``pieces``, a response that carries per-token arrays (log-probabilities, loss mask:
+    see token_arrays) also gets each token's end offset in its text, keyed by span id.
 
     Runs in a worker thread. Ids that cannot be decoded (outside the vocabulary, not integers)
     are left out of the text and named in a warning rather than failing the span; a list with
@@ -294,7 +301,13 @@ def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: di
                 output = job.span["output"] = unwrap_envelopes(output)
             output[job.target] = text
             tokens += len(ids)
+            if pieces is not None and job.target == "response_text" and ids is job.ids and _has_token_arrays(output):
+                pieces[job.span["span_id"]] = token_pieces(tokenizer, ids, text).ends
     return tokens
+
+
+def _has_token_arrays(output: dict[str, Any]) -> bool:
+    return any(isinstance(output.get(k), list) for keys in ARRAY_KEYS.values() for k in keys)
 
 
 _ENVELOPE_KEYS = ("_type", "_class_name", "_bases")

@@ -110,7 +110,25 @@ class SpanIn(BaseModel):
             raise ValueError("trace_id: a root span (no parent_id) must have trace_id == span_id")
         if self.end_time is not None and self.end_time < self.start_time:
             raise ValueError("end_time: ends before it starts")
+        if self.kind == "annotation":
+            _check_trainer_attributes(self.attributes)
         return self
+
+
+def _check_trainer_attributes(attrs: dict[str, Any]) -> None:
+    """What the trainer did (client.annotate): typed, because the store filters and indexes them."""
+    advantage = attrs.get("advantage")
+    if advantage is not None and (type(advantage) not in (int, float) or not math.isfinite(advantage)):
+        raise ValueError(f"attributes.advantage must be a finite number, got {advantage!r:.40}")
+    if "trained" in attrs and attrs["trained"] is not None and type(attrs["trained"]) is not bool:
+        raise ValueError(f"attributes.trained must be a boolean, got {type(attrs['trained']).__name__}")
+    filtered_by = attrs.get("filtered_by")
+    if filtered_by is not None and (not isinstance(filtered_by, str) or not 0 < len(filtered_by) <= 256):
+        raise ValueError("attributes.filtered_by must be a string of 1 to 256 characters")
+    for key in ("policy_version", "trained_on_version"):
+        value = attrs.get(key)
+        if value is not None and (type(value) is not int or not _INT64[0] <= value <= _INT64[1]):
+            raise ValueError(f"attributes.{key} must be a signed 64-bit integer, got {value!r:.40}")
 
 
 class BatchIn(BaseModel):

@@ -32,6 +32,8 @@ from ..metrics import Metrics
 from ..processors.decoding import TokenizerNotFound, TokenizerPolicy, TokenizerRegistry, collect_jobs, decode_spans
 from ..processors.sampling import Policies, TailSelector
 from ..processors.sampling.head import MEMBERSHIP, StepBudgetSampler
+from ..processors.token_arrays import extract as extract_token_arrays
+from ..processors.token_arrays import strip_from_payload as strip_token_arrays
 from ..processors.validate import Rejection, Validated, parents_to_look_up, reject_foreign_children, validate_batch
 from ..settings import CollectorSettings
 from ..spool.store import Spool, SpoolFull, SpoolRow
@@ -236,7 +238,7 @@ class IngestPipeline:
             try:
                 written, tail_dropped = await loop.run_in_executor(self.writer, self._write, rows, sampled, selection)
             except SpoolFull:  # a full disk: evict forwarded trajectories (when forwarding), then one more try
-                need = 2 * sum(len(r.payload) for r in rows)
+                need = 2 * sum(r.size for r in rows)
                 # the tail selector's routing is not idempotent: there, the client's retry is the next try
                 if not await loop.run_in_executor(self.writer, self.make_room, need) or selection is not None:
                     raise
@@ -312,6 +314,7 @@ class IngestPipeline:
     def _decode_and_serialize(self, validated: Validated, spans: list[dict[str, Any]]) -> tuple[list[SpoolRow], int, list[Rejection]]:
         batch = validated.batch
         tokens = 0
+        ends: dict[str, list[int]] = {}  # span id -> each response token's end offset (token view)
         token2text = self.settings.token2text if batch.token2text is None else batch.token2text
         name = batch.tokenizer or self.settings.tokenizer
         if token2text and spans:
@@ -322,15 +325,16 @@ class IngestPipeline:
                         "tokenizer: token2text is on but no tokenizer is configured (TRACECAR_TOKENIZER)")
             else:
                 try:
-                    tokens = decode_spans(spans, self.tokenizers.get(name), validated.warnings)
+                    tokens = decode_spans(spans, self.tokenizers.get(name), validated.warnings, ends)
                 except TokenizerNotFound as exc:
                     self.metrics.decode_failures.labels(reason=f"tokenizer_{exc.reason}").inc()
                     self.tokenizer_failures.failed(name, exc, configured=batch.tokenizer is None, worker=batch.worker)
-                    tokens = self._decode_with_default(validated, spans, name, exc)
-        rows, too_big = self._serialize(validated, spans)
+                    tokens = self._decode_with_default(validated, spans, name, exc, ends)
+        rows, too_big = self._serialize(validated, spans, ends)
         return rows, tokens, too_big
 
-    def _decode_with_default(self, validated: Validated, spans: list[dict[str, Any]], name: str, exc: Exception) -> int:
+    def _decode_with_default(self, validated: Validated, spans: list[dict[str, Any]], name: str, exc: Exception,
+                             ends: dict[str, list[int]]) -> int:
         """A worker's tokenizer the collector cannot (or may not) load: the operator's
         ``TRACECAR_TOKENIZER`` decodes instead, said on every span, as the docs promise (VERL's
         adapter always names the model's ``tokenizer_path``, which the sidecar may not see)."""
@@ -345,16 +349,18 @@ class IngestPipeline:
                 note += f"; decoded with TRACECAR_TOKENIZER ({default}) instead"
                 for span in spans:
                     validated.warnings.setdefault(span["span_id"], []).append(note)
-                return decode_spans(spans, tokenizer, validated.warnings)
+                return decode_spans(spans, tokenizer, validated.warnings, ends)
         for span in spans:
             validated.warnings.setdefault(span["span_id"], []).append(note)
         return 0
 
-    def _serialize(self, validated: Validated, spans: list[dict[str, Any]]) -> tuple[list[SpoolRow], list[Rejection]]:
+    def _serialize(self, validated: Validated, spans: list[dict[str, Any]],
+                   ends: dict[str, list[int]] | None = None) -> tuple[list[SpoolRow], list[Rejection]]:
         rows, too_big = [], []
         limit = self.settings.max_span_bytes
         count_tokens = self.selection is not None
         for span in spans:
+            packed = self._pack_token_arrays(validated, span, (ends or {}).get(span["span_id"]))
             warnings = validated.warnings.get(span["span_id"])
             if warnings:
                 span["warnings"] = warnings
@@ -373,11 +379,27 @@ class IngestPipeline:
                 too_big.append(Rejection(index, span["span_id"], f"spans[{index}]",
                                          f"{len(payload)} bytes exceed TRACECAR_MAX_SPAN_BYTES={limit}"))
                 continue
-            row = SpoolRow(span, payload, warnings, inputs_at=inputs_at, output_at=output_at)
+            row = SpoolRow(span, payload, warnings, inputs_at=inputs_at, output_at=output_at, token_arrays=packed)
             if count_tokens:  # for max_tokens_per_step: token ids the span carries
                 row.tokens = sum(len(job.ids) for job in collect_jobs(span))
             rows.append(row)
         return rows, too_big
+
+    def _pack_token_arrays(self, validated: Validated, span: dict[str, Any], ends: list[int] | None) -> bytes | None:
+        """The span's per-token arrays packed for the spool (see token_arrays); in local mode they
+        also leave the payload. Problems are warnings on the span, never a lost span."""
+        if not isinstance(span.get("output"), dict):
+            return None
+        notes: list[str] = []
+        arrays = extract_token_arrays(span, notes)
+        if notes:
+            validated.warnings.setdefault(span["span_id"], []).extend(notes)
+        if arrays is None:
+            return None
+        arrays.ends = ends if ends is not None and len(ends) == len(arrays.ids) else None
+        if self.spool.local_only:
+            strip_token_arrays(span, arrays)
+        return arrays.pack()
 
     # ---- tail-based decisions -------------------------------------------------------------
     async def run_selection(self) -> None:

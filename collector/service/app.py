@@ -35,6 +35,7 @@ from ..spool.retention import Retention
 from ..spool.store import Spool
 from ..viewer.group_export_api import build_router as build_group_export_router
 from ..viewer.routes import build_router as build_viewer_router
+from ..viewer.tokens import trajectory_tokens
 from .auth import BearerAuth
 
 log = logging.getLogger("tracecar.collector")
@@ -221,14 +222,15 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         experiment: str | None = None, step: OptionalInt64 = None, step_min: OptionalInt64 = None,
         step_max: OptionalInt64 = None, sample_index: str | None = Query(None, max_length=256), rollout_n: OptionalInt64 = None,
         validate: bool | None = None, worker: str | None = None, has_error: bool | None = None,
-        reward_min: float | None = None, reward_max: float | None = None,
+        reward_min: float | None = None, reward_max: float | None = None, trained: bool | None = None,
+        filtered_by: str | None = Query(None, max_length=256),
         sort: str = Query("start", pattern="^(start|step|reward|duration|spans|sample_index)$"),
         order: str = Query("desc", pattern="^(asc|desc)$"),
         limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0, le=INT64_MAX),
     ) -> Any:
         """Trajectories in the embedded store, filtered, sorted and paginated."""
         flt = TrajectoryFilter(experiment, step, step_min, step_max, sample_index_filter(sample_index), rollout_n,
-                               validate, worker, has_error, reward_min, reward_max)
+                               validate, worker, has_error, reward_min, reward_max, trained, filtered_by or None)
         return await asyncio.to_thread(list_trajectories, collector.spool, flt, limit=limit, offset=offset,
                                        sort=sort, descending=order == "desc")
 
@@ -239,6 +241,14 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         if found is None:
             raise HTTPException(404, detail={"field": "trace_id", "reason": f"no trajectory {trace_id!r} in the store"})
         return Response(await asyncio.to_thread(dumps_deep, found), media_type="application/json")
+
+    @app.get("/v1/trajectories/{trace_id}/tokens", dependencies=[Depends(auth)])
+    async def tokens(trace_id: str, lowest: int = Query(10, ge=0, le=1000)) -> Any:
+        """The token view: per span with per-token data, each token's text, log-probability, mask, entropy."""
+        found = await asyncio.to_thread(trajectory_tokens, collector.spool, trace_id, lowest)
+        if found is None:
+            raise HTTPException(404, detail={"field": "trace_id", "reason": f"no trajectory {trace_id!r} in the store"})
+        return Response(await asyncio.to_thread(orjson.dumps, found), media_type="application/json")
 
     @app.get("/v1/decisions", dependencies=[Depends(auth)])
     async def decisions(step: Int64, experiment: str | None = None, validate: bool | None = None) -> Any:

@@ -58,7 +58,8 @@ CREATE TABLE IF NOT EXISTS spans (
     payload BLOB NOT NULL,
     tokens INTEGER NOT NULL DEFAULT 0,
     inputs_at INTEGER,
-    output_at INTEGER
+    output_at INTEGER,
+    token_arrays BLOB  -- per-token logprobs/mask/entropy, packed (processors.token_arrays); NULL for most spans
 );
 CREATE INDEX IF NOT EXISTS spans_pending ON spans(seq) WHERE state = 0;
 CREATE INDEX IF NOT EXISTS spans_trace ON spans(trace_id);
@@ -128,6 +129,12 @@ class SpoolRow:
     # the forwarder splices them into the backend request without parsing them again.
     inputs_at: int | None = None
     output_at: int | None = None
+    token_arrays: bytes | None = None  # packed per-token arrays (processors.token_arrays), stored beside the payload
+
+    @property
+    def size(self) -> int:
+        """Bytes this row stores: its payload and its packed per-token arrays."""
+        return len(self.payload) + (len(self.token_arrays) if self.token_arrays else 0)
 
 
 @dataclass
@@ -165,9 +172,9 @@ def _row_params(row: SpoolRow, state: int, now: float) -> tuple[Any, ...]:
         _attr(s, "sample_index"), _attr(s, "rollout_n"), None if validate is None else int(bool(validate)),
         s["start_time"], s["end_time"], int(s["exception"] is not None),
         reward if type(reward) in (int, float) else None,
-        len(row.payload), HELD if row.held else state, now,
+        row.size, HELD if row.held else state, now,
         orjson.dumps(row.warnings).decode() if row.warnings else None, row.payload, row.tokens,
-        row.inputs_at, row.output_at, _policy_version(s),
+        row.inputs_at, row.output_at, _policy_version(s), row.token_arrays,
     )
 
 
@@ -200,6 +207,8 @@ class Spool:
         decision_columns = {name for _, name, *_ in self._write.execute("PRAGMA table_info(trajectory_decisions)")}
         if "policy_version" not in decision_columns:
             self._write.execute("ALTER TABLE trajectory_decisions ADD COLUMN policy_version INTEGER")
+        if "token_arrays" not in columns:  # spools written before the token view
+            self._write.execute("ALTER TABLE spans ADD COLUMN token_arrays BLOB")
         # spools from before fan-out: dead letters rekeyed by (span, exporter), cursors reconciled
         deliveries.migrate_dead_letters(self._write, self.exporters[0] if len(self.exporters) == 1 else "")
         deliveries.reconcile(self._write, self.exporters if self.multi else self.exporters[:1])
@@ -255,8 +264,8 @@ class Spool:
                 conn.executemany(
                     "INSERT INTO spans (span_id, trace_id, parent_id, name, kind, worker, project, entity,"
                     " experiment, step, sample_index, rollout_n, validate, start_time, end_time, has_error, reward,"
-                    " nbytes, state, received_at, warnings, payload, tokens, inputs_at, output_at, policy_version)"
-                    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    " nbytes, state, received_at, warnings, payload, tokens, inputs_at, output_at, policy_version, token_arrays)"
+                    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     [_row_params(r, state, now) for r in fresh],
                 )
                 owed = deliveries.owe_new(conn, self.exporters, last_seq) if self.multi and fresh else 0
@@ -267,11 +276,11 @@ class Spool:
                 if late:
                     conn.executemany(
                         "UPDATE trajectory_decisions SET nbytes = nbytes + ?, tokens = tokens + ? WHERE trace_id = ?",
-                        [(len(r.payload), r.tokens, r.span["trace_id"]) for r in fresh if r.span["span_id"] in late],
+                        [(r.size, r.tokens, r.span["trace_id"]) for r in fresh if r.span["span_id"] in late],
                     )
-            new_bytes = sum(len(r.payload) for r in fresh)
+            new_bytes = sum(r.size for r in fresh)
             held = [r for r in fresh if r.held]
-            held_bytes = sum(len(r.payload) for r in held)
+            held_bytes = sum(r.size for r in held)
             self.stored_bytes += new_bytes
             self.held_count += len(held)
             self.held_bytes += held_bytes
@@ -321,9 +330,11 @@ class Spool:
                     old = conn.execute("SELECT nbytes FROM spans WHERE span_id = ? AND state = 3", (span_id,)).fetchone()
                     if old is None:
                         continue
+                    size = len(payload) + conn.execute("SELECT COALESCE(LENGTH(token_arrays), 0) FROM spans WHERE span_id = ?",
+                                                       (span_id,)).fetchone()[0]
                     conn.execute("UPDATE spans SET payload = ?, nbytes = ?, inputs_at = NULL, output_at = NULL"
-                                 " WHERE span_id = ?", (payload, len(payload), span_id))
-                    delta_bytes += len(payload) - old[0]
+                                 " WHERE span_id = ?", (payload, size, span_id))
+                    delta_bytes += size - old[0]
                 owed = deliveries.owe_held(conn, self.exporters, kept) if self.multi and target == PENDING else 0
                 moved, moved_bytes = _apply_to_held(conn, kept, "UPDATE spans SET state = ?", (target,))
                 gone, gone_bytes = _apply_to_held(conn, dropped, "DELETE FROM spans", ())

@@ -37,7 +37,7 @@ from ..spool.query import sample_index_values
 
 log = logging.getLogger("tracecar.collector.viewer")
 
-INDEX_VERSION = "4"  # 3: sample_index untyped (ints or strings); 4: engine spans never make a turn an aggregate
+INDEX_VERSION = "5"  # 3: sample_index untyped; 4: engine spans never make a turn an aggregate; 5: what the trainer did
 ROOT = "root_seq IS NOT NULL"  # every query names it, so the partial indexes apply
 
 SCHEMA = f"""
@@ -66,7 +66,12 @@ CREATE TABLE IF NOT EXISTS trajectories (
     tool_calls INTEGER NOT NULL DEFAULT 0,
     tool_errors INTEGER NOT NULL DEFAULT 0,
     prompt_tokens INTEGER,
-    response_tokens INTEGER NOT NULL DEFAULT 0
+    response_tokens INTEGER NOT NULL DEFAULT 0,
+    advantage REAL,  -- what the trainer did, from annotations (client.annotate): the latest value of each wins
+    trained INTEGER,
+    filtered_by TEXT,
+    policy_version INTEGER,
+    trained_on_version INTEGER
 );
 CREATE TABLE IF NOT EXISTS llm_calls (
     span_id TEXT PRIMARY KEY,
@@ -86,16 +91,24 @@ CREATE INDEX IF NOT EXISTS traj_turns ON trajectories(turns) WHERE {ROOT};
 CREATE INDEX IF NOT EXISTS traj_duration ON trajectories(duration) WHERE {ROOT};
 CREATE INDEX IF NOT EXISTS traj_kept ON trajectories(kept_because) WHERE {ROOT};
 CREATE INDEX IF NOT EXISTS traj_root_seq ON trajectories(root_seq) WHERE {ROOT};
+CREATE INDEX IF NOT EXISTS traj_trained ON trajectories(trained, filtered_by) WHERE {ROOT};
+CREATE INDEX IF NOT EXISTS traj_advantage ON trajectories(advantage) WHERE {ROOT};
 """
 
 SORTS = {
     "start": "start_time", "reward": "reward", "turns": "turns", "duration": "duration", "step": "step",
     "sample_index": "sample_index", "rollout_n": "rollout_n", "tools": "tool_calls", "tokens": "response_tokens",
-    "spans": "span_count",
+    "spans": "span_count", "advantage": "advantage",
 }
 NOT_NULL = {"turns", "tool_calls", "response_tokens", "span_count"}
 COLUMNS = ("trace_id, name, experiment, step, sample_index, rollout_n, validate, worker, start_time, end_time, duration,"
-           " kept_because, reward, span_count, has_error, turns, tool_calls, tool_errors, prompt_tokens, response_tokens")
+           " kept_because, reward, span_count, has_error, turns, tool_calls, tool_errors, prompt_tokens, response_tokens,"
+           " advantage, trained, filtered_by, policy_version, trained_on_version")
+TRAINER_KEYS = ("advantage", "trained", "filtered_by", "policy_version", "trained_on_version")
+_TRAINER_TYPES = {"advantage": (int, float), "trained": (bool,), "filtered_by": (str,), "policy_version": (int,),
+                  "trained_on_version": (int,)}
+_TRAINER_UPDATE = ("UPDATE trajectories SET " + ", ".join(f"{k} = COALESCE(?, {k})" for k in TRAINER_KEYS)
+                   + " WHERE trace_id = ?")
 
 _UPSERT = """
 INSERT INTO trajectories (trace_id, root_seq, name, experiment, step, sample_index, rollout_n, validate, worker,
@@ -138,7 +151,7 @@ WHERE trace_id = ?
 
 HELD = 3  # spool state of a span awaiting a tail-based sampling decision (tracecar.collector.processors.sampling)
 _COLUMNS = """seq, span_id, trace_id, parent_id, name, kind, worker, experiment, step, sample_index, rollout_n, validate,
-       start_time, end_time, has_error, reward, state, IIF(kind = 'annotation' OR state = 3, NULL, payload)"""
+       start_time, end_time, has_error, reward, state, IIF(state = 3, NULL, payload)"""
 _SCAN = f"SELECT {_COLUMNS} FROM spool.spans WHERE seq > ? ORDER BY seq LIMIT ?"
 
 
@@ -158,12 +171,14 @@ class ListFilter:
     reward_max: float | None = None
     has_error: bool | None = None
     worker: str | None = None
+    trained: bool | None = None  # what the trainer did (client.annotate)
+    filtered_by: str | None = None
 
     def where(self) -> tuple[str, list[Any]]:
         clauses, params = [ROOT], []
         if self.experiment == "":  # the page's name for "no experiment_name"
             clauses.append("experiment IS NULL")
-        for name in ("experiment", "step", "rollout_n", "kept_because", "worker"):
+        for name in ("experiment", "step", "rollout_n", "kept_because", "worker", "filtered_by"):
             value = getattr(self, name)
             if value is not None and value != "":
                 clauses.append(f"{name} = ?")
@@ -177,7 +192,7 @@ class ListFilter:
             if value is not None:
                 clauses.append(f"{column} {op} ?")
                 params.append(value)
-        for name in ("validate", "has_error"):
+        for name in ("validate", "has_error", "trained"):
             value = getattr(self, name)
             if value is not None:
                 clauses.append(f"{name} = ?")
@@ -189,9 +204,10 @@ class ListFilter:
 
 
 class _Delta:
-    __slots__ = ("root", "ann_seq", "ann_reward", "span_count", "has_error", "tool_calls", "tool_errors")
+    __slots__ = ("root", "ann_seq", "ann_reward", "span_count", "has_error", "tool_calls", "tool_errors", "trainer")
 
     def __init__(self) -> None:
+        self.trainer: dict[str, Any] = {}  # what the trainer did: the latest annotation's value per key
         self.root: tuple[Any, ...] | None = None
         self.ann_seq: int | None = None
         self.ann_reward: float | None = None
@@ -201,6 +217,22 @@ class _Delta:
         root = self.root or (None,) * 13
         return (trace_id, *root, self.ann_seq, self.ann_reward, self.span_count, self.has_error,
                 self.tool_calls, self.tool_errors)
+
+
+def _trainer_values(payload: bytes | None) -> dict[str, Any]:
+    """What an annotation says the trainer did (advantage, trained, filtered_by, versions); parsed only if it may."""
+    if not payload or not any(k.encode() in payload for k in ("advantage", "trained", "filtered_by", "_version")):
+        return {}
+    try:
+        attrs = orjson.loads(payload).get("attributes") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        return {}
+    out: dict[str, Any] = {}
+    for key in TRAINER_KEYS:
+        value = attrs.get(key)
+        if value is not None and type(value) in _TRAINER_TYPES[key] and not (key != "trained" and type(value) is bool):
+            out[key] = int(value) if key == "trained" else value
+    return out
 
 
 def _label(value: Any) -> str | None:
@@ -397,6 +429,7 @@ class TrajectoryIndex:
             if kind == "annotation":
                 if reward is not None and (delta.ann_seq is None or seq > delta.ann_seq):
                     delta.ann_seq, delta.ann_reward = seq, reward
+                delta.trainer.update(_trainer_values(payload))  # rows come in seq order: later notes win
                 continue
             delta.span_count += 1
             delta.has_error = max(delta.has_error, has_error)
@@ -422,6 +455,8 @@ class TrajectoryIndex:
                              "VALUES (?,?,?,?)", llm_rows)
             conn.executemany(_UPSERT, [d.params(t) for t, d in deltas.items()])
             conn.executemany(_DERIVE, [(t,) for t in deltas])
+            conn.executemany(_TRAINER_UPDATE, [(*(d.trainer.get(k) for k in TRAINER_KEYS), t)
+                                               for t, d in deltas.items() if d.trainer])
             conn.executemany("INSERT OR IGNORE INTO held (seq) VALUES (?)", add_held)
             conn.executemany("DELETE FROM held WHERE seq = ?", drop_held)
             if watermark is not None:
@@ -533,6 +568,8 @@ class TrajectoryIndex:
             row = dict(zip(names, values))
             row["validate"] = None if row["validate"] is None else bool(row["validate"])
             row["has_error"] = bool(row["has_error"])
+            if "trained" in row:
+                row["trained"] = None if row["trained"] is None else bool(row["trained"])
             out.append(row)
         return out
 
@@ -565,7 +602,10 @@ class TrajectoryIndex:
             order = sorted(experiments.values(), key=lambda e: (latest is None or e["experiment"] != latest[0], str(e["experiment"])))
             rules = [{"rule": r, "trajectories": n} for r, n in conn.execute(
                 f"SELECT kept_because, COUNT(*) FROM trajectories WHERE {ROOT} AND kept_because IS NOT NULL GROUP BY kept_because")]
-            result = {"experiments": order, "kept_because": rules}
+            trainer = [{"trained": None if t is None else bool(t), "filtered_by": f, "trajectories": n} for t, f, n in conn.execute(
+                f"SELECT trained, filtered_by, COUNT(*) FROM trajectories WHERE {ROOT} AND (trained IS NOT NULL"
+                " OR filtered_by IS NOT NULL) GROUP BY trained, filtered_by")]
+            result = {"experiments": order, "kept_because": rules, "trainer": trainer}
             self._cache["facets"] = result
             return result
 

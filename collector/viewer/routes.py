@@ -33,6 +33,7 @@ from ..shape import shape
 from ..spool.query import get_trajectory
 from . import StoreOwner
 from .index import SORTS, ListFilter, TrajectoryIndex
+from .tokens import trajectory_tokens
 
 STATIC = Path(__file__).with_name("static")
 COOKIE = "tracecar_viewer"
@@ -172,12 +173,13 @@ def build_router(collector: StoreOwner, token: str | None) -> APIRouter:
         step_max: OptionalInt64 = None, sample_index: str | None = Query(None, max_length=256), rollout_n: OptionalInt64 = None,
         validate: bool | None = None, kept_because: str | None = None, reward_min: float | None = None,
         reward_max: float | None = None, has_error: bool | None = None, worker: str | None = None,
+        trained: bool | None = None, filtered_by: str | None = Query(None, max_length=256),
         sort: str = Query("start", pattern=SORT_PATTERN), order: str = Query("desc", pattern="^(asc|desc)$"),
         limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0, le=INT64_MAX),
     ) -> Any:
         """One page of trajectory summaries; unscored ones sort last either way."""
         flt = ListFilter(experiment, step, step_min, step_max, sample_index_filter(sample_index), rollout_n, validate, kept_because or None,
-                         reward_min, reward_max, has_error, worker)
+                         reward_min, reward_max, has_error, worker, trained, filtered_by or None)
         state = await asyncio.to_thread(fresh)
         page = await asyncio.to_thread(index.list, flt, sort=sort, descending=order == "desc", limit=limit, offset=offset)
         return _json({**page, "index": state})
@@ -195,6 +197,14 @@ def build_router(collector: StoreOwner, token: str | None) -> APIRouter:
             view["tree"] = found["root"]
             view["tree_depth_cap"] = found["depth_cap"]
         return await asyncio.to_thread(_json, view)
+
+    @guarded.get("/api/trajectories/{trace_id}/tokens")
+    async def tokens(trace_id: str, lowest: int = Query(10, ge=0, le=1000)) -> Any:
+        """The token view (see spool.tokens): the same JSON as ``GET /v1/trajectories/{id}/tokens``."""
+        found = await asyncio.to_thread(trajectory_tokens, collector.spool, trace_id, lowest)
+        if found is None:
+            raise HTTPException(404, detail={"field": "trace_id", "reason": f"no trajectory {trace_id!r} in the store"})
+        return await asyncio.to_thread(_json, found)
 
     router.include_router(guarded)
     router.trajectory_index, router.fresh, router.viewer_auth = index, fresh, auth  # for group_export_api

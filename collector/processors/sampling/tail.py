@@ -158,7 +158,7 @@ class TailSelector:
                     span["kind"], span["span_id"], span["trace_id"], span["parent_id"], span["worker"],
                     attrs.get("experiment_name"), attrs.get("validate"), attrs.get("step"), attrs.get("sample_index"),
                     attrs.get("rollout_n"), span["exception"] is not None, _number(attrs.get("reward")),
-                    len(row.payload), row.tokens, span["start_time"], now, None if where is None else where[1],
+                    row.size, row.tokens, span["start_time"], now, None if where is None else where[1],
                 )
             if dropped and self.metrics is not None:
                 self.metrics.spans_sampled_out.labels(budget="tail").inc(dropped)
@@ -207,7 +207,7 @@ class TailSelector:
             key = (experiment, validate, step, version)
             step_usage = usage.setdefault(key, [kept_bytes, kept_tokens])
             size = traj_bytes.setdefault(trace_id, nbytes)
-            n = len(row.payload)
+            n = row.size
             if ((budget.max_bytes_per_step is not None and step_usage[0] + n > budget.max_bytes_per_step)
                     or (budget.max_tokens_per_step is not None and step_usage[1] + row.tokens > budget.max_tokens_per_step)
                     or (budget.max_trajectory_bytes is not None and size + n > budget.max_trajectory_bytes)):
