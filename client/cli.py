@@ -386,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_groups_export import add_parsers as add_groups_export_parsers
 
     add_groups_export_parsers(sub)  # groups, export
+    from .cli_live import add_parsers as add_live_parsers
+
+    add_live_parsers(sub)  # live, health
     return parser
 
 

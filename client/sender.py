@@ -213,6 +213,9 @@ class Sender:
             header["token2text"] = cfg.token2text
         if cfg.max_samples_per_step_per_worker is not None:
             header["max_samples_per_step_per_worker"] = cfg.max_samples_per_step_per_worker
+        if self.stats.dropped:  # running totals: the collector counts the increase (tracecar_client_dropped_spans)
+            with self._lock:
+                header["dropped"] = dict(self.stats.dropped)
         return header
 
     def _client(self) -> httpx.Client:

@@ -23,6 +23,8 @@ class Metrics:
         self.spans_duplicate = Counter("tracecar_spans_duplicate", "Spans already in the spool (client retries), dropped.", registry=r)
         self.spans_sampled_out = Counter("tracecar_spans_sampled_out", "Spans dropped by a sampling budget.", ["budget"], registry=r)
         self.span_warnings = Counter("tracecar_span_warnings", "Spans stored with a recorded warning, by kind.", ["kind"], registry=r)
+        self.client_dropped = Counter("tracecar_client_dropped_spans", "Spans workers dropped before sending (as their batch headers report), by reason (queue_full, span_too_large, ...).", ["reason"], registry=r)
+        self.client_reports_ignored = Counter("tracecar_client_reports_ignored", "Batch headers whose drop report was malformed and ignored (the spans were still taken).", registry=r)
         self.decoded_tokens = Counter("tracecar_decoded_tokens", "Token ids decoded to text.", registry=r)
         self.decode_failures = Counter("tracecar_decode_failures", "Spans whose decoding failed (stored without text).", ["reason"], registry=r)
         self.forwarded = Counter("tracecar_spans_forwarded", "Spans delivered to the backend.", ["backend"], registry=r)

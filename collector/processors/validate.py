@@ -127,6 +127,7 @@ class BatchIn(BaseModel):
     token2text: bool | None = None
     max_samples_per_step_per_worker: int | None = Field(None, ge=0)
     client: dict[str, str] | None = Field(None, max_length=32)
+    dropped: Any = None  # the sender's drop totals (receivers.client_drops checks it apart: never costs the batch)
     spans: list[Any]
 
 

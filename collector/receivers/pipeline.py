@@ -36,6 +36,7 @@ from ..processors.validate import Rejection, Validated, parents_to_look_up, reje
 from ..settings import CollectorSettings
 from ..spool.store import Spool, SpoolFull, SpoolRow
 from . import receive
+from .client_drops import ClientDrops, parse_dropped
 from .joins import TrajectoryContexts
 
 _DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
@@ -161,6 +162,7 @@ class IngestPipeline:
         self._lookup_conns: list[sqlite3.Connection] = []
         self._lookup_lock = threading.Lock()
         self.on_committed: list[Any] = []
+        self.client_drops = ClientDrops(metrics.client_dropped)  # what workers lost before sending
         # set by the collector: evicts forwarded trajectories after a full-disk refusal
         self.make_room: Callable[[int], bool] = lambda need: False
         self.disk_short: Callable[[], bool] = lambda: False  # True while the disk reserve is released
@@ -207,6 +209,12 @@ class IngestPipeline:
         loop = asyncio.get_running_loop()
         validated = await loop.run_in_executor(self.cpu, receiver or self._receive_and_validate, body, content_type, content_encoding)
         m = self.metrics
+        if validated.batch.dropped is not None:  # the sender's own drop totals
+            totals = parse_dropped(validated.batch.dropped)
+            if totals is None:
+                m.client_reports_ignored.inc()
+            else:
+                self.client_drops.observe(validated.batch.worker, totals)
         memberships = [s for s in validated.spans if s["kind"] == MEMBERSHIP]
         if memberships:  # a step's sample indices: consumed by the head sampler, never stored
             validated.spans = [s for s in validated.spans if s["kind"] != MEMBERSHIP]

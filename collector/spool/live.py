@@ -1,0 +1,123 @@
+"""Live: trajectories still running — spans stored, root not yet arrived.
+
+The client sends a span when its call ends, so a trajectory's root (its ``rollout_trace_attr``)
+comes last. Until then its finished calls are in the store (pending, or held awaiting a
+tail-based decision) and this module finds them: the recent spans (the last
+``TRACECAR_LIVE_WINDOW_S``, at most ``TRACECAR_LIVE_MAX_SCAN_SPANS`` of them) are grouped by
+trace, traces whose root is nowhere in the store are the running ones, and their spans so far
+are read through the trace index. Reads only: nothing here moves a row, so looking at a
+running trajectory never forwards it.
+
+A stuck call shows as a trajectory whose last span ended long ago (``idle_s``): the call
+running now is the one after ``last_span``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .query import sample_index_values
+from .store import HELD, Spool
+
+SPANS_PER_TRAJECTORY = 500  # spans listed per running trajectory (the count is always exact)
+
+
+@dataclass
+class LiveFilter:
+    experiment: str | None = None  # "" = the trajectories sent without an experiment name
+    step: int | None = None
+    validate: bool | None = None
+    worker: str | None = None
+    sample_index: int | str | None = None
+
+
+def first_seq_since(spool: Spool, since: float) -> int:
+    """The first row received at or after ``since``: a binary search over ``seq`` (rows are
+    appended in arrival order), a few primary-key probes instead of a scan."""
+    rows = spool.query("SELECT MIN(seq) AS lo, MAX(seq) AS hi FROM spans")
+    lo, hi = rows[0]["lo"], rows[0]["hi"]
+    if lo is None:
+        return 0
+    hi += 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        found = spool.query("SELECT seq, received_at FROM spans WHERE seq >= ? ORDER BY seq LIMIT 1", (mid,))
+        if not found:
+            hi = mid
+        elif found[0]["received_at"] < since:
+            lo = found[0]["seq"] + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _has_root(spool: Spool, trace_id: str) -> bool:
+    return bool(spool.query(
+        "SELECT 1 AS x FROM spans WHERE trace_id = ? AND parent_id IS NULL AND kind != 'annotation' LIMIT 1", (trace_id,)))
+
+
+def running_trajectories(spool: Spool, flt: LiveFilter, *, window_s: float, max_scan_spans: int,
+                         limit: int = 100, now: float | None = None) -> dict[str, Any]:
+    """The running trajectories seen in the window, the longest idle first (a stuck one on top)."""
+    now = time.time() if now is None else now
+    start_seq = first_seq_since(spool, now - window_s)
+    newest = spool.query("SELECT MAX(seq) AS hi FROM spans")[0]["hi"] or 0
+    scan_capped = newest - start_seq + 1 > max_scan_spans
+    start_seq = max(start_seq, newest - max_scan_spans + 1)
+    clauses, params = ["seq >= ?", "kind != 'annotation'"], [start_seq]
+    if flt.experiment is not None:
+        clauses.append("experiment IS ?")
+        params.append(flt.experiment or None)
+    for column, value in (("step", flt.step), ("worker", flt.worker)):
+        if value is not None:
+            clauses.append(f"{column} = ?")
+            params.append(value)
+    if flt.validate is not None:
+        clauses.append("validate = ?")
+        params.append(int(flt.validate))
+    if flt.sample_index is not None:
+        values = sample_index_values(flt.sample_index)
+        clauses.append(f"sample_index IN ({','.join('?' * len(values))})")
+        params.extend(values)
+    candidates = spool.query(
+        "SELECT trace_id, MAX(received_at) AS last_received FROM spans WHERE " + " AND ".join(clauses)
+        + " GROUP BY trace_id HAVING SUM(parent_id IS NULL) = 0 ORDER BY last_received", params)
+    running: list[dict[str, Any]] = []
+    total = 0
+    for cand in candidates:
+        if _has_root(spool, cand["trace_id"]):  # the root arrived before the window: finished
+            continue
+        total += 1
+        if len(running) < limit:
+            running.append(_describe(spool, cand["trace_id"], now))
+    return {"now": now, "window_s": window_s, "scan_capped": scan_capped, "total": total,
+            "truncated": total > len(running), "trajectories": running}
+
+
+def _describe(spool: Spool, trace_id: str, now: float) -> dict[str, Any]:
+    rows = spool.query(
+        "SELECT span_id, parent_id, name, kind, worker, experiment, step, sample_index, rollout_n, validate,"
+        " start_time, end_time, has_error, received_at, state FROM spans WHERE trace_id = ? AND kind != 'annotation'"
+        " ORDER BY start_time, seq", (trace_id,))
+    last = max(rows, key=lambda r: (r["end_time"] or 0.0, r["received_at"]))
+    attrs = next((r for r in reversed(rows) if r["step"] is not None), rows[-1])
+    first_start = min((r["start_time"] for r in rows if r["start_time"] is not None), default=None)
+    last_received = max(r["received_at"] for r in rows)
+    return {
+        "trace_id": trace_id, "experiment": attrs["experiment"], "step": attrs["step"],
+        "sample_index": attrs["sample_index"], "rollout_n": attrs["rollout_n"],
+        "validate": None if attrs["validate"] is None else bool(attrs["validate"]), "worker": attrs["worker"],
+        "spans": len(rows), "errors": sum(r["has_error"] for r in rows), "held": sum(r["state"] == HELD for r in rows),
+        "started_at": first_start, "age_s": None if first_start is None else max(0.0, now - first_start),
+        "last_received_at": last_received,
+        "idle_s": max(0.0, now - (last["end_time"] or last_received)),
+        "last_span": {"span_id": last["span_id"], "name": last["name"], "end_time": last["end_time"],
+                      "has_error": bool(last["has_error"])},
+        "span_list": [
+            {"span_id": r["span_id"], "parent_id": r["parent_id"], "name": r["name"], "kind": r["kind"],
+             "start_time": r["start_time"], "end_time": r["end_time"], "has_error": bool(r["has_error"])}
+            for r in rows[:SPANS_PER_TRAJECTORY]
+        ],
+    }
