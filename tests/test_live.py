@@ -153,3 +153,43 @@ def test_without_a_budget_no_weave_root_is_sent_before_it_is_whole(start_collect
     kit.wait_for(lambda: len(stub.delivered()) == 4, timeout=30)
     roots = [c for c in stub.completed_calls() if c["parent_id"] is None]
     assert len(roots) == 1 and roots[0]["ended_at"] >= max(c["ended_at"] for c in early)
+
+
+def test_page_shows_running_trajectories_and_updates_without_reloading(start_collector, tracer_to, rollout, kit, tmp_path):
+    from test_viewer import Page, _browser, expect
+
+    col = start_collector()
+    tracer_to(col.url, experiment="exp-live")
+    with rollout_trace_attr(sample_index=0, step=3, rollout_n=0, name="agent_loop"):  # a finished one of the same step
+        Agent(threading.Event()).generate("done already")
+    rollout()
+    running = _wait_live(col.url, 2, kit)
+    with _browser() as pw:
+        b = Page(pw, tmp_path, col.url)
+        page = b.page
+        try:
+            page.goto(col.url + "/ui/#/live")
+            row = page.locator("[data-testid=live-row]")
+            expect(row).to_have_count(1)
+            assert row.get_attribute("data-trace-id") == running["trace_id"]
+            expect(row.locator("[data-testid=live-last-span]")).to_have_text("Agent.search")
+            expect(row.locator("[data-testid=live-span-count]")).to_have_text("2")
+            row.click()
+            expect(page.locator("[data-testid=live-spans] li")).to_have_count(2)
+            b.shot("20-live-running")
+            page.goto(col.url + "/ui/#/list?experiment=exp-live&step=3")
+            expect(page.locator("[data-testid=live-panel] [data-testid=live-row]")).to_have_count(1)
+            expect(page.locator("[data-testid=traj-row]")).to_have_count(1)  # only the finished one is listed
+            b.shot("21-step-list-with-running")
+            url = page.url
+            rollout.release.set()
+            # no reload: the panel's poll sees it finish, hides itself and the list re-reads
+            expect(page.locator("[data-testid=traj-row]")).to_have_count(2, timeout=20_000)
+            expect(page.locator("[data-testid=live-panel]")).to_be_hidden()
+            assert page.url == url
+            page.goto(col.url + "/ui/#/live")
+            expect(page.locator("[data-testid=live-empty]")).to_be_visible()
+            b.shot("22-live-nothing-running")
+            b.check_clean()
+        finally:
+            b.close()
