@@ -36,14 +36,19 @@ def print_live(page: dict[str, Any]) -> None:
           f"spans of the last {_age(page['window_s'])}{capped}")
     if not shown:
         return
-    print(f"{'trace_id':34} {'step':>5} {'idx':>5} {'n':>3} {'spans':>5} {'age':>6} {'idle':>6}  last span")
+    print(f"{'trace_id':34} {'step':>5} {'idx':>5} {'n':>3} {'spans':>5} {'age':>6} {'idle':>6}  waiting on / last span")
     for t in page["trajectories"]:
-        last = t["last_span"]
-        err = " (error)" if last["has_error"] else ""
+        stuck, last = t["stuck_call"], t["last_span"]
+        if stuck is not None:
+            what = f"{stuck['name']} (running {_age(stuck['running_s'])})"
+        elif last is not None:
+            what = f"after {last['name']}" + (" (error)" if last["has_error"] else "")
+        else:
+            what = "-"
         print(f"{t['trace_id']:34} {'' if t['step'] is None else t['step']:>5} "
               f"{'' if t['sample_index'] is None else str(t['sample_index'])[:5]:>5} "
               f"{'' if t['rollout_n'] is None else t['rollout_n']:>3} {t['spans']:>5} {_age(t['age_s']):>6} "
-              f"{_age(t['idle_s']):>6}  {last['name']}{err}")
+              f"{_age(t['idle_s']):>6}  {what}")
 
 
 def cmd_live(args: argparse.Namespace) -> None:

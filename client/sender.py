@@ -44,6 +44,7 @@ class SenderStats:
     rejected_by_collector: int = 0
     retries: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
+    open_markers_skipped: int = 0  # live-view markers not queued (queue full); no span is lost
 
     def drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
@@ -53,7 +54,31 @@ class SenderStats:
             "sent": self.sent, "batches_sent": self.batches_sent,
             "rejected_by_collector": self.rejected_by_collector, "retries": self.retries,
             "dropped": dict(self.dropped), "dropped_total": sum(self.dropped.values()),
+            "open_markers_skipped": self.open_markers_skipped,
         }
+
+
+#: attributes an open marker carries: enough to file it under its experiment, step and sample
+OPEN_ATTRIBUTES = ("experiment_name", "step", "sample_index", "rollout_n", "validate")
+
+
+class OpenMarker:
+    """A call that has started: sent only if it is still running when the sender gets to it,
+    so the collector's live view can name a call that hangs (``kind: open``, never stored)."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: SpanRecord) -> None:
+        self.record = record
+
+    def to_wire(self) -> dict[str, Any]:
+        r = self.record
+        attrs = r.attributes or {}
+        return {"span_id": r.span_id + ".open", "trace_id": r.trace.span_id,
+                "parent_id": r.parent.span_id if r.parent is not None else None, "name": r.name, "kind": "open",
+                "start_time": r.start, "end_time": None,
+                "attributes": {k: attrs[k] for k in OPEN_ATTRIBUTES if k in attrs}, "inputs": {}, "output": None,
+                "exception": None}
 
 
 class Sender:
@@ -94,6 +119,16 @@ class Sender:
             self._start()
         elif len(queue) == self.config.batch_max_spans:
             self._wake.set()
+
+    def opened(self, record: SpanRecord) -> None:
+        """A call started (live view): one append; skipped, and counted, when the queue is full."""
+        queue = self.queue
+        if len(queue) >= self.config.queue_max_spans or self._stopping:
+            self.stats.open_markers_skipped += 1  # not a span: no span is lost
+            return
+        queue.append(OpenMarker(record))  # type: ignore[arg-type]
+        if self._thread is None:
+            self._start()
 
     # ---- lifecycle -----------------------------------------------------------------------
     def _start(self) -> None:
@@ -166,8 +201,16 @@ class Sender:
         """
         cfg, queue, parts, size = self.config, self.queue, [], 0
         last_yield = time.perf_counter()
+        markers = 0
         while queue and len(parts) < cfg.batch_max_spans and size < cfg.batch_max_bytes:
             record = queue.popleft()
+            if type(record) is OpenMarker:
+                if record.record.end is not None:  # it ended already: its span says more
+                    continue
+                parts.append(pack_span(record.to_wire(), self.encoder, cfg.max_string_chars))
+                size += len(parts[-1])
+                markers += 1
+                continue
             try:
                 packed = pack_span(self._wire(record), self.encoder, cfg.max_string_chars)
             except Exception as exc:  # noqa: BLE001 - one unserialisable span must not cost the batch
@@ -187,7 +230,7 @@ class Sender:
                 last_yield = time.perf_counter()
         if not parts:
             return None
-        return batch_body(self._header(), parts), len(parts)
+        return batch_body(self._header(), parts), len(parts) - markers  # markers are not spans: not counted
 
     def _wire(self, record: SpanRecord) -> dict[str, Any]:
         """The span's wire dict, exception text scrubbed (key-based redaction is in pack_span)."""

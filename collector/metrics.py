@@ -25,6 +25,8 @@ class Metrics:
         self.span_warnings = Counter("tracecar_span_warnings", "Spans stored with a recorded warning, by kind.", ["kind"], registry=r)
         self.client_dropped = Counter("tracecar_client_dropped_spans", "Spans workers dropped before sending (as their batch headers report), by reason (queue_full, span_too_large, ...).", ["reason"], registry=r)
         self.client_reports_ignored = Counter("tracecar_client_reports_ignored", "Batch headers whose drop report was malformed and ignored (the spans were still taken).", registry=r)
+        self.open_calls = Gauge("tracecar_open_calls", "Calls the workers said are running (open markers in memory, for the live view).", registry=r)
+        self.open_calls_forgotten = Counter("tracecar_open_calls_forgotten", "Open markers forgotten at TRACECAR_LIVE_MAX_OPEN_CALLS (oldest first).", registry=r)
         self.decoded_tokens = Counter("tracecar_decoded_tokens", "Token ids decoded to text.", registry=r)
         self.decode_failures = Counter("tracecar_decode_failures", "Spans whose decoding failed (stored without text).", ["reason"], registry=r)
         self.forwarded = Counter("tracecar_spans_forwarded", "Spans delivered to the backend.", ["backend"], registry=r)

@@ -82,6 +82,10 @@ def test_a_running_trajectory_is_listed_with_its_spans_so_far_then_leaves_when_d
     assert (running["step"], running["sample_index"], running["rollout_n"], running["experiment"]) == (3, 7, 1, "exp-live")
     assert [s["name"] for s in running["span_list"]] == ["Agent.generate", "Agent.search"]
     assert running["last_span"]["name"] == "Agent.search"  # what ran last: the call after it is the stuck one
+    # the workers' open markers name what is running: the trajectory, its agent loop and the tool that hangs
+    print("DBG", running, kit.metrics(col.url, "tracecar_open_calls"))
+    assert [c["name"] for c in running["open_calls"]] == ["agent_loop", "Agent.run", "Agent.stuck_tool"]
+    assert running["stuck_call"]["name"] == "Agent.stuck_tool" and running["stuck_call"]["running_s"] >= 0
     assert running["age_s"] >= 0 and running["idle_s"] >= 0 and running["errors"] == 0
     time.sleep(0.5)
     again = _live(col.url, step=3)["trajectories"][0]
@@ -91,13 +95,60 @@ def test_a_running_trajectory_is_listed_with_its_spans_so_far_then_leaves_when_d
     assert httpx.get(col.url + "/v1/trajectories", timeout=10).json()["total"] == 0
     cli_main(["live", "--url", col.url, "--step", "3"])
     out = capsys.readouterr().out
-    assert "1 running trajectory" in out and running["trace_id"] in out and "Agent.search" in out
+    assert "1 running trajectory" in out and running["trace_id"] in out and "Agent.stuck_tool" in out
 
     rollout.release.set()
     kit.wait_for(lambda: _live(col.url)["total"] == 0, timeout=20)
     done = httpx.get(col.url + "/v1/trajectories", timeout=10).json()
     assert done["total"] == 1 and done["trajectories"][0]["trace_id"] == running["trace_id"]
     assert done["trajectories"][0]["span_count"] == 5
+    assert kit.metrics(col.url, "tracecar_open_calls") == 0  # every marker left with its span
+    stored = httpx.get(col.url + f"/v1/trajectories/{running['trace_id']}", timeout=10).text
+    assert ".open" not in stored  # markers are never stored
+
+
+class Hangs:
+    def __init__(self, release: threading.Event) -> None:
+        self.release = release
+
+    @rollout_trace_op
+    def generate(self, prompt: str) -> str:
+        assert self.release.wait(60)
+        return prompt
+
+
+def test_a_trajectory_whose_first_call_hangs_is_listed_by_its_open_markers(start_collector, tracer_to, kit):
+    col = start_collector()
+    tracer_to(col.url, experiment="exp-live")
+    release = threading.Event()
+
+    def body() -> None:
+        with rollout_trace_attr(sample_index="uuid-1", step=9, rollout_n=0, name="agent_loop"):
+            Hangs(release).generate("hello")
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    try:
+        found = kit.wait_for(lambda: _live(col.url, step=9, sample_index="uuid-1")["trajectories"], timeout=20)
+        assert len(found) == 1 and found[0]["spans"] == 0 and found[0]["last_span"] is None
+        assert found[0]["sample_index"] == "uuid-1" and found[0]["stuck_call"]["name"] == "Hangs.generate"
+        assert _live(col.url, step=8)["total"] == 0
+        assert kit.metrics(col.url, "tracecar_open_calls") == 2
+        assert httpx.get(col.url + "/v1/trajectories", timeout=10).json()["total"] == 0
+    finally:
+        release.set()
+        thread.join(10)
+    kit.wait_for(lambda: _live(col.url)["total"] == 0, timeout=20)
+    assert kit.metrics(col.url, "tracecar_open_calls") == 0
+
+
+def test_without_open_markers_a_stuck_call_shows_as_idle_since_the_last_span(start_collector, tracer_to, rollout, kit):
+    col = start_collector()
+    tracer = tracer_to(col.url, experiment="exp-live", open_markers=False)
+    rollout()
+    running = _wait_live(col.url, 2, kit)
+    assert running["open_calls"] == [] and running["stuck_call"] is None and running["last_span"]["name"] == "Agent.search"
+    assert tracer.stats()["open_markers_skipped"] == 0
 
 
 def test_the_live_view_answers_on_the_viewer_route_and_rejects_bad_parameters(start_collector, tracer_to, rollout, kit):
@@ -129,7 +180,9 @@ def test_a_running_trajectory_is_not_forwarded_under_a_tail_budget_and_is_once_c
 
     rollout.release.set()
     kit.wait_for(lambda: len(stub.delivered()) == 4, timeout=30)  # run, generate, search, stuck_tool (root elided)
+    time.sleep(0.5)
     calls = stub.completed_calls()
+    assert len(calls) == 4  # no open marker is ever forwarded
     roots = [c for c in calls if c["parent_id"] is None]
     assert [c["op_name"].split("/")[-1].split(":")[0] for c in roots] == ["Agent.run"]
     assert _live(col.url)["total"] == 0
@@ -173,9 +226,11 @@ def test_page_shows_running_trajectories_and_updates_without_reloading(start_col
             expect(row).to_have_count(1)
             assert row.get_attribute("data-trace-id") == running["trace_id"]
             expect(row.locator("[data-testid=live-last-span]")).to_have_text("Agent.search")
+            expect(row.locator("[data-testid=live-waiting] code")).to_have_text("Agent.stuck_tool")
             expect(row.locator("[data-testid=live-span-count]")).to_have_text("2")
             row.click()
             expect(page.locator("[data-testid=live-spans] li")).to_have_count(2)
+            expect(page.locator("[data-testid=live-open-calls] code")).to_have_text(["agent_loop", "Agent.run", "Agent.stuck_tool"])
             b.shot("20-live-running")
             page.goto(col.url + "/ui/#/list?experiment=exp-live&step=3")
             expect(page.locator("[data-testid=live-panel] [data-testid=live-row]")).to_have_count(1)

@@ -263,7 +263,7 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
     # GRPO groups and dataset export, over the viewer's trajectory index
     app.include_router(build_group_export_router(collector, viewer.trajectory_index, viewer.fresh, auth, viewer.viewer_auth))
     # running trajectories (root not yet arrived), for /v1/live and the viewer's "Running now"
-    app.include_router(build_live_router(collector, auth, viewer.viewer_auth))
+    app.include_router(build_live_router(collector, auth, viewer.viewer_auth, collector.pipeline.open_calls))
     check_bounded_ints(app.routes)  # every integer query parameter fits SQLite, or the app does not start
     return app
 

@@ -8,6 +8,7 @@ page (its token or cookie), which polls it while a step is on screen. Reads only
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,12 +16,14 @@ import orjson
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import Response
 
+from ..processors.open_calls import OpenCalls
 from ..query_params import OptionalInt64, sample_index_filter
 from ..spool.live import LiveFilter, running_trajectories
 from . import StoreOwner
 
 
-def build_router(collector: StoreOwner, api_auth: Callable[..., Any], viewer_auth: Callable[..., Any]) -> APIRouter:
+def build_router(collector: StoreOwner, api_auth: Callable[..., Any], viewer_auth: Callable[..., Any],
+                 open_calls: OpenCalls) -> APIRouter:
     router = APIRouter()
     settings = collector.settings
 
@@ -32,8 +35,10 @@ def build_router(collector: StoreOwner, api_auth: Callable[..., Any], viewer_aut
         ``experiment=`` (empty) is the trajectories sent without an experiment name.
         """
         flt = LiveFilter(experiment, step, validate, worker, sample_index_filter(sample_index))
+        now = time.time()
         answer = await asyncio.to_thread(running_trajectories, collector.spool, flt, window_s=settings.live_window_s,
-                                         max_scan_spans=settings.live_max_scan_spans, limit=limit)
+                                         max_scan_spans=settings.live_max_scan_spans, limit=limit, now=now,
+                                         open_calls=lambda: open_calls.snapshot(now - settings.live_window_s))
         return Response(orjson.dumps(answer, option=orjson.OPT_NON_STR_KEYS), media_type="application/json",
                         headers={"Cache-Control": "no-store"})
 

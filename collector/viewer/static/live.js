@@ -15,13 +15,16 @@ window.tracecarLive = (() => {
 
   function spanList(kit, t, now) {
     const { h, fmt } = kit;
-    return h("tr", { class: "live-spans", "data-testid": "live-spans" }, h("td", { colspan: "9" },
+    return h("tr", { class: "live-spans", "data-testid": "live-spans" }, h("td", { colspan: "10" },
       h("ol", null, t.span_list.map((s) => h("li", { class: s.has_error ? "bad" : "" },
         h("code", null, s.name), " ", h("span", { class: "muted" },
           fmt.dur(s.end_time !== null && s.start_time !== null ? s.end_time - s.start_time : null) + ", ended " + age(now - s.end_time) + " ago"),
         s.has_error ? " (error)" : ""))),
+      t.open_calls.length ? h("p", { "data-testid": "live-open-calls" }, "Still running: ", t.open_calls.map((c, i) =>
+        h("span", null, i ? " › " : "", h("code", { class: c.span_id === (t.stuck_call && t.stuck_call.span_id) ? "bad" : "" }, c.name), h("span", { class: "muted" }, " " + age(c.running_s))))) : null,
       h("p", { class: "muted" }, t.spans > t.span_list.length ? "… " + (t.spans - t.span_list.length) + " more spans. " : "",
-        "The call running now is the one after ", h("code", null, t.last_span.name), ": its span arrives when it ends.")));
+        t.open_calls.length ? "A call's span arrives when it ends; the workers report the calls still running."
+          : t.last_span ? ["The call running now is the one after ", h("code", null, t.last_span.name), ": its span arrives when it ends."] : "")));
   }
 
   function table(kit, page, open, redraw) {
@@ -38,12 +41,13 @@ window.tracecarLive = (() => {
         h("td", { class: "num", "data-testid": "live-span-count" }, fmt.int(t.spans), t.errors ? h("span", { class: "bad" }, " (" + t.errors + " failed)") : ""),
         h("td", { class: "num" }, age(t.age_s)),
         h("td", { class: "num" + (stuck ? " bad" : ""), "data-testid": "live-idle" }, age(t.idle_s), stuck ? " ⚠" : ""),
-        h("td", null, h("code", { "data-testid": "live-last-span" }, t.last_span.name), t.last_span.has_error ? h("span", { class: "bad" }, " error") : ""));
+        h("td", { "data-testid": "live-waiting" }, t.stuck_call ? [h("code", null, t.stuck_call.name), h("span", { class: "muted" }, " running " + age(t.stuck_call.running_s))] : h("span", { class: "muted" }, "—")),
+        h("td", null, t.last_span ? [h("code", { "data-testid": "live-last-span" }, t.last_span.name), t.last_span.has_error ? h("span", { class: "bad" }, " error") : ""] : h("span", { class: "muted" }, "none yet")));
       rows.push(tr);
       if (open.has(t.trace_id)) rows.push(spanList(kit, t, page.now));
     }
     return h("table", { class: "live-table" },
-      h("thead", null, h("tr", null, ["trajectory", "step", "sample", "rollout", "worker", "spans so far", "running for", "idle", "last span"]
+      h("thead", null, h("tr", null, ["trajectory", "step", "sample", "rollout", "worker", "spans so far", "running for", "idle", "waiting on", "last span"]
         .map((c, i) => h("th", { class: i >= 1 && i <= 3 || i >= 5 && i <= 7 ? "num" : "" }, c)))),
       h("tbody", null, rows));
   }
@@ -95,7 +99,7 @@ window.tracecarLive = (() => {
     return h("div", null,
       h("h2", null, "Live rollouts"),
       h("p", { class: "muted" }, "Trajectories whose root span has not arrived yet, the longest idle first. A call's span is sent when it ends, ",
-        "so a stuck tool call shows as a trajectory idle since its last span. Nothing here is forwarded until the trajectory is whole."),
+        "and the workers report the calls still running, so a stuck tool call is named (\"waiting on\"). Nothing here is forwarded until the trajectory is whole."),
       panel(params, kit));
   }
 
