@@ -156,7 +156,8 @@ class Sender:
         if not drained:
             with self._lock:
                 in_flight = self._pending_body[1] if self._pending_body else 0
-                self.stats.drop("shutdown_timeout", len(self.queue) + in_flight)
+                queued = sum(1 for r in self.queue if type(r) is not OpenMarker)  # markers are not spans
+                self.stats.drop("shutdown_timeout", queued + in_flight)
                 self._abandoned = in_flight  # a post still in flight may yet succeed
                 self.queue.clear()
                 self._pending_body = None
