@@ -248,3 +248,28 @@ def test_page_shows_running_trajectories_and_updates_without_reloading(start_col
             b.check_clean()
         finally:
             b.close()
+
+
+def test_the_live_query_reads_only_the_newest_rows(tmp_path):
+    """EXPLAIN QUERY PLAN: the candidates come from a rowid range (the window), never a walk of
+    the whole store; and the window's start is found by binary search on arrival time."""
+    import sqlite3
+
+    import orjson
+
+    from tracecar.collector.spool.live import LiveFilter, candidates_sql, first_seq_since
+    from tracecar.collector.spool.store import Spool, SpoolRow
+
+    spool = Spool(tmp_path / "spool.sqlite3", local_only=True)
+    for i, at in enumerate((100.0, 200.0, 300.0, 400.0)):
+        span = {"span_id": f"s{i}", "trace_id": f"t{i}", "parent_id": f"p{i}", "name": "op", "kind": "op", "worker": "w",
+                "start_time": at, "end_time": at, "attributes": {"step": 1}, "exception": None}
+        spool.write([SpoolRow(span, orjson.dumps(span), None)], now=at)
+    assert [first_seq_since(spool, t) for t in (0, 150, 300, 301, 999)] == [1, 2, 3, 4, 5]
+    db = sqlite3.connect(tmp_path / "spool.sqlite3")
+    for flt in (LiveFilter(), LiveFilter(experiment="e", step=3, validate=False, worker="w", sample_index="7")):
+        sql, params = candidates_sql(flt, 3)
+        plan = " | ".join(row[3] for row in db.execute("EXPLAIN QUERY PLAN " + sql, params))
+        assert "INTEGER PRIMARY KEY (rowid>?)" in plan and "spans_trace" not in plan, plan
+    assert {r["trace_id"] for r in spool.query(*candidates_sql(LiveFilter(), 3))} == {"t2", "t3"}
+    spool.close()

@@ -73,20 +73,10 @@ def _matches(call: dict[str, Any], flt: LiveFilter) -> bool:
     return flt.sample_index is None or call["sample_index"] in sample_index_values(flt.sample_index)
 
 
-def running_trajectories(spool: Spool, flt: LiveFilter, *, window_s: float, max_scan_spans: int,
-                         limit: int = 100, now: float | None = None,
-                         open_calls: Callable[[], list[dict[str, Any]]] = list) -> dict[str, Any]:
-    """The running trajectories seen in the window, the longest idle first (a stuck one on top).
-
-    ``open_calls``: the calls the workers say are still running (their open markers), so a
-    trajectory whose first call hangs is listed too, and the call that hangs is named. Read
-    after the spans, so a batch committed in between cannot show spans without its markers.
-    """
-    now = time.time() if now is None else now
-    start_seq = first_seq_since(spool, now - window_s)
-    newest = spool.query("SELECT MAX(seq) AS hi FROM spans")[0]["hi"] or 0
-    scan_capped = newest - start_seq + 1 > max_scan_spans
-    start_seq = max(start_seq, newest - max_scan_spans + 1)
+def candidates_sql(flt: LiveFilter, start_seq: int) -> tuple[str, list[Any]]:
+    """Traces with spans at or after ``start_seq`` and no root among them. ``NOT INDEXED``: the
+    rowid range is the bound that keeps this cheap; SQLite would otherwise walk the whole
+    trace index to save the GROUP BY's sort."""
     clauses, params = ["seq >= ?", "kind != 'annotation'"], [start_seq]
     if flt.experiment is not None:
         clauses.append("experiment IS ?")
@@ -102,11 +92,26 @@ def running_trajectories(spool: Spool, flt: LiveFilter, *, window_s: float, max_
         values = sample_index_values(flt.sample_index)
         clauses.append(f"sample_index IN ({','.join('?' * len(values))})")
         params.extend(values)
-    last_activity: dict[str, float] = {
-        row["trace_id"]: row["last_received"] for row in spool.query(
-            "SELECT trace_id, MAX(received_at) AS last_received FROM spans WHERE " + " AND ".join(clauses)
+    return ("SELECT trace_id, MAX(received_at) AS last_received FROM spans NOT INDEXED WHERE " + " AND ".join(clauses)
             + " GROUP BY trace_id HAVING SUM(parent_id IS NULL) = 0", params)
-    }
+
+
+def running_trajectories(spool: Spool, flt: LiveFilter, *, window_s: float, max_scan_spans: int,
+                         limit: int = 100, now: float | None = None,
+                         open_calls: Callable[[], list[dict[str, Any]]] = list) -> dict[str, Any]:
+    """The running trajectories seen in the window, the longest idle first (a stuck one on top).
+
+    ``open_calls``: the calls the workers say are still running (their open markers), so a
+    trajectory whose first call hangs is listed too, and the call that hangs is named. Read
+    after the spans, so a batch committed in between cannot show spans without its markers.
+    """
+    now = time.time() if now is None else now
+    start_seq = first_seq_since(spool, now - window_s)
+    newest = spool.query("SELECT MAX(seq) AS hi FROM spans")[0]["hi"] or 0
+    scan_capped = newest - start_seq + 1 > max_scan_spans
+    start_seq = max(start_seq, newest - max_scan_spans + 1)
+    sql, params = candidates_sql(flt, start_seq)
+    last_activity: dict[str, float] = {row["trace_id"]: row["last_received"] for row in spool.query(sql, params)}
     opened: dict[str, list[dict[str, Any]]] = {}
     for call in open_calls():
         if _matches(call, flt):
