@@ -61,9 +61,20 @@ def health(url: str | None = None, *, token: str | None = None, timeout_s: float
     return answer
 
 
-def health_metrics(answer: dict[str, Any], prefix: str = PREFIX) -> dict[str, float]:
-    """A ``/v1/health`` answer as flat W&B metrics: ``tracecar/client_dropped/queue_full``,
-    ``tracecar/client_dropped_total``, ``tracecar/spool_depth``, ..."""
+def health_metrics(answer: dict[str, Any] | None = None, prefix: str = PREFIX, *, timeout_s: float = 2.0) -> dict[str, float]:
+    """A ``/v1/health`` answer as flat metrics: ``tracecar/client_dropped/queue_full``,
+    ``tracecar/client_dropped_total``, ``tracecar/spool_depth``, ...
+
+    Without ``answer`` it asks the collector, and on failure logs (once a minute) and returns
+    ``{}``: ``metrics.update(health_metrics())`` before VERL's ``logger.log(data=metrics, ...)``
+    puts them on every tracking backend the trainer logs to, and never raises.
+    """
+    if answer is None:
+        try:
+            answer = health(timeout_s=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - advisory: never break the trainer
+            _warn(f"tracecar: could not read the collector's health: {type(exc).__name__}: {exc}")
+            return {}
     out: dict[str, float] = {}
     for group in _GROUPS:
         for reason, value in sorted((answer.get(group) or {}).items()):

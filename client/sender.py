@@ -93,6 +93,7 @@ class Sender:
     def _init_state(self) -> None:
         """Fresh queue, lock, thread and connection pool (also in a forked child)."""
         self.queue: deque[SpanRecord] = deque()
+        self.opens: deque[OpenMarker] = deque(maxlen=self.config.queue_max_spans)  # live-view markers
         self.stats = SenderStats()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -121,12 +122,12 @@ class Sender:
             self._wake.set()
 
     def opened(self, record: SpanRecord) -> None:
-        """A call started (live view): one append; skipped, and counted, when the queue is full."""
-        queue = self.queue
-        if len(queue) >= self.config.queue_max_spans or self._stopping:
+        """A call started (live view): one append to a queue of its own, so markers never take a
+        span's place; at its bound (TRACECAR_QUEUE_MAX_SPANS) the oldest marker goes, counted."""
+        opens = self.opens
+        if len(opens) == opens.maxlen:
             self.stats.open_markers_skipped += 1  # not a span: no span is lost
-            return
-        queue.append(OpenMarker(record))  # type: ignore[arg-type]
+        opens.append(OpenMarker(record))
         if self._thread is None:
             self._start()
 
@@ -156,8 +157,7 @@ class Sender:
         if not drained:
             with self._lock:
                 in_flight = self._pending_body[1] if self._pending_body else 0
-                queued = sum(1 for r in self.queue if type(r) is not OpenMarker)  # markers are not spans
-                self.stats.drop("shutdown_timeout", queued + in_flight)
+                self.stats.drop("shutdown_timeout", len(self.queue) + in_flight)
                 self._abandoned = in_flight  # a post still in flight may yet succeed
                 self.queue.clear()
                 self._pending_body = None
@@ -181,7 +181,7 @@ class Sender:
             self.reporter.dropped(self.stats.as_dict())
 
     def _drain(self) -> None:
-        while (self.queue or self._pending_body is not None) and not self._stopping:
+        while (self.queue or self.opens or self._pending_body is not None) and not self._stopping:
             self._idle.clear()
             if self._pending_body is None:
                 self._pending_body = self._build_body()
@@ -202,16 +202,17 @@ class Sender:
         """
         cfg, queue, parts, size = self.config, self.queue, [], 0
         last_yield = time.perf_counter()
-        markers = 0
-        while queue and len(parts) < cfg.batch_max_spans and size < cfg.batch_max_bytes:
-            record = queue.popleft()
-            if type(record) is OpenMarker:
-                if record.record.end is not None:  # it ended already: its span says more
-                    continue
-                parts.append(pack_span(record.to_wire(), self.encoder, cfg.max_string_chars))
+        # markers first: one checked here as still running has its span enqueued after this
+        # point, so the collector always sees a call open before it sees it end
+        opens, markers = self.opens, 0
+        while opens and markers < cfg.batch_max_spans:
+            marker = opens.popleft()
+            if marker.record.end is None:  # ended already: its span says more
+                parts.append(pack_span(marker.to_wire(), self.encoder, cfg.max_string_chars))
                 size += len(parts[-1])
                 markers += 1
-                continue
+        while queue and len(parts) - markers < cfg.batch_max_spans and size < cfg.batch_max_bytes:
+            record = queue.popleft()
             try:
                 packed = pack_span(self._wire(record), self.encoder, cfg.max_string_chars)
             except Exception as exc:  # noqa: BLE001 - one unserialisable span must not cost the batch

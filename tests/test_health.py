@@ -144,6 +144,7 @@ def test_log_health_puts_the_numbers_on_the_trainers_wandb_run_at_each_step(star
     assert rows[2]["tracecar/client_dropped_total"] == 16
     assert rows[2]["tracecar/rejected_total"] >= 1 and rows[2]["tracecar/spans_accepted"] == 5
     assert rows[2]["tracecar/spool_depth"] == 0 and rows[2]["tracecar/backend_unreachable"] == 0
+    assert health_metrics()["tracecar/client_dropped/queue_full"] == 16  # asked of the collector itself
 
 
 def test_log_health_never_raises_into_the_trainer(offline_wandb, tracer_to, caplog):
@@ -154,6 +155,7 @@ def test_log_health_never_raises_into_the_trainer(offline_wandb, tracer_to, capl
     assert "could not read the collector's health" in caplog.text
     with pytest.raises(httpx.HTTPError):
         health(timeout_s=1.0)  # the plain reader does raise: for callers that want the error
+    assert health_metrics(timeout_s=1.0) == {}  # the form for VERL's metrics dict: empty, no raise
 
 
 def test_health_metrics_flatten_every_group_with_a_total():
