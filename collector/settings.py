@@ -89,7 +89,7 @@ class CollectorSettings(BaseSettings):
     decision_wait_s: float = Field(600.0, gt=0, description="A held step is decided after this long without new spans even if trajectories are incomplete (those are dropped).")
     live_window_s: float = Field(3600.0, gt=0, description="Live view (/v1/live): trajectories with a span received this recently and no root yet are listed as running; one silent for longer drops out of the list.")
     live_max_open_calls: int = Field(100_000, ge=0, description="Live view: calls reported running (clients' open markers, in memory, never stored) remembered at most; past it the oldest are forgotten.")
-    live_max_scan_spans: int = Field(200_000, ge=1, description="Live view: most recent spans scanned per request (bounds its cost on a busy store; the answer says scan_capped when hit).")
+    live_max_scan_spans: int = Field(50_000, ge=1, description="Live view: most recent spans scanned per request (bounds its cost on a busy store; the answer says scan_capped when hit). Trajectories with open markers are found without the scan.")
     max_held_trajectories: int = Field(200_000, ge=1, description="Bound on trajectories awaiting a decision (their summaries are in memory); above it the oldest step is decided early.")
     validation_budget: BudgetOverride | None = Field(None, description="Budget overrides for validate=True steps (JSON/YAML mapping of the budget settings); they are always counted apart from training steps.")
     budgets: dict[str, BudgetOverride] = Field(default_factory=dict, description="Per-experiment budget overrides: experiment name -> mapping of budget settings (with an optional `validation` mapping).")

@@ -39,8 +39,9 @@ class LiveFilter:
 def first_seq_since(spool: Spool, since: float) -> int:
     """The first row received at or after ``since``: a binary search over ``seq`` (rows are
     appended in arrival order), a few primary-key probes instead of a scan."""
-    rows = spool.query("SELECT MIN(seq) AS lo, MAX(seq) AS hi FROM spans")
-    lo, hi = rows[0]["lo"], rows[0]["hi"]
+    # two queries: SQLite answers MIN and MAX of the rowid from the b-tree's ends only when asked alone
+    lo = spool.query("SELECT MIN(seq) AS lo FROM spans")[0]["lo"]
+    hi = spool.query("SELECT MAX(seq) AS hi FROM spans")[0]["hi"]
     if lo is None:
         return 0
     hi += 1
