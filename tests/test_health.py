@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import struct
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,8 @@ def test_log_health_puts_the_numbers_on_the_trainers_wandb_run_at_each_step(star
         wandb.log({"actor/loss": 1.0 / step}, step=step)  # the trainer's own metrics of the step
         logged = log_health(step)
         assert logged is not None and logged["tracecar/client_dropped/queue_full"] == 8 * step
+    assert log_health(3, background=True) is None  # returns at once; a daemon thread asks and logs
+    assert kit.wait_for(lambda: not any(t.name == "tracecar-health" for t in threading.enumerate()), timeout=10)
     run_dir = Path(run.dir).parent
     wandb.finish()
     rows = _wandb_history(run_dir)
@@ -144,6 +147,7 @@ def test_log_health_puts_the_numbers_on_the_trainers_wandb_run_at_each_step(star
     assert rows[2]["tracecar/client_dropped_total"] == 16
     assert rows[2]["tracecar/rejected_total"] >= 1 and rows[2]["tracecar/spans_accepted"] == 5
     assert rows[2]["tracecar/spool_depth"] == 0 and rows[2]["tracecar/backend_unreachable"] == 0
+    assert rows[3]["tracecar/client_dropped_total"] == 16  # the background call landed at its step
     assert health_metrics()["tracecar/client_dropped/queue_full"] == 16  # asked of the collector itself
 
 
