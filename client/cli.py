@@ -411,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_tokens import add_parsers as add_tokens_parsers
 
     add_tokens_parsers(sub)  # tokens
+    from .cli_live import add_parsers as add_live_parsers
+
+    add_live_parsers(sub)  # live, health
     return parser
 
 

@@ -92,6 +92,9 @@ class ClientConfig:
     # auth_headers, authorization), matched case-insensitively at any depth.
     redact_keys: tuple[str, ...] = ()
     max_traceback_frames: int = 200
+    # live view: a call still running when the sender drains sends a small "open" marker, so
+    # the collector can name a call that hangs (calls that end first never send one)
+    open_markers: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ClientConfig:
@@ -122,6 +125,7 @@ class ClientConfig:
             max_depth=_env_int(env, "MAX_DEPTH", cls.max_depth),
             redact_keys=parse_keys(env.get("TRACECAR_REDACT_KEYS")),
             max_traceback_frames=_env_int(env, "MAX_TRACEBACK_FRAMES", cls.max_traceback_frames),
+            open_markers=(env.get("TRACECAR_OPEN_MARKERS") or "true").strip().lower() not in ("0", "false", "no", "off"),
         )
         known = {f.name for f in fields(cls)}
         return replace(base, **{k: v for k, v in overrides.items() if k in known and v is not None})

@@ -44,6 +44,7 @@ class SenderStats:
     rejected_by_collector: int = 0
     retries: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
+    open_markers_skipped: int = 0  # live-view markers not queued (queue full); no span is lost
 
     def drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
@@ -53,7 +54,31 @@ class SenderStats:
             "sent": self.sent, "batches_sent": self.batches_sent,
             "rejected_by_collector": self.rejected_by_collector, "retries": self.retries,
             "dropped": dict(self.dropped), "dropped_total": sum(self.dropped.values()),
+            "open_markers_skipped": self.open_markers_skipped,
         }
+
+
+#: attributes an open marker carries: enough to file it under its experiment, step and sample
+OPEN_ATTRIBUTES = ("experiment_name", "step", "sample_index", "rollout_n", "validate")
+
+
+class OpenMarker:
+    """A call that has started: sent only if it is still running when the sender gets to it,
+    so the collector's live view can name a call that hangs (``kind: open``, never stored)."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: SpanRecord) -> None:
+        self.record = record
+
+    def to_wire(self) -> dict[str, Any]:
+        r = self.record
+        attrs = r.attributes or {}
+        return {"span_id": r.span_id + ".open", "trace_id": r.trace.span_id,
+                "parent_id": r.parent.span_id if r.parent is not None else None, "name": r.name, "kind": "open",
+                "start_time": r.start, "end_time": None,
+                "attributes": {k: attrs[k] for k in OPEN_ATTRIBUTES if k in attrs}, "inputs": {}, "output": None,
+                "exception": None}
 
 
 class Sender:
@@ -68,6 +93,7 @@ class Sender:
     def _init_state(self) -> None:
         """Fresh queue, lock, thread and connection pool (also in a forked child)."""
         self.queue: deque[SpanRecord] = deque()
+        self.opens: deque[OpenMarker] = deque(maxlen=self.config.queue_max_spans)  # live-view markers
         self.stats = SenderStats()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -94,6 +120,16 @@ class Sender:
             self._start()
         elif len(queue) == self.config.batch_max_spans:
             self._wake.set()
+
+    def opened(self, record: SpanRecord) -> None:
+        """A call started (live view): one append to a queue of its own, so markers never take a
+        span's place; at its bound (TRACECAR_QUEUE_MAX_SPANS) the oldest marker goes, counted."""
+        opens = self.opens
+        if len(opens) == opens.maxlen:
+            self.stats.open_markers_skipped += 1  # not a span: no span is lost
+        opens.append(OpenMarker(record))
+        if self._thread is None:
+            self._start()
 
     # ---- lifecycle -----------------------------------------------------------------------
     def _start(self) -> None:
@@ -145,7 +181,7 @@ class Sender:
             self.reporter.dropped(self.stats.as_dict())
 
     def _drain(self) -> None:
-        while (self.queue or self._pending_body is not None) and not self._stopping:
+        while (self.queue or self.opens or self._pending_body is not None) and not self._stopping:
             self._idle.clear()
             if self._pending_body is None:
                 self._pending_body = self._build_body()
@@ -166,7 +202,16 @@ class Sender:
         """
         cfg, queue, parts, size = self.config, self.queue, [], 0
         last_yield = time.perf_counter()
-        while queue and len(parts) < cfg.batch_max_spans and size < cfg.batch_max_bytes:
+        # markers first: one checked here as still running has its span enqueued after this
+        # point, so the collector always sees a call open before it sees it end
+        opens, markers = self.opens, 0
+        while opens and markers < cfg.batch_max_spans:
+            marker = opens.popleft()
+            if marker.record.end is None:  # ended already: its span says more
+                parts.append(pack_span(marker.to_wire(), self.encoder, cfg.max_string_chars))
+                size += len(parts[-1])
+                markers += 1
+        while queue and len(parts) - markers < cfg.batch_max_spans and size < cfg.batch_max_bytes:
             record = queue.popleft()
             try:
                 packed = pack_span(self._wire(record), self.encoder, cfg.max_string_chars)
@@ -187,7 +232,7 @@ class Sender:
                 last_yield = time.perf_counter()
         if not parts:
             return None
-        return batch_body(self._header(), parts), len(parts)
+        return batch_body(self._header(), parts), len(parts) - markers  # markers are not spans: not counted
 
     def _wire(self, record: SpanRecord) -> dict[str, Any]:
         """The span's wire dict, exception text scrubbed (key-based redaction is in pack_span)."""
@@ -213,6 +258,9 @@ class Sender:
             header["token2text"] = cfg.token2text
         if cfg.max_samples_per_step_per_worker is not None:
             header["max_samples_per_step_per_worker"] = cfg.max_samples_per_step_per_worker
+        if self.stats.dropped:  # running totals: the collector counts the increase (tracecar_client_dropped_spans)
+            with self._lock:
+                header["dropped"] = dict(self.stats.dropped)
         return header
 
     def _client(self) -> httpx.Client:

@@ -29,6 +29,8 @@ class Tracer:
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
         self.sender = Sender(config)
+        # a call starting: an open marker for the live view, or nothing (TRACECAR_OPEN_MARKERS=false)
+        self.opened = self.sender.opened if config.open_markers else _ignore
 
     def emit(self, record: SpanRecord) -> None:
         self.sender.enqueue(record)
@@ -41,6 +43,10 @@ class Tracer:
 
     def stats(self) -> dict[str, Any]:
         return {**self.sender.stats.as_dict(), "queued": len(self.sender.queue)}
+
+
+def _ignore(record: SpanRecord) -> None:
+    return None
 
 
 active: Tracer | None = None

@@ -59,6 +59,7 @@ def rollout_trace_op(func: F) -> F:
             record = SpanRecord(name, KIND_OP, _now(), parent, attributes, signature, args, kwargs)
             if attributes is not None and attributes.get(MARK) is _TOP and parent.kind is KIND_OP:
                 _mark_turn(record, parent)
+            tracer.opened(record)
             token = current.set(record)
             try:
                 result = await func(*args, **kwargs)
@@ -84,6 +85,7 @@ def rollout_trace_op(func: F) -> F:
         record = SpanRecord(name, KIND_OP, _now(), parent, attributes, signature, args, kwargs)
         if attributes is not None and attributes.get(MARK) is _TOP and parent.kind is KIND_OP:
             _mark_turn(record, parent)
+        tracer.opened(record)
         token = current.set(record)
         try:
             result = func(*args, **kwargs)
@@ -171,6 +173,7 @@ def rollout_trace_attr(
     if parent is None:
         _top_attributes[record.number] = {**attributes, MARK: _TOP}
         attributes[MARK] = _TRAJECTORY
+    tracer.opened(record)
     token = current.set(record)
     try:
         yield record

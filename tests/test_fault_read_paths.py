@@ -52,6 +52,12 @@ INT_PARAMS = [
     ("/v1/export", "sample_index", INT64_MIN, INT64_MAX),
     ("/v1/export", "rollout_n", INT64_MIN, INT64_MAX),
     ("/v1/export", "limit", 1, INT64_MAX),
+    ("/v1/live", "step", INT64_MIN, INT64_MAX),
+    ("/v1/live", "sample_index", INT64_MIN, INT64_MAX),
+    ("/v1/live", "limit", 1, 1000),
+    ("/ui/api/live", "step", INT64_MIN, INT64_MAX),
+    ("/ui/api/live", "sample_index", INT64_MIN, INT64_MAX),
+    ("/ui/api/live", "limit", 1, 1000),
 ]
 
 

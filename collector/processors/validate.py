@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tracecar.client.redact import DEFAULT as DEFAULT_REDACT
 from tracecar.client.redact import REDACTED, RedactKeys, redact_span, scrub_exception
 
-SpanKind = Literal["op", "trajectory", "annotation", "membership"]  # membership: a step's sample indices
+# membership: a step's sample indices; open: a call still running (processors.open_calls)
+SpanKind = Literal["op", "trajectory", "annotation", "membership", "open"]
 _ID = Field(pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
 _INT_ATTRS = ("step", "rollout_n")
 #: VERL passes ``extra_info.index`` through unchanged: an int, or a string (uuid datasets).
@@ -106,7 +107,7 @@ class SpanIn(BaseModel):
     def _links(self) -> SpanIn:
         if self.parent_id == self.span_id:
             raise ValueError("parent_id: a span cannot be its own parent")
-        if self.parent_id is None and self.kind != "annotation" and self.trace_id != self.span_id:
+        if self.parent_id is None and self.kind not in ("annotation", "open") and self.trace_id != self.span_id:
             raise ValueError("trace_id: a root span (no parent_id) must have trace_id == span_id")
         if self.end_time is not None and self.end_time < self.start_time:
             raise ValueError("end_time: ends before it starts")
@@ -145,6 +146,7 @@ class BatchIn(BaseModel):
     token2text: bool | None = None
     max_samples_per_step_per_worker: int | None = Field(None, ge=0)
     client: dict[str, str] | None = Field(None, max_length=32)
+    dropped: Any = None  # the sender's drop totals (receivers.client_drops checks it apart: never costs the batch)
     spans: list[Any]
 
 

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import sqlite3
 import threading
+import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,7 @@ from tracecar.client.redact import RedactKeys
 from ..loudness import TokenizerFailures
 from ..metrics import Metrics
 from ..processors.decoding import TokenizerNotFound, TokenizerPolicy, TokenizerRegistry, collect_jobs, decode_spans
+from ..processors.open_calls import OPEN_KIND, OpenCalls
 from ..processors.sampling import Policies, TailSelector
 from ..processors.sampling.head import MEMBERSHIP, StepBudgetSampler
 from ..processors.token_arrays import extract as extract_token_arrays
@@ -38,6 +40,7 @@ from ..processors.validate import Rejection, Validated, parents_to_look_up, reje
 from ..settings import CollectorSettings
 from ..spool.store import Spool, SpoolFull, SpoolRow
 from . import receive
+from .client_drops import ClientDrops, parse_dropped
 from .joins import TrajectoryContexts
 
 _DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
@@ -163,6 +166,9 @@ class IngestPipeline:
         self._lookup_conns: list[sqlite3.Connection] = []
         self._lookup_lock = threading.Lock()
         self.on_committed: list[Any] = []
+        self.client_drops = ClientDrops(metrics.client_dropped)  # what workers lost before sending
+        self.open_calls = OpenCalls(settings.live_max_open_calls, metrics.open_calls_forgotten)
+        metrics.open_calls.set_function(lambda: len(self.open_calls))
         # set by the collector: evicts forwarded trajectories after a full-disk refusal
         self.make_room: Callable[[int], bool] = lambda need: False
         self.disk_short: Callable[[], bool] = lambda: False  # True while the disk reserve is released
@@ -209,10 +215,21 @@ class IngestPipeline:
         loop = asyncio.get_running_loop()
         validated = await loop.run_in_executor(self.cpu, receiver or self._receive_and_validate, body, content_type, content_encoding)
         m = self.metrics
+        if validated.batch.dropped is not None:  # the sender's own drop totals
+            totals = parse_dropped(validated.batch.dropped)
+            if totals is None:
+                m.client_reports_ignored.inc()
+            else:
+                self.client_drops.observe(validated.batch.worker, totals)
         memberships = [s for s in validated.spans if s["kind"] == MEMBERSHIP]
         if memberships:  # a step's sample indices: consumed by the head sampler, never stored
             validated.spans = [s for s in validated.spans if s["kind"] != MEMBERSHIP]
             m.memberships_received.inc(len(memberships))
+        opened = [s for s in validated.spans if s["kind"] == OPEN_KIND]
+        if opened:  # calls still running: the live view's, never stored
+            validated.spans = [s for s in validated.spans if s["kind"] != OPEN_KIND]
+            self.open_calls.opened(opened, time.time())
+        self.open_calls.closed(validated.spans)
         m.spans_received.inc(len(validated.spans) + len(validated.rejected))
         for rejection in validated.rejected:
             m.spans_rejected.labels(reason=_reason_label(rejection)).inc()

@@ -34,9 +34,11 @@ from ..spool.query import TrajectoryFilter, get_trajectory, list_trajectories
 from ..spool.retention import Retention
 from ..spool.store import Spool
 from ..viewer.group_export_api import build_router as build_group_export_router
+from ..viewer.live_api import build_router as build_live_router
 from ..viewer.routes import build_router as build_viewer_router
 from ..viewer.tokens import trajectory_tokens
 from .auth import BearerAuth
+from .health import health_snapshot
 
 log = logging.getLogger("tracecar.collector")
 
@@ -213,6 +215,11 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
                 "auth_failures": collector.auth_failures.details()}
         return _json(body, status_code=200 if collector.ready else 503)
 
+    @app.get("/v1/health", dependencies=[Depends(auth)])
+    async def health() -> Any:
+        """Tracing health totals (client drops, sampled out, rejected, decode failures, spool depth)."""
+        return _json(health_snapshot(collector.metrics.registry, collector.pipeline.client_drops.by_worker()))
+
     @app.get("/metrics")
     async def metrics() -> Any:
         return PlainTextResponse(generate_latest(collector.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -277,6 +284,8 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
     app.include_router(viewer)
     # GRPO groups and dataset export, over the viewer's trajectory index
     app.include_router(build_group_export_router(collector, viewer.trajectory_index, viewer.fresh, auth, viewer.viewer_auth))
+    # running trajectories (root not yet arrived), for /v1/live and the viewer's "Running now"
+    app.include_router(build_live_router(collector, auth, viewer.viewer_auth, collector.pipeline.open_calls))
     check_bounded_ints(app.routes)  # every integer query parameter fits SQLite, or the app does not start
     return app
 

@@ -1,6 +1,6 @@
 // tracecar viewer: vanilla JS, one file, no build step. Talks only to this collector (api/...).
 // Views (hash routes): #/ steps overview, #/list trajectories, #/t/ID one trajectory,
-// #/compare?ids=A,B side by side, #/groups?step=N GRPO groups (static/groups.js). Every piece of span data is put in the page as text
+// #/compare?ids=A,B side by side, #/groups?step=N GRPO groups (static/groups.js), #/live running trajectories (static/live.js). Every piece of span data is put in the page as text
 // (textContent), never parsed as HTML.
 "use strict";
 (() => {
@@ -131,7 +131,7 @@
     const { path, params } = parseHash();
     for (const link of document.querySelectorAll("[data-nav]")) {
       const nav = link.getAttribute("data-nav");
-      link.classList.toggle("active", (nav === "overview" && path === "/") || (nav === "list" && path === "/list"));
+      link.classList.toggle("active", (nav === "overview" && path === "/") || (nav === "list" && path === "/list") || (nav === "live" && path === "/live"));
     }
     const mount = [];
     try {
@@ -140,8 +140,10 @@
       else if (path === "/list") view = await listView(params);
       else if (path.startsWith("/t/")) view = await trajectoryView(decodeURIComponent(path.slice(3)));
       else if (path === "/groups" && window.tracecarGroups) view = await window.tracecarGroups.view(params, kit);
+      else if (path === "/live" && window.tracecarLive) view = await window.tracecarLive.view(params, kit);
       else if (path === "/compare") view = await compareView((params.ids || "").split(",").filter(Boolean));
       else view = h("p", null, "No such page. ", h("a", { href: "#/" }, "Back to the steps"));
+      if (path === "/list" && params.step !== undefined && window.tracecarLive) view.prepend(window.tracecarLive.panel(params, kit, { hideEmpty: true, onFinished: render }));
       if (seq !== renderSeq) return; // a newer navigation won
       for (const chart of charts) chart.destroy();
       charts = [];
