@@ -92,6 +92,11 @@ class ClientConfig:
     # auth_headers, authorization), matched case-insensitively at any depth.
     redact_keys: tuple[str, ...] = ()
     max_traceback_frames: int = 200
+    # Prompt deltas (tracecar.client.prompt_delta): a growing prompt_ids goes out as a reference
+    # to the request's previous span + the new ids; the memory kept for it is bounded by these.
+    prompt_delta: bool = True
+    prompt_delta_max_requests: int = 4096
+    prompt_delta_max_ids: int = 4_000_000
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ClientConfig:
@@ -122,6 +127,9 @@ class ClientConfig:
             max_depth=_env_int(env, "MAX_DEPTH", cls.max_depth),
             redact_keys=parse_keys(env.get("TRACECAR_REDACT_KEYS")),
             max_traceback_frames=_env_int(env, "MAX_TRACEBACK_FRAMES", cls.max_traceback_frames),
+            prompt_delta=(env.get("TRACECAR_PROMPT_DELTA") or "1").strip().lower() not in ("0", "false", "no", "off"),
+            prompt_delta_max_requests=_env_int(env, "PROMPT_DELTA_MAX_REQUESTS", cls.prompt_delta_max_requests),
+            prompt_delta_max_ids=_env_int(env, "PROMPT_DELTA_MAX_IDS", cls.prompt_delta_max_ids),
         )
         known = {f.name for f in fields(cls)}
         return replace(base, **{k: v for k, v in overrides.items() if k in known and v is not None})

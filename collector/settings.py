@@ -112,6 +112,7 @@ class CollectorSettings(BaseSettings):
     http_idle_timeout_s: float = Field(60.0, gt=0, description="An idle kept-alive connection is closed after this long.")
     http_max_header_bytes: int = Field(64 * 1024, ge=1024, description="Largest request head (request line and headers); larger ones get 431 and the connection is closed.")
     decode_threads: int = Field(2, ge=1, description="Threads decoding tokens (tokenizers releases the GIL).")
+    prompt_refs_max_bytes: int = Field(128 * MiB, ge=0, description="Memory for the prompt contexts that wire-version-2 clients refer to (a growing prompt sent as earlier span + new ids); least recently used first out, counted; a reference to one gone is refused by name and the client resends the full list. 0: every reference is refused (clients send full lists).")
     keep_forwarded: bool = Field(True, description="Keep forwarded spans in the local store (queryable); false deletes them once Weave has them.")
     shutdown_unready_s: float = Field(0.0, ge=0, description="On SIGTERM, stay up this long answering /readyz and ingest with 503 before closing the listener (lets endpoints and load balancers stop sending first); a second signal skips it.")
     shutdown_drain_s: float = Field(10.0, ge=0, description="On SIGTERM, how long to keep forwarding before exit; the rest stays in the spool.")

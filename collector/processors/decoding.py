@@ -256,12 +256,48 @@ def _keep_in_vocab(job: _Job, ids: list[Any], vocab: int, warnings: dict[str, li
     return kept if kept else None
 
 
-def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: dict[str, list[str]]) -> int:
+#: ids of the earlier prompt decoded again with the new ones, so the join is checked on real text
+JOIN_WINDOW = 8
+_REPLACEMENT = "\ufffd"
+
+
+@dataclass
+class KnownPrefix:
+    """The first ``length`` ids of a span's ``inputs.prompt_ids`` are known to decode to ``text``."""
+
+    length: int
+    text: str
+
+
+def _joined(prefix: KnownPrefix, window: str, window_and_new: str) -> str | None:
+    """earlier text + the new ids' text, when the join is safe; None sends it to the full decode.
+
+    ``window`` is the decode of the last :data:`JOIN_WINDOW` earlier ids, ``window_and_new``
+    of those and the new ids. Safe when the earlier text ends with the window's text and the
+    window's text is a prefix of the joint one, with no replacement character at the join
+    (byte-level BPE: a multi-byte character split there; Metaspace: the window, not the new
+    ids, starts the decode, so a leading "▁" of the new ids keeps its space).
+    """
+    if not window_and_new.startswith(window) or not prefix.text.endswith(window):
+        return None
+    if window.endswith(_REPLACEMENT) or window_and_new[len(window):len(window) + 1] == _REPLACEMENT:
+        return None
+    return prefix.text + window_and_new[len(window):]
+
+
+def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: dict[str, list[str]],
+                 known: dict[str, KnownPrefix] | None = None, prompt_texts: dict[str, str] | None = None,
+                 outcomes: dict[str, int] | None = None) -> int:
     """Adds decoded text to each span in place; returns the number of tokens decoded.
 
     Runs in a worker thread. Ids that cannot be decoded (outside the vocabulary, not integers)
     are left out of the text and named in a warning rather than failing the span; a list with
     none decodable gets no text and a warning. An empty list decodes to "".
+
+    ``known`` (span_id -> :class:`KnownPrefix`): prompts rebuilt from a reference, whose first
+    ids' text is known; only the ids after them are decoded (with a short window before them,
+    see :func:`_joined`), else the whole list. ``prompt_texts`` receives the text of each
+    ``inputs.prompt_ids`` decoded, ``outcomes`` counts ``reused`` / ``full`` joins.
     """
     jobs = [job for span in spans for job in collect_jobs(span, warnings)]
     if not jobs:
@@ -269,10 +305,24 @@ def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: di
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     sequences: list[list[Any] | None] = [
         job.ids if _below_vocab(job.ids, vocab) else _keep_in_vocab(job, job.ids, vocab, warnings) for job in jobs]
+    # prompts with a known prefix: (job index, prefix, where the window and the window+new texts land)
+    joins: list[tuple[int, KnownPrefix, int]] = []
+    plan: list[list[Any]] = [ids if ids is not None else [] for ids in sequences]
+    if known:
+        for i, job in enumerate(jobs):
+            prefix = known.get(job.span["span_id"]) if job.source == "inputs.prompt_ids" else None
+            if prefix is None or sequences[i] is not job.ids or not 0 < prefix.length <= len(job.ids):
+                continue
+            window = job.ids[max(0, prefix.length - JOIN_WINDOW):prefix.length]
+            plan[i] = window + job.ids[prefix.length:]
+            joins.append((i, prefix, len(plan)))
+            plan.append(window)
     texts: list[str | None]
+    decoded_lens = [len(ids) for ids in plan]
     try:
-        texts = tokenizer.decode_batch([ids if ids is not None else [] for ids in sequences], skip_special_tokens=False)
+        texts = tokenizer.decode_batch(plan, skip_special_tokens=False)
     except Exception:  # noqa: BLE001 - one by one, so one bad sequence is named and the rest decoded
+        joins, decoded_lens = [], [len(ids) if ids is not None else 0 for ids in sequences]
         texts = []
         for i, job in enumerate(jobs):
             ids = sequences[i]
@@ -286,14 +336,29 @@ def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: di
             except Exception as one:  # noqa: BLE001
                 warnings.setdefault(job.span["span_id"], []).append(f"output.{job.target}: decode failed: {one}")
                 texts.append(None)
-    tokens = 0
+    tokens = sum(decoded_lens[i] for i, ids in enumerate(sequences) if ids is not None and texts[i] is not None)
+    tokens += sum(decoded_lens[at] for _, _, at in joins)
+    whole = []
+    for i, prefix, at in joins:
+        joined = _joined(prefix, texts[at] or "", texts[i] or "")
+        if joined is None:
+            whole.append(i)
+        texts[i] = joined
+    if outcomes is not None and joins:
+        outcomes["reused"] = outcomes.get("reused", 0) + len(joins) - len(whole)
+        outcomes["full"] = outcomes.get("full", 0) + len(whole)
+    if whole:  # the join was not safe: the whole list, as if no prefix were known
+        for i, text in zip(whole, tokenizer.decode_batch([jobs[i].ids for i in whole], skip_special_tokens=False)):
+            texts[i] = text
+            tokens += len(jobs[i].ids)
     for job, text, ids in zip(jobs, texts, sequences):
         if text is not None and ids is not None:
             output = job.span["output"]
             if _is_envelope(output):
                 output = job.span["output"] = unwrap_envelopes(output)
             output[job.target] = text
-            tokens += len(ids)
+            if prompt_texts is not None and job.source == "inputs.prompt_ids" and ids is job.ids:
+                prompt_texts[job.span["span_id"]] = text
     return tokens
 
 

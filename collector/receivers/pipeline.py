@@ -29,7 +29,8 @@ from tracecar.client.redact import RedactKeys
 
 from ..loudness import TokenizerFailures
 from ..metrics import Metrics
-from ..processors.decoding import TokenizerNotFound, TokenizerPolicy, TokenizerRegistry, collect_jobs, decode_spans
+from ..processors.decoding import KnownPrefix, TokenizerNotFound, TokenizerPolicy, TokenizerRegistry, collect_jobs, decode_spans
+from ..processors.prompt_refs import PromptContexts, resolve_refs
 from ..processors.sampling import Policies, TailSelector
 from ..processors.sampling.head import MEMBERSHIP, StepBudgetSampler
 from ..processors.validate import Rejection, Validated, parents_to_look_up, reject_foreign_children, validate_batch
@@ -38,6 +39,8 @@ from ..spool.store import Spool, SpoolFull, SpoolRow
 from . import receive
 from .joins import TrajectoryContexts
 
+#: the batch versions /v1/spans reads; a client sends prompt references only when 2 is listed
+WIRE_VERSIONS = (1, 2)
 _DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 log = logging.getLogger("tracecar.collector.pipeline")
 
@@ -67,6 +70,7 @@ class IngestResult:
             "accepted": self.accepted, "duplicates": self.duplicates, "sampled_out": self.sampled_out,
             "rejected_count": len(self.rejected), "rejected": [r.as_dict() for r in self.rejected],
             "warnings": self.warnings,
+            "wire_versions": list(WIRE_VERSIONS),
         }
 
 
@@ -135,6 +139,8 @@ class IngestPipeline:
             on_failure=self._tokenizer_failed,
         )
         self.contexts = TrajectoryContexts(spool, settings.otlp_join_traces)
+        self.prompt_contexts = PromptContexts(settings.prompt_refs_max_bytes, on_evict=metrics.prompt_refs_evicted.inc)
+        metrics.prompt_refs_bytes.set_function(lambda: self.prompt_contexts.bytes)
         self.tokenizer_failures = TokenizerFailures()  # each unloadable name logged once
         self.redact_keys = RedactKeys(settings.redact_keys)
         self.policies = Policies(settings)
@@ -284,6 +290,11 @@ class IngestPipeline:
         validated = validate_batch(raw, limit, self.redact_keys, plain,
                                    body_is_json=not (content_type or "").lower().split(";")[0].strip().endswith("msgpack"))
         reject_foreign_children(validated, self._stored_traces(parents_to_look_up(validated)))
+        if validated.batch.v >= 2:  # prompt references: rebuilt before sampling, so every stage sees full lists
+            before = len(validated.rejected)
+            validated.prompt_bases, resolved = resolve_refs(validated, self.prompt_contexts)
+            self.metrics.prompt_refs.labels(outcome="resolved").inc(resolved)
+            self.metrics.prompt_refs.labels(outcome="unresolved").inc(len(validated.rejected) - before)
         self.contexts.remember(validated.spans)  # for engine spans that join these trajectories over OTLP
         return validated
 
@@ -322,13 +333,32 @@ class IngestPipeline:
                         "tokenizer: token2text is on but no tokenizer is configured (TRACECAR_TOKENIZER)")
             else:
                 try:
-                    tokens = decode_spans(spans, self.tokenizers.get(name), validated.warnings)
+                    tokens = self._decode(validated, spans, self.tokenizers.get(name), name)
                 except TokenizerNotFound as exc:
                     self.metrics.decode_failures.labels(reason=f"tokenizer_{exc.reason}").inc()
                     self.tokenizer_failures.failed(name, exc, configured=batch.tokenizer is None, worker=batch.worker)
                     tokens = self._decode_with_default(validated, spans, name, exc)
         rows, too_big = self._serialize(validated, spans)
         return rows, tokens, too_big
+
+    def _decode(self, validated: Validated, spans: list[dict[str, Any]], tokenizer: Any, name: str) -> int:
+        """decode_spans, reusing the text of referenced prompts decoded with this tokenizer, and
+        keeping each decoded prompt's text for the next turn (v2 batches only)."""
+        if validated.batch.v < 2:
+            return decode_spans(spans, tokenizer, validated.warnings)
+        worker, known = validated.batch.worker, {}
+        for span_id, base in validated.prompt_bases.items():
+            entry = self.prompt_contexts.get(worker, base.ref)
+            if entry is not None and entry.text is not None and entry.tokenizer == name and entry.prompt_len == base.prompt_len:
+                known[span_id] = KnownPrefix(base.prompt_len, entry.text)
+        texts: dict[str, str] = {}
+        outcomes: dict[str, int] = {}
+        tokens = decode_spans(spans, tokenizer, validated.warnings, known=known, prompt_texts=texts, outcomes=outcomes)
+        for outcome, n in outcomes.items():
+            self.metrics.prompt_text_joins.labels(outcome=outcome).inc(n)
+        for span_id, text in texts.items():
+            self.prompt_contexts.set_text(worker, span_id, text, name)
+        return tokens
 
     def _decode_with_default(self, validated: Validated, spans: list[dict[str, Any]], name: str, exc: Exception) -> int:
         """A worker's tokenizer the collector cannot (or may not) load: the operator's

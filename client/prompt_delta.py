@@ -1,0 +1,153 @@
+"""Prompt deltas: a growing ``prompt_ids`` is sent as "the earlier span's context + the new ids".
+
+VERL re-sends the whole context on every turn (``prompt_ids`` of turn k holds turns 1..k), so
+an 8-turn trajectory would carry each early token up to 8 times. For each request (the
+trajectory, the span's name and its ``request_id`` input) the sender remembers the last span's
+*context* — its ``inputs.prompt_ids`` followed by its output's ``token_ids`` (else
+``response_ids``) — and, when the next call's prompt starts with it, writes
+``inputs.prompt_ids`` as ``{"$ref": <earlier span_id>, "n": N, "add": [new ids]}``: the first N
+ids of that context, then ``add``. The collector rebuilds the full list (wire version 2).
+
+Runs on the sender thread only. Memory is bounded by ``max_requests`` remembered requests and
+``max_ids`` remembered ids in all (int64 arrays, 8 bytes an id); the least recently used goes
+first and is counted (``prompt_refs.evicted``). A trajectory's memory is freed when its root
+span is sent.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from typing import Any
+
+REF_KEY = "$ref"
+#: The reason the collector gives for a reference it cannot resolve; the sender then resends in full.
+UNRESOLVED_REASON = "unresolved prompt ref"
+CONTEXT_RESPONSE_KEYS = ("token_ids", "response_ids")
+MIN_REF_IDS = 32  # a shorter shared prefix is not worth a reference
+
+
+def as_ids(value: Any) -> array | None:
+    """``value`` as an int64 array if it is a list of integers (else None); one C loop."""
+    if type(value) is not list:
+        return None
+    try:
+        return array("q", value)
+    except (TypeError, OverflowError):
+        return None
+
+
+def response_of(output: Any) -> Any:
+    """The response ids a context continues with: ``token_ids``, else ``response_ids`` (VERL's TokenOutput, AgentLoopOutput)."""
+    if type(output) is not dict:
+        return None
+    for key in CONTEXT_RESPONSE_KEYS:
+        value = output.get(key)
+        if value is not None:
+            return value
+    return None
+
+
+def context_of(prompt: array, output: Any) -> array:
+    """prompt + response: what a later ``{"$ref"}`` counts its N ids in (the collector builds the same)."""
+    response = as_ids(response_of(output))
+    return prompt + response if response is not None and len(response) else prompt
+
+
+class PromptDeltas:
+    """Per-request memory of the last context sent (sender thread only)."""
+
+    def __init__(self, max_requests: int, max_ids: int) -> None:
+        self.max_requests = max(0, max_requests)
+        self.max_ids = max(0, max_ids)
+        # None until the first answer: remember, send in full; True once the collector says it
+        # reads wire version 2; False for an older collector (nothing remembered)
+        self.enabled: bool | None = None
+        self._last: OrderedDict[tuple[Any, ...], tuple[str, array]] = OrderedDict()
+        self._by_trace: dict[str, set[tuple[Any, ...]]] = {}
+        self._ids = 0
+        self.counts = {"sent": 0, "ids_saved": 0, "evicted": 0, "resent_full": 0}
+
+    @property
+    def remembered_ids(self) -> int:
+        return self._ids
+
+    def apply(self, wire: dict[str, Any], full: bool = False) -> bool:
+        """Rewrites ``wire["inputs"]["prompt_ids"]`` as a reference where it can; True if it did.
+
+        ``full``: send the whole list (a resend after the collector could not resolve a
+        reference) but remember it still. The caller's inputs dict is never changed: the
+        wire gets a new one.
+        """
+        if self.enabled is False or self.max_requests == 0:
+            return False
+        if wire.get("kind") == "trajectory" and wire.get("parent_id") is None:
+            self._forget_trace(wire.get("trace_id"))
+        inputs = wire.get("inputs")
+        if type(inputs) is not dict:
+            return False
+        prompt_list = inputs.get("prompt_ids")
+        prompt = as_ids(prompt_list)
+        if prompt is None:
+            return False
+        request = inputs.get("request_id")
+        key = (wire.get("trace_id"), wire.get("name"), request if type(request) in (str, int) else None)
+        sent_as_ref = False
+        previous = self._last.get(key)
+        if previous is not None and not full and self.enabled:
+            ref, context = previous
+            n = _shared_prefix(prompt, context)
+            if n >= MIN_REF_IDS:
+                wire["inputs"] = {**inputs, "prompt_ids": {REF_KEY: ref, "n": n, "add": prompt_list[n:]}}
+                self.counts["sent"] += 1
+                self.counts["ids_saved"] += n
+                sent_as_ref = True
+        self._remember(key, wire["span_id"], context_of(prompt, wire.get("output")))
+        return sent_as_ref
+
+    def set_enabled(self, enabled: bool) -> None:
+        """What the collector's answer said about wire version 2; an older one frees the memory."""
+        self.enabled = enabled
+        if not enabled:
+            self._last.clear()
+            self._by_trace.clear()
+            self._ids = 0
+
+    def _remember(self, key: tuple[Any, ...], span_id: str, context: array) -> None:
+        old = self._last.pop(key, None)
+        if old is not None:
+            self._ids -= len(old[1])
+        if len(context) > self.max_ids:
+            return
+        self._last[key] = (span_id, context)
+        self._by_trace.setdefault(key[0], set()).add(key)
+        self._ids += len(context)
+        while self._ids > self.max_ids or len(self._last) > self.max_requests:
+            gone, (_, ids) = self._last.popitem(last=False)
+            self._ids -= len(ids)
+            self._drop_from_trace(gone)
+            self.counts["evicted"] += 1
+
+    def _drop_from_trace(self, key: tuple[Any, ...]) -> None:
+        keys = self._by_trace.get(key[0])
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._by_trace[key[0]]
+
+    def _forget_trace(self, trace_id: Any) -> None:
+        """The trajectory's root is sent: its turns are over, so their memory goes."""
+        for key in self._by_trace.pop(trace_id, ()):
+            _, ids = self._last.pop(key)
+            self._ids -= len(ids)
+
+
+def _shared_prefix(prompt: array, context: array) -> int:
+    """How many ids of ``context`` the prompt starts with: all of it, or its prompt part, else 0.
+
+    Only the whole context is tried (one C comparison): agent loops append to it.
+    """
+    n = len(context)
+    if len(prompt) >= n and prompt[:n] == context:
+        return n
+    return 0

@@ -1,0 +1,161 @@
+"""Prompt references: rebuild the full ``prompt_ids`` a wire-version-2 client sent as a delta.
+
+A v2 span may carry ``inputs.prompt_ids = {"$ref": <span_id>, "n": N, "add": [ids]}``
+(:mod:`tracecar.client.prompt_delta`): the first N ids of the referenced span's context (its
+``inputs.prompt_ids`` followed by its output's ``token_ids``, else ``response_ids``), then
+``add``. The list is rebuilt here, before sampling, so the store, the decoder, Weave and every
+exporter see exactly the list VERL passed.
+
+The contexts of the spans of v2 batches are kept per worker in a bounded LRU
+(``TRACECAR_PROMPT_REFS_MAX_BYTES``; evictions counted). A reference that cannot be resolved —
+the earlier span was evicted, never arrived, or the collector restarted — rejects that span by
+name with a reason starting "unresolved prompt ref"; the client sends it again in full, so
+nothing is lost. Each context also keeps the prompt's decoded text, so the next turn decodes
+only its new ids (:func:`tracecar.collector.processors.decoding.decode_spans`).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tracecar.client.prompt_delta import REF_KEY, UNRESOLVED_REASON, as_ids, context_of
+
+from .validate import Rejection, Validated
+
+_ENTRY_OVERHEAD = 200  # bytes of the entry's own objects, on top of ids and text
+
+
+@dataclass
+class Context:
+    """One span's context: prompt + response ids, how many are the prompt, the prompt's text."""
+
+    ids: array
+    prompt_len: int
+    text: str | None = None
+    tokenizer: str | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.ids) * 8 + (sys.getsizeof(self.text) if self.text is not None else 0) + _ENTRY_OVERHEAD
+
+
+@dataclass
+class Base:
+    """A rebuilt prompt starts with the referenced span's prompt: its text can be reused."""
+
+    worker: str
+    ref: str
+    prompt_len: int
+
+
+class PromptContexts:
+    """Bounded, thread-safe memory of contexts, keyed by (worker, span_id)."""
+
+    def __init__(self, max_bytes: int, on_evict: Callable[[int], None] | None = None) -> None:
+        self.max_bytes = max_bytes
+        self.on_evict = on_evict
+        self._entries: OrderedDict[tuple[str, str], Context] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, worker: str, span_id: str) -> Context | None:
+        with self._lock:
+            entry = self._entries.get((worker, span_id))
+            if entry is not None:
+                self._entries.move_to_end((worker, span_id))
+            return entry
+
+    def remember(self, worker: str, span_id: str, context: Context) -> None:
+        key = (worker, span_id)
+        evicted = 0
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old.size
+            if context.size > self.max_bytes:
+                return
+            self._entries[key] = context
+            self._bytes += context.size
+            while self._bytes > self.max_bytes:
+                _, gone = self._entries.popitem(last=False)
+                self._bytes -= gone.size
+                evicted += 1
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
+
+    def set_text(self, worker: str, span_id: str, text: str, tokenizer: str) -> None:
+        """The prompt's decoded text, for the next turn (counted against the bound)."""
+        with self._lock:
+            entry = self._entries.get((worker, span_id))
+            if entry is None:
+                return
+            self._bytes -= entry.size
+            entry.text, entry.tokenizer = text, tokenizer
+            self._bytes += entry.size
+        self.remember(worker, span_id, entry)  # re-applies the bound
+
+
+def _parse_ref(value: dict[str, Any]) -> tuple[str, int, list[Any]] | str:
+    """(ref, n, add), or why the reference is malformed."""
+    ref, n, add = value.get(REF_KEY), value.get("n"), value.get("add")
+    if not isinstance(ref, str) or not ref:
+        return f"{REF_KEY} must be the span_id of an earlier span"
+    if type(n) is not int or n < 0:
+        return "n must be a non-negative integer"
+    if type(add) is not list:
+        return "add must be a list of token ids"
+    return ref, n, add
+
+
+def resolve_refs(validated: Validated, contexts: PromptContexts) -> tuple[dict[str, Base], int]:
+    """Rebuilds every referenced ``inputs.prompt_ids`` in place and remembers each span's context.
+
+    Spans are taken in batch order, so a reference to an earlier span of the same batch
+    resolves. Returns the spans whose prompt starts with their reference's whole prompt (their
+    text can be reused) and how many references were resolved; an unresolvable or malformed
+    reference rejects its span by name (``spans[i].inputs.prompt_ids``).
+    """
+    worker = validated.batch.worker
+    bases: dict[str, Base] = {}
+    resolved = 0
+    kept = []
+    for span in validated.spans:
+        inputs = span.get("inputs")
+        prompt = inputs.get("prompt_ids") if type(inputs) is dict else None
+        if type(prompt) is dict and REF_KEY in prompt:
+            index = validated.index_of.get(span["span_id"], -1)
+            parsed = _parse_ref(prompt)
+            entry = contexts.get(worker, parsed[0]) if type(parsed) is tuple else None
+            if type(parsed) is str or entry is None or parsed[1] > len(entry.ids):
+                reason = (f"malformed prompt reference: {parsed}" if type(parsed) is str else
+                          f"{UNRESOLVED_REASON}: span {parsed[0]!r} is not known to this collector (restarted, or evicted "
+                          "under TRACECAR_PROMPT_REFS_MAX_BYTES); send the full list" if entry is None else
+                          f"{UNRESOLVED_REASON}: n={parsed[1]} exceeds the {len(entry.ids)} ids of span {parsed[0]!r}")
+                validated.rejected.append(Rejection(index, span["span_id"], f"spans[{index}].inputs.prompt_ids", reason))
+                validated.warnings.pop(span["span_id"], None)
+                continue
+            ref, n, add = parsed
+            prompt = entry.ids[:n].tolist() + add
+            inputs["prompt_ids"] = prompt
+            resolved += 1
+            if n >= entry.prompt_len:
+                bases[span["span_id"]] = Base(worker, ref, entry.prompt_len)
+        kept.append(span)
+        ids = as_ids(prompt)
+        if ids is not None:
+            contexts.remember(worker, span["span_id"], Context(context_of(ids, span.get("output")), len(ids)))
+    validated.spans = kept
+    return bases, resolved
