@@ -224,7 +224,10 @@ class Sender:
 
     def _header(self) -> dict[str, Any]:
         cfg = self.config
-        header = {"v": WIRE_VERSION_DELTA if self.deltas.enabled else WIRE_VERSION, "worker": self.worker_id, "project": cfg.project,
+        # v2 from the first batch on (the collector then remembers its contexts for later references), until
+        # an answer shows a collector without it
+        v2 = cfg.prompt_delta and cfg.prompt_delta_max_requests > 0 and self.deltas.enabled is not False
+        header = {"v": WIRE_VERSION_DELTA if v2 else WIRE_VERSION, "worker": self.worker_id, "project": cfg.project,
                   "entity": cfg.entity, "tokenizer": cfg.tokenizer, "client": client_info()}
         if cfg.wandb_run_id is not None:
             header["wandb_run_id"] = cfg.wandb_run_id
@@ -274,6 +277,10 @@ class Sender:
                     return True
                 if status == 413 and n > 1:
                     return self._split_and_resend(n)
+                if status == 422 and self._ref_records:  # every span refused: some may only need a resend in full
+                    n -= self._resend_unresolved(_rejections(response))
+                    if n == 0:
+                        return True
                 if status not in RETRYABLE_STATUS:
                     self.reporter.send_failed(f"http_{status}", retrying=False)
                     with self._lock:
@@ -338,7 +345,7 @@ class Sender:
         try:
             answer = response.json()
             rejected = int(answer.get("rejected_count", 0))
-            resent = self._resend_unresolved(answer.get("rejected") or ())
+            resent = self._resend_unresolved(_rejections(response))
             self.deltas.set_enabled(WIRE_VERSION_DELTA in (answer.get("wire_versions") or ()))
         except Exception:  # noqa: BLE001 - a success without a readable body still counts as sent
             pass
@@ -353,3 +360,12 @@ class Sender:
             if rejected:
                 self.stats.rejected_by_collector += rejected
                 self.stats.drop("rejected_by_collector", rejected)
+
+
+def _rejections(response: httpx.Response) -> list[Any]:
+    """The ``rejected`` list of a collector's answer (empty if it has none or is unreadable)."""
+    try:
+        rejected = response.json().get("rejected")
+    except Exception:  # noqa: BLE001
+        return []
+    return rejected if isinstance(rejected, list) else []

@@ -343,21 +343,37 @@ class IngestPipeline:
 
     def _decode(self, validated: Validated, spans: list[dict[str, Any]], tokenizer: Any, name: str) -> int:
         """decode_spans, reusing the text of referenced prompts decoded with this tokenizer, and
-        keeping each decoded prompt's text for the next turn (v2 batches only)."""
+        keeping each decoded prompt's text for the next turn (v2 batches only).
+
+        A turn whose earlier turn is in this batch too waits for a later round (one
+        ``decode_batch`` each), so its earlier text is known when it is decoded.
+        """
         if validated.batch.v < 2:
             return decode_spans(spans, tokenizer, validated.warnings)
-        worker, known = validated.batch.worker, {}
-        for span_id, base in validated.prompt_bases.items():
-            entry = self.prompt_contexts.get(worker, base.ref)
-            if entry is not None and entry.text is not None and entry.tokenizer == name and entry.prompt_len == base.prompt_len:
-                known[span_id] = KnownPrefix(base.prompt_len, entry.text)
-        texts: dict[str, str] = {}
-        outcomes: dict[str, int] = {}
-        tokens = decode_spans(spans, tokenizer, validated.warnings, known=known, prompt_texts=texts, outcomes=outcomes)
-        for outcome, n in outcomes.items():
-            self.metrics.prompt_text_joins.labels(outcome=outcome).inc(n)
-        for span_id, text in texts.items():
-            self.prompt_contexts.set_text(worker, span_id, text, name)
+        worker, bases, tokens = validated.batch.worker, validated.prompt_bases, 0
+        pending = spans
+        while pending:
+            waiting = {s["span_id"] for s in pending}
+            now, later = [], []
+            for span in pending:
+                base = bases.get(span["span_id"])
+                (later if base is not None and base.ref in waiting and base.ref != span["span_id"] else now).append(span)
+            if not now:  # cannot happen (a reference names an earlier span); never loop on it
+                now, later = later, []
+            known = {}
+            for span in now:
+                base = bases.get(span["span_id"])
+                entry = self.prompt_contexts.get(worker, base.ref) if base is not None else None
+                if entry is not None and entry.text is not None and entry.tokenizer == name and entry.prompt_len == base.prompt_len:
+                    known[span["span_id"]] = KnownPrefix(base.prompt_len, entry.text)
+            texts: dict[str, str] = {}
+            outcomes: dict[str, int] = {}
+            tokens += decode_spans(now, tokenizer, validated.warnings, known=known, prompt_texts=texts, outcomes=outcomes)
+            for outcome, n in outcomes.items():
+                self.metrics.prompt_text_joins.labels(outcome=outcome).inc(n)
+            for span_id, text in texts.items():
+                self.prompt_contexts.set_text(worker, span_id, text, name)
+            pending = later
         return tokens
 
     def _decode_with_default(self, validated: Validated, spans: list[dict[str, Any]], name: str, exc: Exception) -> int:

@@ -1,0 +1,269 @@
+"""Prompt deltas (wire version 2): each token of a growing prompt is sent once, the collector
+rebuilds the full lists, decodes only the new ids, and nothing is lost when a reference fails.
+
+Real client, real collector (uvicorn on 127.0.0.1, HTTP), real tokenizers: deepseek's byte-level
+BPE from its package, and a Metaspace (Unigram) and a WordPiece tokenizer trained here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from tracecar.client import rollout_trace_attr, rollout_trace_op
+from tracecar.client.prompt_delta import PromptDeltas
+from tracecar.collector.processors.decoding import KnownPrefix, decode_spans
+
+pytestmark = pytest.mark.timeout(180)
+
+WORDS = ["tool", "call", "reward", "prompt", "answer", "step", "é", "数字", "🙂", "naïve", "don't", ".", ",", "?",
+         "<|im_start|>", "\n", "  ", "▁x", "##ab", "123"]
+
+
+def _corpus(seed: int = 3) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(30)) for _ in range(1500)]
+
+
+@pytest.fixture(scope="module")
+def tokenizers_under_test(deepseek_tokenizer_path: str) -> dict[str, Tokenizer]:
+    metaspace = Tokenizer(models.Unigram())
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace()
+    metaspace.decoder = decoders.Metaspace()
+    metaspace.train_from_iterator(_corpus(), trainers.UnigramTrainer(vocab_size=300, special_tokens=["<s>", "</s>", "<unk>"],
+                                                                     unk_token="<unk>"))
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.normalizer = normalizers.BertNormalizer(lowercase=False)
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    wordpiece.decoder = decoders.WordPiece()
+    wordpiece.train_from_iterator(_corpus(), trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]", "[CLS]", "[SEP]"]))
+    return {"byte_level_bpe": Tokenizer.from_file(deepseek_tokenizer_path), "metaspace": metaspace, "wordpiece": wordpiece}
+
+
+@pytest.mark.parametrize("kind", ["byte_level_bpe", "metaspace", "wordpiece"])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(words=st.lists(st.sampled_from(WORDS), min_size=2, max_size=80), cut=st.floats(0, 1), turns=st.integers(1, 4))
+def test_joined_text_equals_the_full_decode_at_random_cuts(tokenizers_under_test, kind, words, cut, turns):
+    """earlier text + decode(new ids) is the full decode, or the full decode is used: never a wrong text."""
+    tok = tokenizers_under_test[kind]
+    ids = tok.encode(" ".join(words)).ids
+    if len(ids) < 2:
+        return
+    # a few growing turns, each cut at a random place (multi-byte characters get split)
+    cuts = sorted({max(1, min(len(ids) - 1, int(cut * len(ids)) + k * 7)) for k in range(turns)}) + [len(ids)]
+    text = tok.decode(ids[:cuts[0]], skip_special_tokens=False)
+    for before, now in zip(cuts, cuts[1:]):
+        span = {"span_id": "s", "inputs": {"prompt_ids": ids[:now]}, "output": {}}
+        outcomes: dict[str, int] = {}
+        decoded = decode_spans([span], tok, {}, known={"s": KnownPrefix(before, text)}, outcomes=outcomes)
+        full = tok.decode(ids[:now], skip_special_tokens=False)
+        assert span["output"]["prompt_text"] == full
+        assert sum(outcomes.values()) == 1
+        if outcomes.get("reused"):
+            assert decoded <= (now - before) + 2 * 8  # the new ids and the join window, not the whole prompt
+        text = span["output"]["prompt_text"]
+
+
+def test_a_character_split_at_the_join_falls_back_to_the_full_decode(tokenizers_under_test):
+    tok = tokenizers_under_test["byte_level_bpe"]
+    ids = tok.encode("answer 🙂🙂🙂 数字数字").ids
+    splits = [i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd")]
+    assert splits, "the emoji spans several byte-level tokens"
+    cut = splits[0]
+    span = {"span_id": "s", "inputs": {"prompt_ids": ids}, "output": {}}
+    outcomes: dict[str, int] = {}
+    decode_spans([span], tok, {}, known={"s": KnownPrefix(cut, tok.decode(ids[:cut]))}, outcomes=outcomes)
+    assert outcomes == {"reused": 0, "full": 1}
+    assert span["output"]["prompt_text"] == "answer 🙂🙂🙂 数字数字"
+
+
+# ---- real client → real collector ----------------------------------------------------------------
+
+
+class GrowingAgent:
+    """VERL's multi-turn shape: generate(request_id, prompt_ids) with prompt_ids grown in place."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+
+    @rollout_trace_op
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]) -> dict[str, Any]:
+        await asyncio.sleep(0.03)  # a turn takes a while: turns land in different batches
+        return {"token_ids": self.tok.encode(f" reply {len(prompt_ids)} 数字🙂 " + "answer " * 20).ids}
+
+    @rollout_trace_op
+    async def run(self, request_id: str, turns: int) -> dict[str, Any]:
+        prompt_ids = self.tok.encode("<|im_start|>user question: " + "why step reward? " * 20).ids
+        first = len(prompt_ids)
+        for turn in range(turns):
+            out = await self.generate(request_id, prompt_ids, {"temperature": 1.0})
+            prompt_ids += out["token_ids"]
+            prompt_ids += self.tok.encode(f" tool said {turn} é naïve ").ids
+        return {"prompt_ids": prompt_ids[:first], "response_ids": prompt_ids[first:]}
+
+
+def _run_trajectories(agent: GrowingAgent, n: int, turns: int) -> list[str]:
+    async def one(i: int) -> str:
+        with rollout_trace_attr(step=1, sample_index=i, name="agent_loop") as traj:
+            await agent.run(f"req-{i}", turns)
+        return traj.span_id
+
+    async def main() -> list[str]:
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+    return asyncio.run(main())
+
+
+def _generates(url: str, trace_id: str) -> list[dict[str, Any]]:
+    tree = httpx.get(f"{url}/v1/trajectories/{trace_id}").json()
+    [run] = tree["root"]["children"]
+    return sorted((c for c in run["children"] if c["name"].endswith("generate")), key=lambda c: c["start_time"])
+
+
+def _expected_prompts(tok: Tokenizer, turns: int) -> list[list[int]]:
+    prompt = tok.encode("<|im_start|>user question: " + "why step reward? " * 20).ids
+    out = []
+    for turn in range(turns):
+        out.append(list(prompt))
+        prompt += tok.encode(f" reply {len(prompt)} 数字🙂 " + "answer " * 20).ids
+        prompt += tok.encode(f" tool said {turn} é naïve ").ids
+    return out
+
+
+def test_growing_prompts_are_sent_once_and_stored_whole(start_collector, tracer_to, kit, deepseek_tokenizer_path):
+    tok = Tokenizer.from_file(deepseek_tokenizer_path)
+    col = start_collector(token2text=True, tokenizer=deepseek_tokenizer_path)
+    tracer = tracer_to(col.url)
+    traces = _run_trajectories(GrowingAgent(tok), n=4, turns=6)
+    assert tracer.flush(20)
+    stats = tracer.stats()
+    assert stats["dropped_total"] == 0 and stats["sent"] == 4 * (1 + 1 + 6)
+    refs = stats["prompt_refs"]
+    # the first batch goes out whole (the collector has not yet said it reads v2); later turns by reference
+    assert refs["sent"] >= 4 * 4 and refs["resent_full"] == 0, refs
+    expected = _expected_prompts(tok, 6)
+    for trace_id in traces:
+        gens = _generates(col.url, trace_id)
+        assert [g["inputs"]["prompt_ids"] for g in gens] == expected
+        for g in gens:
+            assert g["output"]["prompt_text"] == tok.decode(g["inputs"]["prompt_ids"], skip_special_tokens=False)
+            assert g["output"]["response_text"] == tok.decode(g["output"]["token_ids"], skip_special_tokens=False)
+    assert kit.metrics(col.url, "tracecar_prompt_refs_total", outcome="resolved") == refs["sent"]
+    assert kit.metrics(col.url, "tracecar_prompt_refs_total", outcome="unresolved") == 0
+    joins = {o: kit.metrics(col.url, "tracecar_prompt_text_joins_total", outcome=o) for o in ("reused", "full")}
+    assert joins["reused"] >= 4 * 3, joins
+    assert kit.metrics(col.url, "tracecar_prompt_refs_bytes") > 0
+
+
+def test_unresolvable_references_are_resent_in_full(start_collector, tracer_to, kit, deepseek_tokenizer_path):
+    """A collector that keeps no contexts (as after a restart, or evicted): every reference is refused by
+    name, the client resends those spans whole, and every prompt is stored whole."""
+    tok = Tokenizer.from_file(deepseek_tokenizer_path)
+    col = start_collector(token2text=True, tokenizer=deepseek_tokenizer_path, prompt_refs_max_bytes=0)
+    tracer = tracer_to(col.url)
+    traces = _run_trajectories(GrowingAgent(tok), n=3, turns=4)
+    assert tracer.flush(20)
+    stats = tracer.stats()
+    refs = stats["prompt_refs"]
+    assert refs["sent"] > 0 and refs["resent_full"] == refs["sent"], refs
+    assert stats["dropped_total"] == 0 and stats["rejected_by_collector"] == 0
+    assert stats["sent"] == 3 * (1 + 1 + 4)
+    expected = _expected_prompts(tok, 4)
+    for trace_id in traces:
+        gens = _generates(col.url, trace_id)
+        assert [g["inputs"]["prompt_ids"] for g in gens] == expected
+        assert all(g["output"]["prompt_text"] == tok.decode(g["inputs"]["prompt_ids"], skip_special_tokens=False) for g in gens)
+    assert kit.metrics(col.url, "tracecar_prompt_refs_total", outcome="unresolved") == refs["sent"]
+
+
+def _span(kit: Any, trace: str, prompt: Any, output: Any = None, name: str = "generate") -> dict[str, Any]:
+    return {"span_id": kit.new_id(), "trace_id": trace, "parent_id": trace, "name": name, "kind": "op",
+            "start_time": 1.0, "end_time": 2.0, "attributes": {"step": 1}, "inputs": {"request_id": "r", "prompt_ids": prompt},
+            "output": output, "exception": None}
+
+
+def test_the_wire_format_over_http_refs_in_batch_across_batches_and_refused(start_collector, kit):
+    col = start_collector()
+    root = kit.new_id()
+    first = _span(kit, root, list(range(100)), {"token_ids": [7] * 10})
+    second = _span(kit, root, {"$ref": first["span_id"], "n": 110, "add": [1, 2, 3]})  # same batch
+    unknown = _span(kit, root, {"$ref": "feedfacefeedface0000000000000001", "n": 5, "add": [9]})
+    malformed = _span(kit, root, {"$ref": first["span_id"], "n": -1, "add": []})
+    answer = kit.post(col.url, [first, second, unknown, malformed], v=2).json()
+    assert answer["accepted"] == 2 and answer["wire_versions"] == [1, 2]
+    by_id = {r["span_id"]: r for r in answer["rejected"]}
+    assert by_id[unknown["span_id"]]["field"] == "spans[2].inputs.prompt_ids"
+    assert by_id[unknown["span_id"]]["reason"].startswith("unresolved prompt ref: span 'feedface")
+    assert by_id[malformed["span_id"]]["reason"] == "malformed prompt reference: n must be a non-negative integer"
+    third = _span(kit, root, {"$ref": second["span_id"], "n": 50, "add": [4]})  # a later batch, part of the context
+    over = _span(kit, root, {"$ref": second["span_id"], "n": 114, "add": []})
+    answer = kit.post(col.url, [third, over], v=2).json()
+    assert answer["accepted"] == 1 and answer["rejected"][0]["reason"].startswith("unresolved prompt ref: n=114 exceeds the 113 ids")
+
+    rows = {row["span_id"]: row for row in col.collector.pipeline.spool.query(
+        "SELECT span_id, payload FROM spans WHERE trace_id = ?", [root])}
+    payloads = {sid: orjson.loads(row["payload"]) for sid, row in rows.items()}
+    assert set(payloads) == {first["span_id"], second["span_id"], third["span_id"]}
+    assert payloads[second["span_id"]]["inputs"]["prompt_ids"] == list(range(100)) + [7] * 10 + [1, 2, 3]
+    assert payloads[third["span_id"]]["inputs"]["prompt_ids"] == list(range(50)) + [4]
+
+
+def test_old_format_batches_are_stored_as_sent(start_collector, kit):
+    """Version 1 (every existing client): lists are stored as they are, and a "$ref" is no reference."""
+    col = start_collector()
+    root = kit.new_id()
+    full = _span(kit, root, list(range(300)))
+    lookalike = _span(kit, root, {"$ref": full["span_id"], "n": 3, "add": []})
+    answer = kit.post(col.url, [full, lookalike]).json()
+    assert answer["accepted"] == 2 and answer["rejected"] == []
+    payloads = {row["span_id"]: orjson.loads(row["payload"]) for row in col.collector.pipeline.spool.query(
+        "SELECT span_id, payload FROM spans WHERE trace_id = ?", [root])}
+    assert payloads[full["span_id"]]["inputs"]["prompt_ids"] == list(range(300))
+    assert payloads[lookalike["span_id"]]["inputs"]["prompt_ids"] == {"$ref": full["span_id"], "n": 3, "add": []}
+
+
+def test_a_collector_without_v2_gets_full_lists(start_collector, tracer_to, monkeypatch, deepseek_tokenizer_path):
+    """An older collector's answers list no wire_versions: the client never sends a reference to it."""
+    from tracecar.collector.receivers import pipeline
+
+    monkeypatch.setattr(pipeline, "WIRE_VERSIONS", (1,))
+    tok = Tokenizer.from_file(deepseek_tokenizer_path)
+    col = start_collector()
+    tracer = tracer_to(col.url)
+    traces = _run_trajectories(GrowingAgent(tok), n=2, turns=4)
+    assert tracer.flush(20)
+    stats = tracer.stats()
+    assert stats["prompt_refs"]["sent"] == 0 and stats["dropped_total"] == 0
+    assert tracer.sender.deltas.remembered_ids == 0
+    for trace_id in traces:
+        assert [g["inputs"]["prompt_ids"] for g in _generates(col.url, trace_id)] == _expected_prompts(tok, 4)
+
+
+def test_client_memory_is_bounded_and_evictions_counted():
+    deltas = PromptDeltas(max_requests=3, max_ids=1000)
+    deltas.set_enabled(True)
+
+    def wire(trace: str, request: str, prompt: list[int], sid: str) -> dict[str, Any]:
+        return {"span_id": sid, "trace_id": trace, "parent_id": trace, "name": "generate", "kind": "op",
+                "inputs": {"request_id": request, "prompt_ids": prompt}, "output": {"token_ids": [1] * 10}}
+
+    for r in range(5):
+        deltas.apply(wire("t", f"r{r}", list(range(100)), f"s{r}"))
+    assert deltas.counts["evicted"] == 2 and deltas.remembered_ids == 3 * 110
+    again = wire("t", "r4", list(range(100)) + [1] * 10 + [5, 6], "s5")
+    assert deltas.apply(again)
+    assert again["inputs"]["prompt_ids"] == {"$ref": "s4", "n": 110, "add": [5, 6]}
+    evicted_before = deltas.counts["evicted"]
+    deltas.apply(wire("t", "r9", list(range(995)), "s9"))  # 1,005 ids alone exceed max_ids: not kept at all
+    assert deltas.remembered_ids <= 1000 and deltas.counts["evicted"] >= evicted_before
+    root = {"span_id": "t", "trace_id": "t", "parent_id": None, "kind": "trajectory", "name": "agent_loop", "inputs": {}}
+    deltas.apply(root)  # the trajectory is over: its memory goes
+    assert deltas.remembered_ids == 0
