@@ -3,8 +3,8 @@
 VERL re-sends the whole context on every turn (``prompt_ids`` of turn k holds turns 1..k), so
 an 8-turn trajectory would carry each early token up to 8 times. For each request (the
 trajectory, the span's name and its ``request_id`` input) the sender remembers the last span's
-*context* — its ``inputs.prompt_ids`` followed by its output's ``token_ids`` (else
-``response_ids``) — and, when the next call's prompt starts with it, writes
+*context* — its ``inputs.prompt_ids`` followed by its output's ``response_ids`` (else
+``token_ids``) — and, when the next call's prompt starts with it, writes
 ``inputs.prompt_ids`` as ``{"$ref": <earlier span_id>, "n": N, "add": [new ids]}``: the first N
 ids of that context, then ``add``. The collector rebuilds the full list (wire version 2).
 
@@ -23,7 +23,7 @@ from typing import Any
 REF_KEY = "$ref"
 #: The reason the collector gives for a reference it cannot resolve; the sender then resends in full.
 UNRESOLVED_REASON = "unresolved prompt ref"
-CONTEXT_RESPONSE_KEYS = ("token_ids", "response_ids")
+CONTEXT_RESPONSE_KEYS = ("response_ids", "token_ids")  # the collector decodes the first present as response_text
 MIN_REF_IDS = 32  # a shorter shared prefix is not worth a reference
 
 
@@ -37,20 +37,21 @@ def as_ids(value: Any) -> array | None:
         return None
 
 
-def response_of(output: Any) -> Any:
-    """The response ids a context continues with: ``token_ids``, else ``response_ids`` (VERL's TokenOutput, AgentLoopOutput)."""
+def response_of(output: Any) -> tuple[str | None, Any]:
+    """(key, value) of the response ids a context continues with: ``response_ids``, else
+    ``token_ids`` (VERL's AgentLoopOutput, TokenOutput)."""
     if type(output) is not dict:
-        return None
+        return None, None
     for key in CONTEXT_RESPONSE_KEYS:
         value = output.get(key)
         if value is not None:
-            return value
-    return None
+            return key, value
+    return None, None
 
 
 def context_of(prompt: array, output: Any) -> array:
     """prompt + response: what a later ``{"$ref"}`` counts its N ids in (the collector builds the same)."""
-    response = as_ids(response_of(output))
+    response = as_ids(response_of(output)[1])
     return prompt + response if response is not None and len(response) else prompt
 
 

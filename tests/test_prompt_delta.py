@@ -72,6 +72,29 @@ def test_joined_text_equals_the_full_decode_at_random_cuts(tokenizers_under_test
         text = span["output"]["prompt_text"]
 
 
+@pytest.mark.parametrize("kind", ["byte_level_bpe", "metaspace", "wordpiece"])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(words=st.lists(st.sampled_from(WORDS), min_size=3, max_size=80), cuts=st.tuples(st.floats(0, 1), st.floats(0, 1)))
+def test_prompt_response_and_new_ids_join_to_the_full_decode(tokenizers_under_test, kind, words, cuts):
+    """The next turn's prompt = earlier prompt + its response (both texts known, each decoded on its
+    own) + new ids: the joined text is the full decode, or the full decode is used."""
+    tok = tokenizers_under_test[kind]
+    ids = tok.encode(" ".join(words)).ids
+    if len(ids) < 3:
+        return
+    a, b = sorted(max(1, min(len(ids) - 1, int(c * len(ids)))) for c in cuts)
+    if a == b:
+        return
+    prompt, response = ids[:a], ids[a:b]
+    known = KnownPrefix(a, tok.decode(prompt, skip_special_tokens=False), len(response), tok.decode(response, skip_special_tokens=False))
+    span = {"span_id": "s", "inputs": {"prompt_ids": ids}, "output": {}}
+    outcomes: dict[str, int] = {}
+    decoded = decode_spans([span], tok, {}, known={"s": known}, outcomes=outcomes)
+    assert span["output"]["prompt_text"] == tok.decode(ids, skip_special_tokens=False)
+    if outcomes.get("reused"):
+        assert decoded <= len(ids) - b + 6 * 8  # the new ids and the windows at the two joins
+
+
 def test_a_character_split_at_the_join_falls_back_to_the_full_decode(tokenizers_under_test):
     tok = tokenizers_under_test["byte_level_bpe"]
     ids = tok.encode("answer 🙂🙂🙂 数字数字").ids

@@ -263,13 +263,19 @@ _REPLACEMENT = "\ufffd"
 
 @dataclass
 class KnownPrefix:
-    """The first ``length`` ids of a span's ``inputs.prompt_ids`` are known to decode to ``text``."""
+    """The first ``length`` ids of a span's ``inputs.prompt_ids`` are known to decode to ``text``.
+
+    ``then_len`` / ``then_text``: the ``then_len`` ids after them (the earlier turn's response)
+    are known to decode, on their own, to ``then_text``; the join of the two is checked too.
+    """
 
     length: int
     text: str
+    then_len: int = 0
+    then_text: str | None = None
 
 
-def _joined(prefix: KnownPrefix, window: str, window_and_new: str) -> str | None:
+def _joined(text: str, window: str, window_and_new: str) -> str | None:
     """earlier text + the new ids' text, when the join is safe; None sends it to the full decode.
 
     ``window`` is the decode of the last :data:`JOIN_WINDOW` earlier ids, ``window_and_new``
@@ -278,15 +284,45 @@ def _joined(prefix: KnownPrefix, window: str, window_and_new: str) -> str | None
     (byte-level BPE: a multi-byte character split there; Metaspace: the window, not the new
     ids, starts the decode, so a leading "▁" of the new ids keeps its space).
     """
-    if not window_and_new.startswith(window) or not prefix.text.endswith(window):
+    if not window_and_new.startswith(window) or not text.endswith(window):
         return None
     if window.endswith(_REPLACEMENT) or window_and_new[len(window):len(window) + 1] == _REPLACEMENT:
         return None
-    return prefix.text + window_and_new[len(window):]
+    return text + window_and_new[len(window):]
+
+
+class _Join:
+    """The sequences one known-prefix prompt adds to the batch, and how its text is put together."""
+
+    __slots__ = ("job", "prefix", "at", "mid")
+
+    def __init__(self, job: int, prefix: KnownPrefix, plan: list[list[Any]], ids: list[Any]) -> None:
+        self.job, self.prefix = job, prefix
+        length, then = prefix.length, prefix.then_len if prefix.then_text is not None else 0
+        if then and length + then > len(ids):
+            then = 0
+        self.mid: int | None = None
+        if then:  # the earlier response's text is reused too: check the prompt|response join on a window
+            window, head = ids[max(0, length - JOIN_WINDOW):length], ids[length:length + JOIN_WINDOW]
+            self.mid = len(plan)
+            plan.extend((window, window + head, head))
+        start = length + then
+        window = ids[max(0, start - JOIN_WINDOW):start]
+        self.at = len(plan)
+        plan.extend((window, window + ids[start:]))
+
+    def text(self, texts: list[str]) -> str | None:
+        prefix, text = self.prefix, self.prefix.text
+        if self.mid is not None:
+            window, window_and_head, head = texts[self.mid:self.mid + 3]
+            if _joined(text, window, window_and_head) is None or window_and_head[len(window):] != head:
+                return None
+            text = text + (prefix.then_text or "")
+        return _joined(text, texts[self.at], texts[self.at + 1])
 
 
 def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: dict[str, list[str]],
-                 known: dict[str, KnownPrefix] | None = None, prompt_texts: dict[str, str] | None = None,
+                 known: dict[str, KnownPrefix] | None = None, texts_out: dict[tuple[str, str], str] | None = None,
                  outcomes: dict[str, int] | None = None) -> int:
     """Adds decoded text to each span in place; returns the number of tokens decoded.
 
@@ -295,9 +331,9 @@ def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: di
     none decodable gets no text and a warning. An empty list decodes to "".
 
     ``known`` (span_id -> :class:`KnownPrefix`): prompts rebuilt from a reference, whose first
-    ids' text is known; only the ids after them are decoded (with a short window before them,
-    see :func:`_joined`), else the whole list. ``prompt_texts`` receives the text of each
-    ``inputs.prompt_ids`` decoded, ``outcomes`` counts ``reused`` / ``full`` joins.
+    ids' text is known; only the ids after them are decoded (with short windows around the
+    joins, see :func:`_joined`), else the whole list. ``texts_out`` receives, by (span_id,
+    source), each text decoded from a whole list; ``outcomes`` counts ``reused`` / ``full`` joins.
     """
     jobs = [job for span in spans for job in collect_jobs(span, warnings)]
     if not jobs:
@@ -305,18 +341,15 @@ def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: di
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     sequences: list[list[Any] | None] = [
         job.ids if _below_vocab(job.ids, vocab) else _keep_in_vocab(job, job.ids, vocab, warnings) for job in jobs]
-    # prompts with a known prefix: (job index, prefix, where the window and the window+new texts land)
-    joins: list[tuple[int, KnownPrefix, int]] = []
     plan: list[list[Any]] = [ids if ids is not None else [] for ids in sequences]
+    joins: list[_Join] = []
     if known:
         for i, job in enumerate(jobs):
             prefix = known.get(job.span["span_id"]) if job.source == "inputs.prompt_ids" else None
             if prefix is None or sequences[i] is not job.ids or not 0 < prefix.length <= len(job.ids):
                 continue
-            window = job.ids[max(0, prefix.length - JOIN_WINDOW):prefix.length]
-            plan[i] = window + job.ids[prefix.length:]
-            joins.append((i, prefix, len(plan)))
-            plan.append(window)
+            plan[i] = []  # decoded through the join's sequences instead
+            joins.append(_Join(i, prefix, plan, job.ids))
     texts: list[str | None]
     decoded_lens = [len(ids) for ids in plan]
     try:
@@ -337,17 +370,16 @@ def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: di
                 warnings.setdefault(job.span["span_id"], []).append(f"output.{job.target}: decode failed: {one}")
                 texts.append(None)
     tokens = sum(decoded_lens[i] for i, ids in enumerate(sequences) if ids is not None and texts[i] is not None)
-    tokens += sum(decoded_lens[at] for _, _, at in joins)
+    tokens += sum(decoded_lens[len(jobs):])
     whole = []
-    for i, prefix, at in joins:
-        joined = _joined(prefix, texts[at] or "", texts[i] or "")
-        if joined is None:
-            whole.append(i)
-        texts[i] = joined
+    for join in joins:
+        texts[join.job] = join.text(texts)  # type: ignore[arg-type]
+        if texts[join.job] is None:
+            whole.append(join.job)
     if outcomes is not None and joins:
         outcomes["reused"] = outcomes.get("reused", 0) + len(joins) - len(whole)
         outcomes["full"] = outcomes.get("full", 0) + len(whole)
-    if whole:  # the join was not safe: the whole list, as if no prefix were known
+    if whole:  # a join was not safe: the whole list, as if no prefix were known
         for i, text in zip(whole, tokenizer.decode_batch([jobs[i].ids for i in whole], skip_special_tokens=False)):
             texts[i] = text
             tokens += len(jobs[i].ids)
@@ -357,8 +389,8 @@ def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: di
             if _is_envelope(output):
                 output = job.span["output"] = unwrap_envelopes(output)
             output[job.target] = text
-            if prompt_texts is not None and job.source == "inputs.prompt_ids" and ids is job.ids:
-                prompt_texts[job.span["span_id"]] = text
+            if texts_out is not None and ids is job.ids:
+                texts_out[(job.span["span_id"], job.source)] = text
     return tokens
 
 

@@ -2,7 +2,7 @@
 
 A v2 span may carry ``inputs.prompt_ids = {"$ref": <span_id>, "n": N, "add": [ids]}``
 (:mod:`tracecar.client.prompt_delta`): the first N ids of the referenced span's context (its
-``inputs.prompt_ids`` followed by its output's ``token_ids``, else ``response_ids``), then
+``inputs.prompt_ids`` followed by its output's ``response_ids``, else ``token_ids``), then
 ``add``. The list is rebuilt here, before sampling, so the store, the decoder, Weave and every
 exporter see exactly the list VERL passed.
 
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tracecar.client.prompt_delta import REF_KEY, UNRESOLVED_REASON, as_ids, context_of
+from tracecar.client.prompt_delta import REF_KEY, UNRESOLVED_REASON, as_ids, response_of
 
 from .validate import Rejection, Validated
 
@@ -33,16 +33,32 @@ _ENTRY_OVERHEAD = 200  # bytes of the entry's own objects, on top of ids and tex
 
 @dataclass
 class Context:
-    """One span's context: prompt + response ids, how many are the prompt, the prompt's text."""
+    """One span's context: prompt + response ids, how many are the prompt, their decoded texts.
+
+    ``response_source`` names the output field the response came from (``output.token_ids``):
+    its ``response_text`` is reused only if decoded from that same list.
+    """
 
     ids: array
     prompt_len: int
+    response_source: str | None = None
     text: str | None = None
+    response_text: str | None = None
     tokenizer: str | None = None
 
     @property
     def size(self) -> int:
-        return len(self.ids) * 8 + (sys.getsizeof(self.text) if self.text is not None else 0) + _ENTRY_OVERHEAD
+        texts = sum(sys.getsizeof(t) for t in (self.text, self.response_text) if t is not None)
+        return len(self.ids) * 8 + texts + _ENTRY_OVERHEAD
+
+    @classmethod
+    def of(cls, prompt: array, output: Any) -> Context:
+        """prompt + response, as :func:`tracecar.client.prompt_delta.context_of` builds it on the client."""
+        key, value = response_of(output)
+        response = as_ids(value)
+        if response is None or not len(response):
+            return cls(prompt, len(prompt))
+        return cls(prompt + response, len(prompt), f"output.{key}")
 
 
 @dataclass
@@ -52,6 +68,7 @@ class Base:
     worker: str
     ref: str
     prompt_len: int
+    with_response: bool  # the rebuilt prompt continues with the whole of the ref's response
 
 
 class PromptContexts:
@@ -96,14 +113,14 @@ class PromptContexts:
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
 
-    def set_text(self, worker: str, span_id: str, text: str, tokenizer: str) -> None:
-        """The prompt's decoded text, for the next turn (counted against the bound)."""
+    def set_texts(self, worker: str, span_id: str, text: str | None, response_text: str | None, tokenizer: str) -> None:
+        """The prompt's and the response's decoded texts, for the next turn (counted against the bound)."""
         with self._lock:
             entry = self._entries.get((worker, span_id))
             if entry is None:
                 return
             self._bytes -= entry.size
-            entry.text, entry.tokenizer = text, tokenizer
+            entry.text, entry.response_text, entry.tokenizer = text, response_text, tokenizer
             self._bytes += entry.size
         self.remember(worker, span_id, entry)  # re-applies the bound
 
@@ -152,10 +169,11 @@ def resolve_refs(validated: Validated, contexts: PromptContexts) -> tuple[dict[s
             inputs["prompt_ids"] = prompt
             resolved += 1
             if n >= entry.prompt_len:
-                bases[span["span_id"]] = Base(worker, ref, entry.prompt_len)
+                bases[span["span_id"]] = Base(worker, ref, entry.prompt_len,
+                                              with_response=n == len(entry.ids) and entry.response_source is not None)
         kept.append(span)
         ids = as_ids(prompt)
         if ids is not None:
-            contexts.remember(worker, span["span_id"], Context(context_of(ids, span.get("output")), len(ids)))
+            contexts.remember(worker, span["span_id"], Context.of(ids, span.get("output")))
     validated.spans = kept
     return bases, resolved

@@ -365,14 +365,20 @@ class IngestPipeline:
                 base = bases.get(span["span_id"])
                 entry = self.prompt_contexts.get(worker, base.ref) if base is not None else None
                 if entry is not None and entry.text is not None and entry.tokenizer == name and entry.prompt_len == base.prompt_len:
-                    known[span["span_id"]] = KnownPrefix(base.prompt_len, entry.text)
-            texts: dict[str, str] = {}
+                    then = entry.response_text is not None and base.with_response
+                    known[span["span_id"]] = KnownPrefix(base.prompt_len, entry.text, len(entry.ids) - entry.prompt_len if then else 0,
+                                                         entry.response_text if then else None)
+            texts: dict[tuple[str, str], str] = {}
             outcomes: dict[str, int] = {}
-            tokens += decode_spans(now, tokenizer, validated.warnings, known=known, prompt_texts=texts, outcomes=outcomes)
+            tokens += decode_spans(now, tokenizer, validated.warnings, known=known, texts_out=texts, outcomes=outcomes)
             for outcome, n in outcomes.items():
                 self.metrics.prompt_text_joins.labels(outcome=outcome).inc(n)
-            for span_id, text in texts.items():
-                self.prompt_contexts.set_text(worker, span_id, text, name)
+            for span in now:
+                span_id = span["span_id"]
+                entry = self.prompt_contexts.get(worker, span_id)
+                if entry is not None:
+                    response = texts.get((span_id, entry.response_source)) if entry.response_source else None
+                    self.prompt_contexts.set_texts(worker, span_id, texts.get((span_id, "inputs.prompt_ids")), response, name)
             pending = later
         return tokens
 
