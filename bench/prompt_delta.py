@@ -181,8 +181,9 @@ def one_run(trajectories: list[dict[str, Any]], delta: bool, full_output: bool, 
 
 
 def generates(tree: dict[str, Any]) -> list[dict[str, Any]]:
+    """The generate calls in order, then the agent loop's own call (its output repeats the context)."""
     [run] = tree["root"]["children"]
-    return sorted((c for c in run["children"] if c["name"].endswith("generate")), key=lambda c: c["start_time"])
+    return sorted((c for c in run["children"] if c["name"].endswith("generate")), key=lambda c: c["start_time"]) + [run]
 
 
 def main() -> None:
@@ -208,9 +209,8 @@ def main() -> None:
                       f"spool {r['spool']:>10,.0f} B/traj  refs sent {r['refs']:.0f} (resent whole {r['resent']:.0f}); "
                       f"joins reused {r['reused']:.0f}, whole {r['full_joins']:.0f}; {r['seconds']:.1f} s")
             today, delta = generates(results[(shape, False)]["sample"]), generates(results[(shape, True)]["sample"])
-            same = [(a["inputs"]["prompt_ids"], a["output"]["prompt_text"]) for a in today] == \
-                   [(b["inputs"]["prompt_ids"], b["output"]["prompt_text"]) for b in delta]
-            print(f"{shape:16} stored prompt_ids and prompt_text of a trajectory equal in both runs: {same}")
+            same = [(a["inputs"], a["output"]) for a in today] == [(b["inputs"], b["output"]) for b in delta]
+            print(f"{shape:16} stored inputs and outputs (ids and decoded texts) of a trajectory's calls equal in both runs: {same}")
             if not same:
                 raise SystemExit("the delta run stored different prompts")
     print(f"load average at end: {os.getloadavg()}")

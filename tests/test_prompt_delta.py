@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from tracecar.client import rollout_trace_attr, rollout_trace_op
 from tracecar.client.prompt_delta import PromptDeltas
-from tracecar.collector.processors.decoding import KnownPrefix, decode_spans
+from tracecar.collector.processors.decoding import KnownPrefix, KnownSuffix, decode_spans
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -93,6 +93,29 @@ def test_prompt_response_and_new_ids_join_to_the_full_decode(tokenizers_under_te
     assert span["output"]["prompt_text"] == tok.decode(ids, skip_special_tokens=False)
     if outcomes.get("reused"):
         assert decoded <= len(ids) - b + 6 * 8  # the new ids and the windows at the two joins
+
+
+@pytest.mark.parametrize("kind", ["byte_level_bpe", "metaspace", "wordpiece"])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(words=st.lists(st.sampled_from(WORDS), min_size=3, max_size=80), cuts=st.tuples(st.floats(0, 1), st.floats(0, 1)))
+def test_a_response_cut_from_a_known_context_equals_its_full_decode(tokenizers_under_test, kind, words, cuts):
+    """VERL's AgentLoopOutput: prompt_ids + response_ids = the last turn's context (prompt and
+    response texts known); response_text cut from the context's text is the full decode, or that is used."""
+    tok = tokenizers_under_test[kind]
+    ids = tok.encode(" ".join(words)).ids
+    if len(ids) < 3:
+        return
+    turn, start = (max(1, min(len(ids) - 1, int(c * len(ids)))) for c in cuts)
+    context = KnownPrefix(turn, tok.decode(ids[:turn], skip_special_tokens=False), len(ids) - turn,
+                          tok.decode(ids[turn:], skip_special_tokens=False))
+    span = {"span_id": "s", "inputs": {}, "output": {"prompt_ids": ids[:start], "response_ids": ids[start:]}}
+    outcomes: dict[str, int] = {}
+    decoded = decode_spans([span], tok, {}, known={("s", "output.response_ids"): KnownSuffix(context, start)}, outcomes=outcomes)
+    assert span["output"]["prompt_text"] == tok.decode(ids[:start], skip_special_tokens=False)
+    assert span["output"]["response_text"] == tok.decode(ids[start:], skip_special_tokens=False)
+    assert sum(outcomes.values()) == 1
+    if outcomes.get("reused"):
+        assert decoded <= start + 8 * 8  # the prompt and the windows at the two cuts (4 × 8 + 2 × 16), not the response
 
 
 def test_a_character_split_at_the_join_falls_back_to_the_full_decode(tokenizers_under_test):

@@ -321,8 +321,45 @@ class _Join:
         return _joined(text, texts[self.at], texts[self.at + 1])
 
 
+@dataclass
+class KnownSuffix:
+    """An output whose ``prompt_ids`` + ``response_ids`` are a whole context of known texts
+    (``context``: its prompt, then its response) and whose ``response_ids`` start at ``start``
+    (VERL's AgentLoopOutput after the last turn): the response text is cut from the context's."""
+
+    context: KnownPrefix
+    start: int
+
+
+def _clean_cut(left: str, window: str, window_and_head: str, head: str) -> bool:
+    """decode(x + y) == decode(x) + decode(y) at this cut, judged on windows around it."""
+    return _joined(left, window, window_and_head) is not None and window_and_head[len(window):] == head
+
+
+class _Suffix:
+    """The windows one :class:`KnownSuffix` adds to the batch, and how its text is cut."""
+
+    __slots__ = ("job", "prompt_job", "known", "at")
+
+    def __init__(self, job: int, prompt_job: int, known: KnownSuffix, plan: list[list[Any]], context: list[Any]) -> None:
+        self.job, self.prompt_job, self.known = job, prompt_job, known
+        self.at = len(plan)
+        for cut in (known.context.length, known.start):  # the context's prompt|response join, then our cut
+            window, head = context[max(0, cut - JOIN_WINDOW):cut], context[cut:cut + JOIN_WINDOW]
+            plan.extend((window, window + head, head))
+
+    def text(self, texts: list[str], prompt_text: str | None) -> str | None:
+        ctx = self.known.context
+        if prompt_text is None or ctx.then_text is None or not _clean_cut(ctx.text, *texts[self.at:self.at + 3]):
+            return None
+        whole = ctx.text + ctx.then_text
+        if not whole.startswith(prompt_text) or not _clean_cut(prompt_text, *texts[self.at + 3:self.at + 6]):
+            return None
+        return whole[len(prompt_text):]
+
+
 def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: dict[str, list[str]],
-                 known: dict[str, KnownPrefix] | None = None, texts_out: dict[tuple[str, str], str] | None = None,
+                 known: dict[Any, KnownPrefix | KnownSuffix] | None = None, texts_out: dict[tuple[str, str], str] | None = None,
                  outcomes: dict[str, int] | None = None) -> int:
     """Adds decoded text to each span in place; returns the number of tokens decoded.
 
@@ -332,7 +369,8 @@ def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: di
 
     ``known`` (span_id -> :class:`KnownPrefix`): prompts rebuilt from a reference, whose first
     ids' text is known; only the ids after them are decoded (with short windows around the
-    joins, see :func:`_joined`), else the whole list. ``texts_out`` receives, by (span_id,
+    joins, see :func:`_joined`), else the whole list; ((span_id, "output.response_ids") ->
+    :class:`KnownSuffix`): a response cut from a known context's text, checked the same way. ``texts_out`` receives, by (span_id,
     source), each text decoded from a whole list; ``outcomes`` counts ``reused`` / ``full`` joins.
     """
     jobs = [job for span in spans for job in collect_jobs(span, warnings)]
@@ -343,10 +381,20 @@ def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: di
         job.ids if _below_vocab(job.ids, vocab) else _keep_in_vocab(job, job.ids, vocab, warnings) for job in jobs]
     plan: list[list[Any]] = [ids if ids is not None else [] for ids in sequences]
     joins: list[_Join] = []
+    suffixes: list[_Suffix] = []
     if known:
+        prompt_jobs = {job.span["span_id"]: i for i, job in enumerate(jobs) if job.source == "output.prompt_ids"}
         for i, job in enumerate(jobs):
+            if job.source == "output.response_ids":
+                cut = known.get((job.span["span_id"], job.source))  # type: ignore[call-overload]
+                p = prompt_jobs.get(job.span["span_id"])
+                if (isinstance(cut, KnownSuffix) and p is not None and sequences[i] is job.ids and sequences[p] is jobs[p].ids
+                        and len(jobs[p].ids) == cut.start > 0 and cut.context.length + cut.context.then_len == cut.start + len(job.ids)):
+                    plan[i] = []
+                    suffixes.append(_Suffix(i, p, cut, plan, jobs[p].ids + job.ids))
+                continue
             prefix = known.get(job.span["span_id"]) if job.source == "inputs.prompt_ids" else None
-            if prefix is None or sequences[i] is not job.ids or not 0 < prefix.length <= len(job.ids):
+            if not isinstance(prefix, KnownPrefix) or sequences[i] is not job.ids or not 0 < prefix.length <= len(job.ids):
                 continue
             plan[i] = []  # decoded through the join's sequences instead
             joins.append(_Join(i, prefix, plan, job.ids))
@@ -355,7 +403,7 @@ def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: di
     try:
         texts = tokenizer.decode_batch(plan, skip_special_tokens=False)
     except Exception:  # noqa: BLE001 - one by one, so one bad sequence is named and the rest decoded
-        joins, decoded_lens = [], [len(ids) if ids is not None else 0 for ids in sequences]
+        joins, suffixes, decoded_lens = [], [], [len(ids) if ids is not None else 0 for ids in sequences]
         texts = []
         for i, job in enumerate(jobs):
             ids = sequences[i]
@@ -376,8 +424,12 @@ def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: di
         texts[join.job] = join.text(texts)  # type: ignore[arg-type]
         if texts[join.job] is None:
             whole.append(join.job)
-    if outcomes is not None and joins:
-        outcomes["reused"] = outcomes.get("reused", 0) + len(joins) - len(whole)
+    for suffix in suffixes:
+        texts[suffix.job] = suffix.text(texts, texts[suffix.prompt_job])  # type: ignore[arg-type]
+        if texts[suffix.job] is None:
+            whole.append(suffix.job)
+    if outcomes is not None and (joins or suffixes):
+        outcomes["reused"] = outcomes.get("reused", 0) + len(joins) + len(suffixes) - len(whole)
         outcomes["full"] = outcomes.get("full", 0) + len(whole)
     if whole:  # a join was not safe: the whole list, as if no prefix were known
         for i, text in zip(whole, tokenizer.decode_batch([jobs[i].ids for i in whole], skip_special_tokens=False)):

@@ -69,6 +69,7 @@ class Base:
     ref: str
     prompt_len: int
     with_response: bool  # the rebuilt prompt continues with the whole of the ref's response
+    start: int = 0  # an output's response_ids: where they start in the context (its prompt_ids are the rest)
 
 
 class PromptContexts:
@@ -158,6 +159,18 @@ def _rebuild(value: dict[str, Any], worker: str, contexts: PromptContexts) -> tu
     return entry.ids[start:n].tolist() + add, ref, entry, n
 
 
+def _whole_context(slices: dict[str, Any]) -> tuple[str, Context, int] | None:
+    """(ref, context, start) when an output's prompt_ids + response_ids are exactly one whole
+    context with a response (its response text can then be cut from the context's text)."""
+    if set(slices) != {"prompt_ids", "response_ids"}:
+        return None
+    (prompt, (_, ref, entry, n_prompt)), (response, (_, ref2, _, n_response)) = slices["prompt_ids"], slices["response_ids"]
+    if ref != ref2 or entry.response_source is None or len(prompt) != n_prompt or n_response != len(entry.ids) \
+            or len(prompt) + len(response) != len(entry.ids):
+        return None
+    return ref, entry, n_prompt
+
+
 def resolve_refs(validated: Validated, contexts: PromptContexts) -> tuple[dict[str, Base], int]:
     """Rebuilds every referenced ``inputs.prompt_ids`` in place and remembers each span's context.
 
@@ -179,13 +192,15 @@ def resolve_refs(validated: Validated, contexts: PromptContexts) -> tuple[dict[s
         targets = [("inputs", inputs, "prompt_ids")] if _is_ref(prompt) else []
         if type(output) is dict:
             targets += [("output", output, key) for key in OUTPUT_REF_KEYS if _is_ref(output.get(key))]
-        failed = None
+        failed, slices = None, {}
         for part, holder, key in targets:
             rebuilt = _rebuild(holder[key], worker, contexts)
             if type(rebuilt) is str:
                 failed = (f"{part}.{key}", rebuilt)
                 break
             holder[key] = rebuilt[0]
+            if part == "output":
+                slices[key] = (holder[key], rebuilt)
             if part == "inputs":
                 _, ref, entry, n = rebuilt
                 prompt = rebuilt[0]
@@ -200,6 +215,9 @@ def resolve_refs(validated: Validated, contexts: PromptContexts) -> tuple[dict[s
             continue
         kept.append(span)
         resolved += bool(targets)
+        whole = _whole_context(slices)
+        if whole is not None:
+            bases[(span["span_id"], "output")] = Base(worker, whole[0], whole[1].prompt_len, True, whole[2])
         ids = as_ids(prompt)
         if ids is not None:
             contexts.remember(worker, span["span_id"], Context.of(ids, output))

@@ -29,7 +29,15 @@ from tracecar.client.redact import RedactKeys
 
 from ..loudness import TokenizerFailures
 from ..metrics import Metrics
-from ..processors.decoding import KnownPrefix, TokenizerNotFound, TokenizerPolicy, TokenizerRegistry, collect_jobs, decode_spans
+from ..processors.decoding import (
+    KnownPrefix,
+    KnownSuffix,
+    TokenizerNotFound,
+    TokenizerPolicy,
+    TokenizerRegistry,
+    collect_jobs,
+    decode_spans,
+)
 from ..processors.prompt_refs import PromptContexts, resolve_refs
 from ..processors.sampling import Policies, TailSelector
 from ..processors.sampling.head import MEMBERSHIP, StepBudgetSampler
@@ -356,18 +364,25 @@ class IngestPipeline:
             waiting = {s["span_id"] for s in pending}
             now, later = [], []
             for span in pending:
-                base = bases.get(span["span_id"])
-                (later if base is not None and base.ref in waiting and base.ref != span["span_id"] else now).append(span)
+                sid = span["span_id"]
+                refs = [b.ref for b in (bases.get(sid), bases.get((sid, "output"))) if b is not None and b.ref != sid]
+                (later if any(ref in waiting for ref in refs) else now).append(span)
             if not now:  # cannot happen (a reference names an earlier span); never loop on it
                 now, later = later, []
-            known = {}
+            known: dict[Any, Any] = {}
             for span in now:
-                base = bases.get(span["span_id"])
+                sid = span["span_id"]
+                base = bases.get(sid)
                 entry = self.prompt_contexts.get(worker, base.ref) if base is not None else None
                 if entry is not None and entry.text is not None and entry.tokenizer == name and entry.prompt_len == base.prompt_len:
                     then = entry.response_text is not None and base.with_response
-                    known[span["span_id"]] = KnownPrefix(base.prompt_len, entry.text, len(entry.ids) - entry.prompt_len if then else 0,
-                                                         entry.response_text if then else None)
+                    known[sid] = KnownPrefix(base.prompt_len, entry.text, len(entry.ids) - entry.prompt_len if then else 0,
+                                             entry.response_text if then else None)
+                base = bases.get((sid, "output"))
+                entry = self.prompt_contexts.get(worker, base.ref) if base is not None else None
+                if entry is not None and entry.text is not None and entry.response_text is not None and entry.tokenizer == name:
+                    context = KnownPrefix(entry.prompt_len, entry.text, len(entry.ids) - entry.prompt_len, entry.response_text)
+                    known[(sid, "output.response_ids")] = KnownSuffix(context, base.start)
             texts: dict[tuple[str, str], str] = {}
             outcomes: dict[str, int] = {}
             tokens += decode_spans(now, tokenizer, validated.warnings, known=known, texts_out=texts, outcomes=outcomes)
