@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from typing import Any
 
 import httpx
@@ -325,3 +326,33 @@ def test_client_memory_is_bounded_and_evictions_counted():
     root = {"span_id": "t", "trace_id": "t", "parent_id": None, "kind": "trajectory", "name": "agent_loop", "inputs": {}}
     deltas.apply(root)  # the trajectory is over: its memory goes
     assert deltas.remembered_ids == 0
+
+
+def test_weave_receives_the_full_lists(start_collector, tracer_to, deepseek_tokenizer_path):
+    """What Weave gets is what VERL would send: full prompt_ids per generate call, full agent loop output."""
+    try:
+        from weave_stub import WeaveStub
+    except ImportError:  # pragma: no cover - run from the repo root
+        from tests.weave_stub import WeaveStub
+
+    tok = Tokenizer.from_file(deepseek_tokenizer_path)
+    with WeaveStub() as stub:
+        col = start_collector(backend="weave", wandb_api_key="k" * 40, wandb_entity="team", wandb_project="rl",
+                              weave_server_url=stub.url, token2text=True, tokenizer=deepseek_tokenizer_path)
+        tracer = tracer_to(col.url)
+        traces = _run_trajectories(GrowingAgent(tok), n=2, turns=4)
+        assert tracer.flush(20) and tracer.stats()["prompt_refs"]["sent"] >= 2 * 3
+        for _ in range(300):  # at most 30 s
+            if len(stub.completed_calls()) >= 2 * (1 + 4):
+                break
+            time.sleep(0.1)
+        calls = stub.completed_calls()
+    *expected, context = _expected_prompts(tok, 4, final=True)
+    for trace_id in traces:
+        family = [c for c in calls if c["attributes"]["tracecar"]["trace_id"] == trace_id]
+        gens = sorted((c for c in family if "GrowingAgent.generate" in c["op_name"]), key=lambda c: c["started_at"])
+        assert [g["inputs"]["prompt_ids"] for g in gens] == expected
+        assert all(g["output"]["prompt_text"] == tok.decode(g["inputs"]["prompt_ids"], skip_special_tokens=False) for g in gens)
+        [run] = [c for c in family if "GrowingAgent.run" in c["op_name"]]
+        assert run["output"]["prompt_ids"] + run["output"]["response_ids"] == context
+        assert run["output"]["response_text"] == tok.decode(run["output"]["response_ids"], skip_special_tokens=False)
