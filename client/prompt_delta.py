@@ -8,15 +8,17 @@ trajectory, the span's name and its ``request_id`` input) the sender remembers t
 ``inputs.prompt_ids`` as ``{"$ref": <earlier span_id>, "n": N, "add": [new ids]}``: the first N
 ids of that context, then ``add``. The collector rebuilds the full list (wire version 2).
 
-Runs on the sender thread only. Memory is bounded by ``max_requests`` remembered requests and
-``max_ids`` remembered ids in all (int64 arrays, 8 bytes an id); the least recently used goes
-first and is counted (``prompt_refs.evicted``). A trajectory's memory is freed when its root
-span is sent.
+Runs on the sender thread only. The context is kept as a list sharing the caller's int
+objects, so comparing the next prompt with it is a pointer copy and an identity check per id
+(a few µs for thousands of ids; an int64 array would cost ~40 ns an id to build). Memory is
+bounded by ``max_requests`` remembered requests and ``max_ids`` remembered ids in all (8 bytes an
+id while the agent loop still holds its list, up to 36 once it let go); the least recently used
+goes first and is counted (``prompt_refs.evicted``). A trajectory's memory is freed when its
+root span is sent; a span outside any trajectory is not remembered (no later turn can match it).
 """
 
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
 from typing import Any
 
@@ -29,14 +31,14 @@ MIN_REF_IDS = 32  # a shorter shared prefix is not worth a reference
 OUTPUT_REF_KEYS = ("prompt_ids", "response_ids")
 
 
-def as_ids(value: Any) -> array | None:
-    """``value`` as an int64 array if it is a list of integers (else None); one C loop."""
-    if type(value) is not list:
+def as_ids(value: Any) -> list[Any] | None:
+    """``value`` if it looks like a list of token ids (a list whose ends are ints), else None.
+
+    Only the ends are checked (cheap); the collector names any other element when decoding.
+    """
+    if type(value) is not list or (value and (type(value[0]) is not int or type(value[-1]) is not int)):
         return None
-    try:
-        return array("q", value)
-    except (TypeError, OverflowError):
-        return None
+    return value
 
 
 def response_of(output: Any) -> tuple[str | None, Any]:
@@ -51,10 +53,10 @@ def response_of(output: Any) -> tuple[str | None, Any]:
     return None, None
 
 
-def context_of(prompt: array, output: Any) -> array:
+def context_of(prompt: list[Any], output: Any) -> list[Any]:
     """prompt + response: what a later ``{"$ref"}`` counts its N ids in (the collector builds the same)."""
     response = as_ids(response_of(output)[1])
-    return prompt + response if response is not None and len(response) else prompt
+    return prompt + response if response else prompt
 
 
 class PromptDeltas:
@@ -66,7 +68,7 @@ class PromptDeltas:
         # None until the first answer: remember, send in full; True once the collector says it
         # reads wire version 2; False for an older collector (nothing remembered)
         self.enabled: bool | None = None
-        self._last: OrderedDict[tuple[Any, ...], tuple[str, array]] = OrderedDict()
+        self._last: OrderedDict[tuple[Any, ...], tuple[str, list[Any]]] = OrderedDict()
         self._by_trace: dict[str, set[tuple[Any, ...]]] = {}
         self._latest: dict[Any, tuple[Any, ...]] = {}  # trace -> the key remembered last
         self._ids = 0
@@ -86,8 +88,10 @@ class PromptDeltas:
         """
         if self.enabled is False or self.max_requests == 0:
             return False
-        if wire.get("kind") == "trajectory" and wire.get("parent_id") is None:
-            self._forget_trace(wire.get("trace_id"))
+        if wire.get("parent_id") is None:  # a root: its trajectory is over, or it is a call of its own
+            if wire.get("kind") == "trajectory":
+                self._forget_trace(wire.get("trace_id"))
+            return False
         output = wire.get("output")
         sent_as_ref = False if full else self._output_refs(wire)
         inputs = wire.get("inputs")
@@ -129,7 +133,7 @@ class PromptDeltas:
             if ids is None:
                 break
             end = min(len(context), start + len(ids))
-            if end - start < MIN_REF_IDS or ids[:end - start] != context[start:end]:
+            if end - start < MIN_REF_IDS or ids[:end - start] != context[start:end] or not _same_kinds(ids, context, start, end):
                 break
             refs[name] = {REF_KEY: ref, "from": start, "n": end, "add": value[end - start:]}
             self.counts["ids_saved"] += end - start
@@ -150,7 +154,7 @@ class PromptDeltas:
             self._latest.clear()
             self._ids = 0
 
-    def _remember(self, key: tuple[Any, ...], span_id: str, context: array) -> None:
+    def _remember(self, key: tuple[Any, ...], span_id: str, context: list[Any]) -> None:
         old = self._last.pop(key, None)
         if old is not None:
             self._ids -= len(old[1])
@@ -182,12 +186,18 @@ class PromptDeltas:
             self._ids -= len(ids)
 
 
-def _shared_prefix(prompt: array, context: array) -> int:
+def _shared_prefix(prompt: list[Any], context: list[Any]) -> int:
     """How many ids of ``context`` the prompt starts with: all of it, or its prompt part, else 0.
 
     Only the whole context is tried (one C comparison): agent loops append to it.
     """
     n = len(context)
-    if len(prompt) >= n and prompt[:n] == context:
+    if len(prompt) >= n and prompt[:n] == context and _same_kinds(prompt, context, 0, n):
         return n
     return 0
+
+
+def _same_kinds(ids: list[Any], context: list[Any], start: int, end: int) -> bool:
+    """``==`` holds 1 == 1.0 == True: the ends must be ints on both sides too (token ids are)."""
+    return end <= start or (type(ids[0]) is int and type(ids[end - start - 1]) is int
+                            and type(context[start]) is int and type(context[end - 1]) is int)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import sys
 import threading
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from tracecar.client.prompt_delta import OUTPUT_REF_KEYS, REF_KEY, UNRESOLVED_RE
 from .validate import Rejection, Validated
 
 _ENTRY_OVERHEAD = 200  # bytes of the entry's own objects, on top of ids and text
+_BYTES_PER_ID = 36  # a list slot and an int object (ids parsed from JSON are objects of their own)
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Context:
     its ``response_text`` is reused only if decoded from that same list.
     """
 
-    ids: array
+    ids: list[Any]
     prompt_len: int
     response_source: str | None = None
     text: str | None = None
@@ -49,14 +49,14 @@ class Context:
     @property
     def size(self) -> int:
         texts = sum(sys.getsizeof(t) for t in (self.text, self.response_text) if t is not None)
-        return len(self.ids) * 8 + texts + _ENTRY_OVERHEAD
+        return len(self.ids) * _BYTES_PER_ID + texts + _ENTRY_OVERHEAD
 
     @classmethod
-    def of(cls, prompt: array, output: Any) -> Context:
+    def of(cls, prompt: list[Any], output: Any) -> Context:
         """prompt + response, as :func:`tracecar.client.prompt_delta.context_of` builds it on the client."""
         key, value = response_of(output)
         response = as_ids(value)
-        if response is None or not len(response):
+        if not response:
             return cls(prompt, len(prompt))
         return cls(prompt + response, len(prompt), f"output.{key}")
 
@@ -156,7 +156,7 @@ def _rebuild(value: dict[str, Any], worker: str, contexts: PromptContexts) -> tu
                 "TRACECAR_PROMPT_REFS_MAX_BYTES); send the full list")
     if n > len(entry.ids):
         return f"{UNRESOLVED_REASON}: n={n} exceeds the {len(entry.ids)} ids of span {ref!r}"
-    return entry.ids[start:n].tolist() + add, ref, entry, n
+    return entry.ids[start:n] + add, ref, entry, n
 
 
 def _whole_context(slices: dict[str, Any]) -> tuple[str, Context, int] | None:
