@@ -10,7 +10,7 @@ with today's format (``TRACECAR_PROMPT_DELTA=0``: every prompt sent whole) and w
 deltas (wire version 2). Two shapes: the ``generate`` chain alone, and the whole VERL trajectory
 (its ``ToolAgentLoop.run`` output repeats the full context as prompt_ids + response_ids, and the
 tool calls). Prints per trajectory: request bytes (before compression), tokens the collector
-decoded, spool payload bytes; then the RATIOS block (today / delta; targets ≥ 4× bytes and tokens).
+decoded, spool payload bytes, the client process's CPU; then the RATIOS block (today / delta; targets ≥ 4× bytes and tokens).
 
     .venv/bin/python bench/prompt_delta.py [--trajectories 32] [--turns 8]
 """
@@ -155,10 +155,10 @@ def one_run(trajectories: list[dict[str, Any]], delta: bool, full_output: bool, 
             refs_before = dict(tracer.stats()["prompt_refs"])
             sent_bytes[0] = 0
 
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             ids = asyncio.run(main())
             assert tracer is not None and tracer.flush(120), "client did not drain"
-            elapsed = time.perf_counter() - started
+            elapsed, client_cpu = time.perf_counter() - started, time.process_time() - cpu_started
             stats = tracer.stats()
             tracer_module.shutdown(5)
             expected = sum(2 + 2 * len(t["turns"]) - 1 for t in trajectories) + per
@@ -176,6 +176,7 @@ def one_run(trajectories: list[dict[str, Any]], delta: bool, full_output: bool, 
     refs = {k: v - refs_before.get(k, 0) for k, v in stats["prompt_refs"].items()}
     n = len(trajectories)
     return {"bytes": sent_bytes[0] / n, "tokens": tokens / n, "spool": spool_bytes / n, "seconds": elapsed,
+            "client_cpu_ms": client_cpu * 1000 / n,
             "refs": refs.get("sent", 0), "resent": refs.get("resent_full", 0),
             "reused": joins["reused"], "full_joins": joins["full"], "sample": sample}
 
@@ -207,7 +208,8 @@ def main() -> None:
                 r = results[(shape, delta)] = one_run(trajectories, delta, full_output, Path(tmp))
                 print(f"{shape:16} {fmt:24} wire {r['bytes']:>10,.0f} B/traj  decoded {r['tokens']:>8,.0f} tokens/traj  "
                       f"spool {r['spool']:>10,.0f} B/traj  refs sent {r['refs']:.0f} (resent whole {r['resent']:.0f}); "
-                      f"joins reused {r['reused']:.0f}, whole {r['full_joins']:.0f}; {r['seconds']:.1f} s")
+                      f"joins reused {r['reused']:.0f}, whole {r['full_joins']:.0f}; client CPU {r['client_cpu_ms']:.2f} ms/traj "
+                      f"(agent loop + sender); {r['seconds']:.1f} s")
             today, delta = generates(results[(shape, False)]["sample"]), generates(results[(shape, True)]["sample"])
             same = [(a["inputs"], a["output"]) for a in today] == [(b["inputs"], b["output"]) for b in delta]
             print(f"{shape:16} stored inputs and outputs (ids and decoded texts) of a trajectory's calls equal in both runs: {same}")
@@ -218,7 +220,8 @@ def main() -> None:
     for shape in ("generate chain", "VERL trajectory"):
         a, b = results[(shape, False)], results[(shape, True)]
         print(f"  {shape:16} bytes on the wire {a['bytes'] / b['bytes']:.2f}x (target >= 4)  "
-              f"tokens decoded {a['tokens'] / b['tokens']:.2f}x (target >= 4)  spool bytes {a['spool'] / b['spool']:.2f}x")
+              f"tokens decoded {a['tokens'] / b['tokens']:.2f}x (target >= 4)  spool bytes {a['spool'] / b['spool']:.2f}x  "
+              f"client CPU {a['client_cpu_ms'] / b['client_cpu_ms']:.2f}x")
 
 
 if __name__ == "__main__":

