@@ -275,6 +275,21 @@ def test_the_wire_format_over_http_refs_in_batch_across_batches_and_refused(star
     assert payloads[third["span_id"]]["inputs"]["prompt_ids"] == list(range(50)) + [4]
 
 
+def test_references_cannot_inflate_a_small_body_without_bound(start_collector, kit):
+    """References rebuild at most TRACECAR_MAX_DECOMPRESSED_BYTES / 2 ids per batch; the rest is
+    refused as unresolved (the client resends them whole, where the body bounds apply)."""
+    col = start_collector(max_decompressed_bytes=64 * 1024)  # 32,768 ids per batch
+    root = kit.new_id()
+    base = _span(kit, root, list(range(10_000)))
+    assert kit.post(col.url, [base], v=2).json()["accepted"] == 1
+    many = [_span(kit, root, {"$ref": base["span_id"], "n": 10_000, "add": [i]}) for i in range(5)]
+    answer = kit.post(col.url, many, v=2).json()
+    assert answer["accepted"] == 3
+    assert [r["span_id"] for r in answer["rejected"]] == [s["span_id"] for s in many[3:]]
+    assert all(r["reason"].startswith("unresolved prompt ref: the references of this batch rebuild more than 32768 ids")
+               for r in answer["rejected"])
+
+
 def test_old_format_batches_are_stored_as_sent(start_collector, kit):
     """Version 1 (every existing client): lists are stored as they are, and a "$ref" is no reference."""
     col = start_collector()

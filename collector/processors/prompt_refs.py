@@ -171,7 +171,7 @@ def _whole_context(slices: dict[str, Any]) -> tuple[str, Context, int] | None:
     return ref, entry, n_prompt
 
 
-def resolve_refs(validated: Validated, contexts: PromptContexts) -> tuple[dict[str, Base], int]:
+def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int) -> tuple[dict[Any, Base], int]:
     """Rebuilds every referenced ``inputs.prompt_ids`` in place and remembers each span's context.
 
     Also rebuilds output ``prompt_ids`` / ``response_ids`` sent as slices of a context
@@ -179,11 +179,13 @@ def resolve_refs(validated: Validated, contexts: PromptContexts) -> tuple[dict[s
     batch order, so a reference to an earlier span of the same batch resolves. Returns the spans
     whose prompt starts with their reference's whole prompt (their text can be reused) and how
     many spans had their references resolved; an unresolvable or malformed reference rejects its span by
-    name (``spans[i].inputs.prompt_ids``, ``spans[i].output.response_ids``).
+    name (``spans[i].inputs.prompt_ids``, ``spans[i].output.response_ids``). ``max_ids`` bounds
+    the ids one batch may rebuild (a small body must not grow without bound in memory); the spans
+    past it are refused as unresolved, so the client resends them whole, where the body bounds apply.
     """
     worker = validated.batch.worker
-    bases: dict[str, Base] = {}
-    resolved = 0
+    bases: dict[Any, Base] = {}
+    resolved = rebuilt_ids = 0
     kept = []
     for span in validated.spans:
         inputs = span.get("inputs")
@@ -195,6 +197,11 @@ def resolve_refs(validated: Validated, contexts: PromptContexts) -> tuple[dict[s
         failed, slices = None, {}
         for part, holder, key in targets:
             rebuilt = _rebuild(holder[key], worker, contexts)
+            if type(rebuilt) is not str:
+                rebuilt_ids += len(rebuilt[0])
+                if rebuilt_ids > max_ids:
+                    rebuilt = (f"{UNRESOLVED_REASON}: the references of this batch rebuild more than {max_ids} ids "
+                               "(TRACECAR_MAX_DECOMPRESSED_BYTES / 2); send the full list")
             if type(rebuilt) is str:
                 failed = (f"{part}.{key}", rebuilt)
                 break

@@ -300,7 +300,8 @@ class IngestPipeline:
         reject_foreign_children(validated, self._stored_traces(parents_to_look_up(validated)))
         if validated.batch.v >= 2:  # prompt references: rebuilt before sampling, so every stage sees full lists
             before = len(validated.rejected)
-            validated.prompt_bases, resolved = resolve_refs(validated, self.prompt_contexts)
+            validated.prompt_bases, resolved = resolve_refs(validated, self.prompt_contexts,
+                                                            max_ids=self.settings.max_decompressed_bytes // 2)
             self.metrics.prompt_refs.labels(outcome="resolved").inc(resolved)
             self.metrics.prompt_refs.labels(outcome="unresolved").inc(len(validated.rejected) - before)
         self.contexts.remember(validated.spans)  # for engine spans that join these trajectories over OTLP
