@@ -95,6 +95,11 @@ class ClientConfig:
     # live view: a call still running when the sender drains sends a small "open" marker, so
     # the collector can name a call that hangs (calls that end first never send one)
     open_markers: bool = True
+    # Prompt deltas (tracecar.client.prompt_delta): a growing prompt_ids goes out as a reference
+    # to the request's previous span + the new ids; the memory kept for it is bounded by these.
+    prompt_delta: bool = True
+    prompt_delta_max_requests: int = 4096
+    prompt_delta_max_ids: int = 4_000_000
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ClientConfig:
@@ -126,6 +131,9 @@ class ClientConfig:
             redact_keys=parse_keys(env.get("TRACECAR_REDACT_KEYS")),
             max_traceback_frames=_env_int(env, "MAX_TRACEBACK_FRAMES", cls.max_traceback_frames),
             open_markers=(env.get("TRACECAR_OPEN_MARKERS") or "true").strip().lower() not in ("0", "false", "no", "off"),
+            prompt_delta=(env.get("TRACECAR_PROMPT_DELTA") or "1").strip().lower() not in ("0", "false", "no", "off"),
+            prompt_delta_max_requests=_env_int(env, "PROMPT_DELTA_MAX_REQUESTS", cls.prompt_delta_max_requests),
+            prompt_delta_max_ids=_env_int(env, "PROMPT_DELTA_MAX_IDS", cls.prompt_delta_max_ids),
         )
         known = {f.name for f in fields(cls)}
         return replace(base, **{k: v for k, v in overrides.items() if k in known and v is not None})

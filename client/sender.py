@@ -22,10 +22,11 @@ import orjson
 
 from .config import ClientConfig, client_info, default_worker_id
 from .loud import FailureReporter
+from .prompt_delta import UNRESOLVED_REASON, PromptDeltas
 from .redact import RedactKeys
 from .retry_after import parse_retry_after
 from .spans import SpanRecord
-from .wire import JSON_CONTENT_TYPE, WIRE_VERSION, WireEncoder, batch_body, pack_span
+from .wire import JSON_CONTENT_TYPE, WIRE_VERSION, WIRE_VERSION_DELTA, WireEncoder, batch_body, pack_span
 
 log = logging.getLogger("tracecar.client")
 
@@ -45,6 +46,9 @@ class SenderStats:
     retries: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     open_markers_skipped: int = 0  # live-view markers not queued (queue full); no span is lost
+    # prompt deltas: spans sent with a reference, ids not sent thanks to it, requests forgotten
+    # under the memory bound, spans resent whole because the collector could not resolve one
+    prompt_refs: dict[str, int] = field(default_factory=dict)
 
     def drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
@@ -55,6 +59,7 @@ class SenderStats:
             "rejected_by_collector": self.rejected_by_collector, "retries": self.retries,
             "dropped": dict(self.dropped), "dropped_total": sum(self.dropped.values()),
             "open_markers_skipped": self.open_markers_skipped,
+            "prompt_refs": dict(self.prompt_refs),
         }
 
 
@@ -105,6 +110,11 @@ class Sender:
         self._http: httpx.Client | None = None
         self._pending_body: tuple[bytes, int] | None = None
         self._abandoned = 0
+        cfg = self.config
+        self.deltas = PromptDeltas(cfg.prompt_delta_max_requests if cfg.prompt_delta else 0, cfg.prompt_delta_max_ids)
+        self.stats.prompt_refs = self.deltas.counts  # the sender thread's counters, read as they are
+        self._ref_records: dict[str, SpanRecord] = {}  # spans of the pending body sent with a reference
+        self._send_whole: set[str] = set()  # span ids to resend in full (their reference was not resolved)
         self.worker_id = self.config.worker_id or default_worker_id()
         self.reporter = FailureReporter(self.config.url, self.config.retry_max_elapsed_s)  # rate-limited, sender thread
 
@@ -191,6 +201,7 @@ class Sender:
             if not self._post_with_retries(body, n):
                 return  # keep the pending body; retried on the next wake
             self._pending_body = None
+            self._ref_records = {}
         self._idle.set()
 
     def _build_body(self) -> tuple[bytes, int] | None:
@@ -211,10 +222,17 @@ class Sender:
                 parts.append(pack_span(marker.to_wire(), self.encoder, cfg.max_string_chars))
                 size += len(parts[-1])
                 markers += 1
+        deltas, refs, whole = self.deltas, {}, self._send_whole
         while queue and len(parts) - markers < cfg.batch_max_spans and size < cfg.batch_max_bytes:
             record = queue.popleft()
             try:
-                packed = pack_span(self._wire(record), self.encoder, cfg.max_string_chars)
+                wire = self._wire(record)
+                resend = bool(whole) and wire["span_id"] in whole
+                if resend:
+                    whole.discard(wire["span_id"])
+                if deltas.apply(wire, full=resend):
+                    refs[wire["span_id"]] = record
+                packed = pack_span(wire, self.encoder, cfg.max_string_chars)
             except Exception as exc:  # noqa: BLE001 - one unserialisable span must not cost the batch
                 log.warning("tracecar: span %s could not be encoded: %s", record.name, exc)
                 with self._lock:
@@ -232,6 +250,7 @@ class Sender:
                 last_yield = time.perf_counter()
         if not parts:
             return None
+        self._ref_records = refs
         return batch_body(self._header(), parts), len(parts) - markers  # markers are not spans: not counted
 
     def _wire(self, record: SpanRecord) -> dict[str, Any]:
@@ -250,7 +269,10 @@ class Sender:
 
     def _header(self) -> dict[str, Any]:
         cfg = self.config
-        header = {"v": WIRE_VERSION, "worker": self.worker_id, "project": cfg.project,
+        # v2 from the first batch on (the collector then remembers its contexts for later references), until
+        # an answer shows a collector without it
+        v2 = cfg.prompt_delta and cfg.prompt_delta_max_requests > 0 and self.deltas.enabled is not False
+        header = {"v": WIRE_VERSION_DELTA if v2 else WIRE_VERSION, "worker": self.worker_id, "project": cfg.project,
                   "entity": cfg.entity, "tokenizer": cfg.tokenizer, "client": client_info()}
         if cfg.wandb_run_id is not None:
             header["wandb_run_id"] = cfg.wandb_run_id
@@ -303,6 +325,10 @@ class Sender:
                     return True
                 if status == 413 and n > 1:
                     return self._split_and_resend(n)
+                if status == 422 and self._ref_records:  # every span refused: some may only need a resend in full
+                    n -= self._resend_unresolved(_rejections(response))
+                    if n == 0:
+                        return True
                 if status not in RETRYABLE_STATUS:
                     self.reporter.send_failed(f"http_{status}", retrying=False)
                     with self._lock:
@@ -329,6 +355,25 @@ class Sender:
             if self._stopping:
                 return False
 
+    def _resend_unresolved(self, rejections: Any) -> int:
+        """Requeues, to be sent in full, the spans whose reference the collector could not resolve.
+
+        (It lost the earlier span: restarted, evicted it under its bound, or never got it.)
+        They go to the front of the queue; none is counted as sent or dropped yet.
+        """
+        again = []
+        for rejection in rejections:
+            if not isinstance(rejection, dict) or not str(rejection.get("reason", "")).startswith(UNRESOLVED_REASON):
+                continue
+            record = self._ref_records.pop(rejection.get("span_id"), None)
+            if record is not None:
+                again.append(record)
+        for record in reversed(again):
+            self._send_whole.add(record.span_id)
+            self.queue.appendleft(record)
+        self.deltas.counts["resent_full"] += len(again)
+        return len(again)
+
     def _split_and_resend(self, n: int) -> bool:
         """The collector said 413: resend the same spans as two smaller batches, and shrink later ones."""
         body, _ = self._pending_body  # type: ignore[misc]
@@ -344,11 +389,16 @@ class Sender:
         return True
 
     def _record_success(self, response: httpx.Response, n: int) -> None:
-        rejected = 0
+        rejected, resent = 0, 0
         try:
-            rejected = int(response.json().get("rejected_count", 0))
+            answer = response.json()
+            rejected = int(answer.get("rejected_count", 0))
+            resent = self._resend_unresolved(_rejections(response))
+            self.deltas.set_enabled(WIRE_VERSION_DELTA in (answer.get("wire_versions") or ()))
         except Exception:  # noqa: BLE001 - a success without a readable body still counts as sent
             pass
+        rejected -= resent
+        n -= resent
         with self._lock:
             if self._abandoned:  # shutdown counted this batch as dropped; it made it after all
                 self.stats.drop("shutdown_timeout", -min(n, self._abandoned))
@@ -358,3 +408,12 @@ class Sender:
             if rejected:
                 self.stats.rejected_by_collector += rejected
                 self.stats.drop("rejected_by_collector", rejected)
+
+
+def _rejections(response: httpx.Response) -> list[Any]:
+    """The ``rejected`` list of a collector's answer (empty if it has none or is unreadable)."""
+    try:
+        rejected = response.json().get("rejected")
+    except Exception:  # noqa: BLE001
+        return []
+    return rejected if isinstance(rejected, list) else []

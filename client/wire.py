@@ -25,6 +25,9 @@ from .redact import DEFAULT as DEFAULT_REDACT
 from .redact import REDACTED, RedactKeys
 
 WIRE_VERSION = 1
+# version 2: inputs.prompt_ids may be {"$ref", "n", "add"} (tracecar.client.prompt_delta); sent
+# only to a collector whose answers list it in "wire_versions"
+WIRE_VERSION_DELTA = 2
 JSON_CONTENT_TYPE = "application/json"
 _TRUNCATED = "…[truncated by tracecar: {n} chars]"
 # dataclasses and numpy values go through ``default`` too, so they get weave's envelope / repr

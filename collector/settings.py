@@ -99,6 +99,7 @@ class CollectorSettings(BaseSettings):
     max_decompressed_bytes: int = Field(100 * MiB, ge=1024, description="Largest body after gzip/zstd decompression (413 above; stops zip bombs).")
     max_batch_spans: int = Field(8192, ge=1, description="Most spans in one request (413 above).")
     max_span_bytes: int = Field(8 * MiB, ge=1024, description="Largest single span after decoding; bigger spans are rejected by name.")
+    prompt_refs_max_bytes: int = Field(128 * MiB, ge=0, description="Memory for the prompt contexts that wire-version-2 clients refer to (a growing prompt sent as earlier span + new ids); least recently used first out, counted; a reference to one gone is refused by name and the client resends the full list. 0: every reference is refused (clients send full lists).")
     max_tree_depth: int = Field(64, ge=1, le=10_000, description="Deepest level a trajectory tree is served with (root = 0); deeper spans are attached at this level, flagged depth_capped with their true depth.")
     spool_max_bytes: int = Field(2048 * MiB, ge=MiB, description="Bound on span bytes waiting to be forwarded (in local mode: on all stored span bytes); at the bound ingest answers 503 with Retry-After.")
     spool_sync: Literal["normal", "full"] = Field("normal", description="SQLite synchronous mode: normal survives a killed process, full also survives power loss (slower).")

@@ -259,8 +259,111 @@ def _keep_in_vocab(job: _Job, ids: list[Any], vocab: int, warnings: dict[str, li
     return kept if kept else None
 
 
+#: ids of the earlier prompt decoded again with the new ones, so the join is checked on real text
+JOIN_WINDOW = 8
+_REPLACEMENT = "\ufffd"
+
+
+@dataclass
+class KnownPrefix:
+    """The first ``length`` ids of a span's ``inputs.prompt_ids`` are known to decode to ``text``.
+
+    ``then_len`` / ``then_text``: the ``then_len`` ids after them (the earlier turn's response)
+    are known to decode, on their own, to ``then_text``; the join of the two is checked too.
+    """
+
+    length: int
+    text: str
+    then_len: int = 0
+    then_text: str | None = None
+
+
+def _joined(text: str, window: str, window_and_new: str) -> str | None:
+    """earlier text + the new ids' text, when the join is safe; None sends it to the full decode.
+
+    ``window`` is the decode of the last :data:`JOIN_WINDOW` earlier ids, ``window_and_new``
+    of those and the new ids. Safe when the earlier text ends with the window's text and the
+    window's text is a prefix of the joint one, with no replacement character at the join
+    (byte-level BPE: a multi-byte character split there; Metaspace: the window, not the new
+    ids, starts the decode, so a leading "▁" of the new ids keeps its space).
+    """
+    if not window_and_new.startswith(window) or not text.endswith(window):
+        return None
+    if window.endswith(_REPLACEMENT) or window_and_new[len(window):len(window) + 1] == _REPLACEMENT:
+        return None
+    return text + window_and_new[len(window):]
+
+
+class _Join:
+    """The sequences one known-prefix prompt adds to the batch, and how its text is put together."""
+
+    __slots__ = ("job", "prefix", "at", "mid")
+
+    def __init__(self, job: int, prefix: KnownPrefix, plan: list[list[Any]], ids: list[Any]) -> None:
+        self.job, self.prefix = job, prefix
+        length, then = prefix.length, prefix.then_len if prefix.then_text is not None else 0
+        if then and length + then > len(ids):
+            then = 0
+        self.mid: int | None = None
+        if then:  # the earlier response's text is reused too: check the prompt|response join on a window
+            window, head = ids[max(0, length - JOIN_WINDOW):length], ids[length:length + JOIN_WINDOW]
+            self.mid = len(plan)
+            plan.extend((window, window + head, head))
+        start = length + then
+        window = ids[max(0, start - JOIN_WINDOW):start]
+        self.at = len(plan)
+        plan.extend((window, window + ids[start:]))
+
+    def text(self, texts: list[str]) -> str | None:
+        prefix, text = self.prefix, self.prefix.text
+        if self.mid is not None:
+            window, window_and_head, head = texts[self.mid:self.mid + 3]
+            if _joined(text, window, window_and_head) is None or window_and_head[len(window):] != head:
+                return None
+            text = text + (prefix.then_text or "")
+        return _joined(text, texts[self.at], texts[self.at + 1])
+
+
+@dataclass
+class KnownSuffix:
+    """An output whose ``prompt_ids`` + ``response_ids`` are a whole context of known texts
+    (``context``: its prompt, then its response) and whose ``response_ids`` start at ``start``
+    (VERL's AgentLoopOutput after the last turn): the response text is cut from the context's."""
+
+    context: KnownPrefix
+    start: int
+
+
+def _clean_cut(left: str, window: str, window_and_head: str, head: str) -> bool:
+    """decode(x + y) == decode(x) + decode(y) at this cut, judged on windows around it."""
+    return _joined(left, window, window_and_head) is not None and window_and_head[len(window):] == head
+
+
+class _Suffix:
+    """The windows one :class:`KnownSuffix` adds to the batch, and how its text is cut."""
+
+    __slots__ = ("job", "prompt_job", "known", "at")
+
+    def __init__(self, job: int, prompt_job: int, known: KnownSuffix, plan: list[list[Any]], context: list[Any]) -> None:
+        self.job, self.prompt_job, self.known = job, prompt_job, known
+        self.at = len(plan)
+        for cut in (known.context.length, known.start):  # the context's prompt|response join, then our cut
+            window, head = context[max(0, cut - JOIN_WINDOW):cut], context[cut:cut + JOIN_WINDOW]
+            plan.extend((window, window + head, head))
+
+    def text(self, texts: list[str], prompt_text: str | None) -> str | None:
+        ctx = self.known.context
+        if prompt_text is None or ctx.then_text is None or not _clean_cut(ctx.text, *texts[self.at:self.at + 3]):
+            return None
+        whole = ctx.text + ctx.then_text
+        if not whole.startswith(prompt_text) or not _clean_cut(prompt_text, *texts[self.at + 3:self.at + 6]):
+            return None
+        return whole[len(prompt_text):]
+
+
 def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: dict[str, list[str]],
-                 pieces: dict[str, list[int]] | None = None) -> int:
+                 known: dict[Any, KnownPrefix | KnownSuffix] | None = None, texts_out: dict[tuple[str, str], str] | None = None,
+                 outcomes: dict[str, int] | None = None, pieces: dict[str, list[int]] | None = None) -> int:
     """Adds decoded text to each span in place; returns the number of tokens decoded.
 
     With ``pieces``, a response that carries per-token arrays (log-probabilities, loss mask:
@@ -269,6 +372,12 @@ def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: di
     Runs in a worker thread. Ids that cannot be decoded (outside the vocabulary, not integers)
     are left out of the text and named in a warning rather than failing the span; a list with
     none decodable gets no text and a warning. An empty list decodes to "".
+
+    ``known`` (span_id -> :class:`KnownPrefix`): prompts rebuilt from a reference, whose first
+    ids' text is known; only the ids after them are decoded (with short windows around the
+    joins, see :func:`_joined`), else the whole list; ((span_id, "output.response_ids") ->
+    :class:`KnownSuffix`): a response cut from a known context's text, checked the same way. ``texts_out`` receives, by (span_id,
+    source), each text decoded from a whole list; ``outcomes`` counts ``reused`` / ``full`` joins.
     """
     jobs = [job for span in spans for job in collect_jobs(span, warnings)]
     if not jobs:
@@ -276,10 +385,31 @@ def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: di
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     sequences: list[list[Any] | None] = [
         job.ids if _below_vocab(job.ids, vocab) else _keep_in_vocab(job, job.ids, vocab, warnings) for job in jobs]
+    plan: list[list[Any]] = [ids if ids is not None else [] for ids in sequences]
+    joins: list[_Join] = []
+    suffixes: list[_Suffix] = []
+    if known:
+        prompt_jobs = {job.span["span_id"]: i for i, job in enumerate(jobs) if job.source == "output.prompt_ids"}
+        for i, job in enumerate(jobs):
+            if job.source == "output.response_ids":
+                cut = known.get((job.span["span_id"], job.source))  # type: ignore[call-overload]
+                p = prompt_jobs.get(job.span["span_id"])
+                if (isinstance(cut, KnownSuffix) and p is not None and sequences[i] is job.ids and sequences[p] is jobs[p].ids
+                        and len(jobs[p].ids) == cut.start > 0 and cut.context.length + cut.context.then_len == cut.start + len(job.ids)):
+                    plan[i] = []
+                    suffixes.append(_Suffix(i, p, cut, plan, jobs[p].ids + job.ids))
+                continue
+            prefix = known.get(job.span["span_id"]) if job.source == "inputs.prompt_ids" else None
+            if not isinstance(prefix, KnownPrefix) or sequences[i] is not job.ids or not 0 < prefix.length <= len(job.ids):
+                continue
+            plan[i] = []  # decoded through the join's sequences instead
+            joins.append(_Join(i, prefix, plan, job.ids))
     texts: list[str | None]
+    decoded_lens = [len(ids) for ids in plan]
     try:
-        texts = tokenizer.decode_batch([ids if ids is not None else [] for ids in sequences], skip_special_tokens=False)
+        texts = tokenizer.decode_batch(plan, skip_special_tokens=False)
     except Exception:  # noqa: BLE001 - one by one, so one bad sequence is named and the rest decoded
+        joins, suffixes, decoded_lens = [], [], [len(ids) if ids is not None else 0 for ids in sequences]
         texts = []
         for i, job in enumerate(jobs):
             ids = sequences[i]
@@ -293,16 +423,34 @@ def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: di
             except Exception as one:  # noqa: BLE001
                 warnings.setdefault(job.span["span_id"], []).append(f"output.{job.target}: decode failed: {one}")
                 texts.append(None)
-    tokens = 0
+    tokens = sum(decoded_lens[i] for i, ids in enumerate(sequences) if ids is not None and texts[i] is not None)
+    tokens += sum(decoded_lens[len(jobs):])
+    whole = []
+    for join in joins:
+        texts[join.job] = join.text(texts)  # type: ignore[arg-type]
+        if texts[join.job] is None:
+            whole.append(join.job)
+    for suffix in suffixes:
+        texts[suffix.job] = suffix.text(texts, texts[suffix.prompt_job])  # type: ignore[arg-type]
+        if texts[suffix.job] is None:
+            whole.append(suffix.job)
+    if outcomes is not None and (joins or suffixes):
+        outcomes["reused"] = outcomes.get("reused", 0) + len(joins) + len(suffixes) - len(whole)
+        outcomes["full"] = outcomes.get("full", 0) + len(whole)
+    if whole:  # a join was not safe: the whole list, as if no prefix were known
+        for i, text in zip(whole, tokenizer.decode_batch([jobs[i].ids for i in whole], skip_special_tokens=False)):
+            texts[i] = text
+            tokens += len(jobs[i].ids)
     for job, text, ids in zip(jobs, texts, sequences):
         if text is not None and ids is not None:
             output = job.span["output"]
             if _is_envelope(output):
                 output = job.span["output"] = unwrap_envelopes(output)
             output[job.target] = text
-            tokens += len(ids)
             if pieces is not None and job.target == "response_text" and ids is job.ids and _has_token_arrays(output):
                 pieces[job.span["span_id"]] = token_pieces(tokenizer, ids, text).ends
+            if texts_out is not None and ids is job.ids:
+                texts_out[(job.span["span_id"], job.source)] = text
     return tokens
 
 

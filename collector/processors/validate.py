@@ -170,6 +170,8 @@ class Validated:
     rejected: list[Rejection] = field(default_factory=list)
     warnings: dict[str, list[str]] = field(default_factory=dict)
     index_of: dict[str, int] = field(default_factory=dict)
+    # spans whose inputs.prompt_ids was rebuilt from a reference (tracecar.collector.processors.prompt_refs)
+    prompt_bases: dict[str, Any] = field(default_factory=dict)
 
 
 class EnvelopeError(Exception):

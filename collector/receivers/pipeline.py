@@ -30,8 +30,17 @@ from tracecar.client.redact import RedactKeys
 
 from ..loudness import TokenizerFailures
 from ..metrics import Metrics
-from ..processors.decoding import TokenizerNotFound, TokenizerPolicy, TokenizerRegistry, collect_jobs, decode_spans
+from ..processors.decoding import (
+    KnownPrefix,
+    KnownSuffix,
+    TokenizerNotFound,
+    TokenizerPolicy,
+    TokenizerRegistry,
+    collect_jobs,
+    decode_spans,
+)
 from ..processors.open_calls import OPEN_KIND, OpenCalls
+from ..processors.prompt_refs import PromptContexts, resolve_refs
 from ..processors.sampling import Policies, TailSelector
 from ..processors.sampling.head import MEMBERSHIP, StepBudgetSampler
 from ..processors.token_arrays import extract as extract_token_arrays
@@ -43,6 +52,8 @@ from . import receive
 from .client_drops import ClientDrops, parse_dropped
 from .joins import TrajectoryContexts
 
+#: the batch versions /v1/spans reads; a client sends prompt references only when 2 is listed
+WIRE_VERSIONS = (1, 2)
 _DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 log = logging.getLogger("tracecar.collector.pipeline")
 
@@ -72,6 +83,7 @@ class IngestResult:
             "accepted": self.accepted, "duplicates": self.duplicates, "sampled_out": self.sampled_out,
             "rejected_count": len(self.rejected), "rejected": [r.as_dict() for r in self.rejected],
             "warnings": self.warnings,
+            "wire_versions": list(WIRE_VERSIONS),
         }
 
 
@@ -140,6 +152,8 @@ class IngestPipeline:
             on_failure=self._tokenizer_failed,
         )
         self.contexts = TrajectoryContexts(spool, settings.otlp_join_traces)
+        self.prompt_contexts = PromptContexts(settings.prompt_refs_max_bytes, on_evict=metrics.prompt_refs_evicted.inc)
+        metrics.prompt_refs_bytes.set_function(lambda: self.prompt_contexts.bytes)
         self.tokenizer_failures = TokenizerFailures()  # each unloadable name logged once
         self.redact_keys = RedactKeys(settings.redact_keys)
         self.policies = Policies(settings)
@@ -303,6 +317,12 @@ class IngestPipeline:
         validated = validate_batch(raw, limit, self.redact_keys, plain,
                                    body_is_json=not (content_type or "").lower().split(";")[0].strip().endswith("msgpack"))
         reject_foreign_children(validated, self._stored_traces(parents_to_look_up(validated)))
+        if validated.batch.v >= 2:  # prompt references: rebuilt before sampling, so every stage sees full lists
+            before = len(validated.rejected)
+            validated.prompt_bases, resolved = resolve_refs(validated, self.prompt_contexts,
+                                                            max_ids=self.settings.max_decompressed_bytes // 2)
+            self.metrics.prompt_refs.labels(outcome="resolved").inc(resolved)
+            self.metrics.prompt_refs.labels(outcome="unresolved").inc(len(validated.rejected) - before)
         self.contexts.remember(validated.spans)  # for engine spans that join these trajectories over OTLP
         return validated
 
@@ -342,13 +362,63 @@ class IngestPipeline:
                         "tokenizer: token2text is on but no tokenizer is configured (TRACECAR_TOKENIZER)")
             else:
                 try:
-                    tokens = decode_spans(spans, self.tokenizers.get(name), validated.warnings, ends)
+                    tokens = self._decode(validated, spans, self.tokenizers.get(name), name, ends)
                 except TokenizerNotFound as exc:
                     self.metrics.decode_failures.labels(reason=f"tokenizer_{exc.reason}").inc()
                     self.tokenizer_failures.failed(name, exc, configured=batch.tokenizer is None, worker=batch.worker)
                     tokens = self._decode_with_default(validated, spans, name, exc, ends)
         rows, too_big = self._serialize(validated, spans, ends)
         return rows, tokens, too_big
+
+    def _decode(self, validated: Validated, spans: list[dict[str, Any]], tokenizer: Any, name: str,
+                ends: dict[str, list[int]]) -> int:
+        """decode_spans, reusing the text of referenced prompts decoded with this tokenizer, and
+        keeping each decoded prompt's text for the next turn (v2 batches only).
+
+        A turn whose earlier turn is in this batch too waits for a later round (one
+        ``decode_batch`` each), so its earlier text is known when it is decoded.
+        """
+        if validated.batch.v < 2:
+            return decode_spans(spans, tokenizer, validated.warnings, pieces=ends)
+        worker, bases, tokens = validated.batch.worker, validated.prompt_bases, 0
+        pending = spans
+        while pending:
+            waiting = {s["span_id"] for s in pending}
+            now, later = [], []
+            for span in pending:
+                sid = span["span_id"]
+                refs = [b.ref for b in (bases.get(sid), bases.get((sid, "output"))) if b is not None and b.ref != sid]
+                (later if any(ref in waiting for ref in refs) else now).append(span)
+            if not now:  # cannot happen (a reference names an earlier span); never loop on it
+                now, later = later, []
+            known: dict[Any, Any] = {}
+            for span in now:
+                sid = span["span_id"]
+                base = bases.get(sid)
+                entry = self.prompt_contexts.get(worker, base.ref) if base is not None else None
+                if entry is not None and entry.text is not None and entry.tokenizer == name and entry.prompt_len == base.prompt_len:
+                    then = entry.response_text is not None and base.with_response
+                    known[sid] = KnownPrefix(base.prompt_len, entry.text, len(entry.ids) - entry.prompt_len if then else 0,
+                                             entry.response_text if then else None)
+                base = bases.get((sid, "output"))
+                entry = self.prompt_contexts.get(worker, base.ref) if base is not None else None
+                if entry is not None and entry.text is not None and entry.response_text is not None and entry.tokenizer == name:
+                    context = KnownPrefix(entry.prompt_len, entry.text, len(entry.ids) - entry.prompt_len, entry.response_text)
+                    known[(sid, "output.response_ids")] = KnownSuffix(context, base.start)
+            texts: dict[tuple[str, str], str] = {}
+            outcomes: dict[str, int] = {}
+            tokens += decode_spans(now, tokenizer, validated.warnings, known=known, texts_out=texts, outcomes=outcomes,
+                                   pieces=ends)
+            for outcome, n in outcomes.items():
+                self.metrics.prompt_text_joins.labels(outcome=outcome).inc(n)
+            for span in now:
+                span_id = span["span_id"]
+                entry = self.prompt_contexts.get(worker, span_id)
+                if entry is not None:
+                    response = texts.get((span_id, entry.response_source)) if entry.response_source else None
+                    self.prompt_contexts.set_texts(worker, span_id, texts.get((span_id, "inputs.prompt_ids")), response, name)
+            pending = later
+        return tokens
 
     def _decode_with_default(self, validated: Validated, spans: list[dict[str, Any]], name: str, exc: Exception,
                              ends: dict[str, list[int]]) -> int:
@@ -366,7 +436,7 @@ class IngestPipeline:
                 note += f"; decoded with TRACECAR_TOKENIZER ({default}) instead"
                 for span in spans:
                     validated.warnings.setdefault(span["span_id"], []).append(note)
-                return decode_spans(spans, tokenizer, validated.warnings, ends)
+                return decode_spans(spans, tokenizer, validated.warnings, pieces=ends)
         for span in spans:
             validated.warnings.setdefault(span["span_id"], []).append(note)
         return 0

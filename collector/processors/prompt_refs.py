@@ -1,0 +1,232 @@
+"""Prompt references: rebuild the full ``prompt_ids`` a wire-version-2 client sent as a delta.
+
+A v2 span may carry ``inputs.prompt_ids = {"$ref": <span_id>, "n": N, "add": [ids]}``
+(:mod:`tracecar.client.prompt_delta`): the first N ids of the referenced span's context (its
+``inputs.prompt_ids`` followed by its output's ``response_ids``, else ``token_ids``), then
+``add``. The list is rebuilt here, before sampling, so the store, the decoder, Weave and every
+exporter see exactly the list VERL passed.
+
+The contexts of the spans of v2 batches are kept per worker in a bounded LRU
+(``TRACECAR_PROMPT_REFS_MAX_BYTES``; evictions counted). A reference that cannot be resolved —
+the earlier span was evicted, never arrived, or the collector restarted — rejects that span by
+name with a reason starting "unresolved prompt ref"; the client sends it again in full, so
+nothing is lost. Each context also keeps the prompt's decoded text, so the next turn decodes
+only its new ids (:func:`tracecar.collector.processors.decoding.decode_spans`).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tracecar.client.prompt_delta import OUTPUT_REF_KEYS, REF_KEY, UNRESOLVED_REASON, as_ids, response_of
+
+from .validate import Rejection, Validated
+
+_ENTRY_OVERHEAD = 200  # bytes of the entry's own objects, on top of ids and text
+_BYTES_PER_ID = 36  # a list slot and an int object (ids parsed from JSON are objects of their own)
+
+
+@dataclass
+class Context:
+    """One span's context: prompt + response ids, how many are the prompt, their decoded texts.
+
+    ``response_source`` names the output field the response came from (``output.token_ids``):
+    its ``response_text`` is reused only if decoded from that same list.
+    """
+
+    ids: list[Any]
+    prompt_len: int
+    response_source: str | None = None
+    text: str | None = None
+    response_text: str | None = None
+    tokenizer: str | None = None
+
+    @property
+    def size(self) -> int:
+        texts = sum(sys.getsizeof(t) for t in (self.text, self.response_text) if t is not None)
+        return len(self.ids) * _BYTES_PER_ID + texts + _ENTRY_OVERHEAD
+
+    @classmethod
+    def of(cls, prompt: list[Any], output: Any) -> Context:
+        """prompt + response, as :func:`tracecar.client.prompt_delta.context_of` builds it on the client."""
+        key, value = response_of(output)
+        response = as_ids(value)
+        if not response:
+            return cls(prompt, len(prompt))
+        return cls(prompt + response, len(prompt), f"output.{key}")
+
+
+@dataclass
+class Base:
+    """A rebuilt prompt starts with the referenced span's prompt: its text can be reused."""
+
+    worker: str
+    ref: str
+    prompt_len: int
+    with_response: bool  # the rebuilt prompt continues with the whole of the ref's response
+    start: int = 0  # an output's response_ids: where they start in the context (its prompt_ids are the rest)
+
+
+class PromptContexts:
+    """Bounded, thread-safe memory of contexts, keyed by (worker, span_id)."""
+
+    def __init__(self, max_bytes: int, on_evict: Callable[[int], None] | None = None) -> None:
+        self.max_bytes = max_bytes
+        self.on_evict = on_evict
+        self._entries: OrderedDict[tuple[str, str], Context] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, worker: str, span_id: str) -> Context | None:
+        with self._lock:
+            entry = self._entries.get((worker, span_id))
+            if entry is not None:
+                self._entries.move_to_end((worker, span_id))
+            return entry
+
+    def remember(self, worker: str, span_id: str, context: Context) -> None:
+        key = (worker, span_id)
+        evicted = 0
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old.size
+            if context.size > self.max_bytes:
+                return
+            self._entries[key] = context
+            self._bytes += context.size
+            while self._bytes > self.max_bytes:
+                _, gone = self._entries.popitem(last=False)
+                self._bytes -= gone.size
+                evicted += 1
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
+
+    def set_texts(self, worker: str, span_id: str, text: str | None, response_text: str | None, tokenizer: str) -> None:
+        """The prompt's and the response's decoded texts, for the next turn (counted against the bound)."""
+        with self._lock:
+            entry = self._entries.get((worker, span_id))
+            if entry is None:
+                return
+            self._bytes -= entry.size
+            entry.text, entry.response_text, entry.tokenizer = text, response_text, tokenizer
+            self._bytes += entry.size
+        self.remember(worker, span_id, entry)  # re-applies the bound
+
+
+def _parse_ref(value: dict[str, Any]) -> tuple[str, int, int, list[Any]] | str:
+    """(ref, from, n, add), or why the reference is malformed."""
+    ref, start, n, add = value.get(REF_KEY), value.get("from", 0), value.get("n"), value.get("add")
+    if not isinstance(ref, str) or not ref:
+        return f"{REF_KEY} must be the span_id of an earlier span"
+    if type(n) is not int or n < 0:
+        return "n must be a non-negative integer"
+    if type(start) is not int or not 0 <= start <= n:
+        return "from must be an integer from 0 to n"
+    if type(add) is not list:
+        return "add must be a list of token ids"
+    return ref, start, n, add
+
+
+def _is_ref(value: Any) -> bool:
+    return type(value) is dict and REF_KEY in value
+
+
+def _rebuild(value: dict[str, Any], worker: str, contexts: PromptContexts) -> tuple[list[Any], str, Context, int] | str:
+    """(the full list, ref, its context, n), or why it cannot be rebuilt (the rejection's reason)."""
+    parsed = _parse_ref(value)
+    if type(parsed) is str:
+        return f"malformed prompt reference: {parsed}"
+    ref, start, n, add = parsed
+    entry = contexts.get(worker, ref)
+    if entry is None:
+        return (f"{UNRESOLVED_REASON}: span {ref!r} is not known to this collector (restarted, or evicted under "
+                "TRACECAR_PROMPT_REFS_MAX_BYTES); send the full list")
+    if n > len(entry.ids):
+        return f"{UNRESOLVED_REASON}: n={n} exceeds the {len(entry.ids)} ids of span {ref!r}"
+    return entry.ids[start:n] + add, ref, entry, n
+
+
+def _whole_context(slices: dict[str, Any]) -> tuple[str, Context, int] | None:
+    """(ref, context, start) when an output's prompt_ids + response_ids are exactly one whole
+    context with a response (its response text can then be cut from the context's text)."""
+    if set(slices) != {"prompt_ids", "response_ids"}:
+        return None
+    (prompt, (_, ref, entry, n_prompt)), (response, (_, ref2, _, n_response)) = slices["prompt_ids"], slices["response_ids"]
+    if ref != ref2 or entry.response_source is None or len(prompt) != n_prompt or n_response != len(entry.ids) \
+            or len(prompt) + len(response) != len(entry.ids):
+        return None
+    return ref, entry, n_prompt
+
+
+def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int) -> tuple[dict[Any, Base], int]:
+    """Rebuilds every referenced ``inputs.prompt_ids`` in place and remembers each span's context.
+
+    Also rebuilds output ``prompt_ids`` / ``response_ids`` sent as slices of a context
+    (``"from"``: VERL's AgentLoopOutput repeats the trajectory's context). Spans are taken in
+    batch order, so a reference to an earlier span of the same batch resolves. Returns the spans
+    whose prompt starts with their reference's whole prompt (their text can be reused) and how
+    many spans had their references resolved; an unresolvable or malformed reference rejects its span by
+    name (``spans[i].inputs.prompt_ids``, ``spans[i].output.response_ids``). ``max_ids`` bounds
+    the ids one batch may rebuild (a small body must not grow without bound in memory); the spans
+    past it are refused as unresolved, so the client resends them whole, where the body bounds apply.
+    """
+    worker = validated.batch.worker
+    bases: dict[Any, Base] = {}
+    resolved = rebuilt_ids = 0
+    kept = []
+    for span in validated.spans:
+        inputs = span.get("inputs")
+        prompt = inputs.get("prompt_ids") if type(inputs) is dict else None
+        output = span.get("output")
+        targets = [("inputs", inputs, "prompt_ids")] if _is_ref(prompt) else []
+        if type(output) is dict:
+            targets += [("output", output, key) for key in OUTPUT_REF_KEYS if _is_ref(output.get(key))]
+        failed, slices = None, {}
+        for part, holder, key in targets:
+            rebuilt = _rebuild(holder[key], worker, contexts)
+            if type(rebuilt) is not str:
+                rebuilt_ids += len(rebuilt[0])
+                if rebuilt_ids > max_ids:
+                    rebuilt = (f"{UNRESOLVED_REASON}: the references of this batch rebuild more than {max_ids} ids "
+                               "(TRACECAR_MAX_DECOMPRESSED_BYTES / 2); send the full list")
+            if type(rebuilt) is str:
+                failed = (f"{part}.{key}", rebuilt)
+                break
+            holder[key] = rebuilt[0]
+            if part == "output":
+                slices[key] = (holder[key], rebuilt)
+            if part == "inputs":
+                _, ref, entry, n = rebuilt
+                prompt = rebuilt[0]
+                if n >= entry.prompt_len:
+                    bases[span["span_id"]] = Base(worker, ref, entry.prompt_len,
+                                                  with_response=n == len(entry.ids) and entry.response_source is not None)
+        if failed is not None:
+            index = validated.index_of.get(span["span_id"], -1)
+            validated.rejected.append(Rejection(index, span["span_id"], f"spans[{index}].{failed[0]}", failed[1]))
+            validated.warnings.pop(span["span_id"], None)
+            bases.pop(span["span_id"], None)
+            continue
+        kept.append(span)
+        resolved += bool(targets)
+        whole = _whole_context(slices)
+        if whole is not None:
+            bases[(span["span_id"], "output")] = Base(worker, whole[0], whole[1].prompt_len, True, whole[2])
+        ids = as_ids(prompt)
+        if ids is not None:
+            contexts.remember(worker, span["span_id"], Context.of(ids, output))
+    validated.spans = kept
+    return bases, resolved
