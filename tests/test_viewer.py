@@ -491,7 +491,7 @@ def test_page_newcomer_flow_list_filter_open_and_compare(start_collector, tracer
             assert page.locator("[data-testid=traj-row] [data-testid=reward]").all_inner_texts() == [f"{t['reward']:.3f}" for t in expected]
             page.locator("th[data-sort=turns]").click()
             page.wait_for_selector("th.sorted[data-sort=turns]")
-            turns = [int(x) for x in page.locator("[data-testid=traj-row] td:nth-child(9)").all_inner_texts()]
+            turns = [int(x) for x in page.locator("[data-testid=traj-row] td:nth-child(10)").all_inner_texts()]
             assert turns == sorted(turns, reverse=True) and len(turns) == 8
             b.shot("04-list-step-2-rollout-1")
 

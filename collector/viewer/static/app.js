@@ -342,6 +342,8 @@
     const nav = (changes) => go("/list", { ...params, ...changes });
 
     const form = h("form", { class: "controls", "data-testid": "filter-form" },
+      h("label", { class: "search" }, "search prompts and responses", h("input", { type: "search", name: "q", maxlength: "256", value: params.q || "",
+        placeholder: "words in the first prompt or last response", "data-testid": "search", "aria-label": "search prompts and responses" })),
       h("label", null, "experiment", h("select", { name: "experiment" }, h("option", { value: "" }, "any"),
         facets.experiments.map((e) => h("option", { value: expKey(e.experiment), selected: params.experiment === expKey(e.experiment) }, fmt.exp(e.experiment))))),
       FILTERS.map(([name, label]) => h("label", null, label, name === "sample_index"
@@ -383,6 +385,7 @@
       const tr = h("tr", { class: "clickable", "data-testid": "traj-row", "data-trace-id": t.trace_id },
         h("td", null, box),
         h("td", { class: "mono" }, h("a", { href: "#/t/" + encodeURIComponent(t.trace_id), title: t.trace_id }, fmt.id(t.trace_id))),
+        previewCell(t, params.q),
         h("td", null, fmt.exp(t.experiment)),
         h("td", { class: "num" }, t.step ?? "—"), h("td", { class: "num" }, t.sample_index ?? "—"), h("td", { class: "num" }, t.rollout_n ?? "—"),
         h("td", null, t.validate ? h("span", { class: "badge" }, "val") : ""),
@@ -408,11 +411,26 @@
       h("div", { class: "row" }, compareButton, clearButton, h("span", { class: "muted" }, "tick two or more rows to compare them side by side")),
       pager,
       h("table", { "data-testid": "list-table" },
-        h("thead", null, h("tr", null, h("th", null, ""), h("th", null, "trajectory"), h("th", null, "experiment"), head("step", "step", "num"),
+        h("thead", null, h("tr", null, h("th", null, ""), h("th", null, "trajectory"), h("th", { class: "preview" }, "prompt → last response"), h("th", null, "experiment"), head("step", "step", "num"),
           h("th", { class: "num" }, "sample"), h("th", { class: "num" }, "rollout"), h("th", null, ""), h("th", null, "kept because"),
           head("turns", "turns", "num"), head("tools", "tools", "num"), head("tokens", "resp. tokens", "num"), head("duration", "duration", "num"),
           h("th", null, ""), head("reward", "reward", "num"))),
         h("tbody", null, rows)));
+  }
+
+  // The ends of a trajectory's first prompt and last response (the list's previews), the searched words marked.
+  function marked(text, q) {
+    const words = (q || "").toLowerCase().match(/[\p{L}\p{N}_]+/gu);
+    if (!words || !text) return [text];
+    const pattern = new RegExp("(" + words.map((w) => w.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")).join("|") + ")", "giu");
+    return text.split(pattern).map((part, i) => (i % 2 ? h("mark", { class: "hit" }, part) : part));
+  }
+
+  function previewCell(t, q) {
+    if (!t.prompt_preview && !t.response_preview) return h("td", { class: "preview muted" }, "no decoded text");
+    return h("td", { class: "preview", "data-testid": "preview" },
+      h("div", { class: "pv-prompt", title: t.prompt_preview || "", "data-testid": "prompt-preview" }, h("span", { class: "pv-role" }, "prompt"), marked(t.prompt_preview || "—", q)),
+      h("div", { class: "pv-response", title: t.response_preview || "", "data-testid": "response-preview" }, h("span", { class: "pv-role" }, "response"), marked(t.response_preview || "—", q)));
   }
 
   // ---- #/t/ID : one trajectory ----------------------------------------------------------------

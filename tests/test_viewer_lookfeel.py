@@ -1,0 +1,118 @@
+"""The viewer as a new user meets it (issue 15 §7): previews and text search in the list, the
+compare page, keyboard navigation, themes. HTTP checks, then the page in Debian's Chromium
+(helpers from test_viewer); screenshots land in ``artifacts/viewer/``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import httpx
+import pytest
+
+from tracecar.collector.spool.store import Spool
+from tracecar.collector.viewer.index import ListFilter, TrajectoryIndex
+from tracecar.collector.viewer.search import fts_query
+
+from test_viewer import Page, _browser, _write, demo_collector, expect, get
+
+pytestmark = pytest.mark.timeout(240)
+
+
+# ---- previews and search -------------------------------------------------------------------------
+def test_search_finds_prompts_and_responses_in_the_list_and_the_api(start_collector, tracer_to, deepseek_tokenizer_path):
+    col = demo_collector(start_collector, tracer_to, deepseek_tokenizer_path)
+    every = get(col, "/ui/api/trajectories", limit=500)["trajectories"]
+    assert len(every) == 96 and all(t["prompt_preview"] and t["response_preview"] for t in every)
+    sample = every[0]
+    view = get(col, f"/ui/api/trajectories/{sample['trace_id']}")
+    assert sample["prompt_preview"] == view["turns"][0]["prompt_text"]  # short texts are whole
+    assert sample["response_preview"] == view["turns"][-1]["response_text"]
+
+    # "What is 7 cubed?" is sample index 6 of 8: 4 rollouts x 3 steps
+    cubed = get(col, "/ui/api/trajectories", q="cubed", limit=500)
+    assert cubed["total"] == 12 and {t["sample_index"] for t in cubed["trajectories"]} == {6}
+    assert all("cubed" in t["prompt_preview"] for t in cubed["trajectories"])
+    assert get(col, "/ui/api/trajectories", q="CUB", limit=500)["total"] == 12  # case-insensitive; the last word a prefix
+    assert get(col, "/ui/api/trajectories", q="cubed", step=2)["total"] == 4
+    both = get(col, "/ui/api/trajectories", q="7 cubed answer 343", limit=500)["trajectories"]  # words in prompt and response
+    assert both and all("343" in t["response_preview"] for t in both)
+    assert len(both) == sum("343" in t["response_preview"] for t in cubed["trajectories"])
+    failed = get(col, "/ui/api/trajectories", q="could not compute", limit=500)["trajectories"]
+    expected = {t["trace_id"] for t in every if t["response_preview"] == "I could not compute it."}
+    assert {t["trace_id"] for t in failed} == expected
+
+    api = get(col, "/v1/trajectories", q="cubed", limit=500)  # the API answers the same search
+    assert api["q"] == "cubed" and api["total"] == 12
+    assert {t["trace_id"] for t in api["trajectories"]} == {t["trace_id"] for t in cubed["trajectories"]}
+    assert all(t["reward"] is not None and t["span_count"] > 0 for t in api["trajectories"])
+    rewards = [t["reward"] for t in get(col, "/v1/trajectories", q="cubed", sort="reward", order="asc", limit=500)["trajectories"]]
+    assert rewards == sorted(rewards)
+    for text in ('NOT "x', "prompt:", "*", "(", "'; DROP TABLE x"):  # FTS5 syntax in user input is plain text
+        assert httpx.get(col.url + "/v1/trajectories", params={"q": text}, timeout=10).status_code == 200, text
+        assert httpx.get(col.url + "/ui/api/trajectories", params={"q": text}, timeout=10).status_code == 200, text
+    too_long = httpx.get(col.url + "/v1/trajectories", params={"q": "x" * 300}, timeout=10)
+    assert too_long.status_code == 422 and "q" in too_long.text
+
+    cli = subprocess.run([sys.executable, "-m", "tracecar.client.cli", "trajectories", "--url", col.url, "--search", "cubed",
+                          "--limit", "3"], capture_output=True, text=True, timeout=60, check=True)
+    assert cli.stdout.startswith("12 trajectories (showing 3") and cli.stdout.count("What is 7 cubed?") == 3
+
+
+def _call(trace: str, i: int, start: float, prompt: str, response: str) -> dict[str, Any]:
+    attrs = {"step": 1, "sample_index": 0, "rollout_n": 0, "validate": False, "experiment_name": "s"}
+    return {"span_id": f"{trace}-g{i}", "trace_id": trace, "parent_id": trace, "name": "Loop.generate", "kind": "op",
+            "worker": "w", "project": None, "entity": None, "exception": None, "start_time": start, "end_time": start + 0.5,
+            "attributes": attrs, "inputs": {"prompt_ids": [1, 2]},
+            "output": {"token_ids": [3], "prompt_text": prompt, "response_text": response}}
+
+
+def test_previews_keep_the_first_prompt_and_last_response_whatever_the_arrival_order(tmp_path):
+    path = tmp_path / "spool.sqlite3"
+    spool = Spool(path, local_only=True)
+    root = {**_call("t", 9, 9.0, "", ""), "span_id": "t", "parent_id": None, "name": "agent_loop", "kind": "trajectory", "output": None}
+    _write(spool, [root, _call("t", 1, 11.0, "alpha later", "omega final")])  # the second turn first
+    index = TrajectoryIndex(path)
+    assert index.refresh()
+
+    def hits(q: str) -> list[str]:
+        return [t["trace_id"] for t in index.list(ListFilter(q=q))["trajectories"]]
+
+    assert hits("later") == ["t"] and hits("omega") == ["t"]
+    _write(spool, [_call("t", 0, 10.0, "alpha first " + "x" * 3000, "beta middle")])
+    assert index.refresh()
+    row = index.list(ListFilter())["trajectories"][0]
+    assert row["response_preview"] == "omega final" and row["prompt_preview"].endswith("x" * 50) and len(row["prompt_preview"]) == 201
+    assert hits("first") == ["t"] and hits("later") == [] and hits("beta") == [] and hits("omega final") == ["t"]
+    assert hits("alpha omega") == ["t"] and hits("alpha zzz") == [] and hits("") == ["t"]
+    assert fts_query('a "b" c*') == '"a" AND "b" AND "c"*' and fts_query("?!") is None
+    index.close()
+    reopened = TrajectoryIndex(path)  # persisted with the index
+    assert [t["trace_id"] for t in reopened.list(ListFilter(q="first"))["trajectories"]] == ["t"]
+    reopened.close()
+    spool.close()
+
+
+def test_page_search_box_and_previews(start_collector, tracer_to, deepseek_tokenizer_path, tmp_path):
+    col = demo_collector(start_collector, tracer_to, deepseek_tokenizer_path)
+    with _browser() as pw:
+        b = Page(pw, tmp_path, col.url)
+        page = b.page
+        try:
+            page.goto(col.url + "/ui/#/list")
+            page.wait_for_selector("[data-testid=traj-row] [data-testid=prompt-preview]")
+            first = page.locator("[data-testid=traj-row]").first
+            assert "<|user|>" in first.locator("[data-testid=prompt-preview]").inner_text()
+            assert first.locator("[data-testid=response-preview]").inner_text().strip()
+            page.locator("[data-testid=search]").fill("cubed")
+            page.locator("[data-testid=search]").press("Enter")
+            expect(page.locator("[data-testid=page-info]")).to_have_text("1–12 of 12")
+            assert page.locator("[data-testid=traj-row] mark.hit").count() == 12
+            assert set(page.locator("[data-testid=traj-row] mark.hit").all_inner_texts()) == {"cubed"}
+            assert "q=cubed" in page.url
+            b.shot("10-list-search-previews")
+            b.check_clean()
+        finally:
+            b.close()
