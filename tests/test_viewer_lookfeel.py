@@ -5,6 +5,8 @@ compare page, keyboard navigation, themes. HTTP checks, then the page in Debian'
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 from typing import Any
@@ -113,6 +115,92 @@ def test_page_search_box_and_previews(start_collector, tracer_to, deepseek_token
             assert set(page.locator("[data-testid=traj-row] mark.hit").all_inner_texts()) == {"cubed"}
             assert "q=cubed" in page.url
             b.shot("10-list-search-previews")
+            b.check_clean()
+        finally:
+            b.close()
+
+
+# ---- compare -------------------------------------------------------------------------------------
+def _tool_text(call: dict[str, Any]) -> tuple[Any, ...]:
+    return (call["name"], call["arguments"], call["error"], call["result"])
+
+
+def test_page_compare_shows_prompts_and_only_real_differences(start_collector, tracer_to, deepseek_tokenizer_path, tmp_path):
+    col = demo_collector(start_collector, tracer_to, deepseek_tokenizer_path)
+    overview = get(col, "/ui/api/overview", experiment="demo")
+    step2 = next(s for s in overview["steps"] if s["step"] == 2)
+    listed = {t["trace_id"]: t for t in get(col, "/ui/api/trajectories", limit=500)["trajectories"]}
+    group = get(col, "/ui/api/trajectories", step=2, sample_index=1, sort="rollout_n", order="asc", limit=10)["trajectories"]
+    eight = [t["trace_id"] for t in get(col, "/ui/api/trajectories", has_error="true", limit=4)["trajectories"]]
+    eight += [t["trace_id"] for t in get(col, "/ui/api/trajectories", step=2, has_error="false", limit=4)["trajectories"]]
+    assert len(group) == 4 and len(eight) == 8
+    views = {i: get(col, f"/ui/api/trajectories/{i}", tree="false") for i in [*eight, *(t["trace_id"] for t in group)]}
+    with _browser() as pw:
+        b = Page(pw, tmp_path, col.url)
+        page = b.page
+        try:
+            # Compare best vs worst from the overview: two questions, both shown
+            page.goto(col.url + "/ui/#/")
+            page.locator("[data-testid=step-row][data-step='2'] [data-testid=compare-best-worst]").click()
+            page.wait_for_selector("[data-testid=compare-prompt]")
+            ids = [step2["best"]["trace_id"], step2["worst"]["trace_id"]]
+            best_view, worst_view = (get(col, f"/ui/api/trajectories/{i}", tree="false") for i in ids)
+            prompts = page.locator("[data-testid=compare-prompt]").all_inner_texts()
+            same_prompt = best_view["turns"][0]["prompt_text"] == worst_view["turns"][0]["prompt_text"]
+            assert prompts == [best_view["turns"][0]["prompt_text"], "same prompt as A" if same_prompt else worst_view["turns"][0]["prompt_text"]]
+            assert ("different prompts" in page.locator("[data-testid=compare-summary]").inner_text()) == (not same_prompt)
+            assert page.locator("[data-testid=compare-prompt].differs").count() == (0 if same_prompt else 2)
+            b.shot("11-compare-best-vs-worst")
+
+            # one group's 4 rollouts: a turn cell is highlighted exactly when its text or its tool calls differ
+            page.goto(col.url + "/ui/#/compare?ids=" + ",".join(t["trace_id"] for t in group))
+            expect(page.locator("[data-testid=compare-col]")).to_have_count(4)
+            page.wait_for_selector("[data-testid=compare-cell]")
+            assert "All 4 answer the same prompt." == page.locator("[data-testid=compare-summary]").inner_text()
+            assert page.locator("[data-testid=compare-prompt].differs").count() == 0
+            turns = [views[t["trace_id"]]["turns"] for t in group]
+            expected = []
+            for k in range(max(len(t) for t in turns)):
+                for i, mine in enumerate(turns):
+                    if k >= len(mine):
+                        continue
+                    ref = turns[1 if i == 0 else 0]
+                    other = ref[k] if k < len(ref) else None
+                    tools = [_tool_text(e) for e in mine[k]["after"] if e["type"] == "tool"]
+                    ref_tools = [_tool_text(e) for e in other["after"] if e["type"] == "tool"] if other else None
+                    expected.append(other is None or mine[k]["response_text"] != other["response_text"] or tools != ref_tools)
+            shown = [c.get_attribute("data-differs") == "1" for c in page.locator("[data-testid=compare-cell]:not(.missing)").all()]
+            assert shown == expected and not all(expected)  # identical turns stay plain
+            assert page.locator(".compare-grid > div.differs").filter(has_text=re.compile(r"^\d+(\.\d+)? (ms|s)$")).count() == 0  # durations never
+            b.shot("12-compare-one-group")
+
+            # 8 rollouts: the error row agrees with the list; nothing clipped, the grid scrolls inside its frame
+            page.goto(col.url + "/ui/#/compare?ids=" + ",".join(eight))
+            expect(page.locator("[data-testid=compare-col]")).to_have_count(8)
+            page.wait_for_selector("[data-testid=compare-tool]")
+            errors = page.locator("[data-testid=compare-error]").all_inner_texts()
+            assert [e != "—" for e in errors] == [listed[i]["has_error"] for i in eight] == [True] * 4 + [False] * 4
+            assert all("failed tool call" in e or "Error" in e for e in errors[:4])
+            assert page.evaluate("() => document.documentElement.scrollWidth <= window.innerWidth")  # the page does not overflow
+            frame = page.locator("[data-testid=compare-scroll]")
+            assert frame.evaluate("el => el.scrollWidth > el.clientWidth")  # 8 columns scroll sideways in their frame
+            clipped = page.locator("[data-testid=compare-tool] pre").evaluate_all(
+                "els => els.filter(e => e.scrollWidth > e.clientWidth + 1).length")
+            assert clipped == 0
+            calls = [e for i in eight for t in views[i]["turns"] for e in t["after"] if e["type"] == "tool"]
+            texts = page.locator("[data-testid=compare-tool]").all_inner_texts()
+            assert len(texts) == len(calls)
+            for call in calls:  # every tool result whole (the page shows them turn by turn, across the columns)
+                whole = call["error"] if call["error"] else json.dumps(call["result"], separators=(",", ":"))
+                texts.remove(next(t for t in texts if whole in t and call["name"] in t))
+            assert texts == []
+            b.shot("13-compare-eight-rollouts")
+
+            # the trajectory page says the same error as the list
+            bad = eight[0]
+            page.goto(col.url + f"/ui/#/t/{bad}")
+            page.wait_for_selector("[data-testid=traj-error]")
+            assert page.locator("[data-testid=traj-error]").inner_text() == errors[0]
             b.check_clean()
         finally:
             b.close()

@@ -1,6 +1,6 @@
 // tracecar viewer: vanilla JS, one file, no build step. Talks only to this collector (api/...).
 // Views (hash routes): #/ steps overview, #/list trajectories, #/t/ID one trajectory,
-// #/compare?ids=A,B side by side, #/groups?step=N GRPO groups (static/groups.js). Every piece of span data is put in the page as text
+// #/compare?ids=A,B side by side (static/compare.js), #/groups?step=N GRPO groups (static/groups.js). Every piece of span data is put in the page as text
 // (textContent), never parsed as HTML.
 "use strict";
 (() => {
@@ -140,7 +140,7 @@
       else if (path === "/list") view = await listView(params);
       else if (path.startsWith("/t/")) view = await trajectoryView(decodeURIComponent(path.slice(3)));
       else if (path === "/groups" && window.tracecarGroups) view = await window.tracecarGroups.view(params, kit);
-      else if (path === "/compare") view = await compareView((params.ids || "").split(",").filter(Boolean));
+      else if (path === "/compare" && window.tracecarCompare) view = await window.tracecarCompare.view((params.ids || "").split(",").filter(Boolean), kit);
       else view = h("p", null, "No such page. ", h("a", { href: "#/" }, "Back to the steps"));
       if (seq !== renderSeq) return; // a newer navigation won
       for (const chart of charts) chart.destroy();
@@ -498,6 +498,13 @@
     return h("li", null, details, span.children && span.children.length ? h("ul", { class: "tree" }, span.children.map(spanTree)) : null);
   }
 
+  // what the list's "error" means (any span raised), said as what raised; as the compare page says it
+  function errorSaid(t) {
+    if (!t.has_error) return undefined;
+    return h("span", { class: "bad", "data-testid": "traj-error" },
+      t.error || (t.tool_errors ? t.tool_errors + " failed tool call" + (t.tool_errors === 1 ? "" : "s") : "a span raised (see the span tree)"));
+  }
+
   async function trajectoryView(id) {
     const t = await api("trajectories/" + encodeURIComponent(id));
     const a = t.attributes || {};
@@ -549,7 +556,7 @@
         h("div", null,
           h("div", { class: "muted" }, "reward"), h("div", { class: "big", "data-testid": "reward" }, fmt.reward(t.reward)),
           kv([["duration", fmt.dur(t.duration)], ["turns", t.turn_count], ["tool calls", t.tool_calls + (t.tool_errors ? " (" + t.tool_errors + " failed)" : "")],
-            ["response tokens", fmt.int(t.response_tokens)], ["spans", t.span_count], ["error", t.error ? h("span", { class: "bad" }, t.error) : undefined]]))),
+            ["response tokens", fmt.int(t.response_tokens)], ["spans", t.span_count], ["error", errorSaid(t)]]))),
       actions,
       h("h2", null, "Conversation"),
       t.before_first_turn.map(eventCard),
@@ -561,105 +568,7 @@
       h("ul", { class: "tree top", "data-testid": "span-tree" }, spanTree(t.tree)));
   }
 
-  // ---- #/compare : side by side, aligned by turn ------------------------------------------------
-  function tokenize(text) { return text.match(/\s+|[A-Za-z0-9_]+|[^\sA-Za-z0-9_]/g) || []; }
-
-  // The text with the words that are not in `ref` marked (longest common subsequence of tokens).
-  function diffNodes(text, ref) {
-    if (ref === null || ref === undefined || text === ref) return [text];
-    const a = tokenize(text);
-    const b = tokenize(ref);
-    const n = a.length;
-    const m = b.length;
-    if (n * m > 400000) return [h("mark", { class: "chg" }, text)];
-    const w = m + 1;
-    const dp = new Int32Array((n + 1) * w);
-    for (let i = n - 1; i >= 0; i--) {
-      for (let j = m - 1; j >= 0; j--) dp[i * w + j] = a[i] === b[j] ? dp[(i + 1) * w + j + 1] + 1 : Math.max(dp[(i + 1) * w + j], dp[i * w + j + 1]);
-    }
-    const out = [];
-    let plain = "";
-    let marked = "";
-    const flush = () => {
-      if (plain) { out.push(plain); plain = ""; }
-      if (marked) { out.push(h("mark", { class: "chg" }, marked)); marked = ""; }
-    };
-    let i = 0;
-    let j = 0;
-    while (i < n) {
-      if (j < m && a[i] === b[j]) { if (marked) flush(); plain += a[i]; i++; j++; }
-      else if (j < m && dp[(i + 1) * w + j] < dp[i * w + j + 1]) j++;
-      else { if (plain) flush(); marked += a[i]; i++; }
-    }
-    flush();
-    return out;
-  }
-
-  function toolLine(e) {
-    const args = e.arguments === undefined ? "" : JSON.stringify(e.arguments);
-    return e.name + " " + args + (e.error ? "  ✗ " + e.error : "  → " + JSON.stringify(e.result));
-  }
-
-  async function compareView(ids) {
-    if (ids.length < 2) return h("p", null, "Pick two or more trajectories to compare (tick them in the ", h("a", { href: "#/list" }, "list"), ").");
-    const ts = await Promise.all(ids.map((id) => api("trajectories/" + encodeURIComponent(id), { tree: "false" })));
-    const letters = ts.map((_, i) => String.fromCharCode(65 + (i % 26)) + (i >= 26 ? String(Math.floor(i / 26)) : ""));
-    const rewards = ts.map((t) => t.reward).filter((r) => r !== null);
-    const top = rewards.length ? Math.max(...rewards) : null;
-    const bottom = rewards.length ? Math.min(...rewards) : null;
-    const refOf = (i) => (i === 0 ? 1 : 0); // A is compared with B; every other column with A
-    const columns = "9em " + ts.map(() => "minmax(16em, 1fr)").join(" ");
-    const grid = h("div", { class: "compare-grid", "data-testid": "compare-grid" });
-    grid.style.gridTemplateColumns = columns;
-
-    grid.append(h("div", { class: "rowhead colhead" }, ""));
-    ts.forEach((t, i) => {
-      const a = t.attributes || {};
-      const tag = top !== bottom && t.reward === top ? h("span", { class: "badge good" }, "best") : top !== bottom && t.reward === bottom ? h("span", { class: "badge bad" }, "worst") : null;
-      grid.append(h("div", { class: "colhead", "data-testid": "compare-col", "data-trace-id": t.trace_id },
-        h("div", { class: "row" }, h("strong", null, letters[i]), h("a", { class: "mono", href: "#/t/" + encodeURIComponent(t.trace_id), title: t.trace_id }, fmt.id(t.trace_id)), tag),
-        h("div", { class: "muted" }, "step " + (a.step ?? "—") + " · sample " + (a.sample_index ?? "—") + " · rollout " + (a.rollout_n ?? "—")),
-        h("div", null, "reward ", h("strong", { "data-testid": "compare-reward" }, fmt.reward(t.reward)))));
-    });
-
-    const fields = [
-      ["reward", (t) => fmt.reward(t.reward)], ["turns", (t) => t.turn_count], ["tool calls", (t) => t.tool_calls],
-      ["failed tool calls", (t) => t.tool_errors], ["response tokens", (t) => fmt.int(t.response_tokens)], ["duration", (t) => fmt.dur(t.duration)],
-      ["kept because", (t) => (t.kept_because ? fmt.value(t.kept_because) : "—")], ["error", (t) => t.error || "—"],
-      ["experiment", (t) => fmt.exp((t.attributes || {}).experiment_name)],
-    ];
-    for (const [label, get] of fields) {
-      const values = ts.map(get);
-      grid.append(h("div", { class: "rowhead" }, label));
-      values.forEach((v, i) => grid.append(h("div", { class: String(v) !== String(values[refOf(i)]) ? "differs" : "" }, String(v))));
-    }
-
-    const maxTurns = Math.max(...ts.map((t) => t.turns.length));
-    for (let k = 0; k < maxTurns; k++) {
-      grid.append(h("div", { class: "rowhead" }, "turn " + (k + 1)));
-      ts.forEach((t, i) => {
-        const turn = t.turns[k];
-        if (!turn) { grid.append(h("div", { class: "missing", "data-testid": "compare-cell" }, "no turn " + (k + 1))); return; }
-        const ref = ts[refOf(i)].turns[k];
-        const response = turn.response_text;
-        const refResponse = ref ? ref.response_text : null;
-        const tools = turn.after.filter((e) => e.type === "tool").map(toolLine);
-        const refTools = ref ? ref.after.filter((e) => e.type === "tool").map(toolLine) : [];
-        const differs = !ref || response !== refResponse || tools.join("\n") !== refTools.join("\n");
-        grid.append(h("div", { class: differs ? "differs" : "", "data-testid": "compare-cell" },
-          h("div", { class: "muted" }, fmt.dur(turn.duration) + " · " + fmt.int(turn.response_tokens) + " tokens" + (turn.error ? " · error" : "")),
-          !turn.index || turn.index === 1 ? null : turn.new_context ? h("details", null, h("summary", { class: "muted" }, "context added"), h("pre", { class: "text" }, turn.new_context)) : null,
-          response === null ? h("p", { class: "muted" }, "no decoded text") : h("pre", { class: "text response" }, ref ? diffNodes(response, refResponse) : response),
-          tools.map((line, j) => h("div", { class: "tool" + (turn.after.filter((e) => e.type === "tool")[j].error ? " error" : "") },
-            h("span", { class: "mono" }, ref ? diffNodes(line, refTools[j] === undefined ? "" : refTools[j]) : line)))));
-      });
-    }
-    return h("div", { "data-testid": "compare" },
-      h("h1", null, "Compare " + ts.length + " trajectories"),
-      h("p", { class: "legend" }, h("span", { class: "swatch" }, "cell"), " differs from the reference column (A for the others, B for A); ",
-        h("mark", { class: "chg" }, "marked"), " words are not in the reference. Turns are aligned by number."),
-      grid);
-  }
+  // ---- #/compare : side by side, aligned by turn (static/compare.js) ----------------------------
 
   window.addEventListener("hashchange", render);
   render();
