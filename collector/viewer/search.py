@@ -26,7 +26,7 @@ ELLIPSIS = " … "
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS previews (
-    id INTEGER PRIMARY KEY,
+    id INTEGER PRIMARY KEY,  -- the trajectory's rowid in the index, so a match is a rowid seek there
     trace_id TEXT NOT NULL UNIQUE,
     prompt_at REAL,
     prompt TEXT,
@@ -38,9 +38,9 @@ CREATE VIRTUAL TABLE IF NOT EXISTS previews_fts USING fts5(
 );
 """
 DROP = "DROP TABLE IF EXISTS previews_fts; DROP TABLE IF EXISTS previews;"
-# The trajectories a search matches, as a clause of ListFilter.where() (one FTS query, then seeks).
-MATCH_CLAUSE = ("trace_id IN (SELECT p.trace_id FROM previews p WHERE p.id IN"
-                " (SELECT rowid FROM previews_fts WHERE previews_fts MATCH ?))")
+# The trajectories a search matches, as a clause of ListFilter.where() over ``trajectories``
+# (one FTS query, then rowid seeks; the index never VACUUMs, so rowids stay put).
+MATCH_CLAUSE = "rowid IN (SELECT rowid FROM previews_fts WHERE previews_fts MATCH ?)"
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 
@@ -77,7 +77,7 @@ def note(conn: sqlite3.Connection, calls: Iterable[tuple[str, Any, Any, Any]]) -
     """Folds LLM calls (trace_id, start_time, prompt_text, response_text) into the previews.
 
     A trajectory keeps the earliest call's prompt and the latest call's response, whatever
-    order its spans arrive in. Runs inside the index's write transaction.
+    order its spans arrive in. Runs inside the index's write transaction, after the trajectories' rows.
     """
     best: dict[str, list[Any]] = {}
     for trace_id, start, prompt, response in calls:
@@ -93,9 +93,12 @@ def note(conn: sqlite3.Connection, calls: Iterable[tuple[str, Any, Any, Any]]) -
         old = conn.execute("SELECT id, prompt_at, prompt, response_at, response FROM previews WHERE trace_id = ?",
                            (trace_id,)).fetchone()
         if old is None:
-            cursor = conn.execute("INSERT INTO previews (trace_id, prompt_at, prompt, response_at, response) VALUES (?,?,?,?,?)",
-                                  (trace_id, prompt_at, prompt, response_at, response))
-            conn.execute("INSERT INTO previews_fts (rowid, prompt, response) VALUES (?,?,?)", (cursor.lastrowid, prompt, response))
+            found = conn.execute("SELECT rowid FROM trajectories WHERE trace_id = ?", (trace_id,)).fetchone()
+            if found is None:  # upserted just before in the same transaction: cannot happen
+                continue
+            conn.execute("INSERT INTO previews (id, trace_id, prompt_at, prompt, response_at, response) VALUES (?,?,?,?,?,?)",
+                         (found[0], trace_id, prompt_at, prompt, response_at, response))
+            conn.execute("INSERT INTO previews_fts (rowid, prompt, response) VALUES (?,?,?)", (found[0], prompt, response))
             continue
         row_id, old_prompt_at, old_prompt, old_response_at, old_response = old
         new_prompt = (prompt_at, prompt) if prompt is not None and (old_prompt is None or prompt_at < _at(old_prompt_at, float("inf"))) \
