@@ -204,3 +204,87 @@ def test_page_compare_shows_prompts_and_only_real_differences(start_collector, t
             b.check_clean()
         finally:
             b.close()
+
+
+# ---- keyboard, themes, the worst of a step and why ------------------------------------------------
+def test_page_keys_between_rollouts_themes_and_why_the_worst_failed(start_collector, tracer_to, deepseek_tokenizer_path, tmp_path):
+    col = demo_collector(start_collector, tracer_to, deepseek_tokenizer_path)
+    group = get(col, "/ui/api/trajectories", step=2, sample_index=1, sort="rollout_n", order="asc", limit=10)["trajectories"]
+    step2 = get(col, "/ui/api/trajectories", step=2, sort="reward", order="asc", limit=100)["trajectories"]
+    worst, best = step2[0], step2[-1]
+    worst_view = get(col, f"/ui/api/trajectories/{worst['trace_id']}", tree="false")
+    with _browser() as pw:
+        b = Page(pw, tmp_path, col.url)
+        page = b.page
+        try:
+            # the worst trajectory of step 2 and why: one click from the overview
+            page.goto(col.url + "/ui/#/")
+            page.locator("[data-testid=step-row][data-step='2'] [data-testid=worst-link]").click()
+            why = page.locator("[data-testid=why]")
+            expect(why).to_contain_text("the worst reward of step 2")
+            assert ("Why it failed" in why.inner_text()) == worst["has_error"]
+            for turn in worst_view["turns"]:
+                for call in turn["after"]:
+                    if call.get("error"):
+                        assert call["error"] in why.inner_text()
+            assert why.locator("[data-testid=why-last]").inner_text() == worst_view["turns"][-1]["response_text"][-240:]
+            b.shot("14-worst-and-why")
+
+            # j / k walk the group's rollouts in order, g opens the group, w / b the step's worst / best
+            ids = [t["trace_id"] for t in group]
+            page.goto(col.url + f"/ui/#/t/{ids[0]}")
+            page.wait_for_selector(f"[data-testid=trajectory][data-trace-id='{ids[0]}'] [data-testid=rollout-nav]")
+            for expected in ids[1:]:
+                page.keyboard.press("j")
+                page.wait_for_selector(f"[data-testid=trajectory][data-trace-id='{expected}']")
+            page.keyboard.press("j")  # the last rollout: nowhere further
+            page.keyboard.press("k")
+            page.wait_for_selector(f"[data-testid=trajectory][data-trace-id='{ids[-2]}']")
+            assert page.locator("[data-testid=rollout-chip].here").inner_text() == str(group[-2]["rollout_n"])
+            page.keyboard.press("w")
+            page.wait_for_selector(f"[data-testid=trajectory][data-trace-id='{worst['trace_id']}']")
+            page.keyboard.press("b")
+            page.wait_for_selector(f"[data-testid=trajectory][data-trace-id='{best['trace_id']}']")
+            page.goto(col.url + f"/ui/#/t/{ids[0]}")
+            page.wait_for_selector(f"[data-testid=trajectory][data-trace-id='{ids[0]}'] [data-testid=rollout-nav]")
+            page.keyboard.press("g")
+            page.wait_for_selector("[data-testid=groups] [data-testid=group][data-sample-index='1']")
+            assert page.locator("[data-testid=group]").count() == 1
+            page.keyboard.press("?")
+            expect(page.locator("[data-testid=key-help]")).to_contain_text("next rollout of this group")
+            page.keyboard.press("Escape")
+            expect(page.locator("[data-testid=key-help]")).to_have_count(0)
+            page.goto(col.url + "/ui/#/list")
+            page.locator("[data-testid=search]").press("j")  # typing in a field is typing, not navigating
+            assert page.locator("[data-testid=search]").input_value() == "j" and "#/list" in page.url
+
+            # light by default here; the toggle cycles auto -> dark -> light and is remembered
+            html = page.locator("html")
+            expect(html).to_have_attribute("data-theme", "light")
+            page.locator("[data-testid=theme-toggle]").click()
+            expect(html).to_have_attribute("data-theme", "dark")
+            assert page.locator("body").evaluate("el => getComputedStyle(el).backgroundColor") == "rgb(13, 17, 23)"
+            page.reload()
+            expect(html).to_have_attribute("data-theme", "dark")
+            page.locator("[data-testid=theme-toggle]").click()
+            expect(html).to_have_attribute("data-theme", "light")
+            assert page.locator("body").evaluate("el => getComputedStyle(el).backgroundColor") == "rgb(255, 255, 255)"
+            page.locator("[data-testid=theme-toggle]").click()  # back to auto
+            b.check_clean()
+
+            # a system in dark mode gets the dark theme without touching anything
+            dark = b.browser.new_page(viewport={"width": 1400, "height": 1000}, color_scheme="dark")
+            dark.on("pageerror", lambda e: b.errors.append(f"page error: {e}"))
+            dark.goto(col.url + "/ui/#/")
+            dark.wait_for_selector("[data-testid=step-row]")
+            expect(dark.locator("html")).to_have_attribute("data-theme", "dark")
+            expect(dark.locator("html")).to_have_attribute("data-theme-choice", "auto")
+            expect(dark.locator("canvas[data-testid=reward-chart]")).to_have_attribute("width", re.compile(r"^[1-9]"))
+            b.page = dark
+            b.shot("15-overview-dark")
+            dark.goto(col.url + f"/ui/#/t/{worst['trace_id']}")
+            dark.wait_for_selector("[data-testid=why]")
+            b.shot("16-trajectory-dark")
+            assert b.errors == []
+        finally:
+            b.close()

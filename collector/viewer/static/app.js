@@ -505,11 +505,64 @@
       t.error || (t.tool_errors ? t.tool_errors + " failed tool call" + (t.tool_errors === 1 ? "" : "s") : "a span raised (see the span tree)"));
   }
 
+  // j/k between the rollouts of this trajectory's group (prefs.js follows the data-key links), b/w the step's best/worst
+  function rolloutNav(t, a, rollouts, best, worst) {
+    const list = rollouts ? rollouts.trajectories : [];
+    const at = list.findIndex((r) => r.trace_id === t.trace_id);
+    const link = (r, key, label, testid) => (r ? h("a", { href: "#/t/" + encodeURIComponent(r.trace_id), "data-key": key, "data-testid": testid, title: key + ": " + label }, label) : null);
+    const top = best && best.trajectories[0];
+    const bottom = worst && worst.trajectories[0];
+    return h("div", { class: "rollout-nav", "data-testid": "rollout-nav" },
+      list.length > 1 ? [
+        h("span", { class: "muted" }, "rollouts of sample " + a.sample_index + ":"),
+        link(at > 0 ? list[at - 1] : null, "prev", "◀ previous", "rollout-prev"),
+        h("span", { class: "rollouts" }, list.map((r) => h("a", { href: "#/t/" + encodeURIComponent(r.trace_id), class: r.trace_id === t.trace_id ? "here" : null,
+          title: "rollout " + r.rollout_n + ", reward " + fmt.reward(r.reward), "data-testid": "rollout-chip" }, String(r.rollout_n ?? "?")))),
+        link(at >= 0 && at < list.length - 1 ? list[at + 1] : null, "next", "next ▶", "rollout-next"),
+        h("a", { href: href("/groups", { experiment: expKey(a.experiment_name), step: a.step, sample_index: a.sample_index, validate: a.validate ? "true" : undefined }),
+          "data-key": "group", title: "g: the group ranked" }, "group"),
+      ] : null,
+      top ? [h("span", { class: "muted" }, "step " + a.step + ":"), link(top, "best", "best " + fmt.reward(top.reward), "step-best"),
+        link(bottom, "worst", "worst " + fmt.reward(bottom.reward), "step-worst")] : null,
+      h("span", { class: "muted hint" }, h("kbd", null, "j"), " ", h("kbd", null, "k"), " rollouts · ", h("kbd", null, "g"), " group · ",
+        h("kbd", null, "b"), " ", h("kbd", null, "w"), " best/worst · ", h("kbd", null, "?"), " keys"));
+  }
+
+  // Why this reward, in a few lines: what raised, how the last turn stopped, what it finally said.
+  function whyPanel(t, best, worst) {
+    const items = [];
+    const top = best && best.trajectories[0];
+    const bottom = worst && worst.trajectories[0];
+    const a = t.attributes || {};
+    if (t.reward === null || t.reward === undefined) items.push(h("li", null, "no reward attached (yet)"));
+    else if (bottom && bottom.trace_id === t.trace_id) items.push(h("li", null, "the worst reward of step " + a.step + (top ? " (best " + fmt.reward(top.reward) + ")" : "")));
+    else if (top && top.trace_id === t.trace_id) items.push(h("li", null, "the best reward of step " + a.step));
+    if (t.error) items.push(h("li", { class: "bad" }, "the trajectory raised: ", h("span", { class: "quote" }, t.error)));
+    t.turns.forEach((turn) => {
+      if (turn.error) items.push(h("li", { class: "bad" }, "turn " + turn.index + " raised: ", h("span", { class: "quote" }, turn.error)));
+      for (const e of turn.after) if (e.error) items.push(h("li", { class: "bad" }, "turn " + turn.index + ": " + (e.type === "tool" ? "tool call " : "") + e.name + " failed: ", h("span", { class: "quote" }, e.error)));
+    });
+    for (const e of t.before_first_turn || []) if (e.error) items.push(h("li", { class: "bad" }, e.name + " failed: ", h("span", { class: "quote" }, e.error)));
+    const last = t.turns[t.turns.length - 1];
+    if (last && last.stop_reason && last.stop_reason !== "stop") items.push(h("li", null, "the last turn stopped: " + last.stop_reason + (last.stop_reason === "length" ? " (cut at the length limit)" : "")));
+    if (last && last.response_text) {
+      const text = last.response_text.length > 240 ? "…" + last.response_text.slice(-240) : last.response_text;
+      items.push(h("li", null, "it finally said: ", h("span", { class: "quote", "data-testid": "why-last" }, text)));
+    }
+    const failed = t.has_error;
+    return h("section", { class: "why" + (failed ? "" : " fine"), "data-testid": "why" },
+      h("strong", null, failed ? "Why it failed" : "Why this reward"),
+      failed ? null : h("span", { class: "muted" }, " — no span raised"),
+      items.length ? h("ul", null, items) : null);
+  }
+
   async function trajectoryView(id) {
     const t = await api("trajectories/" + encodeURIComponent(id));
     const a = t.attributes || {};
     const s = t.summary || {};
     const actions = h("div", { class: "actions", "data-testid": "actions" });
+    let nav = null;
+    let why = whyPanel(t, null, null);
     if (a.step !== undefined) {
       const base = { experiment: a.experiment_name === undefined ? "" : a.experiment_name, step: a.step, validate: a.validate === undefined ? undefined : String(a.validate) };
       const [best, worst, rollouts] = await Promise.all([
@@ -532,6 +585,8 @@
         a.sample_index !== undefined ? h("a", { class: "button", href: href("/list", { experiment: expKey(a.experiment_name), sample_index: a.sample_index, rollout_n: a.rollout_n, sort: "step", order: "asc" }) }, "This sample at other steps") : null,
         h("a", { class: "button", href: href("/list", { experiment: expKey(a.experiment_name), step: a.step, sort: "reward", order: "desc" }) }, "All of step " + a.step),
       ].filter(Boolean));
+      nav = rolloutNav(t, a, rollouts, best, worst);
+      why = whyPanel(t, best, worst);
     }
     const kv = (pairs) => h("dl", { class: "kv" }, pairs.filter(([, v]) => v !== undefined && v !== null && v !== "").map(([k, v]) => [h("dt", null, k), h("dd", null, v)]));
     const extraAttributes = Object.entries(a).filter(([k]) => !["experiment_name", "step", "sample_index", "rollout_n", "validate", "kept_because", "reward"].includes(k));
@@ -557,6 +612,7 @@
           h("div", { class: "muted" }, "reward"), h("div", { class: "big", "data-testid": "reward" }, fmt.reward(t.reward)),
           kv([["duration", fmt.dur(t.duration)], ["turns", t.turn_count], ["tool calls", t.tool_calls + (t.tool_errors ? " (" + t.tool_errors + " failed)" : "")],
             ["response tokens", fmt.int(t.response_tokens)], ["spans", t.span_count], ["error", errorSaid(t)]]))),
+      nav, why,
       actions,
       h("h2", null, "Conversation"),
       t.before_first_turn.map(eventCard),
