@@ -18,9 +18,15 @@ from tracecar.collector.spool.store import Spool
 from tracecar.collector.viewer.index import ListFilter, TrajectoryIndex
 from tracecar.collector.viewer.search import fts_query
 
-from test_viewer import Page, _browser, _write, demo_collector, expect, get
+from test_viewer import ARTIFACTS, Page, _browser, _write, demo_collector, expect, get
 
 pytestmark = pytest.mark.timeout(240)
+
+
+def doc_shot(page: Any, name: str) -> None:
+    """What the window shows (not the whole page), as docs/<name>.png is made from: artifacts/viewer/docs-<name>.png."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"docs-{name}.png"))
 
 
 # ---- previews and search -------------------------------------------------------------------------
@@ -115,6 +121,7 @@ def test_page_search_box_and_previews(start_collector, tracer_to, deepseek_token
             assert set(page.locator("[data-testid=traj-row] mark.hit").all_inner_texts()) == {"cubed"}
             assert "q=cubed" in page.url
             b.shot("10-list-search-previews")
+            doc_shot(page, "search")
             b.check_clean()
         finally:
             b.close()
@@ -195,6 +202,7 @@ def test_page_compare_shows_prompts_and_only_real_differences(start_collector, t
                 texts.remove(next(t for t in texts if whole in t and call["name"] in t))
             assert texts == []
             b.shot("13-compare-eight-rollouts")
+            doc_shot(page, "compare")
 
             # the trajectory page says the same error as the list
             bad = eight[0]
@@ -229,6 +237,7 @@ def test_page_keys_between_rollouts_themes_and_why_the_worst_failed(start_collec
                         assert call["error"] in why.inner_text()
             assert why.locator("[data-testid=why-last]").inner_text() == worst_view["turns"][-1]["response_text"][-240:]
             b.shot("14-worst-and-why")
+            doc_shot(page, "why")
 
             # j / k walk the group's rollouts in order, g opens the group, w / b the step's worst / best
             ids = [t["trace_id"] for t in group]
@@ -285,6 +294,7 @@ def test_page_keys_between_rollouts_themes_and_why_the_worst_failed(start_collec
             dark.goto(col.url + f"/ui/#/t/{worst['trace_id']}")
             dark.wait_for_selector("[data-testid=why]")
             b.shot("16-trajectory-dark")
+            doc_shot(dark, "dark")
             assert b.errors == []
         finally:
             b.close()

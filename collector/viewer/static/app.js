@@ -269,7 +269,7 @@
           h("td", { class: "num" }, s.scored === s.trajectories ? fmt.int(s.scored) : h("span", { class: "bad", title: "trajectories without a reward" }, fmt.int(s.scored))),
           h("td", { class: "num" }, fmt.reward(s.mean)),
           h("td", { class: "num" }, fmt.reward(s.p50)),
-          h("td", { class: "num" }, s.worst ? h("a", { href: "#/t/" + encodeURIComponent(s.worst.trace_id), class: "bad", "data-testid": "worst-link", title: "open the worst trajectory" }, fmt.reward(s.worst.reward)) : "—"),
+          h("td", { class: "num" }, s.worst ? h("a", { href: "#/t/" + encodeURIComponent(s.worst.trace_id), class: "bad", "data-testid": "worst-link", title: "open the worst trajectory and why it failed" }, fmt.reward(s.worst.reward)) : "—"),
           h("td", { class: "num" }, s.best ? h("a", { href: "#/t/" + encodeURIComponent(s.best.trace_id), class: "good", "data-testid": "best-link", title: "open the best trajectory" }, fmt.reward(s.best.reward)) : "—"),
           h("td", null, Object.entries(s.kept).map(([rule, n]) => h("span", { class: "badge rule" }, rule + " " + n)), " "),
           h("td", null, h("a", { "data-testid": "groups-spread", title: "this step's GRPO groups, widest reward spread first",
