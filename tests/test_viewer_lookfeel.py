@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 import subprocess
 import sys
 from typing import Any
@@ -298,3 +299,25 @@ def test_page_keys_between_rollouts_themes_and_why_the_worst_failed(start_collec
             assert b.errors == []
         finally:
             b.close()
+
+
+def test_an_index_from_before_previews_is_rebuilt_with_them(tmp_path):
+    """An index file of version 4 (no previews tables) is migrated: rebuilt once, searchable after."""
+    path = tmp_path / "spool.sqlite3"
+    spool = Spool(path, local_only=True)
+    root = {**_call("old", 9, 9.0, "", ""), "span_id": "old", "parent_id": None, "name": "agent_loop", "kind": "trajectory", "output": None}
+    _write(spool, [root, _call("old", 0, 10.0, "legacy question", "legacy answer")])
+    index = TrajectoryIndex(path)
+    assert index.refresh()
+    index.close()
+    db = sqlite3.connect(tmp_path / "viewer-index.sqlite3")  # as version 4 left it
+    db.executescript("DROP TABLE previews_fts; DROP TABLE previews; UPDATE meta SET value = '4' WHERE key = 'version';")
+    db.commit()
+    db.close()
+    reopened = TrajectoryIndex(path)
+    assert reopened.status()["indexed_seq"] == 0  # starts over
+    assert reopened.refresh()
+    rows = reopened.list(ListFilter(q="legacy answer"))["trajectories"]
+    assert [(t["trace_id"], t["prompt_preview"], t["response_preview"]) for t in rows] == [("old", "legacy question", "legacy answer")]
+    reopened.close()
+    spool.close()
