@@ -5,13 +5,14 @@ token ids and decoded text, 1-3 tool calls, a reward annotation: about 7 spans e
 times, per query, the viewer's list (collector/viewer/index.py) against the same filter and
 sort through ``store_query.list_trajectories`` (the /v1/trajectories API: SQL over the spans),
 run in this process on the same file. Prints each ratio (baseline ms / viewer ms), the index's
-one-time catch-up, and its page of EXPLAIN QUERY PLAN. Then the GRPO group view of one step
+one-time catch-up, and its page of EXPLAIN QUERY PLAN; the list's prompt/response previews and text
+searches (collector/viewer/search.py) against the same page without previews. Then the GRPO group view of one step
 (collector/viewer/groups.py) and the dataset export (collector/viewer/export.py): its rate, and its peak
 traced memory for 1,000 against 8,000 trajectories (constant memory: a ratio near 1); with
 ``--http``, the same through a collector process (``/v1/groups`` latency, ``/v1/export`` of the
 whole store with the collector's RSS sampled).
 
-    .venv/bin/python bench/viewer_store.py [--spans 1000000] [--keep DIR] [--groups-export-only] [--http]
+    .venv/bin/python bench/viewer_store.py [--spans 1000000] [--keep DIR] [--groups-export-only | --list-only] [--http]
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from tracecar.collector.spool.query import TrajectoryFilter, list_trajectories
 from tracecar.collector.spool.store import Spool, SpoolRow
 from tracecar.collector.viewer.index import ListFilter, TrajectoryIndex
 
+TOPICS = ("compute the area of a circle", "add two fractions", "factor a quadratic", "convert miles to kilometres",
+          "find the median", "solve for x", "count the primes below n", "simplify the expression")
+
 
 def trajectory(rng: random.Random, t: int, per_step: int) -> list[dict]:
     trace = f"{t:032x}"
@@ -44,9 +48,12 @@ def trajectory(rng: random.Random, t: int, per_step: int) -> list[dict]:
     turns = rng.randint(2, 4)
     for i in range(turns):
         reply = [rng.randrange(100_000) for _ in range(rng.randint(8, 40))]
+        # searchable text (search.py): a topic per sample, a task number per trajectory, a final answer
+        prompt_text = f"<|user|>Task {t}: {TOPICS[attrs['sample_index'] % len(TOPICS)]}<|assistant|>" + "p" * len(prompt)
+        response_text = f"The answer is {rng.randrange(10_000)}." if i == turns - 1 else '<tool_call>{"expression": "1+1"}</tool_call>'
         spans.append({**base, "span_id": f"{trace}g{i}", "parent_id": run, "name": "LLMServerClient.generate", "kind": "op",
                       "start_time": start + i, "end_time": start + i + 0.5, "inputs": {"prompt_ids": prompt},
-                      "output": {"token_ids": reply, "prompt_text": "p" * len(prompt), "response_text": "r" * len(reply)}})
+                      "output": {"token_ids": reply, "prompt_text": prompt_text, "response_text": response_text}})
         prompt = prompt + reply
         if i < turns - 1:
             failed = rng.random() < 0.2
@@ -184,11 +191,33 @@ def over_http(folder: Path, trajectories: int) -> None:
                   f"peak {peak[0] / 2**20:.0f} MiB")
 
 
+def search_cases(index: TrajectoryIndex) -> None:
+    """The list with its prompt/response previews and text searches (search.py), each against the
+    same page without previews (the list before previews existed), in this run."""
+    plain = timed(lambda: index.list(ListFilter(), limit=50, previews=False))
+    cases = [
+        ("list newest, with previews", ListFilter(), "start"),
+        ("list one step, with previews", ListFilter(experiment="exp1", step=200), "reward"),
+        ("search 'task 123457' (1 hit)", ListFilter(q="task 123457"), "start"),
+        ("search 'quadratic' (1/8)", ListFilter(q="quadratic"), "start"),
+        ("search 'quadratic', by reward", ListFilter(q="quadratic"), "reward"),
+        ("search 'answer' (every one)", ListFilter(q="answer"), "start"),
+        ("search 'answer 42' + one step", ListFilter(q="answer 42", experiment="exp1", step=200), "reward"),
+        ("search 'nothingmatches'", ListFilter(q="nothingmatches"), "start"),
+    ]
+    print(f"{'list page of 50 (previews/search)':36} {'no previews ms':>15} {'this ms':>10} {'ratio':>8} {'total':>8}")
+    for name, flt, sort in cases:
+        ms = timed(lambda: index.list(flt, sort=sort, limit=50))
+        total = index.list(flt, sort=sort, limit=1)["total"]
+        print(f"{name:36} {plain:15.1f} {ms:10.1f} {ms / plain:7.2f}x {total:8,}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spans", type=int, default=1_000_000)
     parser.add_argument("--keep", type=Path, help="build (or reuse) the store in this directory")
     parser.add_argument("--groups-export-only", action="store_true", help="skip the list queries (groups and export only)")
+    parser.add_argument("--list-only", action="store_true", help="the list, previews and search only (no groups, no export)")
     parser.add_argument("--http", action="store_true", help="also time /v1/groups and /v1/export through a collector process")
     args = parser.parse_args()
     folder = args.keep or Path(tempfile.mkdtemp(prefix="tracecar-viewer-bench-"))
@@ -229,9 +258,12 @@ def main() -> None:
 
     some = index.list(ListFilter(), limit=1)["trajectories"][0]["trace_id"]
     print(f"{'token view of one trajectory':32} {'':>15} {timed(lambda: trajectory_tokens(spool, some)):10.1f}")
+    if not args.groups_export_only:
+        search_cases(index)
     index._cache.clear()
     print(f"{'step overview of one experiment':32} {'':>15} {timed(lambda: (index._cache.clear(), index.overview('exp1'))):10.1f}")
-    groups_and_export(spool, index)
+    if not args.list_only:
+        groups_and_export(spool, index)
     sql, params = index.list_sql(ListFilter(), "reward", True, nulls=False)
     print("plan, best reward:", " | ".join(r[3] for r in index._db().execute("EXPLAIN QUERY PLAN " + sql, [*params, 50, 0])))
     trajectories = index.list(ListFilter(), limit=1)["total"]

@@ -179,6 +179,7 @@ def cmd_trajectories(args: argparse.Namespace) -> None:
         "experiment": args.experiment, "step": args.step, "sample_index": args.sample_index,
         "rollout_n": args.rollout_n, "validate": args.validate, "sort": args.sort, "order": args.order,
         "limit": args.limit, "offset": args.offset, "trained": args.trained, "filtered_by": args.filtered_by,
+        "q": args.search,
     }.items() if v is not None}
     _show(args, _get(args, "/v1/trajectories", params), print_trajectories)
 
@@ -191,6 +192,10 @@ def print_trajectories(page: dict[str, Any]) -> None:
         print(f"{t['trace_id']:34} {str(t['experiment'])[:20]:20} {t['step'] if t['step'] is not None else '':>4} "
               f"{t['sample_index'] if t['sample_index'] is not None else '':>4} {t['rollout_n'] if t['rollout_n'] is not None else '':>3} "
               f"{t['span_count']:>5} {reward:>7} {'yes' if t['has_error'] else '':>3}  {trainer_status(t)}")
+        for role in ("prompt", "response"):  # a search's answer carries the texts it matched
+            text = t.get(f"{role}_preview")
+            if text:
+                print(f"    {role:8} {' '.join(text.split())[-100:]}")
 
 
 def trainer_status(t: dict[str, Any]) -> str:
@@ -374,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--order", choices=["asc", "desc"])
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--offset", type=int, default=0)
+    p.add_argument("--search", metavar="WORDS", help="only trajectories whose first prompt or last response has all these words")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_trajectories)
 

@@ -1,12 +1,14 @@
 """The local trajectory viewer (/ui/): its JSON, its trajectory index, its access rules, and the
 page itself driven in a real headless Chromium (Debian's /usr/bin/chromium, through playwright).
 
-Screenshots of the browser tests land in ``artifacts/viewer/`` at the repository root.
+Screenshots of the browser tests land in ``artifacts/viewer/`` at the repository root (git-ignored), or in
+``$TRACECAR_ARTIFACTS/viewer/``: every page, to look at.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shutil
 import sqlite3
@@ -30,7 +32,7 @@ pytestmark = pytest.mark.timeout(240)
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "viewer"
+ARTIFACTS = Path(os.environ.get("TRACECAR_ARTIFACTS") or Path(__file__).resolve().parents[1] / "artifacts") / "viewer"
 TAIL_SAMPLING = "max_trajectories_per_step" in CollectorSettings.model_fields
 
 
@@ -491,7 +493,7 @@ def test_page_newcomer_flow_list_filter_open_and_compare(start_collector, tracer
             assert page.locator("[data-testid=traj-row] [data-testid=reward]").all_inner_texts() == [f"{t['reward']:.3f}" for t in expected]
             page.locator("th[data-sort=turns]").click()
             page.wait_for_selector("th.sorted[data-sort=turns]")
-            turns = [int(x) for x in page.locator("[data-testid=traj-row] td:nth-child(9)").all_inner_texts()]
+            turns = [int(x) for x in page.locator("[data-testid=traj-row] td:nth-child(10)").all_inner_texts()]
             assert turns == sorted(turns, reverse=True) and len(turns) == 8
             b.shot("04-list-step-2-rollout-1")
 

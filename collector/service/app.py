@@ -37,6 +37,8 @@ from ..viewer.group_export_api import build_router as build_group_export_router
 from ..viewer.live_api import build_router as build_live_router
 from ..viewer.routes import build_router as build_viewer_router
 from ..viewer.tokens import trajectory_tokens
+from ..viewer.search import QUERY_MAX_CHARS
+from ..viewer.search_api import search_trajectories
 from .auth import BearerAuth
 from .health import health_snapshot
 
@@ -234,10 +236,14 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         sort: str = Query("start", pattern="^(start|step|reward|duration|spans|sample_index)$"),
         order: str = Query("desc", pattern="^(asc|desc)$"),
         limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0, le=INT64_MAX),
+        q: str | None = Query(None, max_length=QUERY_MAX_CHARS),
     ) -> Any:
-        """Trajectories in the embedded store, filtered, sorted and paginated."""
+        """Trajectories in the embedded store, filtered, sorted and paginated; ``q`` searches their text."""
         flt = TrajectoryFilter(experiment, step, step_min, step_max, sample_index_filter(sample_index), rollout_n,
                                validate, worker, has_error, reward_min, reward_max, trained, filtered_by or None)
+        if q:  # answered from the viewer's index and its full-text table (viewer/search_api.py)
+            return _json(await asyncio.to_thread(search_trajectories, viewer.trajectory_index, viewer.fresh, flt, q, sort=sort,
+                                                 descending=order == "desc", limit=limit, offset=offset))
         return await asyncio.to_thread(list_trajectories, collector.spool, flt, limit=limit, offset=offset,
                                        sort=sort, descending=order == "desc")
 

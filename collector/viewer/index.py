@@ -34,10 +34,11 @@ import orjson
 
 from ..shape import is_engine_payload, is_tool, token_counts, token_output
 from ..spool.query import sample_index_values
+from . import search
 
 log = logging.getLogger("tracecar.collector.viewer")
 
-INDEX_VERSION = "5"  # 3: sample_index untyped; 4: engine spans never make a turn an aggregate; 5: what the trainer did
+INDEX_VERSION = "6"  # 3: sample_index untyped; 4: engine spans never make a turn an aggregate; 5: what the trainer did; 6: previews
 ROOT = "root_seq IS NOT NULL"  # every query names it, so the partial indexes apply
 
 SCHEMA = f"""
@@ -173,6 +174,7 @@ class ListFilter:
     worker: str | None = None
     trained: bool | None = None  # what the trainer did (client.annotate)
     filtered_by: str | None = None
+    q: str | None = None  # words searched in the first prompt and last response (search.py)
 
     def where(self) -> tuple[str, list[Any]]:
         clauses, params = [ROOT], []
@@ -197,6 +199,10 @@ class ListFilter:
             if value is not None:
                 clauses.append(f"{name} = ?")
                 params.append(int(value))
+        match = search.fts_query(self.q) if self.q else None
+        if match is not None:
+            clauses.append(search.MATCH_CLAUSE)
+            params.append(match)
         return " AND ".join(clauses), params
 
     def as_dict(self) -> dict[str, Any]:
@@ -312,12 +318,14 @@ class TrajectoryIndex:
         conn.execute("PRAGMA synchronous=OFF")  # a cache: a torn write means a rebuild, not a loss
         conn.execute("ATTACH DATABASE ? AS spool", (_spool_uri(self.spool_path),))
         conn.executescript(SCHEMA)
+        conn.executescript(search.SCHEMA)
         meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
         watermark = int(meta.get("watermark") or 0)
         if meta.get("version") != INDEX_VERSION or not self._same_spool(conn, watermark, meta.get("watermark_span")):
             conn.executescript("DROP TABLE trajectories; DROP TABLE llm_calls; DROP TABLE parents; DROP TABLE held;"
-                               " DELETE FROM meta;")
+                               " DELETE FROM meta;" + search.DROP)
             conn.executescript(SCHEMA)
+            conn.executescript(search.SCHEMA)
             conn.execute("INSERT INTO meta (key, value) VALUES ('version', ?)", (INDEX_VERSION,))
             watermark = 0
         self._watermark = watermark
@@ -420,6 +428,7 @@ class TrajectoryIndex:
                drop_held: list[tuple[int]] = (), watermark: tuple[int, str] | None = None) -> None:
         deltas: dict[str, _Delta] = {}
         llm_rows: list[tuple[Any, ...]] = []
+        texts: list[tuple[Any, ...]] = []
         parent_ids: set[str] = set()
         for (seq, span_id, trace_id, parent_id, name, kind, worker, experiment, step, sample_index, rollout_n,
              validate, start, end, has_error, reward, _state, payload) in rows:
@@ -445,6 +454,7 @@ class TrajectoryIndex:
             if token_output(kind, output):
                 prompt_tokens, response_tokens = token_counts(span)
                 llm_rows.append((span_id, trace_id, prompt_tokens, response_tokens))
+                texts.append((trace_id, start, output.get("prompt_text"), output.get("response_text")))
             elif is_tool(kind, name, output):
                 delta.tool_calls += 1
                 delta.tool_errors += has_error
@@ -457,6 +467,7 @@ class TrajectoryIndex:
             conn.executemany(_DERIVE, [(t,) for t in deltas])
             conn.executemany(_TRAINER_UPDATE, [(*(d.trainer.get(k) for k in TRAINER_KEYS), t)
                                                for t, d in deltas.items() if d.trainer])
+            search.note(conn, texts)
             conn.executemany("INSERT OR IGNORE INTO held (seq) VALUES (?)", add_held)
             conn.executemany("DELETE FROM held WHERE seq = ?", drop_held)
             if watermark is not None:
@@ -511,6 +522,7 @@ class TrajectoryIndex:
                 marks = ",".join("?" * len(chunk))
                 conn.execute(f"DELETE FROM trajectories WHERE trace_id IN ({marks})", chunk)
                 conn.execute(f"DELETE FROM llm_calls WHERE trace_id IN ({marks})", chunk)
+            search.forget(conn, gone)
             conn.execute("COMMIT")
             self._cache.clear()
 
@@ -539,7 +551,7 @@ class TrajectoryIndex:
         return f"SELECT {COLUMNS} FROM trajectories WHERE {where} ORDER BY {order} LIMIT ? OFFSET ?", params
 
     def list(self, flt: ListFilter, *, sort: str = "start", descending: bool = True, limit: int = 50,
-             offset: int = 0) -> dict[str, Any]:
+             offset: int = 0, previews: bool = True) -> dict[str, Any]:
         """One page, trajectories without the sort key (e.g. not yet scored) last in either order."""
         with self._lock:
             conn = self._db()
@@ -551,6 +563,8 @@ class TrajectoryIndex:
                 with_key = offset + len(rows) if rows else self._count_with_key(conn, flt, sort)
                 sql, params = self.list_sql(flt, sort, descending, nulls=True)
                 rows += self._rows(conn, sql, [*params, limit - len(rows), max(0, offset - with_key)])
+            if previews:
+                search.attach(conn, rows)
         return {"total": total, "limit": limit, "offset": offset, "sort": sort,
                 "order": "desc" if descending else "asc", "filters": flt.as_dict(), "trajectories": rows}
 

@@ -34,6 +34,7 @@ from ..spool.query import get_trajectory
 from . import StoreOwner
 from .index import SORTS, ListFilter, TrajectoryIndex
 from .tokens import trajectory_tokens
+from .search import QUERY_MAX_CHARS
 
 STATIC = Path(__file__).with_name("static")
 COOKIE = "tracecar_viewer"
@@ -176,10 +177,15 @@ def build_router(collector: StoreOwner, token: str | None) -> APIRouter:
         trained: bool | None = None, filtered_by: str | None = Query(None, max_length=256),
         sort: str = Query("start", pattern=SORT_PATTERN), order: str = Query("desc", pattern="^(asc|desc)$"),
         limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0, le=INT64_MAX),
+        q: str | None = Query(None, max_length=QUERY_MAX_CHARS),
     ) -> Any:
-        """One page of trajectory summaries; unscored ones sort last either way."""
+        """One page of trajectory summaries with their previews; unscored ones sort last either way.
+
+        ``q``: words that must all occur in the first prompt or the last response (search.py).
+        """
         flt = ListFilter(experiment, step, step_min, step_max, sample_index_filter(sample_index), rollout_n, validate, kept_because or None,
                          reward_min, reward_max, has_error, worker, trained, filtered_by or None)
+        flt.q = q or None
         state = await asyncio.to_thread(fresh)
         page = await asyncio.to_thread(index.list, flt, sort=sort, descending=order == "desc", limit=limit, offset=offset)
         return _json({**page, "index": state})

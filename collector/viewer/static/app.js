@@ -1,6 +1,6 @@
 // tracecar viewer: vanilla JS, one file, no build step. Talks only to this collector (api/...).
 // Views (hash routes): #/ steps overview, #/list trajectories, #/t/ID one trajectory,
-// #/compare?ids=A,B side by side, #/groups?step=N GRPO groups (static/groups.js), #/live running trajectories (static/live.js). Every piece of span data is put in the page as text
+// #/compare?ids=A,B side by side (static/compare.js), #/groups?step=N GRPO groups (static/groups.js), #/live running trajectories (static/live.js). Every piece of span data is put in the page as text
 // (textContent), never parsed as HTML.
 "use strict";
 (() => {
@@ -141,7 +141,7 @@
       else if (path.startsWith("/t/")) view = await trajectoryView(decodeURIComponent(path.slice(3)));
       else if (path === "/groups" && window.tracecarGroups) view = await window.tracecarGroups.view(params, kit);
       else if (path === "/live" && window.tracecarLive) view = await window.tracecarLive.view(params, kit);
-      else if (path === "/compare") view = await compareView((params.ids || "").split(",").filter(Boolean));
+      else if (path === "/compare" && window.tracecarCompare) view = await window.tracecarCompare.view((params.ids || "").split(",").filter(Boolean), kit);
       else view = h("p", null, "No such page. ", h("a", { href: "#/" }, "Back to the steps"));
       if (path === "/list" && params.step !== undefined && window.tracecarLive) view.prepend(window.tracecarLive.panel(params, kit, { hideEmpty: true, onFinished: render }));
       if (seq !== renderSeq) return; // a newer navigation won
@@ -271,7 +271,7 @@
           h("td", { class: "num" }, s.scored === s.trajectories ? fmt.int(s.scored) : h("span", { class: "bad", title: "trajectories without a reward" }, fmt.int(s.scored))),
           h("td", { class: "num" }, fmt.reward(s.mean)),
           h("td", { class: "num" }, fmt.reward(s.p50)),
-          h("td", { class: "num" }, s.worst ? h("a", { href: "#/t/" + encodeURIComponent(s.worst.trace_id), class: "bad", "data-testid": "worst-link", title: "open the worst trajectory" }, fmt.reward(s.worst.reward)) : "—"),
+          h("td", { class: "num" }, s.worst ? h("a", { href: "#/t/" + encodeURIComponent(s.worst.trace_id), class: "bad", "data-testid": "worst-link", title: "open the worst trajectory and why it failed" }, fmt.reward(s.worst.reward)) : "—"),
           h("td", { class: "num" }, s.best ? h("a", { href: "#/t/" + encodeURIComponent(s.best.trace_id), class: "good", "data-testid": "best-link", title: "open the best trajectory" }, fmt.reward(s.best.reward)) : "—"),
           h("td", null, Object.entries(s.kept).map(([rule, n]) => h("span", { class: "badge rule" }, rule + " " + n)), " "),
           h("td", null, h("a", { "data-testid": "groups-spread", title: "this step's GRPO groups, widest reward spread first",
@@ -344,6 +344,8 @@
     const nav = (changes) => go("/list", { ...params, ...changes });
 
     const form = h("form", { class: "controls", "data-testid": "filter-form" },
+      h("label", { class: "search" }, "search prompts and responses", h("input", { type: "search", name: "q", maxlength: "256", value: params.q || "",
+        placeholder: "words in the first prompt or last response", "data-testid": "search", "aria-label": "search prompts and responses" })),
       h("label", null, "experiment", h("select", { name: "experiment" }, h("option", { value: "" }, "any"),
         facets.experiments.map((e) => h("option", { value: expKey(e.experiment), selected: params.experiment === expKey(e.experiment) }, fmt.exp(e.experiment))))),
       FILTERS.map(([name, label]) => h("label", null, label, name === "sample_index"
@@ -389,6 +391,7 @@
       const tr = h("tr", { class: "clickable", "data-testid": "traj-row", "data-trace-id": t.trace_id },
         h("td", null, box),
         h("td", { class: "mono" }, h("a", { href: "#/t/" + encodeURIComponent(t.trace_id), title: t.trace_id }, fmt.id(t.trace_id))),
+        previewCell(t, params.q),
         h("td", null, fmt.exp(t.experiment)),
         h("td", { class: "num" }, t.step ?? "—"), h("td", { class: "num" }, t.sample_index ?? "—"), h("td", { class: "num" }, t.rollout_n ?? "—"),
         h("td", null, t.validate ? h("span", { class: "badge" }, "val") : ""),
@@ -415,11 +418,26 @@
       h("div", { class: "row" }, compareButton, clearButton, h("span", { class: "muted" }, "tick two or more rows to compare them side by side")),
       pager,
       h("table", { "data-testid": "list-table" },
-        h("thead", null, h("tr", null, h("th", null, ""), h("th", null, "trajectory"), h("th", null, "experiment"), head("step", "step", "num"),
+        h("thead", null, h("tr", null, h("th", null, ""), h("th", null, "trajectory"), h("th", { class: "preview" }, "prompt → last response"), h("th", null, "experiment"), head("step", "step", "num"),
           h("th", { class: "num" }, "sample"), h("th", { class: "num" }, "rollout"), h("th", null, ""), h("th", null, "kept because"),
           head("turns", "turns", "num"), head("tools", "tools", "num"), head("tokens", "resp. tokens", "num"), head("duration", "duration", "num"),
           h("th", null, ""), head("reward", "reward", "num"), head("advantage", "trainer"))),
         h("tbody", null, rows)));
+  }
+
+  // The ends of a trajectory's first prompt and last response (the list's previews), the searched words marked.
+  function marked(text, q) {
+    const words = (q || "").toLowerCase().match(/[\p{L}\p{N}_]+/gu);
+    if (!words || !text) return [text];
+    const pattern = new RegExp("(" + words.map((w) => w.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")).join("|") + ")", "giu");
+    return text.split(pattern).map((part, i) => (i % 2 ? h("mark", { class: "hit" }, part) : part));
+  }
+
+  function previewCell(t, q) {
+    if (!t.prompt_preview && !t.response_preview) return h("td", { class: "preview muted" }, "no decoded text");
+    return h("td", { class: "preview", "data-testid": "preview" },
+      h("div", { class: "pv-prompt", title: t.prompt_preview || "", "data-testid": "prompt-preview" }, h("span", { class: "pv-role" }, "prompt"), marked(t.prompt_preview || "—", q)),
+      h("div", { class: "pv-response", title: t.response_preview || "", "data-testid": "response-preview" }, h("span", { class: "pv-role" }, "response"), marked(t.response_preview || "—", q)));
   }
 
   // ---- #/t/ID : one trajectory ----------------------------------------------------------------
@@ -570,12 +588,72 @@
     return h("section", { "data-testid": "token-view" }, pick, body);
   }
 
+  // what the list's "error" means (any span raised), said as what raised; as the compare page says it
+  function errorSaid(t) {
+    if (!t.has_error) return undefined;
+    return h("span", { class: "bad", "data-testid": "traj-error" },
+      t.error || (t.tool_errors ? t.tool_errors + " failed tool call" + (t.tool_errors === 1 ? "" : "s") : "a span raised (see the span tree)"));
+  }
+
+  // j/k between the rollouts of this trajectory's group (prefs.js follows the data-key links), b/w the step's best/worst
+  function rolloutNav(t, a, rollouts, best, worst) {
+    const list = rollouts ? rollouts.trajectories : [];
+    const at = list.findIndex((r) => r.trace_id === t.trace_id);
+    const link = (r, key, label, testid) => (r ? h("a", { href: "#/t/" + encodeURIComponent(r.trace_id), "data-key": key, "data-testid": testid, title: key + ": " + label }, label) : null);
+    const top = best && best.trajectories[0];
+    const bottom = worst && worst.trajectories[0];
+    return h("div", { class: "rollout-nav", "data-testid": "rollout-nav" },
+      list.length > 1 ? [
+        h("span", { class: "muted" }, "rollouts of sample " + a.sample_index + ":"),
+        link(at > 0 ? list[at - 1] : null, "prev", "◀ previous", "rollout-prev"),
+        h("span", { class: "rollouts" }, list.map((r) => h("a", { href: "#/t/" + encodeURIComponent(r.trace_id), class: r.trace_id === t.trace_id ? "here" : null,
+          title: "rollout " + r.rollout_n + ", reward " + fmt.reward(r.reward), "data-testid": "rollout-chip" }, String(r.rollout_n ?? "?")))),
+        link(at >= 0 && at < list.length - 1 ? list[at + 1] : null, "next", "next ▶", "rollout-next"),
+        h("a", { href: href("/groups", { experiment: expKey(a.experiment_name), step: a.step, sample_index: a.sample_index, validate: a.validate ? "true" : undefined }),
+          "data-key": "group", title: "g: the group ranked" }, "group"),
+      ] : null,
+      top ? [h("span", { class: "muted" }, "step " + a.step + ":"), link(top, "best", "best " + fmt.reward(top.reward), "step-best"),
+        link(bottom, "worst", "worst " + fmt.reward(bottom.reward), "step-worst")] : null,
+      h("span", { class: "muted hint" }, h("kbd", null, "j"), " ", h("kbd", null, "k"), " rollouts · ", h("kbd", null, "g"), " group · ",
+        h("kbd", null, "b"), " ", h("kbd", null, "w"), " best/worst · ", h("kbd", null, "?"), " keys"));
+  }
+
+  // Why this reward, in a few lines: what raised, how the last turn stopped, what it finally said.
+  function whyPanel(t, best, worst) {
+    const items = [];
+    const top = best && best.trajectories[0];
+    const bottom = worst && worst.trajectories[0];
+    const a = t.attributes || {};
+    if (t.reward === null || t.reward === undefined) items.push(h("li", null, "no reward attached (yet)"));
+    else if (bottom && bottom.trace_id === t.trace_id) items.push(h("li", null, "the worst reward of step " + a.step + (top ? " (best " + fmt.reward(top.reward) + ")" : "")));
+    else if (top && top.trace_id === t.trace_id) items.push(h("li", null, "the best reward of step " + a.step));
+    if (t.error) items.push(h("li", { class: "bad" }, "the trajectory raised: ", h("span", { class: "quote" }, t.error)));
+    t.turns.forEach((turn) => {
+      if (turn.error) items.push(h("li", { class: "bad" }, "turn " + turn.index + " raised: ", h("span", { class: "quote" }, turn.error)));
+      for (const e of turn.after) if (e.error) items.push(h("li", { class: "bad" }, "turn " + turn.index + ": " + (e.type === "tool" ? "tool call " : "") + e.name + " failed: ", h("span", { class: "quote" }, e.error)));
+    });
+    for (const e of t.before_first_turn || []) if (e.error) items.push(h("li", { class: "bad" }, e.name + " failed: ", h("span", { class: "quote" }, e.error)));
+    const last = t.turns[t.turns.length - 1];
+    if (last && last.stop_reason && last.stop_reason !== "stop") items.push(h("li", null, "the last turn stopped: " + last.stop_reason + (last.stop_reason === "length" ? " (cut at the length limit)" : "")));
+    if (last && last.response_text) {
+      const text = last.response_text.length > 240 ? "…" + last.response_text.slice(-240) : last.response_text;
+      items.push(h("li", null, "it finally said: ", h("span", { class: "quote", "data-testid": "why-last" }, text)));
+    }
+    const failed = t.has_error;
+    return h("section", { class: "why" + (failed ? "" : " fine"), "data-testid": "why" },
+      h("strong", null, failed ? "Why it failed" : "Why this reward"),
+      failed ? null : h("span", { class: "muted" }, " — no span raised"),
+      items.length ? h("ul", null, items) : null);
+  }
+
   async function trajectoryView(id) {
     const tokensPromise = api("trajectories/" + encodeURIComponent(id) + "/tokens").catch(() => null);
     const t = await api("trajectories/" + encodeURIComponent(id));
     const a = t.attributes || {};
     const s = t.summary || {};
     const actions = h("div", { class: "actions", "data-testid": "actions" });
+    let nav = null;
+    let why = whyPanel(t, null, null);
     if (a.step !== undefined) {
       const base = { experiment: a.experiment_name === undefined ? "" : a.experiment_name, step: a.step, validate: a.validate === undefined ? undefined : String(a.validate) };
       const [best, worst, rollouts] = await Promise.all([
@@ -598,6 +676,8 @@
         a.sample_index !== undefined ? h("a", { class: "button", href: href("/list", { experiment: expKey(a.experiment_name), sample_index: a.sample_index, rollout_n: a.rollout_n, sort: "step", order: "asc" }) }, "This sample at other steps") : null,
         h("a", { class: "button", href: href("/list", { experiment: expKey(a.experiment_name), step: a.step, sort: "reward", order: "desc" }) }, "All of step " + a.step),
       ].filter(Boolean));
+      nav = rolloutNav(t, a, rollouts, best, worst);
+      why = whyPanel(t, best, worst);
     }
     const kv = (pairs) => h("dl", { class: "kv" }, pairs.filter(([, v]) => v !== undefined && v !== null && v !== "").map(([k, v]) => [h("dt", null, k), h("dd", null, v)]));
     const extraAttributes = Object.entries(a).filter(([k]) => !["experiment_name", "step", "sample_index", "rollout_n", "validate", "kept_because", "reward"].includes(k));
@@ -625,7 +705,8 @@
         h("div", null,
           h("div", { class: "muted" }, "reward"), h("div", { class: "big", "data-testid": "reward" }, fmt.reward(t.reward)),
           kv([["duration", fmt.dur(t.duration)], ["turns", t.turn_count], ["tool calls", t.tool_calls + (t.tool_errors ? " (" + t.tool_errors + " failed)" : "")],
-            ["response tokens", fmt.int(t.response_tokens)], ["spans", t.span_count], ["error", t.error ? h("span", { class: "bad" }, t.error) : undefined]]))),
+            ["response tokens", fmt.int(t.response_tokens)], ["spans", t.span_count], ["error", errorSaid(t)]]))),
+      nav, why,
       actions,
       h("h2", null, "Conversation"),
       t.before_first_turn.map(eventCard),
@@ -639,105 +720,7 @@
       h("ul", { class: "tree top", "data-testid": "span-tree" }, spanTree(t.tree)));
   }
 
-  // ---- #/compare : side by side, aligned by turn ------------------------------------------------
-  function tokenize(text) { return text.match(/\s+|[A-Za-z0-9_]+|[^\sA-Za-z0-9_]/g) || []; }
-
-  // The text with the words that are not in `ref` marked (longest common subsequence of tokens).
-  function diffNodes(text, ref) {
-    if (ref === null || ref === undefined || text === ref) return [text];
-    const a = tokenize(text);
-    const b = tokenize(ref);
-    const n = a.length;
-    const m = b.length;
-    if (n * m > 400000) return [h("mark", { class: "chg" }, text)];
-    const w = m + 1;
-    const dp = new Int32Array((n + 1) * w);
-    for (let i = n - 1; i >= 0; i--) {
-      for (let j = m - 1; j >= 0; j--) dp[i * w + j] = a[i] === b[j] ? dp[(i + 1) * w + j + 1] + 1 : Math.max(dp[(i + 1) * w + j], dp[i * w + j + 1]);
-    }
-    const out = [];
-    let plain = "";
-    let marked = "";
-    const flush = () => {
-      if (plain) { out.push(plain); plain = ""; }
-      if (marked) { out.push(h("mark", { class: "chg" }, marked)); marked = ""; }
-    };
-    let i = 0;
-    let j = 0;
-    while (i < n) {
-      if (j < m && a[i] === b[j]) { if (marked) flush(); plain += a[i]; i++; j++; }
-      else if (j < m && dp[(i + 1) * w + j] < dp[i * w + j + 1]) j++;
-      else { if (plain) flush(); marked += a[i]; i++; }
-    }
-    flush();
-    return out;
-  }
-
-  function toolLine(e) {
-    const args = e.arguments === undefined ? "" : JSON.stringify(e.arguments);
-    return e.name + " " + args + (e.error ? "  ✗ " + e.error : "  → " + JSON.stringify(e.result));
-  }
-
-  async function compareView(ids) {
-    if (ids.length < 2) return h("p", null, "Pick two or more trajectories to compare (tick them in the ", h("a", { href: "#/list" }, "list"), ").");
-    const ts = await Promise.all(ids.map((id) => api("trajectories/" + encodeURIComponent(id), { tree: "false" })));
-    const letters = ts.map((_, i) => String.fromCharCode(65 + (i % 26)) + (i >= 26 ? String(Math.floor(i / 26)) : ""));
-    const rewards = ts.map((t) => t.reward).filter((r) => r !== null);
-    const top = rewards.length ? Math.max(...rewards) : null;
-    const bottom = rewards.length ? Math.min(...rewards) : null;
-    const refOf = (i) => (i === 0 ? 1 : 0); // A is compared with B; every other column with A
-    const columns = "9em " + ts.map(() => "minmax(16em, 1fr)").join(" ");
-    const grid = h("div", { class: "compare-grid", "data-testid": "compare-grid" });
-    grid.style.gridTemplateColumns = columns;
-
-    grid.append(h("div", { class: "rowhead colhead" }, ""));
-    ts.forEach((t, i) => {
-      const a = t.attributes || {};
-      const tag = top !== bottom && t.reward === top ? h("span", { class: "badge good" }, "best") : top !== bottom && t.reward === bottom ? h("span", { class: "badge bad" }, "worst") : null;
-      grid.append(h("div", { class: "colhead", "data-testid": "compare-col", "data-trace-id": t.trace_id },
-        h("div", { class: "row" }, h("strong", null, letters[i]), h("a", { class: "mono", href: "#/t/" + encodeURIComponent(t.trace_id), title: t.trace_id }, fmt.id(t.trace_id)), tag),
-        h("div", { class: "muted" }, "step " + (a.step ?? "—") + " · sample " + (a.sample_index ?? "—") + " · rollout " + (a.rollout_n ?? "—")),
-        h("div", null, "reward ", h("strong", { "data-testid": "compare-reward" }, fmt.reward(t.reward)))));
-    });
-
-    const fields = [
-      ["reward", (t) => fmt.reward(t.reward)], ["turns", (t) => t.turn_count], ["tool calls", (t) => t.tool_calls],
-      ["failed tool calls", (t) => t.tool_errors], ["response tokens", (t) => fmt.int(t.response_tokens)], ["duration", (t) => fmt.dur(t.duration)],
-      ["kept because", (t) => (t.kept_because ? fmt.value(t.kept_because) : "—")], ["error", (t) => t.error || "—"],
-      ["experiment", (t) => fmt.exp((t.attributes || {}).experiment_name)],
-    ];
-    for (const [label, get] of fields) {
-      const values = ts.map(get);
-      grid.append(h("div", { class: "rowhead" }, label));
-      values.forEach((v, i) => grid.append(h("div", { class: String(v) !== String(values[refOf(i)]) ? "differs" : "" }, String(v))));
-    }
-
-    const maxTurns = Math.max(...ts.map((t) => t.turns.length));
-    for (let k = 0; k < maxTurns; k++) {
-      grid.append(h("div", { class: "rowhead" }, "turn " + (k + 1)));
-      ts.forEach((t, i) => {
-        const turn = t.turns[k];
-        if (!turn) { grid.append(h("div", { class: "missing", "data-testid": "compare-cell" }, "no turn " + (k + 1))); return; }
-        const ref = ts[refOf(i)].turns[k];
-        const response = turn.response_text;
-        const refResponse = ref ? ref.response_text : null;
-        const tools = turn.after.filter((e) => e.type === "tool").map(toolLine);
-        const refTools = ref ? ref.after.filter((e) => e.type === "tool").map(toolLine) : [];
-        const differs = !ref || response !== refResponse || tools.join("\n") !== refTools.join("\n");
-        grid.append(h("div", { class: differs ? "differs" : "", "data-testid": "compare-cell" },
-          h("div", { class: "muted" }, fmt.dur(turn.duration) + " · " + fmt.int(turn.response_tokens) + " tokens" + (turn.error ? " · error" : "")),
-          !turn.index || turn.index === 1 ? null : turn.new_context ? h("details", null, h("summary", { class: "muted" }, "context added"), h("pre", { class: "text" }, turn.new_context)) : null,
-          response === null ? h("p", { class: "muted" }, "no decoded text") : h("pre", { class: "text response" }, ref ? diffNodes(response, refResponse) : response),
-          tools.map((line, j) => h("div", { class: "tool" + (turn.after.filter((e) => e.type === "tool")[j].error ? " error" : "") },
-            h("span", { class: "mono" }, ref ? diffNodes(line, refTools[j] === undefined ? "" : refTools[j]) : line)))));
-      });
-    }
-    return h("div", { "data-testid": "compare" },
-      h("h1", null, "Compare " + ts.length + " trajectories"),
-      h("p", { class: "legend" }, h("span", { class: "swatch" }, "cell"), " differs from the reference column (A for the others, B for A); ",
-        h("mark", { class: "chg" }, "marked"), " words are not in the reference. Turns are aligned by number."),
-      grid);
-  }
+  // ---- #/compare : side by side, aligned by turn (static/compare.js) ----------------------------
 
   window.addEventListener("hashchange", render);
   render();
