@@ -36,9 +36,9 @@ from ..spool.store import Spool
 from ..viewer.group_export_api import build_router as build_group_export_router
 from ..viewer.live_api import build_router as build_live_router
 from ..viewer.routes import build_router as build_viewer_router
-from ..viewer.tokens import trajectory_tokens
 from ..viewer.search import QUERY_MAX_CHARS
 from ..viewer.search_api import search_trajectories
+from ..viewer.tokens import trajectory_tokens
 from .auth import BearerAuth
 from .health import health_snapshot
 

@@ -33,8 +33,8 @@ from ..shape import shape
 from ..spool.query import get_trajectory
 from . import StoreOwner
 from .index import SORTS, ListFilter, TrajectoryIndex
-from .tokens import trajectory_tokens
 from .search import QUERY_MAX_CHARS
+from .tokens import trajectory_tokens
 
 STATIC = Path(__file__).with_name("static")
 COOKIE = "tracecar_viewer"
