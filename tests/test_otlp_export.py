@@ -109,7 +109,7 @@ def test_otlp_backend_delivers_the_joined_rollout_tree_with_genai_conventions(st
 
 
 class AnsweringServer:
-    """A loopback HTTP server answering each POST with the next scripted (status, headers, body)."""
+    """A loopback HTTP server answering each POST (or GET) with the next scripted (status, headers, body)."""
 
     def __init__(self, answers: list[tuple[int, dict[str, str], bytes]]) -> None:
         self.answers = answers
@@ -118,7 +118,7 @@ class AnsweringServer:
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802
-                raw = self.rfile.read(int(self.headers["content-length"]))
+                raw = self.rfile.read(int(self.headers.get("content-length") or 0))
                 outer.requests.append(({k.lower(): v for k, v in self.headers.items()}, raw))
                 status, headers, body = outer.answers.pop(0)
                 self.send_response(status)
@@ -127,6 +127,8 @@ class AnsweringServer:
                 self.send_header("content-length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            do_GET = do_POST  # noqa: N815
 
             def log_message(self, *args: Any) -> None:
                 return None
@@ -207,9 +209,40 @@ def test_mlflow_sink_sends_experiment_header_and_mlflow_span_attributes():
     request = ExportTraceServiceRequest.FromString(gzip.decompress(raw))
     sent = {s.name: {a.key: a.value.string_value for a in s.attributes}
             for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans}
-    assert sent["agent_loop"]["mlflow.spanType"] == '"AGENT"'
+    assert sent["agent_loop"]["mlflow.spanType"] == '"UNKNOWN"'  # as VERL's own mlflow backend types every span
+    assert "mlflow.spanInputs" not in sent["agent_loop"]  # VERL's root has no inputs: its attributes are trace tags
+    assert sent["agent_loop"]["mlflow.traceTag.mlflow.traceName"] == '"agent_loop"'
     assert sent["ToolAgentLoop.run"]["mlflow.spanInputs"] == '{"x":0}'
     assert sent["ToolAgentLoop.run"]["mlflow.spanOutputs"] == '{"num_turns":2}'
+    assert not any(k.startswith("gen_ai.") for attrs in sent.values() for k in attrs)  # no sessions VERL never shows
+
+
+def test_mlflow_sink_names_the_experiment_by_the_project_unless_told():
+    """Without an experiment setting, each span's project names its experiment (created once)."""
+    from tracecar.collector.exporters.otlp_sink import MlflowSink
+
+    server = AnsweringServer([
+        (404, {"content-type": "application/json"}, b'{"error_code": "RESOURCE_DOES_NOT_EXIST"}'),
+        (200, {"content-type": "application/json"}, b'{"experiment_id": "7"}'),
+        (200, {}, b""),
+        (200, {}, b""),
+    ])
+    sink = MlflowSink(server.url.removesuffix("/v1/traces"), span_types="typed")
+    spans = [{**s, "project": "verl_project"} for s in _spans()]
+    try:
+        first = asyncio.run(sink.send(spans))
+        second = asyncio.run(sink.send(spans))  # the id is remembered: no second lookup
+        asyncio.run(sink.aclose())
+    finally:
+        server.close()
+    assert len(first.delivered) == len(second.delivered) == 2
+    assert len(server.requests) == 4
+    headers, raw = server.requests[2]
+    assert headers["x-mlflow-experiment-id"] == "7" and server.requests[3][0]["x-mlflow-experiment-id"] == "7"
+    request = ExportTraceServiceRequest.FromString(gzip.decompress(raw))
+    types = {s.name: {a.key: a.value.string_value for a in s.attributes}["mlflow.spanType"]
+             for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans}
+    assert types["agent_loop"] == '"AGENT"'  # span_types="typed"
 
 
 def test_otlp_headers_parse_and_refuse_a_part_without_value():
