@@ -4,8 +4,9 @@
 # With TRACECAR_TEST_WEAVE_SERVER=1 it makes ./.venv-weave52 (weave's own trace server) so the
 # Weave read-back tests run instead of skipping.
 # With TRACECAR_TEST_OTLP_SERVERS=1 it makes ./.venv-mlflow (MLflow's server) and ./.venv-phoenix (Phoenix) for the exporters' read-back tests.
-# With TRACECAR_TEST_VERL=1 it then runs the VERL adapter tests and the Weave parity harness
-# (tests/test_weave_parity.py, which also needs .venv-weave52) against the real verl package in
+# With TRACECAR_TEST_VERL=1 it then runs the VERL adapter tests and the Weave and MLflow parity harnesses
+# (tests/test_weave_parity.py, which also needs .venv-weave52; tests/test_mlflow_parity.py, which also
+# needs .venv-mlflow) against the real verl package in
 # ./.venv-verl (CPU torch 2.13.0 from this machine's wheel directory; about 2 GB, 3 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,9 +34,13 @@ if [ "${TRACECAR_TEST_VERL:-0}" = 1 ]; then
   .venv-verl/bin/python -m pip install -q --upgrade pip
   .venv-verl/bin/python -m pip install -q torch==2.13.0          # first, so verl never pulls a CUDA build
   PYTHONWARNINGS=ignore::UserWarning .venv-verl/bin/python -m pip install -q verl==0.9.1 cachetools uvicorn fastapi -e ".[dev]"
-  # the adapter against real VERL; then the parity harness: VERL's own weave backend vs tracecar,
-  # both read back from weave's own trace server (skips without .venv-weave52)
-  .venv-verl/bin/python -m pytest -p no:cacheprovider -q tests/test_verl_adapter.py tests/test_weave_parity.py
+  # MLflow's SDK for VERL's own trace.backend=mlflow (the mlflow parity harness's baseline)
+  .venv-verl/bin/python -m pip install -q mlflow-skinny==3.17.2
+  # the adapter against real VERL; then the parity harnesses: VERL's own weave / mlflow backend vs
+  # tracecar, read back from weave's own trace server / a real mlflow server (each skips without
+  # .venv-weave52 / .venv-mlflow)
+  .venv-verl/bin/python -m pytest -p no:cacheprovider -q tests/test_verl_adapter.py tests/test_weave_parity.py \
+    tests/test_mlflow_parity.py
 fi
 if [ "${TRACECAR_TEST_PY310:-0}" = 1 ]; then
   PY310=""  # a working 3.10: on PATH, or a pyenv install (its shim fails when 3.10 is not selected)

@@ -36,7 +36,9 @@ def mlflow_server(tmp_path: Path) -> Any:
 
 
 def test_verl_rollout_with_engine_spans_reads_back_from_mlflow(mlflow_server, start_collector, tracer_to):
-    col = start_collector(backend="mlflow", mlflow_tracking_uri=mlflow_server, mlflow_experiment_name="verl_project")
+    # typed span types here; VERL's own view (every span UNKNOWN) is tests/test_mlflow_parity.py's
+    col = start_collector(backend="mlflow", mlflow_tracking_uri=mlflow_server, mlflow_experiment_name="verl_project",
+                          mlflow_span_types="typed")
     tracer = tracer_to(col.url)
     engine = VllmEngine(col.url + "/v1/traces")
     trace_id = verl_rollout(engine)
@@ -52,6 +54,9 @@ def test_verl_rollout_with_engine_spans_reads_back_from_mlflow(mlflow_server, st
             break
         time.sleep(1)
     assert len(traces) == 1 and trace_id in traces[0]["trace_id"], traces
+    tags = traces[0]["tags"]  # VERL's rollout_trace_attr attributes, as its mlflow backend tags the trace
+    assert {k: tags.get(k) for k in ("mlflow.traceName", "step", "sample_index", "rollout_n", "validate")} == {
+        "mlflow.traceName": "agent_loop", "step": "5", "sample_index": "3", "rollout_n": "0", "validate": "False"}
     by_name: dict[str, list[dict[str, Any]]] = {}
     for s in spans:
         by_name.setdefault(s["name"].rsplit(".", 1)[-1], []).append(s)
