@@ -69,9 +69,9 @@ def _run_verl_mlflow(url: str, model_dir: Path, tokenizer: Any) -> None:
 
     tv.uninstall()
     verl_rt.RolloutTraceConfig.reset()
-    # MLflow's SDK exports each trace from a background queue, which lost traces here under load
-    # (9 or 7 of 12 read back after 90 s); exporting as each root span ends changes what is sent
-    # in no way, only when
+    # MLflow's SDK exports each trace from a background queue, which on a loaded 2-core machine
+    # left 3 to 5 of the 12 traces unread after 90 s; exporting as each root span ends changes
+    # when a trace is sent, not what
     with Env(MLFLOW_TRACKING_URI=url, TRACECAR_URL=None, MLFLOW_ENABLE_ASYNC_TRACE_LOGGING="false", **NO_TELEMETRY):
         import mlflow
 

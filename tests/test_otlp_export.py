@@ -245,6 +245,32 @@ def test_mlflow_sink_names_the_experiment_by_the_project_unless_told():
     assert types["agent_loop"] == '"AGENT"'  # span_types="typed"
 
 
+def test_mlflow_attributes_of_a_failed_op_and_of_a_pydantic_output():
+    """VERL's backend: a raised op has no outputs, status ERROR, log level ERROR and a stack trace;
+    a returned one status OK; a model's fields without weave's envelope (MLflow's model_dump())."""
+    from tracecar.collector.exporters.otlp_sink import MlflowSink, plain_objects
+
+    root, op = _spans()
+    failed = {**op, "span_id": op["span_id"][:-1] + "9", "output": None, "exception": "RuntimeError: boom",
+              "exception_info": {"type": "RuntimeError", "message": "boom", "traceback": [
+                  {"filename": "tool.py", "line_number": 3, "function_name": "execute", "text": "raise RuntimeError('boom')"}]}}
+    model = {"_type": "ToolResponse", "text": "5", "image": None, "_class_name": "ToolResponse", "_bases": ["BaseModel"]}
+    returned = {**op, "output": [model, 1.0, {"_type": "not an envelope"}]}
+    request = ExportTraceServiceRequest.FromString(gzip.decompress(MlflowSink("http://127.0.0.1:1", "1").encode([root, returned, failed])))
+    sent = {s.span_id.hex(): s for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans}
+    ok, bad = sent[returned["span_id"][16:]], sent[failed["span_id"][16:]]
+    attrs = {a.key: a.value for a in bad.attributes}
+    assert "mlflow.spanOutputs" not in attrs and attrs["mlflow.spanLogLevel"].int_value == 40
+    assert bad.status.code == bad.status.STATUS_CODE_ERROR and bad.status.message == "RuntimeError: boom"
+    [event] = bad.events
+    stack = {a.key: a.value.string_value for a in event.attributes}["exception.stacktrace"]
+    assert stack.startswith("Traceback (most recent call last):\n  File \"tool.py\", line 3, in execute") and stack.endswith("RuntimeError: boom")
+    assert ok.status.code == ok.status.STATUS_CODE_OK
+    assert {a.key: a.value.string_value for a in ok.attributes}["mlflow.spanOutputs"] == \
+        '[{"text":"5","image":null},1.0,{"_type":"not an envelope"}]'
+    assert plain_objects({"a": [model]}) == {"a": [{"text": "5", "image": None}]}
+
+
 def test_otlp_headers_parse_and_refuse_a_part_without_value():
     assert parse_headers("a=1, b = two=2 ,") == {"a": "1", "b": "two=2"}
     with pytest.raises(ValueError, match="part 2 has no 'name=value'") as caught:
