@@ -4,9 +4,8 @@
 # With TRACECAR_TEST_WEAVE_SERVER=1 it makes ./.venv-weave52 (weave's own trace server) so the
 # Weave read-back tests run instead of skipping.
 # With TRACECAR_TEST_OTLP_SERVERS=1 it makes ./.venv-mlflow (MLflow's server) and ./.venv-phoenix (Phoenix) for the exporters' read-back tests.
-# With TRACECAR_TEST_VERL=1 it then runs the VERL adapter tests and the Weave and MLflow parity harnesses
-# (tests/test_weave_parity.py, which also needs .venv-weave52; tests/test_mlflow_parity.py, which also
-# needs .venv-mlflow) against the real verl package in
+# With TRACECAR_TEST_VERL=1 it then runs the VERL adapter tests and the Weave parity harness
+# (tests/test_weave_parity.py, which also needs .venv-weave52) against the real verl package in
 # ./.venv-verl (CPU torch 2.13.0 from this machine's wheel directory; about 2 GB, 3 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."

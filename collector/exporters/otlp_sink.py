@@ -18,6 +18,7 @@ Header values (tokens) never reach logs: errors name the status and the server's
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import logging
 from collections.abc import Mapping, Sequence
@@ -224,12 +225,7 @@ class MlflowSink(OtlpSink):
                                   retry_reason=f"mlflow: {type(exc).__name__} resolving experiment {experiment!r}")
             else:
                 part = await self._post(group, {"x-mlflow-experiment-id": experiment_id})
-            result.delivered += part.delivered
-            result.retryable += part.retryable
-            result.rejected.update(part.rejected)
-            if part.retry_after is not None:
-                result.retry_after = max(part.retry_after, result.retry_after or 0.0)
-            result.retry_reason = part.retry_reason or result.retry_reason
+            result = _combined(result, part)
         return result
 
     async def _experiment_id(self, name: str) -> str:
@@ -254,6 +250,25 @@ def plain_objects(value: Any, depth: int = 0) -> Any:
     if isinstance(value, list):
         return [plain_objects(v, depth + 1) for v in value]
     return value
+
+
+def _combined(a: SendResult, b: SendResult) -> SendResult:
+    """Two requests' results as one: id lists and maps joined, counts added, the largest
+    Retry-After, the latest reason (field by field, so new SendResult fields combine too)."""
+    out = {}
+    for f in dataclasses.fields(SendResult):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, list):
+            out[f.name] = x + y
+        elif isinstance(x, dict):
+            out[f.name] = {**x, **y}
+        elif f.name == "retry_after":
+            out[f.name] = y if x is None else x if y is None else max(x, y)
+        elif isinstance(x, int) and isinstance(y, int) and not isinstance(x, bool):
+            out[f.name] = x + y
+        else:
+            out[f.name] = y if y is not None else x
+    return SendResult(**out)
 
 
 def _verl_str(value: Any) -> str:
