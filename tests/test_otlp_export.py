@@ -245,6 +245,29 @@ def test_mlflow_sink_names_the_experiment_by_the_project_unless_told():
     assert types["agent_loop"] == '"AGENT"'  # span_types="typed"
 
 
+def test_mlflow_sink_sends_one_request_per_experiment_and_joins_the_answers():
+    """Two projects in one batch: two experiments, two requests; one busy, one accepted."""
+    from tracecar.collector.exporters.otlp_sink import MlflowSink
+
+    server = AnsweringServer([
+        (200, {"content-type": "application/json"}, b'{"experiment": {"experiment_id": "1"}}'),
+        (503, {"retry-after": "3"}, b""),
+        (200, {"content-type": "application/json"}, b'{"experiment": {"experiment_id": "2"}}'),
+        (200, {}, b""),
+    ])
+    root, op = _spans()
+    other = {**op, "span_id": op["span_id"][:-1] + "9", "project": "b"}
+    sink = MlflowSink(server.url.removesuffix("/v1/traces"))
+    try:
+        result = asyncio.run(sink.send([{**root, "project": "a"}, {**op, "project": "a"}, other]))
+        asyncio.run(sink.aclose())
+    finally:
+        server.close()
+    assert sorted(result.retryable) == sorted([root["span_id"], op["span_id"]]) and result.retry_after == 3
+    assert result.delivered == [other["span_id"]] and not result.rejected
+    assert [h.get("x-mlflow-experiment-id") for h, _ in server.requests] == [None, "1", None, "2"]
+
+
 def test_mlflow_attributes_of_a_failed_op_and_of_a_pydantic_output():
     """VERL's backend: a raised op has no outputs, status ERROR, log level ERROR and a stack trace;
     a returned one status OK; a model's fields without weave's envelope (MLflow's model_dump())."""
