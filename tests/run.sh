@@ -35,9 +35,13 @@ if [ "${TRACECAR_TEST_VERL:-0}" = 1 ]; then
   .venv-verl/bin/python -m pip install -q --upgrade pip
   .venv-verl/bin/python -m pip install -q torch==2.13.0          # first, so verl never pulls a CUDA build
   PYTHONWARNINGS=ignore::UserWarning .venv-verl/bin/python -m pip install -q verl==0.9.1 cachetools uvicorn fastapi -e ".[dev]"
-  # the adapter against real VERL; then the parity harness: VERL's own weave backend vs tracecar,
-  # both read back from weave's own trace server (skips without .venv-weave52)
-  .venv-verl/bin/python -m pytest -p no:cacheprovider -q tests/test_verl_adapter.py tests/test_weave_parity.py
+  # MLflow's SDK for VERL's own trace.backend=mlflow (the mlflow parity harness's baseline)
+  .venv-verl/bin/python -m pip install -q mlflow-skinny==3.17.2
+  # the adapter against real VERL; then the parity harnesses: VERL's own weave / mlflow backend vs
+  # tracecar, read back from weave's own trace server / a real mlflow server (each skips without
+  # .venv-weave52 / .venv-mlflow)
+  .venv-verl/bin/python -m pytest -p no:cacheprovider -q tests/test_verl_adapter.py tests/test_weave_parity.py \
+    tests/test_mlflow_parity.py
 fi
 if [ "${TRACECAR_TEST_PY310:-0}" = 1 ]; then
   PY310=""  # a working 3.10: on PATH, or a pyenv install (its shim fails when 3.10 is not selected)

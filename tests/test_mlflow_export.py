@@ -9,84 +9,36 @@ made by tests/run.sh under ``TRACECAR_TEST_OTLP_SERVERS=1``).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from conftest import free_port
+from mlflow_kit import have_mlflow
+from mlflow_kit import mlflow_server as start_mlflow_server
+from mlflow_kit import read_back as _read_back
 from test_otlp_export import verl_rollout
 from test_otlp_receiver import VllmEngine
 
-MLFLOW_PYTHON = os.environ.get("TRACECAR_MLFLOW_SERVER_PYTHON", "")
 pytestmark = [
     pytest.mark.timeout(300),
-    pytest.mark.skipif(not (MLFLOW_PYTHON and Path(MLFLOW_PYTHON).exists()),
+    pytest.mark.skipif(not have_mlflow(),
                        reason="needs MLflow's venv: TRACECAR_MLFLOW_SERVER_PYTHON (tests/run.sh makes .venv-mlflow "
                               "with TRACECAR_TEST_OTLP_SERVERS=1)"),
 ]
 
-READ_BACK = """
-import json, sys, mlflow
-mlflow.set_tracking_uri(sys.argv[1])
-exp = mlflow.get_experiment_by_name(sys.argv[2])
-traces = mlflow.search_traces(locations=[exp.experiment_id], return_type="list")
-out = []
-for t in traces:
-    full = mlflow.get_trace(t.info.trace_id)
-    out.append({"trace_id": full.info.trace_id, "spans": [
-        {"name": s.name, "span_id": s.span_id, "parent_id": s.parent_id, "span_type": s.span_type,
-         "inputs": s.inputs, "outputs": s.outputs, "attributes": {k: v for k, v in s.attributes.items()}}
-        for s in full.data.spans]})
-print(json.dumps(out, default=repr))
-"""
-
 
 @pytest.fixture
 def mlflow_server(tmp_path: Path) -> Any:
-    port = free_port()
-    work = tmp_path / "mlflow"
-    work.mkdir()
-    log = open(tmp_path / "mlflow.log", "wb")
-    bin_dir = Path(MLFLOW_PYTHON).parent
-    proc = subprocess.Popen(
-        [str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{work}/mlflow.db", "--default-artifact-root", str(work / "artifacts")],
-        cwd=work, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "MLFLOW_TRACKING_URI": ""})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("mlflow server did not start: " + (tmp_path / "mlflow.log").read_text()[-3000:])
-        time.sleep(0.5)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
-
-
-def _read_back(url: str, experiment: str) -> list[dict[str, Any]]:
-    done = subprocess.run([MLFLOW_PYTHON, "-c", READ_BACK, url, experiment], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    with start_mlflow_server(tmp_path / "mlflow") as url:
+        yield url
 
 
 def test_verl_rollout_with_engine_spans_reads_back_from_mlflow(mlflow_server, start_collector, tracer_to):
-    col = start_collector(backend="mlflow", mlflow_tracking_uri=mlflow_server, mlflow_experiment_name="verl_project")
+    # typed span types here; VERL's own view (every span UNKNOWN) is tests/test_mlflow_parity.py's
+    col = start_collector(backend="mlflow", mlflow_tracking_uri=mlflow_server, mlflow_experiment_name="verl_project",
+                          mlflow_span_types="typed")
     tracer = tracer_to(col.url)
     engine = VllmEngine(col.url + "/v1/traces")
     trace_id = verl_rollout(engine)
@@ -102,6 +54,9 @@ def test_verl_rollout_with_engine_spans_reads_back_from_mlflow(mlflow_server, st
             break
         time.sleep(1)
     assert len(traces) == 1 and trace_id in traces[0]["trace_id"], traces
+    tags = traces[0]["tags"]  # VERL's rollout_trace_attr attributes, as its mlflow backend tags the trace
+    assert {k: tags.get(k) for k in ("mlflow.traceName", "step", "sample_index", "rollout_n", "validate")} == {
+        "mlflow.traceName": "agent_loop", "step": "5", "sample_index": "3", "rollout_n": "0", "validate": "False"}
     by_name: dict[str, list[dict[str, Any]]] = {}
     for s in spans:
         by_name.setdefault(s["name"].rsplit(".", 1)[-1], []).append(s)

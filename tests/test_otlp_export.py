@@ -109,7 +109,7 @@ def test_otlp_backend_delivers_the_joined_rollout_tree_with_genai_conventions(st
 
 
 class AnsweringServer:
-    """A loopback HTTP server answering each POST with the next scripted (status, headers, body)."""
+    """A loopback HTTP server answering each POST (or GET) with the next scripted (status, headers, body)."""
 
     def __init__(self, answers: list[tuple[int, dict[str, str], bytes]]) -> None:
         self.answers = answers
@@ -118,7 +118,7 @@ class AnsweringServer:
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802
-                raw = self.rfile.read(int(self.headers["content-length"]))
+                raw = self.rfile.read(int(self.headers.get("content-length") or 0))
                 outer.requests.append(({k.lower(): v for k, v in self.headers.items()}, raw))
                 status, headers, body = outer.answers.pop(0)
                 self.send_response(status)
@@ -127,6 +127,8 @@ class AnsweringServer:
                 self.send_header("content-length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            do_GET = do_POST  # noqa: N815
 
             def log_message(self, *args: Any) -> None:
                 return None
@@ -207,9 +209,89 @@ def test_mlflow_sink_sends_experiment_header_and_mlflow_span_attributes():
     request = ExportTraceServiceRequest.FromString(gzip.decompress(raw))
     sent = {s.name: {a.key: a.value.string_value for a in s.attributes}
             for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans}
-    assert sent["agent_loop"]["mlflow.spanType"] == '"AGENT"'
+    assert sent["agent_loop"]["mlflow.spanType"] == '"UNKNOWN"'  # as VERL's own mlflow backend types every span
+    assert "mlflow.spanInputs" not in sent["agent_loop"]  # VERL's root has no inputs: its attributes are trace tags
+    assert sent["agent_loop"]["mlflow.traceTag.mlflow.traceName"] == '"agent_loop"'
     assert sent["ToolAgentLoop.run"]["mlflow.spanInputs"] == '{"x":0}'
     assert sent["ToolAgentLoop.run"]["mlflow.spanOutputs"] == '{"num_turns":2}'
+    assert not any(k.startswith("gen_ai.") for attrs in sent.values() for k in attrs)  # no sessions VERL never shows
+
+
+def test_mlflow_sink_names_the_experiment_by_the_project_unless_told():
+    """Without an experiment setting, each span's project names its experiment (created once)."""
+    from tracecar.collector.exporters.otlp_sink import MlflowSink
+
+    server = AnsweringServer([
+        (404, {"content-type": "application/json"}, b'{"error_code": "RESOURCE_DOES_NOT_EXIST"}'),
+        (200, {"content-type": "application/json"}, b'{"experiment_id": "7"}'),
+        (200, {}, b""),
+        (200, {}, b""),
+    ])
+    sink = MlflowSink(server.url.removesuffix("/v1/traces"), span_types="typed")
+    spans = [{**s, "project": "verl_project"} for s in _spans()]
+    try:
+        first = asyncio.run(sink.send(spans))
+        second = asyncio.run(sink.send(spans))  # the id is remembered: no second lookup
+        asyncio.run(sink.aclose())
+    finally:
+        server.close()
+    assert len(first.delivered) == len(second.delivered) == 2
+    assert len(server.requests) == 4
+    headers, raw = server.requests[2]
+    assert headers["x-mlflow-experiment-id"] == "7" and server.requests[3][0]["x-mlflow-experiment-id"] == "7"
+    request = ExportTraceServiceRequest.FromString(gzip.decompress(raw))
+    types = {s.name: {a.key: a.value.string_value for a in s.attributes}["mlflow.spanType"]
+             for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans}
+    assert types["agent_loop"] == '"AGENT"'  # span_types="typed"
+
+
+def test_mlflow_sink_sends_one_request_per_experiment_and_joins_the_answers():
+    """Two projects in one batch: two experiments, two requests; one busy, one accepted."""
+    from tracecar.collector.exporters.otlp_sink import MlflowSink
+
+    server = AnsweringServer([
+        (200, {"content-type": "application/json"}, b'{"experiment": {"experiment_id": "1"}}'),
+        (503, {"retry-after": "3"}, b""),
+        (200, {"content-type": "application/json"}, b'{"experiment": {"experiment_id": "2"}}'),
+        (200, {}, b""),
+    ])
+    root, op = _spans()
+    other = {**op, "span_id": op["span_id"][:-1] + "9", "project": "b"}
+    sink = MlflowSink(server.url.removesuffix("/v1/traces"))
+    try:
+        result = asyncio.run(sink.send([{**root, "project": "a"}, {**op, "project": "a"}, other]))
+        asyncio.run(sink.aclose())
+    finally:
+        server.close()
+    assert sorted(result.retryable) == sorted([root["span_id"], op["span_id"]]) and result.retry_after == 3
+    assert result.delivered == [other["span_id"]] and not result.rejected
+    assert [h.get("x-mlflow-experiment-id") for h, _ in server.requests] == [None, "1", None, "2"]
+
+
+def test_mlflow_attributes_of_a_failed_op_and_of_a_pydantic_output():
+    """VERL's backend: a raised op has no outputs, status ERROR, log level ERROR and a stack trace;
+    a returned one status OK; a model's fields without weave's envelope (MLflow's model_dump())."""
+    from tracecar.collector.exporters.otlp_sink import MlflowSink, plain_objects
+
+    root, op = _spans()
+    failed = {**op, "span_id": op["span_id"][:-1] + "9", "output": None, "exception": "RuntimeError: boom",
+              "exception_info": {"type": "RuntimeError", "message": "boom", "traceback": [
+                  {"filename": "tool.py", "line_number": 3, "function_name": "execute", "text": "raise RuntimeError('boom')"}]}}
+    model = {"_type": "ToolResponse", "text": "5", "image": None, "_class_name": "ToolResponse", "_bases": ["BaseModel"]}
+    returned = {**op, "output": [model, 1.0, {"_type": "not an envelope"}]}
+    request = ExportTraceServiceRequest.FromString(gzip.decompress(MlflowSink("http://127.0.0.1:1", "1").encode([root, returned, failed])))
+    sent = {s.span_id.hex(): s for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans}
+    ok, bad = sent[returned["span_id"][16:]], sent[failed["span_id"][16:]]
+    attrs = {a.key: a.value for a in bad.attributes}
+    assert "mlflow.spanOutputs" not in attrs and attrs["mlflow.spanLogLevel"].int_value == 40
+    assert bad.status.code == bad.status.STATUS_CODE_ERROR and bad.status.message == "RuntimeError: boom"
+    [event] = bad.events
+    stack = {a.key: a.value.string_value for a in event.attributes}["exception.stacktrace"]
+    assert stack.startswith("Traceback (most recent call last):\n  File \"tool.py\", line 3, in execute") and stack.endswith("RuntimeError: boom")
+    assert ok.status.code == ok.status.STATUS_CODE_OK
+    assert {a.key: a.value.string_value for a in ok.attributes}["mlflow.spanOutputs"] == \
+        '[{"text":"5","image":null},1.0,{"_type":"not an envelope"}]'
+    assert plain_objects({"a": [model]}) == {"a": [{"text": "5", "image": None}]}
 
 
 def test_otlp_headers_parse_and_refuse_a_part_without_value():

@@ -137,13 +137,29 @@ def genai_attributes(span: Mapping[str, Any], *, aggregates: bool, content: bool
     return out
 
 
-def _exception_event(text: str, at_ns: int) -> tuple[str, trace_pb2.Span.Event]:
+def _exception_event(text: str, at_ns: int, info: Any = None) -> tuple[str, trace_pb2.Span.Event]:
     first, _, trace = text.partition("\n")
     kind, sep, message = first.partition(": ")
     attrs = {"exception.type": kind if sep else "Exception", "exception.message": message if sep else first}
-    if trace:
-        attrs["exception.stacktrace"] = trace
+    stacktrace = trace or _stacktrace(info, first)
+    if stacktrace:
+        attrs["exception.stacktrace"] = stacktrace
     return first, trace_pb2.Span.Event(name="exception", time_unix_nano=at_ns, attributes=_key_values(attrs))
+
+
+def _stacktrace(info: Any, last_line: str) -> str | None:
+    """The client's traceback frames (``exception_info``) in Python's own traceback text."""
+    frames = info.get("traceback") if isinstance(info, Mapping) else None
+    if not isinstance(frames, list) or not frames:
+        return None
+    lines = ["Traceback (most recent call last):"]
+    for f in frames:
+        if isinstance(f, Mapping):
+            lines.append(f'  File "{f.get("filename")}", line {f.get("line_number")}, in {f.get("function_name")}')
+            if f.get("text"):
+                lines.append(f"    {f['text']}")
+    lines.append(last_line)
+    return "\n".join(lines)
 
 
 def _json(value: Any, limit: int) -> str:
@@ -152,8 +168,9 @@ def _json(value: Any, limit: int) -> str:
 
 
 def to_otlp_span(span: Mapping[str, Any], *, aggregates: bool = False, content: bool = False,
-                 max_content_chars: int = 1_000_000) -> trace_pb2.Span:
-    """One stored tracecar span (not an annotation) as an OTLP span."""
+                 max_content_chars: int = 1_000_000, genai: bool = True, ok_status: bool = False) -> trace_pb2.Span:
+    """One stored tracecar span (not an annotation) as an OTLP span (``genai``: with ``gen_ai.*``;
+    ``ok_status``: a call that returned is ``STATUS_CODE_OK``, as MLflow's SDK marks it, not UNSET)."""
     trace_id, span_id, parent = span["trace_id"], span["span_id"], span.get("parent_id")
     attrs = dict(span.get("attributes") or {})
     otel = attrs.pop("otel", None)
@@ -178,18 +195,20 @@ def to_otlp_span(span: Mapping[str, Any], *, aggregates: bool = False, content: 
                 out.events.append(trace_pb2.Span.Event(name=str(event.get("name", "")),
                                                        time_unix_nano=int(float(event.get("time") or 0) * 1e9),
                                                        attributes=_key_values(event.get("attributes") or {})))
-        out.attributes.extend(_key_values({**attrs, "gen_ai.conversation.id": trace_id}))
+        out.attributes.extend(_key_values({**attrs, "gen_ai.conversation.id": trace_id} if genai else attrs))
         return out
     out.span_id = span_id_bytes(span_id, trace_id)
     if parent:
         out.parent_span_id = span_id_bytes(parent, trace_id)
     out.kind = trace_pb2.Span.SPAN_KIND_INTERNAL
     exception = span.get("exception")
+    if ok_status and not exception:
+        out.status.code = trace_pb2.Status.STATUS_CODE_OK
     if isinstance(exception, str) and exception:
-        message, event = _exception_event(exception, out.end_time_unix_nano)
+        message, event = _exception_event(exception, out.end_time_unix_nano, span.get("exception_info"))
         out.status.code, out.status.message = trace_pb2.Status.STATUS_CODE_ERROR, message
         out.events.append(event)
-    values: dict[str, Any] = genai_attributes(span, aggregates=aggregates, content=content)
+    values: dict[str, Any] = genai_attributes(span, aggregates=aggregates, content=content) if genai else {}
     values.update({f"tracecar.{k}": v for k, v in attrs.items()})
     for key in ("worker", "project", "kind"):
         if span.get(key) is not None:
@@ -207,13 +226,15 @@ def _otel_id(value: Any) -> bytes | None:
 
 def to_otlp_request(spans: Iterable[Mapping[str, Any]], *, service_name: str = "tracecar", content: bool = False,
                     max_content_chars: int = 1_000_000,
-                    extra: Callable[[Mapping[str, Any], bool], Mapping[str, Any]] | None = None) -> ExportTraceServiceRequest:
+                    extra: Callable[[Mapping[str, Any], bool], Mapping[str, Any]] | None = None,
+                    genai: bool = True, ok_status: bool = False) -> ExportTraceServiceRequest:
     """Stored spans as one export request: tracecar's under one resource, OTLP ones under their own.
 
     Annotations are not spans (rewards merge into the trajectory upstream) and are left out.
     Whether an LLM call aggregates others is judged among the spans given (a whole trajectory
     is the unit the spool forwards). ``extra(span, aggregates)`` adds a destination's own
-    attributes (MLflow's ``mlflow.span*``) to each span.
+    attributes (MLflow's ``mlflow.span*``) to each span; ``genai=False`` leaves the ``gen_ai.*``
+    conventions out (MLflow reads them into sessions and token usage VERL's backend never shows).
     """
     spans = [s for s in spans if s.get("kind") != "annotation"]
     children: dict[str, list[Mapping[str, Any]]] = {}
@@ -240,7 +261,8 @@ def to_otlp_request(spans: Iterable[Mapping[str, Any]], *, service_name: str = "
             scope_spans.scope.attributes.extend(_key_values(scope.get("attributes") or {}))
             groups[key] = scope_spans
         aggregates = bool(_own_children(s["span_id"], children))
-        out = to_otlp_span(s, aggregates=aggregates, content=content, max_content_chars=max_content_chars)
+        out = to_otlp_span(s, aggregates=aggregates, content=content, max_content_chars=max_content_chars, genai=genai,
+                           ok_status=ok_status)
         if extra is not None:
             out.attributes.extend(_key_values(extra(s, aggregates)))
         scope_spans.spans.append(out)
