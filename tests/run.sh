@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 if [ "${TRACECAR_TEST_WEAVE_SERVER:-0}" = 1 ]; then
   # weave 0.52.42 is the last wheel with weave's own SQLite trace server: the forwarding tests
-  # read what tracecar sent back through weave's query API (tests/weave_stub.py).
+  # read what tracecar sent back through weave's query API (tests/support/weave_server.py).
   [ -x .venv-weave52/bin/python ] || "$PYTHON" -m venv .venv-weave52
   .venv-weave52/bin/python -m pip install -q weave==0.52.42 emoji sqlparse redis clickhouse_connect ddtrace
   export TRACECAR_WEAVE_SERVER_PYTHON="$PWD/.venv-weave52/bin/python"

@@ -16,12 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from conftest import free_port
-from test_otlp_export import verl_rollout
-from test_otlp_receiver import VllmEngine
+from tests.support import free_port, start_service
+from tests.test_otlp_export import verl_rollout
+from tests.test_otlp_receiver import VllmEngine
 
 MLFLOW_PYTHON = os.environ.get("TRACECAR_MLFLOW_SERVER_PYTHON", "")
 pytestmark = [
@@ -52,31 +51,15 @@ def mlflow_server(tmp_path: Path) -> Any:
     port = free_port()
     work = tmp_path / "mlflow"
     work.mkdir()
-    log = open(tmp_path / "mlflow.log", "wb")
     bin_dir = Path(MLFLOW_PYTHON).parent
-    proc = subprocess.Popen(
+    service = start_service(
+        "mlflow server",
         [str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{work}/mlflow.db", "--default-artifact-root", str(work / "artifacts")],
-        cwd=work, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "MLFLOW_TRACKING_URI": ""})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("mlflow server did not start: " + (tmp_path / "mlflow.log").read_text()[-3000:])
-        time.sleep(0.5)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+        f"http://127.0.0.1:{port}/health", tmp_path / "mlflow.log", timeout=120, poll_s=0.5, stdout_to_log=True,
+        cwd=work, env={**os.environ, "MLFLOW_TRACKING_URI": ""})
+    yield service.url
+    service.stop(30)
 
 
 def _read_back(url: str, experiment: str) -> list[dict[str, Any]]:

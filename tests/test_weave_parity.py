@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import re
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,10 +41,8 @@ pytest.importorskip("verl.experimental.agent_loop.tool_agent_loop")
 pytest.importorskip("hydra")
 pytest.importorskip("weave")
 
-try:
-    from weave_stub import WeaveSqliteServer, weave_server_python
-except ImportError:  # pragma: no cover - run from the repo root
-    from tests.weave_stub import WeaveSqliteServer, weave_server_python
+from tests.support import free_port, serve_in_thread
+from tests.support.weave_stub import WeaveSqliteServer, weave_server_python
 
 if weave_server_python() is None:
     pytest.skip("needs a venv with weave==0.52.42 (see weave_stub.weave_server_python)", allow_module_level=True)
@@ -56,7 +53,7 @@ from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse  # noqa: E
 from verl.utils import rollout_trace as verl_rt  # noqa: E402
 from verl.utils.rollout_trace import rollout_trace_op  # noqa: E402  (VERL's, as a user's tool would)
 
-from test_verl_adapter import (  # noqa: E402  (the adapter tests' tiny model and VERL config)
+from tests.test_verl_adapter import (  # noqa: E402  (the adapter tests' tiny model and VERL config)
     CHAT_TEMPLATE,  # noqa: F401
     FakeLoadBalancer,
     _Remote,
@@ -235,26 +232,10 @@ def _run_verl_weave(server_url: str, model_dir: Path, tokenizer: Any) -> None:
                 provider.shutdown()
 
 
-def _start_collector(data_dir: Path, **settings: Any) -> tuple[str, Any, threading.Thread]:
-    import uvicorn
-
-    from tracecar.collector.service.app import create_app
-    from tracecar.collector.service.server import _DrainingServer
+def _start_collector(data_dir: Path, **settings: Any) -> Any:
     from tracecar.collector.settings import CollectorSettings
 
-    from conftest import free_port, wait_ready
-
-    port = free_port()
-    s = CollectorSettings(host="127.0.0.1", port=port, data_dir=data_dir, **settings)
-    app = create_app(s)
-    server = _DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False,
-                                            lifespan="on"), app.state.collector, 0.0)
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url)
-    return url, server, thread
+    return serve_in_thread(CollectorSettings(host="127.0.0.1", port=free_port(), data_dir=data_dir, **settings))
 
 
 def _run_tracecar(server_url: str, model_dir: Path, tokenizer: Any, data_dir: Path) -> dict[str, Any]:
@@ -262,9 +243,10 @@ def _run_tracecar(server_url: str, model_dir: Path, tokenizer: Any, data_dir: Pa
     import tracecar.client.verl as tv
     from tracecar.client import get_tracer, tracer
 
-    url, server, thread = _start_collector(
+    collector = _start_collector(
         data_dir, backend="weave", wandb_api_key=API_KEY, wandb_entity=ENTITY, wandb_project="unused",
         weave_server_url=server_url, token2text=True, tokenizer=str(model_dir))
+    url = collector.url
     tv.uninstall()
     verl_rt.RolloutTraceConfig.reset()
     env = dict(TRACECAR_URL=url, TRACECAR_FLUSH_INTERVAL_S="0.02", WEAVE_DISABLED="true",
@@ -290,8 +272,7 @@ def _run_tracecar(server_url: str, model_dir: Path, tokenizer: Any, data_dir: Pa
         tv.uninstall()
         verl_rt.RolloutTraceConfig.reset()
         tracer.shutdown(5)
-        server.should_exit = True
-        thread.join(30)
+        collector.stop()
 
 
 class Project:

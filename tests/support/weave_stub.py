@@ -16,7 +16,7 @@ Routes answered (everything else answers 200 ``{}``): ``POST /v2/{entity}/{proje
 (the batch route weave 0.54 uses), ``GET /server_info``, ``POST /obj/create`` and
 ``POST /file/create`` (what weave's own client calls when it publishes an op),
 ``POST /calls/stream_query`` (answers no calls) and ``POST /graphql`` (the W&B viewer query,
-answering :attr:`WeaveStub.default_entity`). Use the ``weave_stub`` fixture or the
+answering :attr:`WeaveStub.default_entity`). Use the ``weave_stub`` fixture (tests/conftest.py) or the
 context manager directly.
 
 :class:`WeaveSqliteServer` is the other end of the scale: weave's *own* trace server (the
@@ -36,14 +36,11 @@ import subprocess
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from email.parser import BytesParser
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 CALLS_COMPLETE_RE = re.compile(r"^/v2/(?P<entity>[^/]+)/(?P<project>[^/]+)/calls/complete$")
 
@@ -387,7 +384,7 @@ def weave_server_python() -> str | None:
     Make one with ``python -m venv V && V/bin/pip install weave==0.52.42 emoji sqlparse
     redis clickhouse_connect ddtrace``.
     """
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     candidates = [os.environ.get("TRACECAR_WEAVE_SERVER_PYTHON"),
                   str(repo / ".venv-weave52" / "bin" / "python"),
                   str(repo.parent / "venv-weave52" / "bin" / "python")]
@@ -433,10 +430,3 @@ class WeaveSqliteServer:
             self.proc.communicate(timeout=30)
             self.proc = None
             self._log.close()
-
-
-@pytest.fixture
-def weave_stub() -> Iterator[WeaveStub]:
-    """A started :class:`WeaveStub`, stopped after the test."""
-    with WeaveStub() as stub:
-        yield stub
