@@ -164,7 +164,8 @@ class Sender:
         it: a long-context span (a 128k-token prompt is ~0.8 MB of ids) still goes out whole.
         Only a span over ``max_span_bytes`` is dropped (and counted).
         """
-        cfg, queue, parts, size = self.config, self.queue, [], 0
+        cfg, queue, size = self.config, self.queue, 0
+        parts: list[bytes] = []
         last_yield = time.perf_counter()
         while queue and len(parts) < cfg.batch_max_spans and size < cfg.batch_max_bytes:
             record = queue.popleft()
@@ -238,6 +239,7 @@ class Sender:
         if cfg.compression == "gzip" and len(body) >= cfg.compress_min_bytes:
             body = gzip.compress(body, compresslevel=1)
             headers["Content-Encoding"] = "gzip"
+        assert cfg.url is not None  # a Sender is made only for a configured URL
         started, delay = time.monotonic(), cfg.retry_initial_s
         while True:
             retry_after: float | None = None

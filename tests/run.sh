@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command (README "Set-up", command 2; .ci/run calls exactly this).
-# Creates ./.venv if needed, installs tracecar with its collector and dev extras, runs ruff, then pytest.
+# Creates ./.venv if needed, installs tracecar with its collector and dev extras, runs ruff and mypy, then pytest.
 # With TRACECAR_TEST_WEAVE_SERVER=1 it makes ./.venv-weave52 (weave's own trace server) so the
 # Weave read-back tests run instead of skipping.
 # With TRACECAR_TEST_OTLP_SERVERS=1 it makes ./.venv-mlflow (MLflow's server) and ./.venv-phoenix (Phoenix) for the exporters' read-back tests.
@@ -59,4 +59,6 @@ fi
 PYTHONWARNINGS=ignore::UserWarning .venv/bin/python -m pip install -q -e ".[dev]"
 # lint first ([tool.ruff] in pyproject.toml, tests/ruff.toml): one clear list of findings, before any test runs
 .venv/bin/python -m ruff check .
+# then the types of client/ and collector/ ([tool.mypy] in pyproject.toml, pydantic's plugin)
+.venv/bin/python -m mypy
 exec .venv/bin/python -m pytest "$@"

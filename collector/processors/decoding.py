@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tokenizers import Tokenizer
 
@@ -157,7 +157,7 @@ class TokenizerRegistry:
         with self._lock:
             path = self._paths.get(name)
             loaded = self._loaded.get(path) if path is not None else None
-            if loaded is not None:
+            if path is not None and loaded is not None:
                 self._loaded.move_to_end(path)
                 return loaded
             failed = self._failed.get(name)
@@ -278,7 +278,8 @@ def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: di
         job.ids if _below_vocab(job.ids, vocab) else _keep_in_vocab(job, job.ids, vocab, warnings) for job in jobs]
     texts: list[str | None]
     try:
-        texts = tokenizer.decode_batch([ids if ids is not None else [] for ids in sequences], skip_special_tokens=False)
+        texts = cast("list[str | None]", tokenizer.decode_batch([ids if ids is not None else [] for ids in sequences],
+                                                               skip_special_tokens=False))
     except Exception:  # noqa: BLE001 - one by one, so one bad sequence is named and the rest decoded
         texts = []
         for i, job in enumerate(jobs):

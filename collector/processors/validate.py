@@ -8,6 +8,7 @@ recorded warning instead of being refused.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -177,7 +178,7 @@ class EnvelopeError(Exception):
         self.reason = reason
 
 
-def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT, body: bytes | None = None,
+def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT, body: bytes | bytearray | None = None,
                    body_is_json: bool = True, span_model: type[SpanIn] = SpanIn) -> Validated:
     """Validates the envelope (all-or-nothing) and each span (one by one), then redacts.
 
@@ -255,7 +256,7 @@ def _run_id(value: Any) -> tuple[str | None, str | None]:
     return None, f"wandb_run_id: ignored, expected a W&B run id or entity/project/run_id, got {str(value)[:80]!r}"
 
 
-def _describe_error(index: int, err: dict[str, Any]) -> tuple[str, str]:
+def _describe_error(index: int, err: Mapping[str, Any]) -> tuple[str, str]:
     msg = str(err.get("msg", "invalid"))
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]

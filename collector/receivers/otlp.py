@@ -56,13 +56,13 @@ def media_type(content_type: str | None) -> str:
     return (content_type or "").split(";")[0].strip().lower()
 
 
-def parse_request(body: bytes, content_type: str | None) -> Any:
+def parse_request(body: bytes | bytearray, content_type: str | None) -> Any:
     """The body as an ``ExportTraceServiceRequest``; 415 for another type, 400 when unparsable."""
     media = media_type(content_type)
     request = ExportTraceServiceRequest()
     if media in _PROTOBUF_TYPES:
         try:
-            request.ParseFromString(body)
+            request.ParseFromString(body)  # type: ignore[arg-type]  # any buffer; the stubs say bytes
         except (DecodeError, ValueError) as exc:
             raise BodyError(400, "body", f"invalid OTLP protobuf: {exc}") from None
         return request
@@ -169,7 +169,7 @@ def status_response(status: int, message: str, content_type: str | None, headers
     return encode(status_pb2.Status(code=_CODES.get(status, 2), message=message), content_type, status, headers)
 
 
-def build_router(collector: Any, auth: Callable[..., Any], read_body: Callable[[Request, int], Awaitable[bytes]]) -> APIRouter:
+def build_router(collector: Any, auth: Callable[..., Any], read_body: Callable[[Request, int], Awaitable[bytes | bytearray]]) -> APIRouter:
     """``POST /v1/traces`` on ``collector``'s pipeline, behind the same token as ``/v1/spans``."""
     router = APIRouter()
 
@@ -185,7 +185,7 @@ def build_router(collector: Any, auth: Callable[..., Any], read_body: Callable[[
     return router
 
 
-async def _export(request: Request, collector: Any, read_body: Callable[[Request, int], Awaitable[bytes]]) -> Response:
+async def _export(request: Request, collector: Any, read_body: Callable[[Request, int], Awaitable[bytes | bytearray]]) -> Response:
     settings, metrics = collector.settings, collector.metrics
     content_type = request.headers.get("content-type")
     retry = {"Retry-After": str(settings.retry_after_s)}

@@ -45,7 +45,7 @@ log = logging.getLogger("tracecar.collector.pipeline")
 
 
 # body, Content-Type, Content-Encoding -> validated spans; runs in a worker thread
-Receiver = Callable[[bytes, str | None, str | None], Validated]
+Receiver = Callable[[bytes | bytearray, str | None, str | None], Validated]
 
 
 class Backpressure(Exception):

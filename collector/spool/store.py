@@ -658,11 +658,11 @@ class Spool:
         self.checkpoint()
 
     # ---- reading -------------------------------------------------------------------------
-    def query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         with self._read_lock:
             cur = self._read.execute(sql, params)
             cols = [c[0] for c in cur.description or ()]
-            return [dict(zip(cols, row)) for row in cur.fetchall()]  # type: ignore[misc]
+            return [dict(zip(cols, row)) for row in cur.fetchall()]
 
     def dead_letters(self, limit: int = 100, exporter: str | None = None) -> list[dict[str, Any]]:
         where, params = ("WHERE exporter = ? ", (exporter,)) if exporter is not None else ("", ())

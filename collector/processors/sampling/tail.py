@@ -51,7 +51,7 @@ HOLD, PASS, DROP, LATE = "hold", "pass", "drop", "late"
 _OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
 
-class _Lru(OrderedDict):  # type: ignore[type-arg]
+class _Lru(OrderedDict):
     """A bounded mapping that forgets its least recently set entries."""
 
     def __init__(self, size: int) -> None:
