@@ -22,6 +22,7 @@ from typing import Any, cast
 
 from tokenizers import Tokenizer
 
+from ..types import Span
 from .token_arrays import ARRAY_KEYS
 from .token_pieces import token_pieces
 
@@ -190,13 +191,13 @@ class TokenizerRegistry:
 
 @dataclass
 class _Job:
-    span: dict[str, Any]
+    span: Span
     target: str
     ids: list[Any]
     source: str
 
 
-def collect_jobs(span: dict[str, Any], warnings: dict[str, list[str]] | None = None) -> list[_Job]:
+def collect_jobs(span: Span, warnings: dict[str, list[str]] | None = None) -> list[_Job]:
     """The id lists of one span to decode: the first present key per target (see the module).
 
     Any list is a job, whatever its elements: which of them are decodable is settled in
@@ -259,7 +260,7 @@ def _keep_in_vocab(job: _Job, ids: list[Any], vocab: int, warnings: dict[str, li
     return kept if kept else None
 
 
-def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: dict[str, list[str]],
+def decode_spans(spans: list[Span], tokenizer: Tokenizer, warnings: dict[str, list[str]],
                  pieces: dict[str, list[int]] | None = None) -> int:
     """Adds decoded text to each span in place; returns the number of tokens decoded.
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tracecar.client.redact import DEFAULT as DEFAULT_REDACT
 from tracecar.client.redact import REDACTED, RedactKeys, redact_span, scrub_exception
 
-SpanKind = Literal["op", "trajectory", "annotation", "membership"]  # membership: a step's sample indices
+from ..types import Span, SpanKind
+
 _ID = Field(pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
 _INT_ATTRS = ("step", "rollout_n")
 #: VERL passes ``extra_info.index`` through unchanged: an int, or a string (uuid datasets).
@@ -165,7 +166,7 @@ class Validated:
     """The outcome of validating one batch: the good spans (as dicts) and each rejection."""
 
     batch: BatchIn
-    spans: list[dict[str, Any]] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
     rejected: list[Rejection] = field(default_factory=list)
     warnings: dict[str, list[str]] = field(default_factory=dict)
     index_of: dict[str, int] = field(default_factory=dict)
@@ -207,7 +208,7 @@ def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT
         span_id = item.get("span_id") if isinstance(item, dict) else None
         span_id = span_id if isinstance(span_id, str) else None
         try:
-            span = dict(span_model.model_validate(item).__dict__)  # no model_dump: it deep-copies inputs/output
+            span = cast(Span, dict(span_model.model_validate(item).__dict__))  # no model_dump: it deep-copies inputs/output
         except ValidationError as exc:
             err = exc.errors()[0]
             field_name, reason = _describe_error(index, err)
@@ -219,17 +220,18 @@ def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT
             continue
         seen[span["span_id"]] = index
         if span["exception_info"] is not None:
-            info = span["exception_info"].model_dump()
+            info = cast(ExceptionInfo, span["exception_info"]).model_dump()  # still the model here
             if info["traceback"] is None:  # weave leaves the key out when nothing was raised
                 del info["traceback"]
             span["exception_info"] = info
         else:
             del span["exception_info"]
+        plain = cast(dict[str, Any], span)  # for the walkers that take any span-shaped dict
         if walk:
-            redact_span(span, redact)
+            redact_span(plain, redact)
         else:  # no key anywhere in the body, but an error may have formatted a secret into its text
-            scrub_exception(span, redact)
-        warnings = _sanitize_non_finite(span)
+            scrub_exception(plain, redact)
+        warnings = _sanitize_non_finite(plain)
         if run_warning:
             warnings.append(run_warning)
         if warnings:
@@ -294,7 +296,7 @@ def _reject_cycles(out: Validated, index_of: dict[str, int]) -> None:
     for start in parents:
         path: list[str] = []
         on_path: set[str] = set()
-        node = start
+        node: str | None = start
         while node is not None and node in parents and node not in done and node not in on_path:
             path.append(node)
             on_path.add(node)

@@ -35,6 +35,7 @@ from tracecar.client.tracing import MARK  # the place mark the Weave sink reads
 
 from ..metrics import Metrics
 from ..processors.validate import EnvelopeError, Rejection, Validated, validate_batch
+from ..types import Span
 from . import receive
 from .joins import OTLP_WORKER_PREFIX, TrajectoryContext, TrajectoryContexts
 from .otlp_translate import OtlpSpanIn, Translated, hex_ids_to_base64, translate
@@ -102,8 +103,8 @@ class OtlpRequest:
         self.translated = translated = translate(parse_request(data, content_type))
         if translated.total > self.max_batch_spans:
             raise EnvelopeError("resourceSpans", f"{translated.total} spans exceed TRACECAR_MAX_BATCH_SPANS={self.max_batch_spans}")
-        for span in translated.spans:
-            redact_dotted(span.get("attributes"), self.redact)
+        for raw_span in translated.spans:
+            redact_dotted(raw_span.get("attributes"), self.redact)
         validated = validate_batch({"worker": OTLP_WORKER_PREFIX.rstrip(":"), "spans": translated.spans},
                                    self.max_batch_spans, self.redact, span_model=OtlpSpanIn)
         positions = translated.indices  # validated indices -> positions in the request
@@ -211,7 +212,7 @@ async def _export(request: Request, collector: Any, read_body: Callable[[Request
     return encode(export_response(result, otlp), content_type, 200)
 
 
-def place_in_weave_tree(span: dict[str, Any]) -> None:
+def place_in_weave_tree(span: Span) -> None:
     """An engine span of a tracecar trajectory gets the client's place mark from its trace state.
 
     ``trace_headers()`` put ``tracecar=top|<root>|<root>.<turn>`` in the W3C tracestate, which the

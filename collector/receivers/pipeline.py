@@ -37,6 +37,7 @@ from ..processors.token_arrays import strip_from_payload as strip_token_arrays
 from ..processors.validate import Rejection, Validated, parents_to_look_up, reject_foreign_children, validate_batch
 from ..settings import CollectorSettings
 from ..spool.store import Spool, SpoolFull, SpoolRow
+from ..types import Span
 from . import receive
 from .joins import TrajectoryContexts
 
@@ -110,7 +111,7 @@ def _dumps_head(head: dict[str, Any]) -> bytes:
         raise
 
 
-def pack_payload(span: dict[str, Any]) -> tuple[bytes, int, int]:
+def pack_payload(span: Span) -> tuple[bytes, int, int]:
     """The span as one JSON object, with the byte offsets of its inputs and output values.
 
     The object is ``{...every other field..., "inputs": I, "output": O}``: any reader can
@@ -311,7 +312,7 @@ class IngestPipeline:
             found.update(rows.fetchall())
         return found
 
-    def _decode_and_serialize(self, validated: Validated, spans: list[dict[str, Any]]) -> tuple[list[SpoolRow], int, list[Rejection]]:
+    def _decode_and_serialize(self, validated: Validated, spans: list[Span]) -> tuple[list[SpoolRow], int, list[Rejection]]:
         batch = validated.batch
         tokens = 0
         ends: dict[str, list[int]] = {}  # span id -> each response token's end offset (token view)
@@ -333,7 +334,7 @@ class IngestPipeline:
         rows, too_big = self._serialize(validated, spans, ends)
         return rows, tokens, too_big
 
-    def _decode_with_default(self, validated: Validated, spans: list[dict[str, Any]], name: str, exc: Exception,
+    def _decode_with_default(self, validated: Validated, spans: list[Span], name: str, exc: Exception,
                              ends: dict[str, list[int]]) -> int:
         """A worker's tokenizer the collector cannot (or may not) load: the operator's
         ``TRACECAR_TOKENIZER`` decodes instead, said on every span, as the docs promise (VERL's
@@ -354,7 +355,7 @@ class IngestPipeline:
             validated.warnings.setdefault(span["span_id"], []).append(note)
         return 0
 
-    def _serialize(self, validated: Validated, spans: list[dict[str, Any]],
+    def _serialize(self, validated: Validated, spans: list[Span],
                    ends: dict[str, list[int]] | None = None) -> tuple[list[SpoolRow], list[Rejection]]:
         rows, too_big = [], []
         limit = self.settings.max_span_bytes
