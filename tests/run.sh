@@ -48,7 +48,7 @@ if [ "${TRACECAR_TEST_PY310:-0}" = 1 ]; then
     [ -x .venv-py310/bin/python ] || "$PY310" -m venv .venv-py310
     PYTHONWARNINGS=ignore::UserWarning .venv-py310/bin/python -m pip install -q -e ".[dev]"
     .venv-py310/bin/python -m pytest -p no:cacheprovider -q tests/test_client_resilience.py tests/test_fault_client.py \
-      tests/test_traceparent.py tests/test_pipeline_e2e.py tests/test_ingest_formats.py tests/test_bearer.py tests/deploy
+      tests/test_traceparent.py tests/test_pipeline_e2e.py tests/test_ingest_formats.py tests/test_bearer.py tests/deploy tests/unit
   else
     echo "tests/run.sh: no working python3.10 (with venv and ensurepip) found; the Python 3.10 tests did not run" >&2
   fi
