@@ -481,7 +481,7 @@ def _hook_trace_ids(tc) -> bool:
     from .verl_trainer import TRACE_KEY
 
     module = sys.modules.get("verl.experimental.agent_loop.agent_loop")
-    worker_cls = getattr(module, "AgentLoopWorker", None)
+    worker_cls: Any = getattr(module, "AgentLoopWorker", None)
     original = getattr(worker_cls, "_agent_loop_postprocess", None)
     if original is None or getattr(original, _SHIM_FLAG, False) or not inspect.iscoroutinefunction(original):
         return False

@@ -637,7 +637,7 @@ class WeaveSink:
             self._sent_counts.popitem(last=False)
 
     # -- trajectories ---------------------------------------------------------------------
-    async def _place_joined(self, groups: dict[str, list[dict[str, Any]]]) -> None:
+    async def _place_joined(self, groups: dict[str, list[Mapping[str, Any]]]) -> None:
         """Gives each joined OTLP span (an engine span under ``generate``) its parent's place in
         Weave, so it lands in the agent loop's trace rather than in a trace of its own; remembers
         every mark sent. The parent is looked up in the batch, in what was sent lately, then in

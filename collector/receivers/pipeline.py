@@ -386,7 +386,7 @@ class IngestPipeline:
             rows.append(row)
         return rows, too_big
 
-    def _pack_token_arrays(self, validated: Validated, span: dict[str, Any], ends: list[int] | None) -> bytes | None:
+    def _pack_token_arrays(self, validated: Validated, span: Span, ends: list[int] | None) -> bytes | None:
         """The span's per-token arrays packed for the spool (see token_arrays); in local mode they
         also leave the payload. Problems are warnings on the span, never a lost span."""
         if not isinstance(span.get("output"), dict):
