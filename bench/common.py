@@ -12,12 +12,8 @@ import contextlib
 import math
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,10 +32,11 @@ VOCAB = 100_000  # below the deepseek tokenizer's 129k vocabulary
 
 
 # ---- processes -------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# One implementation of ports, waiting and terminate-wait-kill for tests and benches: tests/support.
+sys.path.insert(0, str(REPO))
+from tests.support.collector import collector_env, launch_collector  # noqa: E402
+from tests.support.processes import Service, free_port, start_service  # noqa: E402, F401  (bench scripts import them from here)
+from tests.support.processes import clean_env as _clean_env  # noqa: E402
 
 
 def pin(cpus: set[int] | None) -> Any:
@@ -50,56 +47,12 @@ def pin(cpus: set[int] | None) -> Any:
 
 
 WORKER_CPUS, SIDECAR_CPUS = {0}, {1}  # on 2 cores: the traced worker on one, collector and stub on the other
+_BENCH_DROPS = ("TRACECAR_", "WANDB_", "WF_", "WEAVE_")
 
 
 def clean_env(**extra: Any) -> dict[str, str]:
     """This environment without TRACECAR_/WANDB_/WF_/WEAVE_ settings, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRACECAR_", "WANDB_", "WF_", "WEAVE_"))}
-    env.update({k: str(v) for k, v in extra.items() if v is not None})
-    return env
-
-
-@dataclass
-class Service:
-    """A subprocess serving HTTP on 127.0.0.1; stopped (SIGTERM, then SIGKILL) by its pid."""
-
-    name: str
-    url: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stop(self, timeout: float = 20.0) -> None:
-        if self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def log_tail(self, n: int = 20) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-
-def wait_http(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"{url} not ready after {timeout}s")
+    return _clean_env(_BENCH_DROPS, **extra)
 
 
 def start_stub(rate: float | None = None, workdir: Path | None = None, cpus: set[int] | None = None) -> Service:
@@ -109,33 +62,16 @@ def start_stub(rate: float | None = None, workdir: Path | None = None, cpus: set
     if rate:
         args += ["--rate", str(rate)]
     log = (workdir or Path(tempfile.mkdtemp(prefix="tracecar-bench-"))) / f"stub-{port}.log"
-    proc = subprocess.Popen(args, env=clean_env(), stdout=subprocess.DEVNULL, stderr=log.open("wb"), preexec_fn=pin(cpus))
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/server_info", proc)
-    return Service("stub", url, proc, log)
+    return start_service("stub", args, f"http://127.0.0.1:{port}/server_info", log, env=clean_env(), preexec_fn=pin(cpus))
 
 
 def start_collector(data_dir: Path, cpus: set[int] | None = None, **settings: Any) -> Service:
     """``python -m tracecar.collector`` with TRACECAR_* settings (keys without the prefix)."""
     port = free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
-    env = clean_env(TRACECAR_HOST="127.0.0.1", TRACECAR_PORT=port, TRACECAR_DATA_DIR=data_dir,
-                    TRACECAR_BACKEND="local", TRACECAR_LOG_LEVEL="warning", NO_PROXY="127.0.0.1,localhost")
-    for key, value in settings.items():
-        if value is None:
-            continue
-        name = key if key.isupper() else "TRACECAR_" + key.upper()
-        env[name] = str(value).lower() if isinstance(value, bool) else str(value)
-    log = data_dir / f"collector-{port}.log"
-    proc = subprocess.Popen([PY, "-m", "tracecar.collector"], env=env, cwd=str(REPO),
-                            stdout=subprocess.DEVNULL, stderr=log.open("wb"), preexec_fn=pin(cpus))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/readyz", proc)
-    except Exception:
-        proc.kill()
-        raise RuntimeError(f"collector did not start:\n{log.read_text(errors='replace')[-3000:]}") from None
-    return Service("collector", url, proc, log)
+    env = collector_env(port, data_dir, drop=_BENCH_DROPS, TRACECAR_LOG_LEVEL="warning", NO_PROXY="127.0.0.1,localhost",
+                        **settings)
+    return launch_collector(env, data_dir / f"collector-{port}.log", cwd=str(REPO), preexec_fn=pin(cpus))
 
 
 @contextlib.contextmanager

@@ -8,8 +8,9 @@ needed: the client is pointed at a closed loopback port and its queue is drained
 from __future__ import annotations
 
 import argparse
-import socket
 import timeit
+
+from common import free_port
 
 
 def main() -> None:
@@ -17,9 +18,7 @@ def main() -> None:
     parser.add_argument("--number", type=int, default=20_000, help="calls per timing")
     parser.add_argument("--repeat", type=int, default=7, help="timings (the minimum is kept)")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens there: the tracer's sends fail fast, off the timed path
     from tracecar.client import rollout_trace_attr, rollout_trace_op, traceparent, tracer
 
     tracer.configure(url=f"http://127.0.0.1:{port}", shutdown_timeout_s=0.1, queue_max_spans=64)

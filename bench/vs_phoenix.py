@@ -40,10 +40,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 
-from common import PY, Service, clean_env, free_port, header, machine_note, ratio, scrape, start_collector, table, token_ids, tool_call
+from common import (
+    PY,
+    Service,
+    clean_env,
+    free_port,
+    header,
+    machine_note,
+    ratio,
+    scrape,
+    start_collector,
+    start_service,
+    table,
+    token_ids,
+    tool_call,
+)
 
 DEAD_PROXY = "http://127.0.0.1:9"
 
@@ -103,22 +116,8 @@ def start_phoenix(phoenix: str, workdir: Path) -> Service:
                     PHOENIX_TELEMETRY_ENABLED="false", PHOENIX_SQL_DATABASE_URL=f"sqlite:///{workdir / 'phoenix.db'}",
                     HTTP_PROXY=DEAD_PROXY, HTTPS_PROXY=DEAD_PROXY, NO_PROXY="127.0.0.1,localhost",
                     HF_HUB_OFFLINE="1", DO_NOT_TRACK="1")
-    log = workdir / "phoenix.log"
-    proc = subprocess.Popen([phoenix, "serve"], env=env, cwd=str(workdir), stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"phoenix exited:\n{log.read_text(errors='replace')[-3000:]}")
-        try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                return Service("phoenix", url, proc, log)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise TimeoutError(f"phoenix not ready after 180 s:\n{log.read_text(errors='replace')[-3000:]}")
+    return start_service("phoenix", [phoenix, "serve"], f"http://127.0.0.1:{port}/healthz", workdir / "phoenix.log",
+                         timeout=180, poll_s=0.2, stdout_to_log=True, env=env, cwd=str(workdir), stdin=subprocess.DEVNULL)
 
 
 def tree(pid: int) -> list[psutil.Process]:

@@ -161,6 +161,7 @@ class Doctor:
         async def one() -> str:
             with rollout_trace_attr(sample_index=0, step=step, rollout_n=0, name="agent_loop") as trajectory:
                 await doctor_probe([1, 2, 3])
+            assert trajectory is not None  # configured above: rollout_trace_attr records
             return trajectory.span_id  # a trajectory's root span id is its trace id
 
         trace_id = asyncio.run(one())

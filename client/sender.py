@@ -211,7 +211,8 @@ class Sender:
         it: a long-context span (a 128k-token prompt is ~0.8 MB of ids) still goes out whole.
         Only a span over ``max_span_bytes`` is dropped (and counted).
         """
-        cfg, queue, parts, size = self.config, self.queue, [], 0
+        cfg, queue, size = self.config, self.queue, 0
+        parts: list[bytes] = []
         last_yield = time.perf_counter()
         # markers first: one checked here as still running has its span enqueued after this
         # point, so the collector always sees a call open before it sees it end
@@ -308,6 +309,7 @@ class Sender:
         if cfg.compression == "gzip" and len(body) >= cfg.compress_min_bytes:
             body = gzip.compress(body, compresslevel=1)
             headers["Content-Encoding"] = "gzip"
+        assert cfg.url is not None  # a Sender is made only for a configured URL
         started, delay = time.monotonic(), cfg.retry_initial_s
         while True:
             retry_after: float | None = None

@@ -72,7 +72,7 @@ class SpanRecord:
         self.number = next(ids.counter)
         self.prefix = ids.prefix
         self.parent = parent
-        self.trace = parent.trace if parent is not None else self
+        self.trace: SpanRecord = parent.trace if parent is not None else self
         self.name = name
         self.kind = kind
         self.start = start
@@ -150,7 +150,7 @@ class ListSnapshot:
 
 def _freeze(fields: dict[str, Any]) -> tuple[Any, ...] | None:
     """Copies dict values one level (in place, on a fresh dict) and notes list lengths."""
-    lens = None
+    lens: tuple[Any, ...] | None = None
     for key, value in fields.items():
         kind = type(value)
         if kind is dict:
@@ -167,7 +167,7 @@ def snapshot(value: Any) -> Any:
         fields = value.copy()
         if _NESTED.isdisjoint(map(type, fields.values())):
             return fields
-        lens = None
+        lens: tuple[Any, ...] | None = None
         for key, item in fields.items():
             item_kind = type(item)
             if item_kind is dict:
@@ -220,7 +220,7 @@ def outer_stack(exc: BaseException) -> tuple[tuple[Any, int | None], ...] | None
     tb = exc.__traceback__
     if tb is None:
         return None
-    frames = []
+    frames: list[tuple[Any, int]] = []
     frame = tb.tb_frame.f_back
     while frame is not None and len(frames) < _MAX_OUTER_FRAMES:
         frames.append((frame.f_code, frame.f_lineno))
@@ -256,7 +256,7 @@ def _safe_str(exc: BaseException) -> str:
 
 
 def _list_lengths(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> tuple[Any, ...] | None:
-    lens = None
+    lens: tuple[Any, ...] | None = None
     for i, a in enumerate(args):
         if type(a) is list:
             lens = (lens or ()) + ((i, len(a)),)

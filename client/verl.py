@@ -94,12 +94,12 @@ class _State:
         self.orig_init: Callable | None = None  # bound classmethod RolloutTraceConfig.init
         self.orig_init_raw: Any = None  # the classmethod object as found in the class dict
         self.orig_reset_raw: Any = None
-        self.orig_op: Callable | None = None
-        self.orig_attr: Callable | None = None
+        self.orig_op: Callable[..., Any] | None = None
+        self.orig_attr: Callable[..., Any] | None = None
         self.orig_attr_params: frozenset[str] = frozenset()
         self.wrapper_codes: tuple[types.CodeType, ...] = ()
         self.swapped_cells: list[tuple[types.CellType, Any]] = []
-        self.patched_names: list[tuple[types.ModuleType, str, Any]] = []
+        self.patched_names: list[tuple[Any, str, Any]] = []  # (module or class, attribute, original)
         self.settings: dict[str, Any] = {}
         # fully-async VERL (step -1): the newest parameter version this worker's rollouts reported
         self.policy_version: int | None = None
@@ -401,7 +401,7 @@ def _hook_rewards(tc) -> bool:
     current trajectory. Restored by :func:`uninstall`.
     """
     module = sys.modules.get("verl.experimental.agent_loop.agent_loop")
-    worker_cls = getattr(module, "AgentLoopWorker", None)
+    worker_cls: Any = getattr(module, "AgentLoopWorker", None)
     original = getattr(worker_cls, "_compute_score", None)
     if original is None or getattr(original, _SHIM_FLAG, False) or not inspect.iscoroutinefunction(original):
         return False
@@ -435,7 +435,7 @@ def _hook_membership(tc) -> bool:
     the newest becomes the ``policy_version`` of the worker's next fully-async trajectories.
     """
     module = sys.modules.get("verl.experimental.agent_loop.agent_loop")
-    worker_cls = getattr(module, "AgentLoopWorker", None)
+    worker_cls: Any = getattr(module, "AgentLoopWorker", None)
     original = getattr(worker_cls, "generate_sequences", None)
     if original is None or getattr(original, _SHIM_FLAG, False) or not inspect.iscoroutinefunction(original):
         return False
@@ -481,7 +481,7 @@ def _hook_trace_ids(tc) -> bool:
     from .verl_trainer import TRACE_KEY
 
     module = sys.modules.get("verl.experimental.agent_loop.agent_loop")
-    worker_cls = getattr(module, "AgentLoopWorker", None)
+    worker_cls: Any = getattr(module, "AgentLoopWorker", None)
     original = getattr(worker_cls, "_agent_loop_postprocess", None)
     if original is None or getattr(original, _SHIM_FLAG, False) or not inspect.iscoroutinefunction(original):
         return False
@@ -579,7 +579,7 @@ def _make_shim(func: Callable, tc) -> Callable:
 def _swap_wrapper(wrapper: types.FunctionType, tc) -> bool:
     try:
         index = wrapper.__code__.co_freevars.index("func")
-        cell = wrapper.__closure__[index]
+        cell = wrapper.__closure__[index]  # type: ignore[index]  # None: TypeError, handled below
         func = cell.cell_contents
     except (ValueError, IndexError, TypeError):
         return False
@@ -604,6 +604,7 @@ def _swap_existing_wrappers(tc) -> int:
 
 def _rollout_trace_op(func):
     """Replacement for ``verl.utils.rollout_trace.rollout_trace_op`` while active."""
+    assert _state.orig_op is not None  # patched in only while installed
     wrapper = _state.orig_op(func)
     if _state.active and _is_verl_wrapper(wrapper):
         import tracecar.client as tc
@@ -637,6 +638,7 @@ def _rollout_trace_attr(
     )
     if _state.orig_attr_params:
         verl_kwargs = {k: v for k, v in verl_kwargs.items() if k in _state.orig_attr_params}
+    assert _state.orig_attr is not None  # patched in only while installed
     with _state.orig_attr(**verl_kwargs):
         if not _state.active:
             yield

@@ -144,10 +144,10 @@ class ValueShape:
             serialized_bases = getattr(cls, "_weave_serialized_bases", None)
             self.bases = list(serialized_bases) if serialized_bases else [c.__name__ for c in cls.mro()[1:-1]]
             self.fields = tuple((name, getattr(f, "alias", None) or name)
-                                for name, f in cls.model_fields.items() if not getattr(f, "exclude", None))
+                                for name, f in cls.model_fields.items() if not getattr(f, "exclude", None))  # type: ignore[attr-defined]
         else:
             self.bases = [c.__name__ for c in cls.mro()[1:-1]]
-            self.fields = tuple((name, name) for name in cls.__dataclass_fields__)
+            self.fields = tuple((name, name) for name in cls.__dataclass_fields__)  # type: ignore[attr-defined]
 
     def fields_of(self, value: Any) -> dict[str, Any]:
         """The fields by name, read one level (what a snapshot stores, too)."""

@@ -19,32 +19,38 @@ from tracecar.client.redact import parse_keys
 MiB = 2**20
 
 
-class BudgetOverride(BaseModel):
+class BudgetSettings(BaseModel):
+    """The budget settings, declared once: CollectorSettings has them, BudgetOverride overrides them."""
+
+    max_samples_per_step_per_worker: int | None = Field(None, ge=0, description="VERL-compatible budget: distinct sample indices kept per (experiment, step, worker); unset keeps all, 0 keeps none.")
+    tail_sampling: bool | None = Field(None, description="Decide budgets on whole steps (hold spans, keep the interesting trajectories); unset: on whenever a budget other than max_samples_per_step_per_worker is set.")
+    max_trajectories_per_step: int | None = Field(None, ge=0, description="Global budget: trajectories kept per (experiment, step) across all workers (tail-based).")
+    max_groups_per_step: int | None = Field(None, ge=0, description="Global budget: sample groups (all rollouts of one sample index) kept per (experiment, step) (tail-based).")
+    max_bytes_per_step: int | None = Field(None, ge=0, description="Volume budget: stored bytes of kept trajectories per (experiment, step) (tail-based).")
+    max_tokens_per_step: int | None = Field(None, ge=0, description="Volume budget: token ids in kept trajectories per (experiment, step) (tail-based).")
+    max_trajectory_bytes: int | None = Field(None, ge=4096, description="Per-trajectory size cap: larger kept trajectories have inputs/outputs truncated with a marker (tail-based).")
+    trajectories_per_step: int | None = Field(None, ge=1, description="Trajectories this collector receives per step, when known: the step is decided as soon as that many are complete.")
+    keep_errors_share: float = Field(0.25, ge=0, le=1, description="Rule quota: share of each step budget (rounded up) reserved for trajectories with an exception or a failed tool call.")
+    keep_reward_extremes: int = Field(1, ge=0, description="Rule quota: the N highest and N lowest reward trajectories (or groups) of each step are kept first.")
+    keep_spread_groups: int = Field(1, ge=0, description="Rule quota: the N sample groups with the widest reward spread (max - min) are kept whole.")
+    sampling_seed: int = Field(0, description="Seed of the hash that fills the rest of a budget; equal seeds make reruns and collectors choose alike.")
+
+
+class BudgetOverride(BudgetSettings):
     """Budget settings for one experiment (``budgets:``) or for validation steps.
 
-    Same names and meanings as the CollectorSettings fields; a field left out inherits, a field
-    given as ``null`` removes that limit. ``validation`` overrides further for validate=True steps.
+    Same names, meanings and bounds as the CollectorSettings fields (both are BudgetSettings); a
+    field left out inherits, a field given as ``null`` removes that limit. ``validation`` overrides
+    further for validate=True steps.
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    tail_sampling: bool | None = None
-    max_samples_per_step_per_worker: int | None = Field(None, ge=0)
-    max_trajectories_per_step: int | None = Field(None, ge=0)
-    max_groups_per_step: int | None = Field(None, ge=0)
-    max_bytes_per_step: int | None = Field(None, ge=0)
-    max_tokens_per_step: int | None = Field(None, ge=0)
-    max_trajectory_bytes: int | None = Field(None, ge=4096)
-    trajectories_per_step: int | None = Field(None, ge=1)
-    keep_errors_share: float = Field(0.25, ge=0, le=1)
-    keep_reward_extremes: int = Field(1, ge=0)
-    keep_spread_groups: int = Field(1, ge=0)
-    sampling_seed: int = 0
     validation: BudgetOverride | None = None
 
 
-class CollectorSettings(BaseSettings):
-    """Every knob of the collector. Each bound is enforced and counted when hit."""
+class CollectorSettings(BudgetSettings, BaseSettings):
+    """Every knob of the collector. Each bound is enforced and counted when hit (the budgets: BudgetSettings)."""
 
     model_config = SettingsConfigDict(env_prefix="TRACECAR_", extra="ignore", populate_by_name=True)
 
@@ -74,18 +80,6 @@ class CollectorSettings(BaseSettings):
     tokenizers: list[str] = Field(default_factory=list, description="Further tokenizers a batch may name (paths or Hugging Face names), besides TRACECAR_TOKENIZER, TRACECAR_TOKENIZER_ROOT and models in the local Hugging Face cache.")
     tokenizer_max_bytes: int = Field(64 * MiB, ge=1024, description="Largest tokenizer.json the collector will load; a bigger one is refused unread.")
     tokenizer_retry_s: float = Field(60.0, ge=0, description="A tokenizer that failed to load (or was refused) is tried again after this long, not cached as failed for good.")
-    max_samples_per_step_per_worker: int | None = Field(None, ge=0, description="VERL-compatible budget: distinct sample indices kept per (experiment, step, worker); unset keeps all, 0 keeps none.")
-    tail_sampling: bool | None = Field(None, description="Decide budgets on whole steps (hold spans, keep the interesting trajectories); unset: on whenever a budget other than max_samples_per_step_per_worker is set.")
-    max_trajectories_per_step: int | None = Field(None, ge=0, description="Global budget: trajectories kept per (experiment, step) across all workers (tail-based).")
-    max_groups_per_step: int | None = Field(None, ge=0, description="Global budget: sample groups (all rollouts of one sample index) kept per (experiment, step) (tail-based).")
-    max_bytes_per_step: int | None = Field(None, ge=0, description="Volume budget: stored bytes of kept trajectories per (experiment, step) (tail-based).")
-    max_tokens_per_step: int | None = Field(None, ge=0, description="Volume budget: token ids in kept trajectories per (experiment, step) (tail-based).")
-    max_trajectory_bytes: int | None = Field(None, ge=4096, description="Per-trajectory size cap: larger kept trajectories have inputs/outputs truncated with a marker (tail-based).")
-    trajectories_per_step: int | None = Field(None, ge=1, description="Trajectories this collector receives per step, when known: the step is decided as soon as that many are complete.")
-    keep_errors_share: float = Field(0.25, ge=0, le=1, description="Rule quota: share of each step budget (rounded up) reserved for trajectories with an exception or a failed tool call.")
-    keep_reward_extremes: int = Field(1, ge=0, description="Rule quota: the N highest and N lowest reward trajectories (or groups) of each step are kept first.")
-    keep_spread_groups: int = Field(1, ge=0, description="Rule quota: the N sample groups with the widest reward spread (max - min) are kept whole.")
-    sampling_seed: int = Field(0, description="Seed of the hash that fills the rest of a budget; equal seeds make reruns and collectors choose alike.")
     reward_wait_s: float = Field(30.0, ge=0, description="After a trajectory's root arrives, how long to wait for its reward annotation before deciding without it.")
     step_idle_s: float = Field(120.0, ge=0, description="A held step whose trajectories are complete is decided after this long without new spans (when no later step or count closes it first).")
     decision_wait_s: float = Field(600.0, gt=0, description="A held step is decided after this long without new spans even if trajectories are incomplete (those are dropped).")

@@ -34,6 +34,11 @@ def int_list(value: Any) -> list[int] | None:
     return None
 
 
+def dict_or_empty(value: Any) -> dict[str, Any]:
+    """``value`` if it is a dict, else a fresh empty one (a span's inputs or output may be anything)."""
+    return value if isinstance(value, dict) else {}
+
+
 def token_output(kind: str, output: Any) -> bool:
     """True when an op span's output carries generated tokens (ids or decoded text)."""
     if kind != "op" or not isinstance(output, dict):
@@ -43,8 +48,8 @@ def token_output(kind: str, output: Any) -> bool:
 
 def token_counts(span: dict[str, Any]) -> tuple[int | None, int | None]:
     """(prompt tokens, response tokens) of an LLM call; None where the ids were not sent."""
-    output = span.get("output") if isinstance(span.get("output"), dict) else {}
-    inputs = span.get("inputs") if isinstance(span.get("inputs"), dict) else {}
+    output = dict_or_empty(span.get("output"))
+    inputs = dict_or_empty(span.get("inputs"))
     prompt = int_list(output.get("prompt_ids")) or int_list(inputs.get("prompt_ids"))
     response = next((ids for ids in (int_list(output.get(k)) for k in RESPONSE_ID_KEYS) if ids is not None), None)
     return (len(prompt) if prompt else None), (len(response) if response else None)
@@ -157,6 +162,7 @@ def shape(tree: dict[str, Any]) -> dict[str, Any]:
             if span["span_id"] not in in_turns and not own_children(span):
                 events.append({**base, "type": "engine", "engine": engine_timings(span)})
         elif token_output(kind, output) and not own_children(span):
+            assert isinstance(output, dict)  # token_output says so
             prompt_tokens, response_tokens = token_counts(span)
             engine = [c for c in span.get("children", ()) if is_engine(c)]
             in_turns.update(c["span_id"] for c in engine)

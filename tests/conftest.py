@@ -3,67 +3,32 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.support import ProcessCollector, ThreadCollector, collector_env, free_port, serve_in_thread, stop_process
+from tests.support.weave_stub import WeaveStub
+
 os.environ.setdefault("WEAVE_DISABLED", "true")
 os.environ.pop("TRACECAR_URL", None)  # tests configure tracing explicitly
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"collector exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"collector at {url} not ready after {timeout}s")
-
-
-@dataclass
-class ThreadCollector:
-    """A collector served by uvicorn in a thread of the test process."""
-
-    url: str
-    server: Any
-    thread: threading.Thread
-    settings: Any
-
-    @property
-    def collector(self) -> Any:
-        return self.server.collector
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+@pytest.fixture
+def weave_stub() -> Iterator[WeaveStub]:
+    """A started :class:`WeaveStub` (tests/support/weave_stub.py), stopped after the test."""
+    with WeaveStub() as stub:
+        yield stub
 
 
 @pytest.fixture
 def start_collector(tmp_path: Path) -> Iterator[Callable[..., ThreadCollector]]:
     """Factory: start_collector(sink=None, **settings) -> a running collector on 127.0.0.1."""
-    from tracecar.collector.service.app import create_app
-    from tracecar.collector.service.server import _DrainingServer, uvicorn_config
     from tracecar.collector.settings import CollectorSettings
 
     started: list[ThreadCollector] = []
@@ -72,16 +37,7 @@ def start_collector(tmp_path: Path) -> Iterator[Callable[..., ThreadCollector]]:
         overrides.setdefault("data_dir", tmp_path / f"data{len(started)}")
         overrides.setdefault("port", free_port())
         overrides.setdefault("backend", "local")
-        settings = CollectorSettings(host="127.0.0.1", **overrides)
-        app = create_app(settings, sink=sink)
-        config = uvicorn_config(app, settings, timeout_graceful_shutdown=None)
-        server = _DrainingServer(config, app.state.collector, settings.shutdown_unready_s)
-        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        url = f"http://127.0.0.1:{settings.port}"
-        wait_ready(url)
-        tc = ThreadCollector(url, server, thread, settings)
+        tc = serve_in_thread(CollectorSettings(host="127.0.0.1", **overrides), sink=sink)
         started.append(tc)
         return tc
 
@@ -90,60 +46,20 @@ def start_collector(tmp_path: Path) -> Iterator[Callable[..., ThreadCollector]]:
         tc.stop()
 
 
-@dataclass
-class ProcessCollector:
-    """A collector run as `tracecar serve` in its own process (for kill/SIGTERM tests)."""
-
-    url: str
-    env: dict[str, str]
-    proc: subprocess.Popen[bytes] | None = None
-    log_path: Path | None = None
-    logs: list[Path] = field(default_factory=list)
-
-    def start(self, timeout: float = 60) -> ProcessCollector:
-        self.log_path = Path(self.env["TRACECAR_DATA_DIR"]) / f"collector-{len(self.logs)}.log"
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.logs.append(self.log_path)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tracecar.collector"], env=self.env,
-            stdout=subprocess.DEVNULL, stderr=self.log_path.open("wb"),
-        )
-        wait_ready(self.url, timeout, self.proc)
-        return self
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def terminate(self, timeout: float = 60) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=timeout)
-
-    def log_text(self) -> str:
-        return "\n".join(p.read_text(errors="replace") for p in self.logs if p.exists())
-
-
 @pytest.fixture
 def collector_process(tmp_path: Path) -> Iterator[Callable[..., ProcessCollector]]:
     made: list[ProcessCollector] = []
 
     def make(**env: Any) -> ProcessCollector:
         port = int(env.pop("port", free_port()))
-        full = {k: v for k, v in os.environ.items() if not k.startswith(("TRACECAR_", "WANDB_", "WF_"))}
-        full.update({"TRACECAR_HOST": "127.0.0.1", "TRACECAR_PORT": str(port),
-                     "TRACECAR_DATA_DIR": str(tmp_path / "proc-data"), "TRACECAR_BACKEND": "local"})
-        full.update({k: str(v) for k, v in env.items()})
-        pc = ProcessCollector(url=f"http://127.0.0.1:{port}", env=full)
+        pc = ProcessCollector(url=f"http://127.0.0.1:{port}", env=collector_env(port, tmp_path / "proc-data", **env))
         made.append(pc)
         return pc
 
     yield make
     for pc in made:
-        if pc.proc is not None and pc.proc.poll() is None:
-            pc.proc.kill()
-            pc.proc.wait(timeout=30)
+        if pc.proc is not None:
+            stop_process(pc.proc, grace_s=0)
 
 
 @pytest.fixture
@@ -277,16 +193,8 @@ def kit() -> FaultKit:
     return FaultKit()
 
 
-def _weave_stub_module() -> Any:
-    try:
-        import weave_stub
-    except ImportError:  # tests/ turned into a package
-        from tests import weave_stub  # type: ignore[no-redef]
-    return weave_stub
-
-
 def make_faulty_weave_stub(port: int = 0) -> Any:
-    """A WeaveStub (tests/weave_stub.py) with state-driven faults for the fault tests.
+    """A WeaveStub (tests/support/weave_stub.py) with state-driven faults for the fault tests.
 
     ``outage``: every request answers that status (None: normal); ``delay_s``: calls/complete
     answers after a sleep; ``poison``: span ids whose calls/complete batch answers
@@ -297,7 +205,8 @@ def make_faulty_weave_stub(port: int = 0) -> Any:
     import io
     import json as _json
 
-    ws = _weave_stub_module()
+    from tests.support import weave_stub as ws
+
     try:  # the base stub digests with weave's helpers, imported on first use (~1.5 s): pay it here
         import weave.trace.serialization.digest  # noqa: F401
     except ImportError:

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from conftest import free_port
+from tests.support import free_port
 
 MLFLOW_PYTHON = os.environ.get("TRACECAR_MLFLOW_SERVER_PYTHON", "")
 # MLflow reports usage to its telemetry service unless told not to: tests talk to 127.0.0.1 only

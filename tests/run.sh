@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command (README "Set-up", command 2; .ci/run calls exactly this).
-# Creates ./.venv if needed, installs tracecar with its collector and dev extras, runs ruff, then pytest.
+# Creates ./.venv if needed, installs tracecar with its collector and dev extras, runs ruff and mypy, then pytest.
 # With TRACECAR_TEST_WEAVE_SERVER=1 it makes ./.venv-weave52 (weave's own trace server) so the
 # Weave read-back tests run instead of skipping.
 # With TRACECAR_TEST_OTLP_SERVERS=1 it makes ./.venv-mlflow (MLflow's server) and ./.venv-phoenix (Phoenix) for the exporters' read-back tests.
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 if [ "${TRACECAR_TEST_WEAVE_SERVER:-0}" = 1 ]; then
   # weave 0.52.42 is the last wheel with weave's own SQLite trace server: the forwarding tests
-  # read what tracecar sent back through weave's query API (tests/weave_stub.py).
+  # read what tracecar sent back through weave's query API (tests/support/weave_server.py).
   [ -x .venv-weave52/bin/python ] || "$PYTHON" -m venv .venv-weave52
   .venv-weave52/bin/python -m pip install -q weave==0.52.42 emoji sqlparse redis clickhouse_connect ddtrace
   export TRACECAR_WEAVE_SERVER_PYTHON="$PWD/.venv-weave52/bin/python"
@@ -52,7 +52,7 @@ if [ "${TRACECAR_TEST_PY310:-0}" = 1 ]; then
     [ -x .venv-py310/bin/python ] || "$PY310" -m venv .venv-py310
     PYTHONWARNINGS=ignore::UserWarning .venv-py310/bin/python -m pip install -q -e ".[dev]"
     .venv-py310/bin/python -m pytest -p no:cacheprovider -q tests/test_client_resilience.py tests/test_fault_client.py \
-      tests/test_traceparent.py tests/test_pipeline_e2e.py tests/test_ingest_formats.py tests/test_bearer.py tests/deploy
+      tests/test_traceparent.py tests/test_pipeline_e2e.py tests/test_ingest_formats.py tests/test_bearer.py tests/deploy tests/unit
   else
     echo "tests/run.sh: no working python3.10 (with venv and ensurepip) found; the Python 3.10 tests did not run" >&2
   fi
@@ -63,4 +63,6 @@ fi
 PYTHONWARNINGS=ignore::UserWarning .venv/bin/python -m pip install -q -e ".[dev]"
 # lint first ([tool.ruff] in pyproject.toml, tests/ruff.toml): one clear list of findings, before any test runs
 .venv/bin/python -m ruff check .
+# then the types of client/ and collector/ ([tool.mypy] in pyproject.toml, pydantic's plugin)
+.venv/bin/python -m mypy
 exec .venv/bin/python -m pytest "$@"

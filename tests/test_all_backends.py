@@ -19,16 +19,12 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import free_port
-from test_mlflow_export import MLFLOW_PYTHON, _read_back, mlflow_server  # noqa: F401 - a fixture
-from test_otlp_export import verl_rollout
-from test_otlp_receiver import VllmEngine
-from test_phoenix_export import PHOENIX_PYTHON
-
-try:
-    from weave_stub import WeaveSqliteServer, weave_server_python
-except ImportError:  # pragma: no cover - tests/ as a package
-    from tests.weave_stub import WeaveSqliteServer, weave_server_python
+from tests.support import free_port, stop_process
+from tests.support.weave_stub import WeaveSqliteServer, weave_server_python
+from tests.test_mlflow_export import MLFLOW_PYTHON, _read_back, mlflow_server  # noqa: F401 - a fixture
+from tests.test_otlp_export import verl_rollout
+from tests.test_otlp_receiver import VllmEngine
+from tests.test_phoenix_export import PHOENIX_PYTHON
 
 WEAVE_PYTHON = weave_server_python()
 API_KEY = "k" * 36 + "SECR"
@@ -73,12 +69,7 @@ class Phoenix:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+            stop_process(self.proc, grace_s=30)
             self.proc = None
 
     def spans(self) -> list[dict[str, Any]]:

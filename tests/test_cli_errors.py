@@ -3,13 +3,12 @@ non-zero exit, a sentence (issue 12, item 9); `--version`; `decisions` without s
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import free_port
+from tests.support import clean_env, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -20,7 +19,7 @@ QUERIES = [
 
 
 def run(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("TRACECAR_", "WANDB_", "WF_"))}
+    full = clean_env()
     full.update(env)
     return subprocess.run([sys.executable, "-m", "tracecar.client.cli", *args], env=full, capture_output=True,
                           text=True, timeout=60)

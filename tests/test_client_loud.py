@@ -4,14 +4,13 @@ never raises into the job), warn once on the first failed send, and say at exit 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from conftest import free_port
+from tests.support import clean_env, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,7 +34,7 @@ WORKER = textwrap.dedent("""
 
 
 def worker(**env: str) -> subprocess.CompletedProcess[str]:
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("TRACECAR_", "WANDB_", "WF_"))}
+    full = clean_env()
     full.update({"TRACECAR_FLUSH_INTERVAL_S": "0.05", "TRACECAR_RETRY_INITIAL_S": "0.05", "TRACECAR_RETRY_MAX_S": "0.1",
                  "TRACECAR_SHUTDOWN_TIMEOUT_S": "1"})
     full.update(env)

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
+from tests.support import free_port  # closed again at once: connections to it are refused
 from tracecar.client import rollout_trace_attr, rollout_trace_op
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed again when the block exits: connections are refused
 
 
 class Loop:
@@ -30,7 +24,7 @@ class Loop:
 
 
 def test_collector_down_traced_function_returns_its_result(tracer_to):
-    tracer = tracer_to(f"http://127.0.0.1:{_closed_port()}", queue_max_spans=50, retry_max_elapsed_s=0.5,
+    tracer = tracer_to(f"http://127.0.0.1:{free_port()}", queue_max_spans=50, retry_max_elapsed_s=0.5,
                        retry_initial_s=0.05, http_timeout_s=0.5)
     loop = Loop()
 

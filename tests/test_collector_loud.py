@@ -11,12 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import FaultKit, free_port
-
-try:
-    from weave_stub import WeaveStub, weave_stub  # noqa: F401
-except ImportError:  # pragma: no cover
-    from tests.weave_stub import WeaveStub, weave_stub  # type: ignore[no-redef] # noqa: F401
+from tests.conftest import FaultKit
+from tests.support import free_port
+from tests.support.weave_stub import WeaveStub
 
 pytestmark = pytest.mark.timeout(120)
 

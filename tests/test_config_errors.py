@@ -3,20 +3,19 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from tests.support import clean_env, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def env_for(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRACECAR_", "WANDB_", "WF_"))}
+    env = clean_env()
     env.update({"TRACECAR_DATA_DIR": str(tmp_path / "data"), "TRACECAR_HOST": "127.0.0.1",
                 "TRACECAR_PORT": str(free_port())})
     env.update(extra)

@@ -3,25 +3,21 @@ an actionable FAIL, exit 1 on any FAIL; its test trajectory goes to experiment t
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import httpx
 import pytest
 
-from conftest import FaultKit, free_port
-
-try:
-    from weave_stub import WeaveStub, weave_stub  # noqa: F401
-except ImportError:  # pragma: no cover
-    from tests.weave_stub import WeaveStub, weave_stub  # type: ignore[no-redef] # noqa: F401
+from tests.conftest import FaultKit
+from tests.support import clean_env, free_port
+from tests.support.weave_stub import WeaveStub
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def doctor(*args: str, **env: str) -> tuple[int, dict[str, str], str]:
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("TRACECAR_", "WANDB_", "WF_"))}
+    full = clean_env()
     full.update(env)
     done = subprocess.run([sys.executable, "-m", "tracecar.client.cli", "doctor", "--timeout", "8", *args], env=full,
                           capture_output=True, text=True, timeout=120)

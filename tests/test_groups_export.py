@@ -371,7 +371,7 @@ def test_export_streams_a_big_store_in_bounded_memory(start_collector, tmp_path)
 
 # ---- the groups page, in Chromium --------------------------------------------------------------------
 def test_groups_page_from_the_overview_and_from_a_trajectory(fed, tmp_path):
-    from test_viewer import Page, _browser, expect
+    from tests.test_viewer import Page, _browser, expect
 
     with _browser() as pw:
         b = Page(pw, tmp_path, fed.url)

@@ -15,10 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support import free_port
 from tracecar.client import flush, health, health_metrics, log_health, rollout_trace_op
 from tracecar.client.cli import main as cli_main
-
-from conftest import free_port
 
 
 @rollout_trace_op

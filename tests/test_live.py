@@ -209,7 +209,7 @@ def test_without_a_budget_no_weave_root_is_sent_before_it_is_whole(start_collect
 
 
 def test_page_shows_running_trajectories_and_updates_without_reloading(start_collector, tracer_to, rollout, kit, tmp_path):
-    from test_viewer import Page, _browser, expect
+    from tests.test_viewer import Page, _browser, expect
 
     col = start_collector()
     tracer_to(col.url, experiment="exp-live")

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from mlflow_kit import have_mlflow
-from mlflow_kit import mlflow_server as start_mlflow_server
-from mlflow_kit import read_back as _read_back
-from test_otlp_export import verl_rollout
-from test_otlp_receiver import VllmEngine
+from tests.mlflow_kit import have_mlflow
+from tests.mlflow_kit import mlflow_server as start_mlflow_server
+from tests.mlflow_kit import read_back as _read_back
+from tests.test_otlp_export import verl_rollout
+from tests.test_otlp_receiver import VllmEngine
 
 pytestmark = [
     pytest.mark.timeout(300),

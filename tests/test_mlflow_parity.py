@@ -37,7 +37,7 @@ pytest.importorskip("verl.experimental.agent_loop.tool_agent_loop")
 pytest.importorskip("hydra")
 pytest.importorskip("mlflow", reason="VERL's mlflow backend needs mlflow in this venv (tests/run.sh installs mlflow-skinny)")
 
-from mlflow_kit import NO_TELEMETRY, have_mlflow, mlflow_server, read_back  # noqa: E402
+from tests.mlflow_kit import NO_TELEMETRY, have_mlflow, mlflow_server, read_back  # noqa: E402
 
 if not have_mlflow():
     pytest.skip("needs MLflow's server venv: TRACECAR_MLFLOW_SERVER_PYTHON (tests/run.sh makes .venv-mlflow "
@@ -45,12 +45,12 @@ if not have_mlflow():
 
 from verl.utils import rollout_trace as verl_rt  # noqa: E402
 
-from test_verl_adapter import (  # noqa: E402  (the adapter tests' tiny model and VERL config)
+from tests.test_verl_adapter import (  # noqa: E402  (the adapter tests' tiny model and VERL config)
     hf_tokenizer,  # noqa: F401  (a fixture)
     model_dir,  # noqa: F401  (a fixture)
     verl_config,
 )
-from verl_parity_workload import SECRET, Env, diff, normalized, run_workload, start_collector  # noqa: E402
+from tests.verl_parity_workload import SECRET, Env, diff, normalized, run_workload, start_collector  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600)]
 

@@ -19,11 +19,10 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
 
+from tests.support import free_port
+from tests.test_otlp_receiver import VllmEngine, _walk
 from tracecar.client import rollout_trace_attr, rollout_trace_op, trace_headers
 from tracecar.collector.exporters.otlp_sink import MlflowSink, OtlpSink, parse_headers
-
-from conftest import free_port
-from test_otlp_receiver import VllmEngine, _walk
 
 pytestmark = pytest.mark.timeout(120)
 

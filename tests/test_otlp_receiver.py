@@ -467,7 +467,7 @@ def test_viewer_shows_each_turns_engine_timings_and_still_counts_the_turns(start
         assert not [e for e in turn["after"] if e["type"] in ("engine", "op")]  # not listed twice
     [listed] = _get(col.url, "/ui/api/trajectories")["trajectories"]
     assert listed["turns"] == 2 and listed["trace_id"] == root.span_id
-    from test_viewer import Page, _browser  # the viewer tests' headless Chromium (skips without it)
+    from tests.test_viewer import Page, _browser  # the viewer tests' headless Chromium (skips without it)
 
     with _browser() as pw:
         b = Page(pw, col.settings.data_dir, col.url)
@@ -484,9 +484,8 @@ def test_viewer_shows_each_turns_engine_timings_and_still_counts_the_turns(start
 
 
 def test_engine_spans_and_foreign_traces_are_forwarded_to_weave_like_any_other(start_collector, tracer_to, kit):
+    from tests.support.weave_stub import WeaveStub  # the loopback Weave trace server stand-in of the forwarding tests
     from tracecar.collector.exporters.weave_sink import weave_call_id
-
-    from weave_stub import WeaveStub  # the loopback Weave trace server stand-in of the forwarding tests
 
     with WeaveStub() as stub:
         col = start_collector(backend="weave", wandb_api_key=kit.WANDB_KEY, wandb_entity="team", wandb_project="rl",

@@ -10,7 +10,6 @@ own venv (``TRACECAR_PHOENIX_SERVER_PYTHON``, made by tests/run.sh under
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -18,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import free_port
-from test_otlp_export import verl_rollout
-from test_otlp_receiver import VllmEngine
+from tests.support import free_port, start_service
+from tests.test_otlp_export import verl_rollout
+from tests.test_otlp_receiver import VllmEngine
 
 PHOENIX_PYTHON = os.environ.get("TRACECAR_PHOENIX_SERVER_PYTHON", "")
 pytestmark = [
@@ -36,30 +35,13 @@ def phoenix_server(tmp_path: Path) -> Any:
     port = free_port()
     work = tmp_path / "phoenix"
     work.mkdir()
-    log = open(tmp_path / "phoenix.log", "wb")
     env = {**os.environ, "PHOENIX_WORKING_DIR": str(work), "PHOENIX_HOST": "127.0.0.1", "PHOENIX_PORT": str(port),
            "PHOENIX_GRPC_PORT": str(free_port()), "PHOENIX_TELEMETRY_ENABLED": "false"}
-    proc = subprocess.Popen([str(Path(PHOENIX_PYTHON).parent / "phoenix"), "serve"], cwd=work, stdout=log,
-                            stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("phoenix did not start: " + (tmp_path / "phoenix.log").read_text()[-3000:])
-        time.sleep(0.5)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    service = start_service("phoenix", [str(Path(PHOENIX_PYTHON).parent / "phoenix"), "serve"],
+                            f"http://127.0.0.1:{port}/healthz", tmp_path / "phoenix.log", timeout=120, poll_s=0.5,
+                            stdout_to_log=True, cwd=work, env=env)
+    yield service.url
+    service.stop(30)
 
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from tests.support import free_port, processes, stop_process
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,7 +29,7 @@ VENV_BIN = str(Path(sys.executable).parent)
 
 def clean_env(**extra: str) -> dict[str, str]:
     """No TRACECAR_*/WANDB_* from the test host, and the venv *not* on PATH (as for a newcomer)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRACECAR_", "WANDB_", "WF_"))}
+    env = processes.clean_env()
     env["PATH"] = os.pathsep.join(d for d in env.get("PATH", "").split(os.pathsep) if d and d != VENV_BIN)
     env.pop("VIRTUAL_ENV", None)
     env.update(extra)
@@ -145,9 +145,7 @@ def test_sigterm_stops_the_child_and_hints_run_and_reruns_get_a_fresh_experiment
             s.bind(("127.0.0.1", port))  # the port is free again
             s.listen()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+        stop_process(proc, grace_s=0)
         if child_pid is not None and _alive(child_pid):
             os.kill(child_pid, signal.SIGKILL)
 
@@ -200,9 +198,7 @@ def test_other_signals_stop_the_child_too(sig: int, tmp_path: Path) -> None:
             time.sleep(0.1)
         assert not _alive(child_pid)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+        stop_process(proc, grace_s=0)
         if child_pid is not None and _alive(child_pid):
             os.kill(child_pid, signal.SIGKILL)
 

@@ -27,9 +27,8 @@ try:
 except ImportError:  # the ray extra is not installed: only the ray-free test runs
     ray = None
 
+from tests.support import free_port  # noqa: E402
 from tracecar.client import ray_collectors  # noqa: E402
-
-from conftest import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,9 @@ import orjson
 import psutil
 import pytest
 
+from tests.sampling_kit import Harness
 from tracecar.collector.processors.sampling import sample_hash
 from tracecar.collector.spool.store import HELD, PENDING
-
-from sampling_kit import Harness
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -18,13 +18,12 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
 
+from tests.sampling_kit import Harness, Spec, spans_of
 from tracecar.collector.metrics import Metrics
 from tracecar.collector.processors.sampling import Candidate, Policies, decide
 from tracecar.collector.receivers.pipeline import IngestPipeline
 from tracecar.collector.settings import CollectorSettings
 from tracecar.collector.spool.store import HELD, PENDING, Spool
-
-from sampling_kit import Harness, Spec, spans_of
 
 #: More examples for a longer hunt: SAMPLING_EXAMPLES_SCALE=20 pytest tests/test_sampling_*.py
 SCALE = int(os.environ.get("SAMPLING_EXAMPLES_SCALE", "1"))

@@ -12,9 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.test_viewer import Page, _browser, expect, get
 from tracecar.client.demo import run_demo
-
-from test_viewer import Page, _browser, expect, get
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -620,7 +620,7 @@ def test_vllm_engine_spans_join_verl_generate_calls_with_the_readme_lines(adapte
 
     from verl.workers.rollout.llm_server import LLMServerClient
 
-    from test_otlp_receiver import VllmEngine  # vLLM's request tracing, with vLLM's names
+    from tests.test_otlp_receiver import VllmEngine  # vLLM's request tracing, with vLLM's names
 
     col = start_collector()
     monkeypatch.setenv("TRACECAR_URL", col.url)

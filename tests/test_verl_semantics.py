@@ -26,15 +26,11 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.weave_stub import WeaveStub
 from tracecar.client import annotate, announce_step, rollout_trace_attr, rollout_trace_op
 from tracecar.client import tracer as tracer_module
 from tracecar.client.config import ClientConfig
 from tracecar.collector.processors.sampling import sample_hash
-
-try:
-    from weave_stub import WeaveStub, weave_stub  # noqa: F401
-except ImportError:  # pragma: no cover - run from the repo root
-    from tests.weave_stub import WeaveStub, weave_stub  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,11 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.test_viewer import ARTIFACTS, Page, _browser, _write, demo_collector, expect, get
 from tracecar.collector.spool.store import Spool
 from tracecar.collector.viewer.index import ListFilter, TrajectoryIndex
 from tracecar.collector.viewer.search import fts_query
-
-from test_viewer import ARTIFACTS, Page, _browser, _write, demo_collector, expect, get
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -7,10 +7,9 @@ import math
 import time
 from typing import Any
 
+from tests.test_viewer import ARTIFACTS, Page, _browser, expect, get
 from tracecar.client import annotate
 from tracecar.client.demo import run_demo
-
-from test_viewer import ARTIFACTS, Page, _browser, expect, get
 
 
 def demo_with_trainer(start_collector: Any, tracer_to: Any, tokenizer: str) -> tuple[Any, list[dict[str, Any]]]:

@@ -11,13 +11,9 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
+from tests.support.weave_stub import WeaveStub
 from tracecar.client import annotate, rollout_trace_attr, rollout_trace_op
 from tracecar.collector.exporters.weave_sink import weave_call_id
-
-try:
-    from weave_stub import WeaveStub, weave_stub  # noqa: F401
-except ImportError:  # pragma: no cover - run from the repo root
-    from tests.weave_stub import WeaveStub, weave_stub  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 API_KEY = "k" * 40

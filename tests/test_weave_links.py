@@ -11,12 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.weave_stub import WeaveStub
 from tracecar.client import annotate, rollout_trace_attr, rollout_trace_op
-
-try:
-    from weave_stub import WeaveStub, weave_stub  # noqa: F401
-except ImportError:  # pragma: no cover - run from the repo root
-    from tests.weave_stub import WeaveStub, weave_stub  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 API_KEY = "k" * 40

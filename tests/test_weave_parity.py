@@ -38,23 +38,20 @@ pytest.importorskip("verl.experimental.agent_loop.tool_agent_loop")
 pytest.importorskip("hydra")
 pytest.importorskip("weave")
 
-try:
-    from weave_stub import WeaveSqliteServer, weave_server_python
-except ImportError:  # pragma: no cover - run from the repo root
-    from tests.weave_stub import WeaveSqliteServer, weave_server_python
+from tests.support.weave_stub import WeaveSqliteServer, weave_server_python
 
 if weave_server_python() is None:
     pytest.skip("needs a venv with weave==0.52.42 (see weave_stub.weave_server_python)", allow_module_level=True)
 
 from verl.utils import rollout_trace as verl_rt  # noqa: E402
 
-from test_verl_adapter import (  # noqa: E402  (the adapter tests' tiny model and VERL config)
+from tests.test_verl_adapter import (  # noqa: E402  (the adapter tests' tiny model and VERL config)
     CHAT_TEMPLATE,  # noqa: F401
     hf_tokenizer,  # noqa: F401  (a fixture)
     model_dir,  # noqa: F401  (a fixture)
     verl_config,
 )
-from verl_parity_workload import SECRET, STEP, Env, diff, normalized, run_workload, start_collector  # noqa: E402
+from tests.verl_parity_workload import SECRET, STEP, Env, diff, normalized, run_workload, start_collector  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600)]
 

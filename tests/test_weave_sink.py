@@ -12,20 +12,16 @@ import base64
 import email.utils
 import json
 import logging
-import socket
 import time
 import uuid
 from typing import Any
 
 import pytest
 
+from tests.support import free_port
+from tests.support.weave_stub import WeaveSqliteServer, WeaveStub, weave_server_python
 from tracecar.collector.exporters import weave_sink as ws
 from tracecar.collector.exporters.weave_sink import SendResult, WeaveSink, weave_call_id
-
-try:
-    from weave_stub import WeaveSqliteServer, WeaveStub, weave_server_python, weave_stub  # noqa: F401
-except ImportError:  # tests/ turned into a package
-    from tests.weave_stub import WeaveSqliteServer, WeaveStub, weave_server_python, weave_stub  # noqa: F401
 
 API_KEY = "k" * 36 + "SECR"  # 40 chars, like a W&B key
 BASIC = base64.b64encode(f"api:{API_KEY}".encode()).decode()
@@ -511,9 +507,7 @@ def test_other_4xx_are_permanent_and_never_leak_the_key(weave_stub: WeaveStub, c
 
 
 def test_connection_refused_is_retryable() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again before the sink connects
+    port = free_port()  # closed again before the sink connects
     async def go() -> SendResult:
         async with WeaveSink(api_key=API_KEY, entity=ENTITY, project=PROJECT, server_url=f"http://127.0.0.1:{port}") as s:
             return await s.send(op_trace())

@@ -466,10 +466,7 @@ def test_verls_own_types_serialise_as_weave_serialises_them():
 
 
 def test_forwarded_weave_calls_hold_no_secret_and_show_weaves_exception_and_client_block(start_collector, tracer_to):
-    try:
-        from weave_stub import WeaveStub
-    except ImportError:  # pragma: no cover - run from the repo root
-        from tests.weave_stub import WeaveStub
+    from tests.support.weave_stub import WeaveStub
 
     with WeaveStub() as stub:
         col = start_collector(backend="weave", wandb_api_key="k" * 40, wandb_entity="team", wandb_project="rl",

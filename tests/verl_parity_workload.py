@@ -22,7 +22,7 @@ from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 from verl.utils.rollout_trace import rollout_trace_op  # VERL's, as a user's tool would
 
-from test_verl_adapter import FakeLoadBalancer, _Remote
+from tests.test_verl_adapter import FakeLoadBalancer, _Remote
 
 SECRET = "sk-parity-secret-0123456789"
 STEP = 7
@@ -156,11 +156,10 @@ class Env:
 def start_collector(data_dir: Path, **settings: Any) -> tuple[str, Any, threading.Thread]:
     import uvicorn
 
+    from tests.support import free_port, wait_ready
     from tracecar.collector.service.app import create_app
     from tracecar.collector.service.server import _DrainingServer
     from tracecar.collector.settings import CollectorSettings
-
-    from conftest import free_port, wait_ready
 
     port = free_port()
     s = CollectorSettings(host="127.0.0.1", port=port, data_dir=data_dir, **settings)

@@ -41,7 +41,7 @@ import json
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -368,7 +368,7 @@ def to_weave_call(
         "thread_id": thread_id,
         "turn_id": turn_id,
         "attributes": attributes,
-        "inputs": inputs,
+        "inputs": inputs,  # type: ignore[typeddict-item]  # or RawJSON: an object already encoded, that orjson writes as is
         "output": span.get("output"),
         "summary": {"status_counts": {"success": counts[0], "error": counts[1]}},
         "otel_dump": None,
@@ -532,15 +532,15 @@ class WeaveSink:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def send(self, spans: list[dict[str, Any]]) -> SendResult:
+    async def send(self, spans: Sequence[Mapping[str, Any]]) -> SendResult:
         """Forward ``spans``; every span id ends up in exactly one field of the result.
 
         After the first retryable failure nothing more is posted in this call: the rest is
         reported retryable too, so a struggling server is not hit again at once.
         """
         result = SendResult()
-        groups: dict[str, list[dict[str, Any]]] = {}
-        notes: dict[str, list[dict[str, Any]]] = {}
+        groups: dict[str, list[Mapping[str, Any]]] = {}
+        notes: dict[str, list[Mapping[str, Any]]] = {}
         elided: list[str] = []
         for s in spans:
             sid = s.get("span_id")
@@ -591,7 +591,7 @@ class WeaveSink:
                     stop = await self._deliver(url, items[a:b], result)
         targets = await self._feedback_targets([s["trace_id"] for g in notes.values() for s in g]) if notes else {}
         for pid, group in notes.items():
-            items: list[tuple[str, bytes]] = []
+            items = []
             for s in group:
                 found = targets.get(s["trace_id"])
                 if not found:
@@ -637,7 +637,7 @@ class WeaveSink:
             self._sent_counts.popitem(last=False)
 
     # -- trajectories ---------------------------------------------------------------------
-    async def _place_joined(self, groups: dict[str, list[dict[str, Any]]]) -> None:
+    async def _place_joined(self, groups: dict[str, list[Mapping[str, Any]]]) -> None:
         """Gives each joined OTLP span (an engine span under ``generate``) its parent's place in
         Weave, so it lands in the agent loop's trace rather than in a trace of its own; remembers
         every mark sent. The parent is looked up in the batch, in what was sent lately, then in
@@ -752,7 +752,7 @@ class WeaveSink:
         reason = self._redact(f"HTTP {r.status_code} from {url}: {r.text}")
         return _Failure(retryable, reason, parse_retry_after(r.headers.get("Retry-After")), r.status_code)
 
-    async def _ops_for(self, pid: str, group: list[dict[str, Any]]) -> tuple[dict[str, str], _Failure | None]:
+    async def _ops_for(self, pid: str, group: Sequence[Mapping[str, Any]]) -> tuple[dict[str, str], _Failure | None]:
         """Op names for the group's spans, publishing ops not yet published in ``pid``.
 
         A publish the server refuses for good falls back to the plain name (kept for the

@@ -18,10 +18,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tokenizers import Tokenizer
 
+from ..types import Span
 from .token_arrays import ARRAY_KEYS
 from .token_pieces import token_pieces
 
@@ -157,7 +158,7 @@ class TokenizerRegistry:
         with self._lock:
             path = self._paths.get(name)
             loaded = self._loaded.get(path) if path is not None else None
-            if loaded is not None:
+            if path is not None and loaded is not None:
                 self._loaded.move_to_end(path)
                 return loaded
             failed = self._failed.get(name)
@@ -190,13 +191,13 @@ class TokenizerRegistry:
 
 @dataclass
 class _Job:
-    span: dict[str, Any]
+    span: Span
     target: str
     ids: list[Any]
     source: str
 
 
-def collect_jobs(span: dict[str, Any], warnings: dict[str, list[str]] | None = None) -> list[_Job]:
+def collect_jobs(span: Span, warnings: dict[str, list[str]] | None = None) -> list[_Job]:
     """The id lists of one span to decode: the first present key per target (see the module).
 
     Any list is a job, whatever its elements: which of them are decodable is settled in
@@ -361,7 +362,7 @@ class _Suffix:
         return whole[len(prompt_text):]
 
 
-def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: dict[str, list[str]],
+def decode_spans(spans: list[Span], tokenizer: Tokenizer, warnings: dict[str, list[str]],
                  known: dict[Any, KnownPrefix | KnownSuffix] | None = None, texts_out: dict[tuple[str, str], str] | None = None,
                  outcomes: dict[str, int] | None = None, pieces: dict[str, list[int]] | None = None) -> int:
     """Adds decoded text to each span in place; returns the number of tokens decoded.
@@ -407,7 +408,7 @@ def decode_spans(spans: list[dict[str, Any]], tokenizer: Tokenizer, warnings: di
     texts: list[str | None]
     decoded_lens = [len(ids) for ids in plan]
     try:
-        texts = tokenizer.decode_batch(plan, skip_special_tokens=False)
+        texts = cast("list[str | None]", tokenizer.decode_batch(plan, skip_special_tokens=False))
     except Exception:  # noqa: BLE001 - one by one, so one bad sequence is named and the rest decoded
         joins, suffixes, decoded_lens = [], [], [len(ids) if ids is not None else 0 for ids in sequences]
         texts = []

@@ -21,6 +21,8 @@ from typing import Any
 
 import orjson
 
+from ..types import Span
+
 ID_KEYS = ("response_ids", "token_ids")
 ARRAY_KEYS = {
     "logprobs": ("response_logprobs", "log_probs", "logprobs"),
@@ -94,7 +96,7 @@ def _mask(values: list[Any]) -> list[int] | None:
     return None
 
 
-def extract(span: dict[str, Any], warnings: list[str]) -> TokenArrays | None:
+def extract(span: Span, warnings: list[str]) -> TokenArrays | None:
     """The span's per-token arrays, or None when it has none (or none that line up with its ids).
 
     An array that is not a list of numbers, or not one entry per token id, is named in
@@ -109,7 +111,8 @@ def extract(span: dict[str, Any], warnings: list[str]) -> TokenArrays | None:
     ids = output[id_key]
     if not all(type(i) is int and -(2**31) <= i < 2**31 for i in ids):
         return None
-    found = TokenArrays(ids=list(ids), keys={"ids": id_key})
+    sources = {"ids": id_key}  # which output key each array came from
+    found = TokenArrays(ids=list(ids), keys=sources)
     for name, keys in ARRAY_KEYS.items():
         key = next((k for k in keys if isinstance(output.get(k), list)), None)
         if key is None:
@@ -124,13 +127,13 @@ def extract(span: dict[str, Any], warnings: list[str]) -> TokenArrays | None:
             warnings.append(f"output.{key}: not a list of {kind}; not packed")
             continue
         setattr(found, name, parsed)
-        found.keys[name] = key
+        sources[name] = key
     if found.logprobs is None and found.mask is None and found.entropy is None:
         return None
     return found
 
 
-def strip_from_payload(span: dict[str, Any], arrays: TokenArrays) -> None:
+def strip_from_payload(span: Span, arrays: TokenArrays) -> None:
     """Replaces the packed float lists in the span's output by a short note (local mode)."""
     output = span["output"]
     for name in ("logprobs", "entropy"):  # the mask stays: small ints, and the output keeps VERL's shape

@@ -8,16 +8,17 @@ recorded warning instead of being refused.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tracecar.client.redact import DEFAULT as DEFAULT_REDACT
 from tracecar.client.redact import REDACTED, RedactKeys, redact_span, scrub_exception
 
-# membership: a step's sample indices; open: a call still running (processors.open_calls)
-SpanKind = Literal["op", "trajectory", "annotation", "membership", "open"]
+from ..types import Span, SpanKind
+
 _ID = Field(pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
 _INT_ATTRS = ("step", "rollout_n")
 #: VERL passes ``extra_info.index`` through unchanged: an int, or a string (uuid datasets).
@@ -166,7 +167,7 @@ class Validated:
     """The outcome of validating one batch: the good spans (as dicts) and each rejection."""
 
     batch: BatchIn
-    spans: list[dict[str, Any]] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
     rejected: list[Rejection] = field(default_factory=list)
     warnings: dict[str, list[str]] = field(default_factory=dict)
     index_of: dict[str, int] = field(default_factory=dict)
@@ -181,7 +182,7 @@ class EnvelopeError(Exception):
         self.reason = reason
 
 
-def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT, body: bytes | None = None,
+def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT, body: bytes | bytearray | None = None,
                    body_is_json: bool = True, span_model: type[SpanIn] = SpanIn) -> Validated:
     """Validates the envelope (all-or-nothing) and each span (one by one), then redacts.
 
@@ -210,7 +211,7 @@ def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT
         span_id = item.get("span_id") if isinstance(item, dict) else None
         span_id = span_id if isinstance(span_id, str) else None
         try:
-            span = dict(span_model.model_validate(item).__dict__)  # no model_dump: it deep-copies inputs/output
+            span = cast(Span, dict(span_model.model_validate(item).__dict__))  # no model_dump: it deep-copies inputs/output
         except ValidationError as exc:
             err = exc.errors()[0]
             field_name, reason = _describe_error(index, err)
@@ -222,17 +223,18 @@ def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT
             continue
         seen[span["span_id"]] = index
         if span["exception_info"] is not None:
-            info = span["exception_info"].model_dump()
+            info = cast(ExceptionInfo, span["exception_info"]).model_dump()  # still the model here
             if info["traceback"] is None:  # weave leaves the key out when nothing was raised
                 del info["traceback"]
             span["exception_info"] = info
         else:
             del span["exception_info"]
+        plain = cast(dict[str, Any], span)  # for the walkers that take any span-shaped dict
         if walk:
-            redact_span(span, redact)
+            redact_span(plain, redact)
         else:  # no key anywhere in the body, but an error may have formatted a secret into its text
-            scrub_exception(span, redact)
-        warnings = _sanitize_non_finite(span)
+            scrub_exception(plain, redact)
+        warnings = _sanitize_non_finite(plain)
         if run_warning:
             warnings.append(run_warning)
         if warnings:
@@ -259,7 +261,7 @@ def _run_id(value: Any) -> tuple[str | None, str | None]:
     return None, f"wandb_run_id: ignored, expected a W&B run id or entity/project/run_id, got {str(value)[:80]!r}"
 
 
-def _describe_error(index: int, err: dict[str, Any]) -> tuple[str, str]:
+def _describe_error(index: int, err: Mapping[str, Any]) -> tuple[str, str]:
     msg = str(err.get("msg", "invalid"))
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
@@ -297,7 +299,7 @@ def _reject_cycles(out: Validated, index_of: dict[str, int]) -> None:
     for start in parents:
         path: list[str] = []
         on_path: set[str] = set()
-        node = start
+        node: str | None = start
         while node is not None and node in parents and node not in done and node not in on_path:
             path.append(node)
             on_path.add(node)

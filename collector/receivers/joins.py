@@ -16,12 +16,13 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from ..spool.store import Spool
+from ..types import Span
 
 OTLP_WORKER_PREFIX = "otlp:"  # the worker of OTLP spans that join no trajectory: otlp:<service.name>
 
 
 class TrajectoryContext(NamedTuple):
-    worker: str | None
+    worker: str  # every span has its batch's worker (validate_batch)
     project: str | None
     entity: str | None
     experiment: Any
@@ -30,7 +31,7 @@ class TrajectoryContext(NamedTuple):
     rollout_n: int | None
     validate: bool | None
 
-    def apply(self, span: dict[str, Any]) -> None:
+    def apply(self, span: Span) -> None:
         """Gives ``span`` this trajectory's worker and project, and its budget attributes where unset."""
         span["worker"], span["project"], span["entity"] = self.worker, self.project, self.entity
         attrs = span["attributes"]
@@ -58,7 +59,7 @@ class TrajectoryContexts:
         self._items: OrderedDict[str, TrajectoryContext] = OrderedDict()
         self._lock = threading.Lock()
 
-    def remember(self, spans: Iterable[dict[str, Any]]) -> None:
+    def remember(self, spans: Iterable[Span]) -> None:
         """Notes the trajectories of a validated ``/v1/spans`` batch (one entry per trace)."""
         if self.max_traces <= 0:
             return

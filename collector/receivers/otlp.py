@@ -35,6 +35,7 @@ from tracecar.client.tracing import MARK  # the place mark the Weave sink reads
 
 from ..metrics import Metrics
 from ..processors.validate import EnvelopeError, Rejection, Validated, validate_batch
+from ..types import Span
 from . import receive
 from .joins import OTLP_WORKER_PREFIX, TrajectoryContext, TrajectoryContexts
 from .otlp_translate import OtlpSpanIn, Translated, hex_ids_to_base64, translate
@@ -56,13 +57,13 @@ def media_type(content_type: str | None) -> str:
     return (content_type or "").split(";")[0].strip().lower()
 
 
-def parse_request(body: bytes, content_type: str | None) -> Any:
+def parse_request(body: bytes | bytearray, content_type: str | None) -> Any:
     """The body as an ``ExportTraceServiceRequest``; 415 for another type, 400 when unparsable."""
     media = media_type(content_type)
     request = ExportTraceServiceRequest()
     if media in _PROTOBUF_TYPES:
         try:
-            request.ParseFromString(body)
+            request.ParseFromString(body)  # type: ignore[arg-type]  # any buffer; the stubs say bytes
         except (DecodeError, ValueError) as exc:
             raise BodyError(400, "body", f"invalid OTLP protobuf: {exc}") from None
         return request
@@ -102,8 +103,8 @@ class OtlpRequest:
         self.translated = translated = translate(parse_request(data, content_type))
         if translated.total > self.max_batch_spans:
             raise EnvelopeError("resourceSpans", f"{translated.total} spans exceed TRACECAR_MAX_BATCH_SPANS={self.max_batch_spans}")
-        for span in translated.spans:
-            redact_dotted(span.get("attributes"), self.redact)
+        for raw_span in translated.spans:
+            redact_dotted(raw_span.get("attributes"), self.redact)
         validated = validate_batch({"worker": OTLP_WORKER_PREFIX.rstrip(":"), "spans": translated.spans},
                                    self.max_batch_spans, self.redact, span_model=OtlpSpanIn)
         positions = translated.indices  # validated indices -> positions in the request
@@ -169,7 +170,7 @@ def status_response(status: int, message: str, content_type: str | None, headers
     return encode(status_pb2.Status(code=_CODES.get(status, 2), message=message), content_type, status, headers)
 
 
-def build_router(collector: Any, auth: Callable[..., Any], read_body: Callable[[Request, int], Awaitable[bytes]]) -> APIRouter:
+def build_router(collector: Any, auth: Callable[..., Any], read_body: Callable[[Request, int], Awaitable[bytes | bytearray]]) -> APIRouter:
     """``POST /v1/traces`` on ``collector``'s pipeline, behind the same token as ``/v1/spans``."""
     router = APIRouter()
 
@@ -185,7 +186,7 @@ def build_router(collector: Any, auth: Callable[..., Any], read_body: Callable[[
     return router
 
 
-async def _export(request: Request, collector: Any, read_body: Callable[[Request, int], Awaitable[bytes]]) -> Response:
+async def _export(request: Request, collector: Any, read_body: Callable[[Request, int], Awaitable[bytes | bytearray]]) -> Response:
     settings, metrics = collector.settings, collector.metrics
     content_type = request.headers.get("content-type")
     retry = {"Retry-After": str(settings.retry_after_s)}
@@ -211,7 +212,7 @@ async def _export(request: Request, collector: Any, read_body: Callable[[Request
     return encode(export_response(result, otlp), content_type, 200)
 
 
-def place_in_weave_tree(span: dict[str, Any]) -> None:
+def place_in_weave_tree(span: Span) -> None:
     """An engine span of a tracecar trajectory gets the client's place mark from its trace state.
 
     ``trace_headers()`` put ``tracecar=top|<root>|<root>.<turn>`` in the W3C tracestate, which the

@@ -48,6 +48,7 @@ from ..processors.token_arrays import strip_from_payload as strip_token_arrays
 from ..processors.validate import Rejection, Validated, parents_to_look_up, reject_foreign_children, validate_batch
 from ..settings import CollectorSettings
 from ..spool.store import Spool, SpoolFull, SpoolRow
+from ..types import Span
 from . import receive
 from .client_drops import ClientDrops, parse_dropped
 from .joins import TrajectoryContexts
@@ -59,7 +60,7 @@ log = logging.getLogger("tracecar.collector.pipeline")
 
 
 # body, Content-Type, Content-Encoding -> validated spans; runs in a worker thread
-Receiver = Callable[[bytes, str | None, str | None], Validated]
+Receiver = Callable[[bytes | bytearray, str | None, str | None], Validated]
 
 
 class Backpressure(Exception):
@@ -125,7 +126,7 @@ def _dumps_head(head: dict[str, Any]) -> bytes:
         raise
 
 
-def pack_payload(span: dict[str, Any]) -> tuple[bytes, int, int]:
+def pack_payload(span: Span) -> tuple[bytes, int, int]:
     """The span as one JSON object, with the byte offsets of its inputs and output values.
 
     The object is ``{...every other field..., "inputs": I, "output": O}``: any reader can
@@ -348,7 +349,7 @@ class IngestPipeline:
             found.update(rows.fetchall())
         return found
 
-    def _decode_and_serialize(self, validated: Validated, spans: list[dict[str, Any]]) -> tuple[list[SpoolRow], int, list[Rejection]]:
+    def _decode_and_serialize(self, validated: Validated, spans: list[Span]) -> tuple[list[SpoolRow], int, list[Rejection]]:
         batch = validated.batch
         tokens = 0
         ends: dict[str, list[int]] = {}  # span id -> each response token's end offset (token view)
@@ -370,7 +371,7 @@ class IngestPipeline:
         rows, too_big = self._serialize(validated, spans, ends)
         return rows, tokens, too_big
 
-    def _decode(self, validated: Validated, spans: list[dict[str, Any]], tokenizer: Any, name: str,
+    def _decode(self, validated: Validated, spans: list[Span], tokenizer: Any, name: str,
                 ends: dict[str, list[int]]) -> int:
         """decode_spans, reusing the text of referenced prompts decoded with this tokenizer, and
         keeping each decoded prompt's text for the next turn (v2 batches only).
@@ -420,7 +421,7 @@ class IngestPipeline:
             pending = later
         return tokens
 
-    def _decode_with_default(self, validated: Validated, spans: list[dict[str, Any]], name: str, exc: Exception,
+    def _decode_with_default(self, validated: Validated, spans: list[Span], name: str, exc: Exception,
                              ends: dict[str, list[int]]) -> int:
         """A worker's tokenizer the collector cannot (or may not) load: the operator's
         ``TRACECAR_TOKENIZER`` decodes instead, said on every span, as the docs promise (VERL's
@@ -441,7 +442,7 @@ class IngestPipeline:
             validated.warnings.setdefault(span["span_id"], []).append(note)
         return 0
 
-    def _serialize(self, validated: Validated, spans: list[dict[str, Any]],
+    def _serialize(self, validated: Validated, spans: list[Span],
                    ends: dict[str, list[int]] | None = None) -> tuple[list[SpoolRow], list[Rejection]]:
         rows, too_big = [], []
         limit = self.settings.max_span_bytes
@@ -472,7 +473,7 @@ class IngestPipeline:
             rows.append(row)
         return rows, too_big
 
-    def _pack_token_arrays(self, validated: Validated, span: dict[str, Any], ends: list[int] | None) -> bytes | None:
+    def _pack_token_arrays(self, validated: Validated, span: Span, ends: list[int] | None) -> bytes | None:
         """The span's per-token arrays packed for the spool (see token_arrays); in local mode they
         also leave the payload. Problems are warnings on the span, never a lost span."""
         if not isinstance(span.get("output"), dict):

@@ -45,7 +45,7 @@ class BodyError(Exception):
     reason: str
 
 
-def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
+def decompress(body: bytes | bytearray, encoding: str | None, limit: int) -> bytes | bytearray:
     """Undoes Content-Encoding (identity, gzip, deflate, zstd), stopping at ``limit`` bytes."""
     encoding = (encoding or "identity").strip().lower()
     if encoding in ("identity", ""):
@@ -67,7 +67,7 @@ def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
     raise BodyError(415, "Content-Encoding", f"unsupported content encoding {encoding!r}; use gzip, deflate, zstd or identity")
 
 
-def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
+def _inflate(body: bytes | bytearray, encoding: str, limit: int) -> bytes:
     """gzip or deflate, bounded by ``limit`` bytes of output.
 
     A gzip body may hold several members one after another (RFC 1952 §2.2: the file is their
@@ -115,7 +115,7 @@ def _too_big(limit: int) -> BodyError:
     return BodyError(413, "body", f"decompressed body exceeds TRACECAR_MAX_DECOMPRESSED_BYTES={limit}")
 
 
-def parse(body: bytes, content_type: str | None) -> Any:
+def parse(body: bytes | bytearray, content_type: str | None) -> Any:
     """Parses JSON or msgpack by Content-Type; anything else is a 415 naming what is accepted."""
     media = (content_type or "application/json").split(";")[0].strip().lower()
     if media in ("application/json", "text/json"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -81,8 +82,8 @@ class Collector:
             self.forwarders.append(forwarder)
             self.pipeline.on_committed.append(forwarder.notify)
             if not local_only:
-                self.metrics.bind_exporter(s.name, lambda n=s.name: self.spool.owed_count(n),
-                                           lambda f=forwarder: f.backoff_s)
+                self.metrics.bind_exporter(s.name, functools.partial(self.spool.owed_count, s.name),
+                                           functools.partial(getattr, forwarder, "backoff_s"))  # this exporter's, read at scrape
         self.watched_sink, self.forwarder = self.watched_sinks[0], self.forwarders[0]  # the first (or only) one
         if self.spool.local_only:  # the store is the destination: count what reaches it as forwarded
             stored = self.metrics.forwarded.labels(backend="local", exporter="local")

@@ -45,7 +45,7 @@ def guarded_protocol(limits: ConnectionLimits, on_close: Callable[[str], None]) 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.timeout_keep_alive = limits.idle_timeout_s
+            self.timeout_keep_alive = limits.idle_timeout_s  # type: ignore[assignment]  # uvicorn says int; call_later takes float
             self._phase = _HEAD
             self._head_bytes = 0
             self._timer: asyncio.TimerHandle | None = None

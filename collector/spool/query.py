@@ -115,7 +115,8 @@ def list_trajectories(spool: Spool, flt: TrajectoryFilter, *, limit: int = 50, o
     """One page of trajectory summaries plus the total matching count."""
     where, params = flt.where()
     order = SORTS.get(sort, "r.start_time")
-    outer, outer_params = [], []
+    outer: list[str] = []
+    outer_params: list[Any] = []
     if flt.has_error is not None:
         outer.append("has_error = ?")
         outer_params.append(int(flt.has_error))

@@ -27,6 +27,7 @@ from typing import Any
 
 import orjson
 
+from ..types import Span
 from . import deliveries
 
 PENDING, DONE, DEAD, HELD = 0, 1, 2, 3
@@ -120,7 +121,7 @@ class SpoolFull(Exception):
 class SpoolRow:
     """One span ready to insert: its index columns, its payload, its size."""
 
-    span: dict[str, Any]
+    span: Span
     payload: bytes
     warnings: list[str] | None
     tokens: int = 0
@@ -156,7 +157,7 @@ def _connect(path: Path, sync: str) -> sqlite3.Connection:
     return conn
 
 
-def _attr(span: dict[str, Any], key: str) -> Any:
+def _attr(span: Span, key: str) -> Any:
     value = span["attributes"].get(key)
     return value if type(value) in (int, str) else None
 
@@ -178,7 +179,7 @@ def _row_params(row: SpoolRow, state: int, now: float) -> tuple[Any, ...]:
     )
 
 
-def _policy_version(span: dict[str, Any]) -> int | None:
+def _policy_version(span: Span) -> int | None:
     """The policy version a fully-async (step -1) span is budgeted under (tail budgets per version)."""
     version = span["attributes"].get("policy_version")
     return version if type(version) is int and -(2**63) <= version < 2**63 else None
@@ -658,11 +659,11 @@ class Spool:
         self.checkpoint()
 
     # ---- reading -------------------------------------------------------------------------
-    def query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         with self._read_lock:
             cur = self._read.execute(sql, params)
             cols = [c[0] for c in cur.description or ()]
-            return [dict(zip(cols, row)) for row in cur.fetchall()]  # type: ignore[misc]
+            return [dict(zip(cols, row)) for row in cur.fetchall()]
 
     def dead_letters(self, limit: int = 100, exporter: str | None = None) -> list[dict[str, Any]]:
         where, params = ("WHERE exporter = ? ", (exporter,)) if exporter is not None else ("", ())

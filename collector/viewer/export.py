@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from ..shape import RESPONSE_ID_KEYS, TOOL_METHODS, int_list, shape
+from ..shape import RESPONSE_ID_KEYS, TOOL_METHODS, dict_or_empty, int_list, shape
 from ..spool.query import get_trajectory
 from ..spool.store import Spool
 from .groups import advantage_of
@@ -88,7 +88,7 @@ def _walk(root: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 def _tool_name(span: dict[str, Any]) -> str:
     """``CalculatorTool.execute`` -> ``CalculatorTool``; a tool named by its inputs wins."""
-    inputs = span.get("inputs") if isinstance(span.get("inputs"), dict) else {}
+    inputs = dict_or_empty(span.get("inputs"))
     for key in ("tool_name", "name"):
         if isinstance(inputs.get(key), str):
             return inputs[key]
@@ -114,7 +114,7 @@ def _message(role: str, content: str | None, *, tool_calls: list[dict[str, Any]]
     return {"role": role, "content": content, "tool_calls": tool_calls or [], "tool_call_id": tool_call_id, "name": name}
 
 
-def _token_arrays(root: dict[str, Any], spans: dict[str, dict[str, Any]], turns: list[dict[str, Any]]) -> dict[str, Any]:
+def _token_arrays(root: dict[str, Any], spans: dict[Any, dict[str, Any]], turns: list[dict[str, Any]]) -> dict[str, Any]:
     """prompt_ids / response_ids / response_mask: the agent loop's own output when it has them
     (VERL's ``AgentLoopOutput``: tool outputs included, masked 0), else the turns' ids joined."""
     for span in _walk(root):
@@ -125,8 +125,8 @@ def _token_arrays(root: dict[str, Any], spans: dict[str, dict[str, Any]], turns:
     prompt, response = None, []
     for number, turn in enumerate(turns):
         span = spans.get(turn["span_id"]) or {}
-        output = span.get("output") if isinstance(span.get("output"), dict) else {}
-        inputs = span.get("inputs") if isinstance(span.get("inputs"), dict) else {}
+        output = dict_or_empty(span.get("output"))
+        inputs = dict_or_empty(span.get("inputs"))
         if number == 0:
             prompt = int_list(output.get("prompt_ids")) or int_list(inputs.get("prompt_ids"))
         response += next((ids for ids in (int_list(output.get(k)) for k in RESPONSE_ID_KEYS) if ids), [])

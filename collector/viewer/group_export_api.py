@@ -40,7 +40,7 @@ def root_and_annotations(spool: Spool, trace_id: str) -> dict[str, Any] | None:
     if not rows:
         return None
     spans = [orjson.loads(r["payload"]) for r in rows]
-    root = next((s for k, s in zip((r["kind"] for r in rows), spans) if k != "annotation"), {"attributes": {}})
+    root: dict[str, Any] = next((s for k, s in zip((r["kind"] for r in rows), spans) if k != "annotation"), {"attributes": {}})
     return {"trace_id": trace_id, "root": root, "annotations": [s for r, s in zip(rows, spans) if r["kind"] == "annotation"]}
 
 

@@ -100,7 +100,7 @@ def rank(rollouts: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # ---- turns and their diff ----------------------------------------------------------------------
-def _spans_by_id(span: dict[str, Any], into: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _spans_by_id(span: dict[str, Any], into: dict[Any, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
     stack = [span]
     while stack:
         current = stack.pop()

@@ -20,12 +20,14 @@ version changes or the spool under it was replaced.
 
 from __future__ import annotations
 
+import builtins  # TrajectoryIndex.list shadows the builtin in its class
 import logging
 import math
 import sqlite3
 import threading
 import time
 import urllib.parse
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -424,8 +426,8 @@ class TrajectoryIndex:
             if done:
                 self._apply(conn, [r for r in rows if r[16] != HELD], drop_held=done)
 
-    def _apply(self, conn: sqlite3.Connection, rows: list[tuple[Any, ...]], *, add_held: list[tuple[int]] = (),
-               drop_held: list[tuple[int]] = (), watermark: tuple[int, str] | None = None) -> None:
+    def _apply(self, conn: sqlite3.Connection, rows: list[tuple[Any, ...]], *, add_held: Sequence[tuple[int]] = (),
+               drop_held: Sequence[tuple[int]] = (), watermark: tuple[int, str] | None = None) -> None:
         deltas: dict[str, _Delta] = {}
         llm_rows: list[tuple[Any, ...]] = []
         texts: list[tuple[Any, ...]] = []
@@ -574,7 +576,7 @@ class TrajectoryIndex:
                             params).fetchone()[0]
 
     @staticmethod
-    def _rows(conn: sqlite3.Connection, sql: str, params: list[Any]) -> list[dict[str, Any]]:
+    def _rows(conn: sqlite3.Connection, sql: str, params: builtins.list[Any]) -> builtins.list[dict[str, Any]]:
         cursor = conn.execute(sql, params)
         names = [c[0] for c in cursor.description]
         out = []
@@ -624,7 +626,7 @@ class TrajectoryIndex:
             return result
 
     @staticmethod
-    def overview_sql(experiment: str | None, validate: bool | None) -> tuple[str, list[Any]]:
+    def overview_sql(experiment: str | None, validate: bool | None) -> tuple[str, builtins.list[Any]]:
         sql = f"SELECT step, reward, kept_because, trace_id, rowid FROM trajectories WHERE {ROOT} AND experiment IS ?"
         params: list[Any] = [experiment]
         if validate is not None:
@@ -665,6 +667,7 @@ class TrajectoryIndex:
                 hist[min(bins - 1, int((value - low) / width))] += 1
             entry: dict[str, Any] = {"step": step, "trajectories": len(group), "scored": len(values), "kept": kept, "hist": hist}
             if values:
+                assert worst_row is not None and best_row is not None  # the rows of those values
                 entry.update(
                     mean=sum(values) / len(values), min=values[0], max=values[-1],
                     p10=_quantile(values, 0.1), p25=_quantile(values, 0.25), p50=_quantile(values, 0.5),
@@ -681,7 +684,7 @@ class TrajectoryIndex:
         return result
 
 
-    def page_after(self, flt: ListFilter, after: int = 0, limit: int = 500) -> list[dict[str, Any]]:
+    def page_after(self, flt: ListFilter, after: int = 0, limit: int = 500) -> builtins.list[dict[str, Any]]:
         """Summaries in index order after the row ``after`` (the previous page's last ``cursor``).
 
         For walking a whole selection (export) with constant memory: a keyset page, so trajectories

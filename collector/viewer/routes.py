@@ -18,7 +18,7 @@ import contextlib
 import hashlib
 import hmac
 import mimetypes
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +92,15 @@ def _json(payload: Any) -> Response:
                     headers={"Cache-Control": "no-store"})
 
 
-def build_router(collector: StoreOwner, token: str | None) -> APIRouter:
+class ViewerRouter(APIRouter):
+    """The viewer's routes, and what the group export API shares with them (set by :func:`build_router`)."""
+
+    trajectory_index: TrajectoryIndex
+    fresh: Callable[[], dict[str, Any]]
+    viewer_auth: ViewerAuth
+
+
+def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
     """The viewer's routes for one collector; the trajectory index closes with the app."""
     settings = collector.settings
     index = TrajectoryIndex(collector.spool.path,
@@ -105,7 +113,7 @@ def build_router(collector: StoreOwner, token: str | None) -> APIRouter:
         yield
         await asyncio.to_thread(index.close)
 
-    router = APIRouter(prefix=PREFIX, lifespan=lifespan, include_in_schema=False)
+    router = ViewerRouter(prefix=PREFIX, lifespan=lifespan, include_in_schema=False)
     guarded = APIRouter(dependencies=[Depends(auth)])
 
     def fresh() -> dict[str, Any]:

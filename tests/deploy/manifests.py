@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
@@ -388,12 +387,6 @@ def _assert_client_reads(client_config_cls: type, env: Mapping[str, str], where:
             probe_value = value if value else "x"
             assert client_config_cls.from_env({name: probe_value}) != baseline, f"{where}: the client ignores {name}"
 
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_healthcheck(cmd: list[str], port: int) -> int:

@@ -8,6 +8,8 @@ import re
 import threading
 from typing import Any
 
+from tests.support import free_port
+
 from .manifests import (
     DATA_DIR,
     LOOPBACK,
@@ -15,7 +17,6 @@ from .manifests import (
     Stage,
     arg_names,
     copy_sources_and_dest,
-    free_port,
     healthcheck_exec,
     is_ignored,
     load_dockerignore,

@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 
-from .manifests import Stage, free_port, healthcheck_exec, k8s_env, run_healthcheck
+from tests.support import clean_env, free_port, stop_process
+
+from .manifests import Stage, healthcheck_exec, k8s_env, run_healthcheck
 
 
 def _tracecar_cmd() -> list[str]:
@@ -64,7 +66,7 @@ def live_collector(sidecar: dict[str, Any], tmp_path: Path) -> Iterator[tuple[st
     _require_cli()
     port = free_port()
     token = "live-test-" + os.urandom(8).hex()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRACECAR_", "WANDB_", "WF_"))}
+    env = clean_env()
     env.update({k: v for k, v in k8s_env(sidecar).items() if k.startswith("TRACECAR_")})
     env.update(
         {
@@ -84,9 +86,7 @@ def live_collector(sidecar: dict[str, Any], tmp_path: Path) -> Iterator[tuple[st
     try:
         yield f"http://127.0.0.1:{port}", token, proc
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc, grace_s=0, kill_wait_s=10)
         log.close()
 
 

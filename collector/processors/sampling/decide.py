@@ -253,7 +253,7 @@ def decide(candidates: Iterable[Candidate], budget: Budget, experiment: Any, ste
         for rule in ("reward_max", "reward_min"):
             if want[rule] <= 0 or queues[rule] is None:
                 continue
-            for unit in queues[rule]:  # type: ignore[union-attr]
+            for unit in queues[rule]:
                 if id(unit) in kept:  # already kept by an earlier rule: that extreme is covered
                     want[rule] -= 1
                     break

@@ -31,8 +31,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
+from ...types import Span
 from .decide import index_order, sample_hash
 
 SampleIndex = int | str
@@ -42,7 +43,7 @@ MEMBERSHIP = "membership"  # the span kind announcing a step's sample indices (n
 ASYNC_STEP = -1
 
 
-def is_sample_index(value: Any) -> bool:
+def is_sample_index(value: Any) -> TypeGuard[int | str]:
     return type(value) is int or type(value) is str
 
 
@@ -74,8 +75,8 @@ def choose(indices: list[SampleIndex], decided: dict[SampleIndex, bool], limit: 
 
 @dataclass
 class SampleOutcome:
-    kept: list[dict[str, Any]] = field(default_factory=list)
-    dropped: list[dict[str, Any]] = field(default_factory=list)
+    kept: list[Span] = field(default_factory=list)
+    dropped: list[Span] = field(default_factory=list)
     new_decisions: list[Decision] = field(default_factory=list)
 
 
@@ -107,7 +108,7 @@ class StepBudgetSampler:
         limit = self.limit if self._limit_for is None else self._limit_for(attrs.get("experiment_name"), attrs.get("validate"))
         return job_limit if limit is None else limit
 
-    def announce(self, memberships: list[dict[str, Any]], job_limit: int | None = None) -> list[Decision]:
+    def announce(self, memberships: list[Span], job_limit: int | None = None) -> list[Decision]:
         """Decides every announced sample index of each announced step at once (see module doc)."""
         out: list[Decision] = []
         for span in memberships:
@@ -131,7 +132,7 @@ class StepBudgetSampler:
                 out.append((key, index, keep))
         return out
 
-    def sample(self, spans: list[dict[str, Any]], job_limit: int | None = None) -> SampleOutcome:
+    def sample(self, spans: list[Span], job_limit: int | None = None) -> SampleOutcome:
         """Decides each span; runs on the event loop (pure dict work, no I/O but a cache miss).
 
         ``job_limit`` is the budget the job sent with the batch (VERL's trace config, through

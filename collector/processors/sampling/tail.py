@@ -39,6 +39,7 @@ import orjson
 
 from ...settings import CollectorSettings
 from ...spool.store import Spool, SpoolRow, WriteResult
+from ...types import Span
 from .decide import KEPT_MARK_BYTES, Candidate, Prior, Unit, Verdict, decide
 from .head import ASYNC_STEP, budget_step
 from .policy import Policies
@@ -51,7 +52,7 @@ HOLD, PASS, DROP, LATE = "hold", "pass", "drop", "late"
 _OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
 
-class _Lru(OrderedDict):  # type: ignore[type-arg]
+class _Lru(OrderedDict):
     """A bounded mapping that forgets its least recently set entries."""
 
     def __init__(self, size: int) -> None:
@@ -100,7 +101,7 @@ class TailSelector:
         self._rebuild()
 
     # ---- ingest (writer thread) ----------------------------------------------------------
-    def claims(self, span: dict[str, Any]) -> bool:
+    def claims(self, span: Span) -> bool:
         """True for spans this selector routes (the rest go through the head sampler)."""
         if span["kind"] == "annotation":
             return True
@@ -164,7 +165,7 @@ class TailSelector:
                 self.metrics.spans_sampled_out.labels(budget="tail").inc(dropped)
             return result, dropped + late_dropped
 
-    def _route(self, span: dict[str, Any]) -> str:
+    def _route(self, span: Span) -> str:
         trace_id = span["trace_id"]
         if trace_id in self.trace_step:
             return HOLD

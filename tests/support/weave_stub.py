@@ -16,7 +16,7 @@ Routes answered (everything else answers 200 ``{}``): ``POST /v2/{entity}/{proje
 (the batch route weave 0.54 uses), ``GET /server_info``, ``POST /obj/create`` and
 ``POST /file/create`` (what weave's own client calls when it publishes an op),
 ``POST /calls/stream_query`` (answers no calls) and ``POST /graphql`` (the W&B viewer query,
-answering :attr:`WeaveStub.default_entity`). Use the ``weave_stub`` fixture or the
+answering :attr:`WeaveStub.default_entity`). Use the ``weave_stub`` fixture (tests/conftest.py) or the
 context manager directly.
 
 :class:`WeaveSqliteServer` is the other end of the scale: weave's *own* trace server (the
@@ -36,14 +36,11 @@ import subprocess
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from email.parser import BytesParser
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 CALLS_COMPLETE_RE = re.compile(r"^/v2/(?P<entity>[^/]+)/(?P<project>[^/]+)/calls/complete$")
 
@@ -235,148 +232,9 @@ def _parse_multipart(content_type: str, raw: bytes) -> dict[str, bytes]:
 #: Packages weave 0.52.42's trace_server imports beyond the wheel's own dependencies.
 WEAVE_SERVER_EXTRAS = ("emoji", "sqlparse", "redis", "clickhouse_connect", "ddtrace")
 
-#: Serves weave 0.52.42's SQLite trace server (the last wheel that ships one), behind its
-#: external-id adapter, on the routes the 0.54 client and the sink use. Run by that venv's python.
-WEAVE_SERVER_SCRIPT = r'''
-import base64, json, os, re, sys, tempfile, threading, types
-import email.policy
-from email.parser import BytesParser
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
-
-# The SQLite server imports its evaluation worker, which needs weave[scorers] (numpy, LLM
-# libraries); ingest and query never use it, so a stand-in module takes its place.
-_ev = types.ModuleType("weave.trace_server.workers.evaluate_model_worker.evaluate_model_worker")
-_ev.EvaluateModelDispatcher = object
-sys.modules.setdefault(_ev.__name__, _ev)
-
-from weave.trace_server import trace_server_interface as tsi
-from weave.trace_server import validation
-from weave.trace_server.external_to_internal_trace_server_adapter import ExternalTraceServer, IdConverter
-from weave.trace_server.sqlite_trace_server import SqliteTraceServer
-
-
-class B64Ids(IdConverter):
-    """entity/project <-> base64, as W&B maps external project ids to internal ones."""
-    def ext_to_int_project_id(self, p): return base64.b64encode(p.encode()).decode()
-    def int_to_ext_project_id(self, p): return base64.b64decode(p).decode()
-    def ext_to_int_run_id(self, r): return r
-    def int_to_ext_run_id(self, r): return r
-    def ext_to_int_user_id(self, u): return u
-    def int_to_ext_user_id(self, u): return u
-
-
-internal = SqliteTraceServer(os.path.join(tempfile.mkdtemp(), "weave.db"))
-internal.setup_tables()
-server = ExternalTraceServer(internal, B64Ids())
-lock = threading.Lock()
-COMPLETE = re.compile(r"^/v2/([^/]+)/([^/]+)/calls/complete$")
-
-
-def handle(path, headers, raw):
-    if m := COMPLETE.match(path):
-        req = tsi.CallsUpsertCompleteReq.model_validate_json(raw)  # the server's request model
-        for c in req.batch:  # and the ClickHouse insert validators (clickhouse_schema.py)
-            if c.project_id != m.group(1) + "/" + m.group(2):
-                raise ValueError("project_id does not match the route")
-            validation.call_id_validator(c.id)
-            validation.trace_id_validator(c.trace_id)
-            validation.parent_id_validator(c.parent_id)
-            validation.display_name_validator(c.display_name)
-            if not c.op_name.startswith("weave:///"):  # refs are checked once made internal
-                validation.op_name_validator(c.op_name)
-        server.calls_complete(req)
-        return "application/json", b"{}"
-    if path == "/obj/create":
-        res = server.obj_create(tsi.ObjCreateReq.model_validate_json(raw))
-        return "application/json", res.model_dump_json().encode()
-    if path == "/file/create":
-        msg = BytesParser(policy=email.policy.HTTP).parsebytes(
-            b"Content-Type: " + headers["Content-Type"].encode() + b"\r\n\r\n" + raw)
-        parts = {p.get_param("name", header="content-disposition"): p for p in msg.iter_parts()}
-        req = tsi.FileCreateReq(project_id=parts["project_id"].get_payload(decode=True).decode(),
-                                name=parts["file"].get_filename(), content=parts["file"].get_payload(decode=True))
-        return "application/json", server.file_create(req).model_dump_json().encode()
-    if path == "/calls/stream_query":
-        req = tsi.CallsQueryReq.model_validate_json(raw)
-        lines = [c.model_dump_json() for c in server.calls_query_stream(req)]
-        return "application/jsonl", "".join(line + "\n" for line in lines).encode()
-    if path == "/objs/query":
-        return "application/json", server.objs_query(tsi.ObjQueryReq.model_validate_json(raw)).model_dump_json().encode()
-    if path in JSON_ROUTES:  # more of weave's routes: one request model, one method each
-        model, method = JSON_ROUTES[path]
-        res = getattr(server, method)(getattr(tsi, model).model_validate_json(raw))
-        return "application/json", res.model_dump_json().encode()
-    if path == "/threads/stream_query":
-        req = tsi.ThreadsQueryReq.model_validate_json(raw)
-        lines = [t.model_dump_json() for t in server.threads_query_stream(req)]
-        return "application/jsonl", "".join(line + "\n" for line in lines).encode()
-    if path == "/agents/otel/v1/traces":  # weave.init's OTel exporter (conversation SDK): not calls
-        return "application/x-protobuf", b""
-    if path == "/graphql":  # W&B's API, as weave.init asks it: the viewer, the project (it exists)
-        body = json.loads(raw or b"{}")
-        variables = body.get("variables") or {}
-        name = variables.get("name") or variables.get("project") or "project"
-        entity = variables.get("entityName") or variables.get("entity") or "entity"
-        model = {"name": name, "entity": {"name": entity}}
-        data = {"viewer": {"username": "parity", "defaultEntity": {"name": os.environ.get("WEAVE_SERVER_DEFAULT_ENTITY", "entity")}},
-                "project": model, "upsertModel": {"model": model}}
-        return "application/json", json.dumps({"data": data}).encode()
-    return None
-
-
-JSON_ROUTES = {
-    "/calls/query_stats": ("CallsQueryStatsReq", "calls_query_stats"),
-    "/call/read": ("CallReadReq", "call_read"),
-    "/obj/read": ("ObjReadReq", "obj_read"),
-    "/table/create": ("TableCreateReq", "table_create"),
-    "/table/query": ("TableQueryReq", "table_query"),
-    "/refs/read_batch": ("RefsReadBatchReq", "refs_read_batch"),
-    "/feedback/create": ("FeedbackCreateReq", "feedback_create"),
-    "/feedback/batch/create": ("FeedbackCreateBatchReq", "feedback_create_batch"),
-    "/feedback/query": ("FeedbackQueryReq", "feedback_query"),
-}
-
-
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args):
-        pass
-
-    def do_GET(self):
-        if self.path.split("?", 1)[0] != "/server_info":
-            self.send_error(404)
-            return
-        data = b'{"min_required_weave_python_version": "0.0.0"}'
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_POST(self):
-        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        try:
-            with lock:
-                out = handle(self.path, self.headers, raw)
-            if out is None:
-                print(f"weave server: no route {self.path}", file=sys.stderr, flush=True)
-            status, (ctype, data) = (404, ("application/json", b'{"detail": "no route"}')) if out is None else (200, out)
-        except Exception as e:  # validation errors answer 422, like the real server
-            status = 422 if isinstance(e, ValueError) else 500
-            ctype, data = "application/json", json.dumps({"detail": f"{type(e).__name__}: {e}"}).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-
-httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-print(httpd.server_address[1], flush=True)
-httpd.serve_forever(0.05)
-'''
+#: weave 0.52.42's SQLite trace server behind its external-id adapter (tests/support/weave_server.py),
+#: run as a script by that venv's python.
+WEAVE_SERVER = Path(__file__).with_name("weave_server.py")
 
 
 def weave_server_python() -> str | None:
@@ -387,7 +245,7 @@ def weave_server_python() -> str | None:
     Make one with ``python -m venv V && V/bin/pip install weave==0.52.42 emoji sqlparse
     redis clickhouse_connect ddtrace``.
     """
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     candidates = [os.environ.get("TRACECAR_WEAVE_SERVER_PYTHON"),
                   str(repo / ".venv-weave52" / "bin" / "python"),
                   str(repo.parent / "venv-weave52" / "bin" / "python")]
@@ -407,7 +265,7 @@ class WeaveSqliteServer:
 
     def __enter__(self) -> WeaveSqliteServer:
         self._log = tempfile.TemporaryFile()  # a file, not a pipe: a chatty server never blocks
-        self.proc = subprocess.Popen([self.python, "-c", WEAVE_SERVER_SCRIPT], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([self.python, str(WEAVE_SERVER)], stdout=subprocess.PIPE,
                                      stderr=self._log, text=True)
         line: list[str] = []
         reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
@@ -433,10 +291,3 @@ class WeaveSqliteServer:
             self.proc.communicate(timeout=30)
             self.proc = None
             self._log.close()
-
-
-@pytest.fixture
-def weave_stub() -> Iterator[WeaveStub]:
-    """A started :class:`WeaveStub`, stopped after the test."""
-    with WeaveStub() as stub:
-        yield stub

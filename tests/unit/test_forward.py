@@ -1,0 +1,121 @@
+"""collector/exporters/forward.py: what the sink answers decides each span's fate, and nothing answered is resent."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from tracecar.collector.exporters.forward import Forwarder, SendResult, Sink
+from tracecar.collector.metrics import Metrics
+from tracecar.collector.spool.store import Spool, SpoolRow
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class ScriptedSink:
+    """Answers each send with the next scripted function of the span ids (then: all delivered)."""
+
+    name = "scripted"
+
+    def __init__(self, *script: Any) -> None:
+        self.script = deque(script)
+        self.sent: list[list[str]] = []
+
+    async def send(self, spans: Sequence[Mapping[str, Any]]) -> SendResult:
+        ids = [s["span_id"] for s in spans]
+        self.sent.append(ids)
+        answer = self.script.popleft() if self.script else (lambda ids: SendResult(delivered=ids))
+        return answer(ids)
+
+    async def aclose(self) -> None:
+        return None
+
+
+def spool_with(tmp_path: Path, *span_ids: str) -> Spool:
+    spool = Spool(tmp_path / "s.db", local_only=False)
+    rows = []
+    for sid in span_ids:
+        span = {"span_id": sid, "trace_id": sid, "parent_id": None, "name": f"op-{sid}", "kind": "op", "start_time": 1.0,
+                "end_time": 2.0, "attributes": {}, "inputs": {"q": sid}, "output": None, "exception": None,
+                "worker": "w", "project": None, "entity": None}
+        rows.append(SpoolRow(span, orjson.dumps(span), None))
+    spool.write(rows)
+    return spool
+
+
+def drain(spool: Spool, sink: Sink, metrics: Metrics | None = None, seconds: float = 5.0, **options: Any) -> Forwarder:
+    options = {"batch_spans": 10, "retry_initial_s": 0.01, "retry_max_s": 0.05, "keep_forwarded": True, **options}
+    forwarder = Forwarder(spool, sink, metrics or Metrics(), **options)
+
+    async def go() -> None:
+        await forwarder.run(deadline=asyncio.get_running_loop().time() + seconds)
+
+    asyncio.run(go())
+    return forwarder
+
+
+def states(spool: Spool) -> dict[str, int]:
+    return {r["span_id"]: r["state"] for r in spool.query("SELECT span_id, state FROM spans")}
+
+
+def test_delivered_rejected_and_retryable_each_go_their_way(tmp_path: Path) -> None:
+    spool = spool_with(tmp_path, "a", "b", "c")
+    sink = ScriptedSink(lambda ids: SendResult(delivered=["a"], rejected={"b": "422: bad call"}, retryable=["c"],
+                                               retry_reason="503 from the backend"))
+    metrics = Metrics()
+    drain(spool, sink, metrics)
+    assert sink.sent == [["a", "b", "c"], ["c"]]  # only the retryable span is sent again
+    assert states(spool) == {"a": 1, "b": 2, "c": 1}
+    assert [(r["span_id"], r["name"], r["reason"]) for r in spool.dead_letters()] == [("b", "op-b", "422: bad call")]
+    assert spool.pending_count == 0
+
+
+def test_a_sink_that_raises_loses_nothing_and_is_tried_again(tmp_path: Path) -> None:
+    def boom(ids: list[str]) -> SendResult:
+        raise RuntimeError("sink bug")
+
+    spool = spool_with(tmp_path, "a", "b")
+    sink = ScriptedSink(boom)
+    forwarder = drain(spool, sink)
+    assert sink.sent == [["a", "b"], ["a", "b"]] and states(spool) == {"a": 1, "b": 1}
+    assert forwarder.last_error is None
+
+
+def test_a_retry_after_sets_the_backoff_and_the_error_is_reported_until_it_clears(tmp_path: Path) -> None:
+    spool = spool_with(tmp_path, "a")
+    sink = ScriptedSink(lambda ids: SendResult(retryable=ids, retry_after=0.2, retry_reason="429 Too Many Requests"))
+    forwarder = Forwarder(spool, sink, Metrics(), batch_spans=10, retry_initial_s=0.01, retry_max_s=5, keep_forwarded=True)
+
+    async def go() -> tuple[float, str | None]:
+        loop = asyncio.get_running_loop()
+        task = asyncio.create_task(forwarder.run(deadline=loop.time() + 5))
+        while not sink.sent:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        seen = (forwarder.backoff_s, forwarder.last_error)
+        await task
+        return seen
+
+    backoff, error = asyncio.run(go())
+    assert backoff == 0.2 and error == "429 Too Many Requests"
+    assert len(sink.sent) == 2 and states(spool) == {"a": 1} and forwarder.last_error is None
+
+
+def test_batches_respect_batch_spans_and_go_oldest_first(tmp_path: Path) -> None:
+    ids = [f"s{i:02d}" for i in range(7)]
+    spool = spool_with(tmp_path, *ids)
+    sink = ScriptedSink()
+    drain(spool, sink, batch_spans=3)
+    assert sink.sent == [ids[0:3], ids[3:6], ids[6:]]
+
+
+def test_keep_forwarded_false_deletes_what_the_backend_has(tmp_path: Path) -> None:
+    spool = spool_with(tmp_path, "a", "b")
+    drain(spool, ScriptedSink(), keep_forwarded=False)
+    assert states(spool) == {} and spool.pending_count == 0
