@@ -95,9 +95,9 @@ class PromptDeltas:
         output = wire.get("output")
         sent_as_ref = False if full else self._output_refs(wire)
         inputs = wire.get("inputs")
-        prompt_list = inputs.get("prompt_ids") if type(inputs) is dict else None
+        prompt_list = inputs.get("prompt_ids") if isinstance(inputs, dict) else None
         prompt = as_ids(prompt_list)
-        if prompt is None:
+        if prompt is None or not isinstance(inputs, dict) or prompt_list is None:
             self.counts["sent"] += sent_as_ref
             return sent_as_ref
         request = inputs.get("request_id")
@@ -135,7 +135,7 @@ class PromptDeltas:
             end = min(len(context), start + len(ids))
             if end - start < MIN_REF_IDS or ids[:end - start] != context[start:end] or not _same_kinds(ids, context, start, end):
                 break
-            refs[name] = {REF_KEY: ref, "from": start, "n": end, "add": value[end - start:]}
+            refs[name] = {REF_KEY: ref, "from": start, "n": end, "add": value[end - start:]}  # type: ignore[index]  # as_ids: a list
             self.counts["ids_saved"] += end - start
             start = end
             if end == len(context):

@@ -367,7 +367,7 @@ class Sender:
         for rejection in rejections:
             if not isinstance(rejection, dict) or not str(rejection.get("reason", "")).startswith(UNRESOLVED_REASON):
                 continue
-            record = self._ref_records.pop(rejection.get("span_id"), None)
+            record = self._ref_records.pop(str(rejection.get("span_id")), None)
             if record is not None:
                 again.append(record)
         for record in reversed(again):

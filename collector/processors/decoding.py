@@ -393,7 +393,7 @@ def decode_spans(spans: list[Span], tokenizer: Tokenizer, warnings: dict[str, li
         prompt_jobs = {job.span["span_id"]: i for i, job in enumerate(jobs) if job.source == "output.prompt_ids"}
         for i, job in enumerate(jobs):
             if job.source == "output.response_ids":
-                cut = known.get((job.span["span_id"], job.source))  # type: ignore[call-overload]
+                cut = known.get((job.span["span_id"], job.source))
                 p = prompt_jobs.get(job.span["span_id"])
                 if (isinstance(cut, KnownSuffix) and p is not None and sequences[i] is job.ids and sequences[p] is jobs[p].ids
                         and len(jobs[p].ids) == cut.start > 0 and cut.context.length + cut.context.then_len == cut.start + len(job.ids)):
@@ -439,8 +439,8 @@ def decode_spans(spans: list[Span], tokenizer: Tokenizer, warnings: dict[str, li
         outcomes["reused"] = outcomes.get("reused", 0) + len(joins) + len(suffixes) - len(whole)
         outcomes["full"] = outcomes.get("full", 0) + len(whole)
     if whole:  # a join was not safe: the whole list, as if no prefix were known
-        for i, text in zip(whole, tokenizer.decode_batch([jobs[i].ids for i in whole], skip_special_tokens=False)):
-            texts[i] = text
+        for i, whole_text in zip(whole, tokenizer.decode_batch([jobs[i].ids for i in whole], skip_special_tokens=False)):
+            texts[i] = whole_text
             tokens += len(jobs[i].ids)
     for job, text, ids in zip(jobs, texts, sequences):
         if text is not None and ids is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 OPEN_KIND = "open"
@@ -31,7 +31,7 @@ class OpenCalls:
     def __len__(self) -> int:
         return len(self._calls)
 
-    def opened(self, markers: Iterable[dict[str, Any]], now: float) -> None:
+    def opened(self, markers: Iterable[Mapping[str, Any]], now: float) -> None:
         with self._lock:
             for m in markers:
                 span_id = m["span_id"].removesuffix(SUFFIX)
@@ -51,7 +51,7 @@ class OpenCalls:
                 if self.forgotten is not None:
                     self.forgotten.inc()
 
-    def closed(self, spans: Iterable[dict[str, Any]]) -> None:
+    def closed(self, spans: Iterable[Mapping[str, Any]]) -> None:
         """Spans that arrived: their calls ended; a root ends its whole trajectory."""
         if not self._calls:
             return

@@ -147,7 +147,7 @@ def _is_ref(value: Any) -> bool:
 def _rebuild(value: dict[str, Any], worker: str, contexts: PromptContexts) -> tuple[list[Any], str, Context, int] | str:
     """(the full list, ref, its context, n), or why it cannot be rebuilt (the rejection's reason)."""
     parsed = _parse_ref(value)
-    if type(parsed) is str:
+    if isinstance(parsed, str):
         return f"malformed prompt reference: {parsed}"
     ref, start, n, add = parsed
     entry = contexts.get(worker, ref)
@@ -202,7 +202,7 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int) -
                 if rebuilt_ids > max_ids:
                     rebuilt = (f"{UNRESOLVED_REASON}: the references of this batch rebuild more than {max_ids} ids "
                                "(TRACECAR_MAX_DECOMPRESSED_BYTES / 2); send the full list")
-            if type(rebuilt) is str:
+            if isinstance(rebuilt, str):
                 failed = (f"{part}.{key}", rebuilt)
                 break
             holder[key] = rebuilt[0]

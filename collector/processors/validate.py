@@ -172,7 +172,7 @@ class Validated:
     warnings: dict[str, list[str]] = field(default_factory=dict)
     index_of: dict[str, int] = field(default_factory=dict)
     # spans whose inputs.prompt_ids was rebuilt from a reference (tracecar.collector.processors.prompt_refs)
-    prompt_bases: dict[str, Any] = field(default_factory=dict)
+    prompt_bases: dict[Any, Any] = field(default_factory=dict)  # span_id, or (span_id, "output") -> prompt_refs.Base
 
 
 class EnvelopeError(Exception):

@@ -385,7 +385,8 @@ class IngestPipeline:
         pending = spans
         while pending:
             waiting = {s["span_id"] for s in pending}
-            now, later = [], []
+            now: list[Span] = []
+            later: list[Span] = []
             for span in pending:
                 sid = span["span_id"]
                 refs = [b.ref for b in (bases.get(sid), bases.get((sid, "output"))) if b is not None and b.ref != sid]
@@ -397,13 +398,15 @@ class IngestPipeline:
                 sid = span["span_id"]
                 base = bases.get(sid)
                 entry = self.prompt_contexts.get(worker, base.ref) if base is not None else None
-                if entry is not None and entry.text is not None and entry.tokenizer == name and entry.prompt_len == base.prompt_len:
+                if (entry is not None and base is not None and entry.text is not None and entry.tokenizer == name
+                        and entry.prompt_len == base.prompt_len):
                     then = entry.response_text is not None and base.with_response
                     known[sid] = KnownPrefix(base.prompt_len, entry.text, len(entry.ids) - entry.prompt_len if then else 0,
                                              entry.response_text if then else None)
                 base = bases.get((sid, "output"))
                 entry = self.prompt_contexts.get(worker, base.ref) if base is not None else None
-                if entry is not None and entry.text is not None and entry.response_text is not None and entry.tokenizer == name:
+                if (entry is not None and base is not None and entry.text is not None and entry.response_text is not None
+                        and entry.tokenizer == name):
                     context = KnownPrefix(entry.prompt_len, entry.text, len(entry.ids) - entry.prompt_len, entry.response_text)
                     known[(sid, "output.response_ids")] = KnownSuffix(context, base.start)
             texts: dict[tuple[str, str], str] = {}

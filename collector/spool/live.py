@@ -78,7 +78,8 @@ def candidates_sql(flt: LiveFilter, start_seq: int) -> tuple[str, list[Any]]:
     """Traces with spans at or after ``start_seq`` and no root among them. ``NOT INDEXED``: the
     rowid range is the bound that keeps this cheap; SQLite would otherwise walk the whole
     trace index to save the GROUP BY's sort."""
-    clauses, params = ["seq >= ?", "kind != 'annotation'"], [start_seq]
+    clauses: list[str] = ["seq >= ?", "kind != 'annotation'"]
+    params: list[Any] = [start_seq]
     if flt.experiment is not None:
         clauses.append("experiment IS ?")
         params.append(flt.experiment or None)

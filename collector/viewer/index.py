@@ -453,7 +453,7 @@ class TrajectoryIndex:
                 delta.root = (seq, name, experiment, step, sample_index, rollout_n, validate, worker, start, end,
                               duration, kept, reward)
             output = span.get("output")
-            if token_output(kind, output):
+            if token_output(kind, output) and isinstance(output, dict):
                 prompt_tokens, response_tokens = token_counts(span)
                 llm_rows.append((span_id, trace_id, prompt_tokens, response_tokens))
                 texts.append((trace_id, start, output.get("prompt_text"), output.get("response_text")))
