@@ -19,9 +19,11 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.mlflow_kit import MLFLOW_PYTHON
+from tests.mlflow_kit import read_back as _read_back
 from tests.support import free_port, stop_process
 from tests.support.weave_stub import WeaveSqliteServer, weave_server_python
-from tests.test_mlflow_export import MLFLOW_PYTHON, _read_back, mlflow_server  # noqa: F401 - a fixture
+from tests.test_mlflow_export import mlflow_server  # noqa: F401 - a fixture
 from tests.test_otlp_export import verl_rollout
 from tests.test_otlp_receiver import VllmEngine
 from tests.test_phoenix_export import PHOENIX_PYTHON
