@@ -158,7 +158,8 @@ class PromptDeltas:
         old = self._last.pop(key, None)
         if old is not None:
             self._ids -= len(old[1])
-        if len(context) > self.max_ids:
+        if len(context) > self.max_ids:  # too large to keep: the request's next turn goes out whole
+            self._drop_from_trace(key)
             return
         self._last[key] = (span_id, context)
         self._by_trace.setdefault(key[0], set()).add(key)
@@ -182,8 +183,9 @@ class PromptDeltas:
         """The trajectory's root is sent: its turns are over, so their memory goes."""
         self._latest.pop(trace_id, None)
         for key in self._by_trace.pop(trace_id, ()):
-            _, ids = self._last.pop(key)
-            self._ids -= len(ids)
+            entry = self._last.pop(key, None)
+            if entry is not None:
+                self._ids -= len(entry[1])
 
 
 def _shared_prefix(prompt: list[Any], context: list[Any]) -> int:

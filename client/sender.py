@@ -114,6 +114,10 @@ class Sender:
         self.deltas = PromptDeltas(cfg.prompt_delta_max_requests if cfg.prompt_delta else 0, cfg.prompt_delta_max_ids)
         self.stats.prompt_refs = self.deltas.counts  # the sender thread's counters, read as they are
         self._ref_records: dict[str, SpanRecord] = {}  # spans of the pending body sent with a reference
+        self._marker_ids: set[str] = set()  # open markers in the pending body (not spans: never counted)
+        # False once an answer shows a collector older than open markers (it lists no wire version 2, the
+        # release that added both): markers stop; a refused marker is never counted as a dropped span
+        self._markers_ok: bool | None = None
         self._send_whole: set[str] = set()  # span ids to resend in full (their reference was not resolved)
         self.worker_id = self.config.worker_id or default_worker_id()
         self.reporter = FailureReporter(self.config.url, self.config.retry_max_elapsed_s)  # rate-limited, sender thread
@@ -216,13 +220,17 @@ class Sender:
         last_yield = time.perf_counter()
         # markers first: one checked here as still running has its span enqueued after this
         # point, so the collector always sees a call open before it sees it end
-        opens, markers = self.opens, 0
-        while opens and markers < cfg.batch_max_spans:
+        opens, markers, marker_ids = self.opens, 0, set()
+        while opens and markers < cfg.batch_max_spans and self._markers_ok is not False:
             marker = opens.popleft()
             if marker.record.end is None:  # ended already: its span says more
-                parts.append(pack_span(marker.to_wire(), self.encoder, cfg.max_string_chars))
+                wire = marker.to_wire()
+                parts.append(pack_span(wire, self.encoder, cfg.max_string_chars))
+                marker_ids.add(wire["span_id"])
                 size += len(parts[-1])
                 markers += 1
+        if self._markers_ok is False:
+            opens.clear()  # an older collector: they would only be refused
         deltas, refs, whole = self.deltas, {}, self._send_whole
         while queue and len(parts) - markers < cfg.batch_max_spans and size < cfg.batch_max_bytes:
             record = queue.popleft()
@@ -251,7 +259,7 @@ class Sender:
                 last_yield = time.perf_counter()
         if not parts:
             return None
-        self._ref_records = refs
+        self._ref_records, self._marker_ids = refs, marker_ids
         return batch_body(self._header(), parts), len(parts) - markers  # markers are not spans: not counted
 
     def _wire(self, record: SpanRecord) -> dict[str, Any]:
@@ -385,8 +393,9 @@ class Sender:
         for chunk in (spans[:half], spans[half:]):
             if chunk:
                 smaller = batch_body(self._header(), [orjson.dumps(s) for s in chunk])
-                self._pending_body = (smaller, len(chunk))
-                if not self._post_with_retries(smaller, len(chunk)):
+                counted = sum(1 for s in chunk if s.get("span_id") not in self._marker_ids)  # markers are not spans
+                self._pending_body = (smaller, counted)
+                if not self._post_with_retries(smaller, counted):
                     return False
         return True
 
@@ -395,8 +404,13 @@ class Sender:
         try:
             answer = response.json()
             rejected = int(answer.get("rejected_count", 0))
-            resent = self._resend_unresolved(_rejections(response))
-            self.deltas.set_enabled(WIRE_VERSION_DELTA in (answer.get("wire_versions") or ()))
+            rejections = _rejections(response)
+            resent = self._resend_unresolved(rejections)
+            if self._marker_ids:  # a refused open marker is no lost span
+                rejected -= sum(1 for r in rejections if isinstance(r, dict) and r.get("span_id") in self._marker_ids)
+            knows_v2 = WIRE_VERSION_DELTA in (answer.get("wire_versions") or ())
+            self.deltas.set_enabled(knows_v2)
+            self._markers_ok = knows_v2
         except Exception:  # noqa: BLE001 - a success without a readable body still counts as sent
             pass
         rejected -= resent

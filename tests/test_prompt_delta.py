@@ -341,14 +341,16 @@ def test_client_memory_is_bounded_and_evictions_counted():
     root = {"span_id": "t", "trace_id": "t", "parent_id": None, "kind": "trajectory", "name": "agent_loop", "inputs": {}}
     deltas.apply(root)  # the trajectory is over: its memory goes
     assert deltas.remembered_ids == 0
+    # a remembered request whose context then outgrows max_ids is forgotten whole: its root still goes out
+    deltas.apply(wire("u", "big", list(range(100)), "u1"))
+    deltas.apply(wire("u", "big", list(range(100)) + [1] * 10 + list(range(1200)), "u2"))
+    u_root = {**root, "span_id": "u", "trace_id": "u"}
+    assert deltas.apply(u_root) is False and deltas.remembered_ids == 0
 
 
 def test_weave_receives_the_full_lists(start_collector, tracer_to, deepseek_tokenizer_path):
     """What Weave gets is what VERL would send: full prompt_ids per generate call, full agent loop output."""
-    try:
-        from weave_stub import WeaveStub
-    except ImportError:  # pragma: no cover - run from the repo root
-        from tests.weave_stub import WeaveStub
+    from tests.support.weave_stub import WeaveStub
 
     tok = Tokenizer.from_file(deepseek_tokenizer_path)
     with WeaveStub() as stub:

@@ -17,6 +17,9 @@ from typing import Any
 
 MAX_WORKERS = 65536  # workers remembered (least recently heard from forgotten first)
 MAX_REASONS = 32  # reasons one header may carry
+#: distinct reasons counted in all (each is a metric series): later new ones count as ``other``
+MAX_DISTINCT_REASONS = 64
+OTHER_REASON = "other"
 _REASON = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 
 
@@ -39,6 +42,7 @@ class ClientDrops:
         self.counter = counter
         self._last: OrderedDict[str, dict[str, int]] = OrderedDict()
         self._lock = threading.Lock()
+        self._reasons: set[str] = set()  # the label values in use (bounded: MAX_DISTINCT_REASONS)
 
     def observe(self, worker: str, totals: dict[str, int]) -> None:
         with self._lock:
@@ -47,11 +51,20 @@ class ClientDrops:
                 seen = before.get(reason, 0)
                 increase = total - seen if total >= seen else total  # went down: a restarted worker
                 if increase:
-                    self.counter.labels(reason=reason).inc(increase)
+                    self.counter.labels(reason=self._label(reason)).inc(increase)
             self._last[worker] = totals
             self._last.move_to_end(worker)
             while len(self._last) > MAX_WORKERS:
                 self._last.popitem(last=False)
+
+    def _label(self, reason: str) -> str:
+        """The reason as a label value: a client's names, but at most MAX_DISTINCT_REASONS series."""
+        if reason in self._reasons:
+            return reason
+        if len(self._reasons) < MAX_DISTINCT_REASONS:
+            self._reasons.add(reason)
+            return reason
+        return OTHER_REASON
 
     def by_worker(self) -> dict[str, dict[str, int]]:
         """The latest totals each worker reported (for /v1/health)."""
