@@ -194,7 +194,10 @@ def test_counters_stay_exact_and_nothing_is_resent_when_the_disk_is_too_full_to_
         delivered_while_full = list(stub.delivered())
         assert len(delivered_while_full) == len(set(delivered_while_full))  # answered batches are not sent again
         ballast.unlink()  # space returns
-        assert kit.wait_for(lambda: spool.pending_count == 0, 30), spool.pending_count
+        assert kit.wait_for(lambda: spool.pending_count == 0, 60), (
+            spool.pending_count, httpx.get(col.url + "/readyz").json(), os.statvfs(disk).f_bavail,
+            [task.get_name() + (": done" if task.done() else "") for task in col.collector._forward_tasks],
+            [ln for ln in httpx.get(col.url + '/metrics').text.splitlines() if 'forward' in ln and not ln.startswith('#')])
     finally:
         stop.set()
         watcher.join(5)

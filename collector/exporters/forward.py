@@ -180,8 +180,15 @@ class Forwarder:
                 ok, retry_after = False, None
             else:
                 limit = 1 if self._probing else self.batch_spans
-                rows = await asyncio.to_thread(self.spool.next_pending, limit, self.name)
-                if not rows:
+                try:
+                    rows = await asyncio.to_thread(self.spool.next_pending, limit, self.name)
+                except Exception as exc:  # noqa: BLE001 - e.g. SQLite on a full disk: never end forwarding for good
+                    log.warning("forward to %s: reading the spool failed (%s: %s); retrying after backoff",
+                                self.name, type(exc).__name__, exc)
+                    self.metrics.forward_failures.labels(exporter=self.name, kind="internal_error").inc()
+                    self.last_error = f"reading the spool failed: {type(exc).__name__}"
+                    rows, ok, retry_after = None, False, None
+                if rows is not None and not rows:
                     if deadline is not None:
                         return
                     self._wake.clear()
@@ -190,13 +197,14 @@ class Forwarder:
                     except asyncio.TimeoutError:
                         pass
                     continue
-                try:
-                    ok, retry_after = await self._forward(rows)
-                except Exception as exc:  # noqa: BLE001 - one failing batch must not end forwarding for good
-                    log.exception("forward: batch failed; retrying after backoff")
-                    self.metrics.forward_failures.labels(exporter=self.name, kind="internal_error").inc()
-                    self.last_error = f"internal error: {type(exc).__name__}"
-                    ok, retry_after = False, None
+                if rows is not None:
+                    try:
+                        ok, retry_after = await self._forward(rows)
+                    except Exception as exc:  # noqa: BLE001 - one failing batch must not end forwarding for good
+                        log.exception("forward: batch failed; retrying after backoff")
+                        self.metrics.forward_failures.labels(exporter=self.name, kind="internal_error").inc()
+                        self.last_error = f"internal error: {type(exc).__name__}"
+                        ok, retry_after = False, None
             if ok:
                 delay, self.backoff_s, self._probing = self.retry_initial_s, 0.0, False
                 continue
