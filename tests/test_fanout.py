@@ -342,3 +342,17 @@ def test_unknown_exporter_is_one_line_and_exit_2(tmp_path):
     done = subprocess.run([sys.executable, "-m", "tracecar.client.cli", "config"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "TRACECAR_EXPORTERS includes weave but WANDB_API_KEY is not set" in done.stderr
     assert "take weave out of TRACECAR_EXPORTERS" in done.stderr
+
+
+def test_health_counts_a_span_forwarded_once_however_many_exporters_took_it():
+    """/v1/health's spans_forwarded is what every exporter has (not their sum), each exporter's count beside it."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from tracecar.collector.service.health import health_snapshot
+
+    registry = CollectorRegistry()
+    forwarded = Counter("tracecar_spans_forwarded", "test", ["backend", "exporter"], registry=registry)
+    forwarded.labels(backend="weave", exporter="weave").inc(10)
+    forwarded.labels(backend="otlp", exporter="otlp").inc(7)
+    answer = health_snapshot(registry, {})
+    assert answer["spans_forwarded"] == 7 and answer["spans_forwarded_by_exporter"] == {"weave": 10, "otlp": 7}

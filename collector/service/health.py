@@ -56,5 +56,13 @@ def health_snapshot(registry: CollectorRegistry, client_drops_by_worker: dict[st
         answer[key + "_total"] = sum(by.values())
     for key, family in SCALARS.items():
         answer[key] = int(sum(value for _, value in samples.get(family, [])))
+    # with fan-out each exporter counts its own deliveries: a span is forwarded when every exporter has it
+    by_exporter: dict[str, int] = {}
+    for labels, value in samples.get("tracecar_spans_forwarded", []):
+        name = labels.get("exporter") or labels.get("backend") or ""
+        by_exporter[name] = by_exporter.get(name, 0) + int(value)
+    answer["spans_forwarded_by_exporter"] = by_exporter
+    if by_exporter:
+        answer["spans_forwarded"] = min(by_exporter.values())
     answer["client_dropped_by_worker"] = client_drops_by_worker
     return answer
