@@ -144,6 +144,9 @@ def _is_ref(value: Any) -> bool:
     return type(value) is dict and REF_KEY in value
 
 
+is_ref = _is_ref  # for the pipeline: which lists a worker process must be sent rebuilt
+
+
 def _rebuild(value: dict[str, Any], worker: str, contexts: PromptContexts) -> tuple[list[Any], str, Context, int] | str:
     """(the full list, ref, its context, n), or why it cannot be rebuilt (the rejection's reason)."""
     parsed = _parse_ref(value)

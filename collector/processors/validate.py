@@ -173,6 +173,8 @@ class Validated:
     index_of: dict[str, int] = field(default_factory=dict)
     # spans whose inputs.prompt_ids was rebuilt from a reference (tracecar.collector.processors.prompt_refs)
     prompt_bases: dict[Any, Any] = field(default_factory=dict)  # span_id, or (span_id, "output") -> prompt_refs.Base
+    # v2: per span, the (part, key) of each list that arrived as a reference (a worker process re-parses the body)
+    rebuilt: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
 
 
 class EnvelopeError(Exception):

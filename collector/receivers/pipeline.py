@@ -10,7 +10,6 @@ are routed (held / pass / drop) on the spool's writer thread, where its step dec
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import sqlite3
@@ -21,31 +20,21 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-import msgpack
-import orjson
-
+from tracecar.client.prompt_delta import OUTPUT_REF_KEYS
 from tracecar.client.redact import RedactKeys
 
 from ..loudness import TokenizerFailures
 from ..metrics import Metrics
-from ..processors.decoding import (
-    KnownPrefix,
-    KnownSuffix,
-    TokenizerNotFound,
-    TokenizerPolicy,
-    TokenizerRegistry,
-    collect_jobs,
-    decode_spans,
-)
+from ..processors.decoding import TokenizerNotFound, TokenizerPolicy, TokenizerRegistry, decode_spans
 from ..processors.open_calls import OPEN_KIND, OpenCalls
-from ..processors.prompt_refs import PromptContexts, resolve_refs
+from ..processors.prompt_refs import PromptContexts, is_ref, resolve_refs
 from ..processors.sampling import Policies, TailSelector
 from ..processors.sampling.head import MEMBERSHIP, StepBudgetSampler
-from ..processors.token_arrays import extract as extract_token_arrays
-from ..processors.token_arrays import strip_from_payload as strip_token_arrays
+from ..processors.span_work import ContextView, PayloadError, decode_v2, pack_payload, serialize_spans
 from ..processors.validate import Rejection, Validated, parents_to_look_up, reject_foreign_children, validate_batch
+from ..processors.worker_pool import WorkerConfig, WorkerPool, WorkOrder, WorkResult, pack_ids
 from ..settings import CollectorSettings
 from ..spool.store import Spool, SpoolFull, SpoolRow
 from ..types import Span
@@ -55,7 +44,7 @@ from .joins import TrajectoryContexts
 
 #: the batch versions /v1/spans reads; a client sends prompt references only when 2 is listed
 WIRE_VERSIONS = (1, 2)
-_DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+__all__ = ["Backpressure", "IngestPipeline", "IngestResult", "PayloadError", "WIRE_VERSIONS", "pack_payload"]
 log = logging.getLogger("tracecar.collector.pipeline")
 
 
@@ -86,61 +75,6 @@ class IngestResult:
             "warnings": self.warnings,
             "wire_versions": list(WIRE_VERSIONS),
         }
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, (bytes, bytearray)):
-        return {"__bytes_b64__": base64.b64encode(bytes(value)).decode()}
-    if isinstance(value, msgpack.ExtType):
-        return {"__ext__": value.code, "data_b64": base64.b64encode(value.data).decode()}
-    return repr(value)
-
-
-_INPUTS_KEY, _OUTPUT_KEY = b'"inputs":', b',"output":'
-
-
-class PayloadError(ValueError):
-    """A span part that cannot be serialised; ``field`` names it (``attributes``, ``inputs``, ``output``, ...)."""
-
-    def __init__(self, field_name: str, reason: str) -> None:
-        super().__init__(f"{field_name}: {reason}")
-        self.field = field_name
-        self.reason = reason
-
-
-def _dumps_part(value: Any, field_name: str) -> bytes:
-    try:
-        return orjson.dumps(value, default=_json_default, option=_DUMP_OPTS)
-    except orjson.JSONEncodeError as exc:
-        hint = " (nested deeper than the 254 levels a stored value may have)" if "Recursion" in str(exc) else ""
-        raise PayloadError(field_name, f"cannot be stored: {exc}{hint}") from None
-
-
-def _dumps_head(head: dict[str, Any]) -> bytes:
-    """The span's fields other than inputs/output; on failure, the field at fault is named."""
-    try:
-        return orjson.dumps(head, default=_json_default, option=_DUMP_OPTS)
-    except orjson.JSONEncodeError:
-        for key, value in head.items():  # only on failure: find which field it was
-            _dumps_part({key: value}, str(key))
-        raise
-
-
-def pack_payload(span: Span) -> tuple[bytes, int, int]:
-    """The span as one JSON object, with the byte offsets of its inputs and output values.
-
-    The object is ``{...every other field..., "inputs": I, "output": O}``: any reader can
-    parse it whole, and the forwarder can parse just the small head and splice ``I`` and ``O``
-    into the backend request as they are (they hold the token ids and decoded text: most of the
-    bytes, and most of the parsing time).
-    """
-    head = _dumps_head({k: v for k, v in span.items() if k != "inputs" and k != "output"})
-    inputs = _dumps_part(span["inputs"], "inputs")
-    output = _dumps_part(span["output"], "output")
-    prefix = head[:-1] + b"," + _INPUTS_KEY
-    inputs_at = len(prefix)
-    output_at = inputs_at + len(inputs) + len(_OUTPUT_KEY)
-    return prefix + inputs + _OUTPUT_KEY + output + b"}", inputs_at, output_at
 
 
 class IngestPipeline:
@@ -176,6 +110,15 @@ class IngestPipeline:
                                              seed_for=lambda e, v: self.policies.get(e, v).sampling_seed)
         self.cpu = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="tracecar-cpu")
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracecar-spool")
+        # TRACECAR_WORKERS > 1: decoding and serialising in worker processes (started by the first
+        # batch that decodes, or at start when token2text is on); 1: in the CPU threads above
+        workers = settings.effective_workers
+        self.pool: WorkerPool | None = None
+        if workers > 1:
+            self.pool = WorkerPool(workers, WorkerConfig(
+                policy=TokenizerPolicy.from_settings(settings), redact_keys=list(settings.redact_keys),
+                max_batch_spans=settings.max_batch_spans, max_decompressed_bytes=settings.max_decompressed_bytes,
+                max_span_bytes=settings.max_span_bytes, local_only=spool.local_only), metrics)
         self.inflight = asyncio.Semaphore(settings.max_inflight_requests)
         self._lookup = threading.local()  # per CPU thread: a read-only connection for parent look-ups
         self._lookup_conns: list[sqlite3.Connection] = []
@@ -261,7 +204,8 @@ class IngestPipeline:
         sampled.new_decisions[:0] = announced
         if sampled.dropped:
             m.spans_sampled_out.labels(budget="max_samples_per_step_per_worker").inc(len(sampled.dropped))
-        rows, tokens, too_big = await loop.run_in_executor(self.cpu, self._decode_and_serialize, validated, spans)
+        rows, tokens, too_big = await self._decode_and_serialize_somewhere(validated, spans, body, content_type,
+                                                                           content_encoding, receiver)
         for rejection in too_big:  # over the size bound ("spans[i]"), or a part that cannot be stored
             m.spans_rejected.labels(reason="span_too_large" if "." not in rejection.field else _reason_label(rejection)).inc()
         m.decoded_tokens.inc(tokens)
@@ -319,6 +263,7 @@ class IngestPipeline:
                                    body_is_json=not (content_type or "").lower().split(";")[0].strip().endswith("msgpack"))
         reject_foreign_children(validated, self._stored_traces(parents_to_look_up(validated)))
         if validated.batch.v >= 2:  # prompt references: rebuilt before sampling, so every stage sees full lists
+            validated.rebuilt = _ref_paths(validated.spans)  # what a worker process is sent rebuilt (it re-parses the body)
             before = len(validated.rejected)
             validated.prompt_bases, resolved = resolve_refs(validated, self.prompt_contexts,
                                                             max_ids=self.settings.max_decompressed_bytes // 2)
@@ -373,55 +318,14 @@ class IngestPipeline:
 
     def _decode(self, validated: Validated, spans: list[Span], tokenizer: Any, name: str,
                 ends: dict[str, list[int]]) -> int:
-        """decode_spans, reusing the text of referenced prompts decoded with this tokenizer, and
-        keeping each decoded prompt's text for the next turn (v2 batches only).
-
-        A turn whose earlier turn is in this batch too waits for a later round (one
-        ``decode_batch`` each), so its earlier text is known when it is decoded.
-        """
+        """decode_spans; in v2 batches reusing the text of referenced prompts (span_work.decode_v2)."""
         if validated.batch.v < 2:
             return decode_spans(spans, tokenizer, validated.warnings, pieces=ends)
-        worker, bases, tokens = validated.batch.worker, validated.prompt_bases, 0
-        pending = spans
-        while pending:
-            waiting = {s["span_id"] for s in pending}
-            now: list[Span] = []
-            later: list[Span] = []
-            for span in pending:
-                sid = span["span_id"]
-                refs = [b.ref for b in (bases.get(sid), bases.get((sid, "output"))) if b is not None and b.ref != sid]
-                (later if any(ref in waiting for ref in refs) else now).append(span)
-            if not now:  # cannot happen (a reference names an earlier span); never loop on it
-                now, later = later, []
-            known: dict[Any, Any] = {}
-            for span in now:
-                sid = span["span_id"]
-                base = bases.get(sid)
-                entry = self.prompt_contexts.get(worker, base.ref) if base is not None else None
-                if (entry is not None and base is not None and entry.text is not None and entry.tokenizer == name
-                        and entry.prompt_len == base.prompt_len):
-                    then = entry.response_text is not None and base.with_response
-                    known[sid] = KnownPrefix(base.prompt_len, entry.text, len(entry.ids) - entry.prompt_len if then else 0,
-                                             entry.response_text if then else None)
-                base = bases.get((sid, "output"))
-                entry = self.prompt_contexts.get(worker, base.ref) if base is not None else None
-                if (entry is not None and base is not None and entry.text is not None and entry.response_text is not None
-                        and entry.tokenizer == name):
-                    context = KnownPrefix(entry.prompt_len, entry.text, len(entry.ids) - entry.prompt_len, entry.response_text)
-                    known[(sid, "output.response_ids")] = KnownSuffix(context, base.start)
-            texts: dict[tuple[str, str], str] = {}
-            outcomes: dict[str, int] = {}
-            tokens += decode_spans(now, tokenizer, validated.warnings, known=known, texts_out=texts, outcomes=outcomes,
-                                   pieces=ends)
-            for outcome, n in outcomes.items():
-                self.metrics.prompt_text_joins.labels(outcome=outcome).inc(n)
-            for span in now:
-                span_id = span["span_id"]
-                entry = self.prompt_contexts.get(worker, span_id)
-                if entry is not None:
-                    response = texts.get((span_id, entry.response_source)) if entry.response_source else None
-                    self.prompt_contexts.set_texts(worker, span_id, texts.get((span_id, "inputs.prompt_ids")), response, name)
-            pending = later
+        outcomes: dict[str, int] = {}
+        tokens = decode_v2(spans, validated.batch.worker, validated.prompt_bases, tokenizer, name, validated.warnings, ends,
+                           self.prompt_contexts.get, self.prompt_contexts.set_texts, outcomes)
+        for outcome, n in outcomes.items():
+            self.metrics.prompt_text_joins.labels(outcome=outcome).inc(n)
         return tokens
 
     def _decode_with_default(self, validated: Validated, spans: list[Span], name: str, exc: Exception,
@@ -447,50 +351,74 @@ class IngestPipeline:
 
     def _serialize(self, validated: Validated, spans: list[Span],
                    ends: dict[str, list[int]] | None = None) -> tuple[list[SpoolRow], list[Rejection]]:
-        rows, too_big = [], []
-        limit = self.settings.max_span_bytes
-        count_tokens = self.selection is not None
-        for span in spans:
-            packed = self._pack_token_arrays(validated, span, (ends or {}).get(span["span_id"]))
-            warnings = validated.warnings.get(span["span_id"])
-            if warnings:
-                span["warnings"] = warnings
-            try:
-                payload, inputs_at, output_at = pack_payload(span)
-            except PayloadError as exc:  # e.g. nested past orjson's depth: the part at fault is named
-                index = validated.index_of[span["span_id"]]
-                too_big.append(Rejection(index, span["span_id"], f"spans[{index}].{exc.field}", exc.reason))
-                continue
-            except orjson.JSONEncodeError as exc:
-                index = validated.index_of[span["span_id"]]
-                too_big.append(Rejection(index, span["span_id"], f"spans[{index}]", f"cannot be stored: {exc}"))
-                continue
-            if len(payload) > limit:
-                index = validated.index_of[span["span_id"]]
-                too_big.append(Rejection(index, span["span_id"], f"spans[{index}]",
-                                         f"{len(payload)} bytes exceed TRACECAR_MAX_SPAN_BYTES={limit}"))
-                continue
-            row = SpoolRow(span, payload, warnings, inputs_at=inputs_at, output_at=output_at, token_arrays=packed)
-            if count_tokens:  # for max_tokens_per_step: token ids the span carries
-                row.tokens = sum(len(job.ids) for job in collect_jobs(span))
-            rows.append(row)
-        return rows, too_big
+        return serialize_spans(spans, validated.warnings, validated.index_of, ends or {}, max_span_bytes=self.settings.max_span_bytes,
+                               count_tokens=self.selection is not None, local_only=self.spool.local_only)
 
-    def _pack_token_arrays(self, validated: Validated, span: Span, ends: list[int] | None) -> bytes | None:
-        """The span's per-token arrays packed for the spool (see token_arrays); in local mode they
-        also leave the payload. Problems are warnings on the span, never a lost span."""
-        if not isinstance(span.get("output"), dict):
+    # ---- the same work in a worker process (processors/worker_pool.py) --------------------------
+    async def _decode_and_serialize_somewhere(self, validated: Validated, spans: list[Span], body: bytes | bytearray,
+                                              content_type: str | None, content_encoding: str | None,
+                                              receiver: Receiver | None) -> tuple[list[SpoolRow], int, list[Rejection]]:
+        """In a worker process when the pool is warm and the batch decodes, else in a CPU thread.
+
+        Whatever the pool cannot do (warming up, a worker died, a tokenizer it cannot load) is
+        done here, in-process, from the spans as validated: they are never changed by the pool.
+        """
+        pool = self.pool
+        order = self._work_order(validated, spans, body, content_type, content_encoding) if pool is not None and receiver is None else None
+        if pool is not None and order is not None:
+            pool.start()  # no-op once started
+            result = await pool.run(order)
+            if result is not None and result.redo is None:
+                self.metrics.worker_batches.labels(path="worker").inc()
+                return self._apply(validated, spans, order, result)
+            if result is not None:
+                self.metrics.worker_failures.labels(kind=result.redo or "redo").inc()
+        self.metrics.worker_batches.labels(path="in_process").inc()
+        return await asyncio.get_running_loop().run_in_executor(self.cpu, self._decode_and_serialize, validated, spans)
+
+    def _work_order(self, validated: Validated, spans: list[Span], body: bytes | bytearray, content_type: str | None,
+                    content_encoding: str | None) -> WorkOrder | None:
+        """What a worker needs for this batch, or None where the work stays here (nothing to decode:
+        serialising alone costs less than shipping; ids that are not plain ints)."""
+        batch = validated.batch
+        token2text = self.settings.token2text if batch.token2text is None else batch.token2text
+        name = batch.tokenizer or self.settings.tokenizer
+        if not spans or not token2text or name is None:
             return None
-        notes: list[str] = []
-        arrays = extract_token_arrays(span, notes)
-        if notes:
-            validated.warnings.setdefault(span["span_id"], []).extend(notes)
-        if arrays is None:
-            return None
-        arrays.ends = ends if ends is not None and len(ends) == len(arrays.ids) else None
-        if self.spool.local_only:
-            strip_token_arrays(span, arrays)
-        return arrays.pack()
+        ids = [s["span_id"] for s in spans]
+        order = WorkOrder(body, content_type, content_encoding, ids,
+                          {sid: list(validated.warnings[sid]) for sid in ids if sid in validated.warnings},
+                          {sid: validated.index_of[sid] for sid in ids}, name, v=batch.v, worker=batch.worker,
+                          count_tokens=self.selection is not None)
+        if batch.v >= 2:
+            for span in spans:
+                sid = span["span_id"]
+                for part, key in validated.rebuilt.get(sid, ()):
+                    packed = pack_ids(cast("dict[str, Any]", span)[part][key])
+                    if packed is None:
+                        return None
+                    order.rebuilt.setdefault(sid, []).append((part, key, packed))
+            bases = {k: b for k, b in validated.prompt_bases.items() if (k if isinstance(k, str) else k[0]) in order.index_of}
+            order.bases = bases
+            for sid in [*ids, *(b.ref for b in bases.values())]:
+                entry = self.prompt_contexts.get(batch.worker, sid)
+                if entry is not None:
+                    order.contexts[sid] = ContextView.of(entry)
+        return order
+
+    def _apply(self, validated: Validated, spans: list[Span], order: WorkOrder,
+               result: WorkResult) -> tuple[list[SpoolRow], int, list[Rejection]]:
+        """A worker's result as the in-process path leaves it: rows (with our own span dicts, whose
+        index fields are what the spool reads), warnings, prompt texts for the next turns, counts."""
+        by_id = {s["span_id"]: s for s in spans}
+        validated.warnings.update(result.warnings)
+        for sid, text, response in result.texts:
+            self.prompt_contexts.set_texts(order.worker, sid, text, response, order.tokenizer or "")
+        for outcome, n in result.outcomes.items():
+            self.metrics.prompt_text_joins.labels(outcome=outcome).inc(n)
+        rows = [SpoolRow(by_id[r.span_id], r.payload, r.warnings, tokens=r.tokens, inputs_at=r.inputs_at, output_at=r.output_at,
+                         token_arrays=r.token_arrays) for r in result.rows]
+        return rows, result.tokens, result.too_big
 
     # ---- tail-based decisions -------------------------------------------------------------
     async def run_selection(self) -> None:
@@ -572,12 +500,27 @@ class IngestPipeline:
         return list(out.values())
 
     def close(self) -> None:
+        if self.pool is not None:  # after the drain: no batch is in flight any more
+            self.pool.close()
         self.cpu.shutdown(wait=True, cancel_futures=True)
         self.writer.shutdown(wait=True)
         with self._lookup_lock:
             for conn in self._lookup_conns:
                 conn.close()
             self._lookup_conns.clear()
+
+
+def _ref_paths(spans: list[Span]) -> dict[str, list[tuple[str, str]]]:
+    """Per span, the (part, key) of each list sent as a prompt reference (before resolve_refs rebuilds them)."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for span in spans:
+        inputs, output = span.get("inputs"), span.get("output")
+        paths = [("inputs", "prompt_ids")] if type(inputs) is dict and is_ref(inputs.get("prompt_ids")) else []
+        if type(output) is dict:
+            paths += [("output", key) for key in OUTPUT_REF_KEYS if is_ref(output.get(key))]
+        if paths:
+            out[span["span_id"]] = paths
+    return out
 
 
 def _reason_label(rejection: Rejection) -> str:

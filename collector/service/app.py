@@ -104,6 +104,8 @@ class Collector:
         self._retention_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        if self.pipeline.pool is not None and self.settings.token2text:  # spawned now, warm in the background
+            self.pipeline.pool.start()
         self._forward_tasks = [asyncio.create_task(f.run(), name=f"tracecar-forwarder-{f.name}") for f in self.forwarders]
         await asyncio.to_thread(self.retention.take_reserve)
         self._retention_task = asyncio.create_task(self.retention.run(), name="tracecar-retention")

@@ -1,0 +1,205 @@
+"""The per-span CPU work after sampling: decode token ids to text, pack token arrays, serialise.
+
+Pure functions of the spans and a few settings, so the ingest process runs them in a thread
+(``TRACECAR_WORKERS=1``) and the worker processes of :mod:`.worker_pool` run the very same code.
+State the work needs from the ingest process (earlier prompts' texts, for wire-version-2
+references) comes in through the ``contexts`` lookup and goes back through ``set_texts``.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import orjson
+
+from ..spool.store import SpoolRow
+from ..types import Span
+from .decoding import KnownPrefix, KnownSuffix, collect_jobs, decode_spans
+from .token_arrays import extract as extract_token_arrays
+from .token_arrays import strip_from_payload as strip_token_arrays
+from .validate import Rejection
+
+_DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+_INPUTS_KEY, _OUTPUT_KEY = b'"inputs":', b',"output":'
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        return {"__bytes_b64__": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, msgpack.ExtType):
+        return {"__ext__": value.code, "data_b64": base64.b64encode(value.data).decode()}
+    return repr(value)
+
+
+class PayloadError(ValueError):
+    """A span part that cannot be serialised; ``field`` names it (``attributes``, ``inputs``, ``output``, ...)."""
+
+    def __init__(self, field_name: str, reason: str) -> None:
+        super().__init__(f"{field_name}: {reason}")
+        self.field = field_name
+        self.reason = reason
+
+    def __reduce__(self) -> Any:  # crosses process boundaries with both arguments
+        return type(self), (self.field, self.reason)
+
+
+def _dumps_part(value: Any, field_name: str) -> bytes:
+    try:
+        return orjson.dumps(value, default=_json_default, option=_DUMP_OPTS)
+    except orjson.JSONEncodeError as exc:
+        hint = " (nested deeper than the 254 levels a stored value may have)" if "Recursion" in str(exc) else ""
+        raise PayloadError(field_name, f"cannot be stored: {exc}{hint}") from None
+
+
+def _dumps_head(head: dict[str, Any]) -> bytes:
+    """The span's fields other than inputs/output; on failure, the field at fault is named."""
+    try:
+        return orjson.dumps(head, default=_json_default, option=_DUMP_OPTS)
+    except orjson.JSONEncodeError:
+        for key, value in head.items():  # only on failure: find which field it was
+            _dumps_part({key: value}, str(key))
+        raise
+
+
+def pack_payload(span: Span) -> tuple[bytes, int, int]:
+    """The span as one JSON object, with the byte offsets of its inputs and output values.
+
+    The object is ``{...every other field..., "inputs": I, "output": O}``: any reader can
+    parse it whole, and the forwarder can parse just the small head and splice ``I`` and ``O``
+    into the backend request as they are (they hold the token ids and decoded text: most of the
+    bytes, and most of the parsing time).
+    """
+    head = _dumps_head({k: v for k, v in span.items() if k != "inputs" and k != "output"})
+    inputs = _dumps_part(span["inputs"], "inputs")
+    output = _dumps_part(span["output"], "output")
+    prefix = head[:-1] + b"," + _INPUTS_KEY
+    inputs_at = len(prefix)
+    output_at = inputs_at + len(inputs) + len(_OUTPUT_KEY)
+    return prefix + inputs + _OUTPUT_KEY + output + b"}", inputs_at, output_at
+
+
+def pack_token_arrays(span: Span, ends: list[int] | None, warnings: dict[str, list[str]], local_only: bool) -> bytes | None:
+    """The span's per-token arrays packed for the spool (see token_arrays); in local mode they
+    also leave the payload. Problems are warnings on the span, never a lost span."""
+    if not isinstance(span.get("output"), dict):
+        return None
+    notes: list[str] = []
+    arrays = extract_token_arrays(span, notes)
+    if notes:
+        warnings.setdefault(span["span_id"], []).extend(notes)
+    if arrays is None:
+        return None
+    arrays.ends = ends if ends is not None and len(ends) == len(arrays.ids) else None
+    if local_only:
+        strip_token_arrays(span, arrays)
+    return arrays.pack()
+
+
+def serialize_spans(spans: list[Span], warnings: dict[str, list[str]], index_of: dict[str, int], ends: dict[str, list[int]],
+                    *, max_span_bytes: int, count_tokens: bool, local_only: bool) -> tuple[list[SpoolRow], list[Rejection]]:
+    """Spool rows of the spans; a span over ``max_span_bytes`` or that cannot be stored is a rejection naming it."""
+    rows, too_big = [], []
+    for span in spans:
+        packed = pack_token_arrays(span, ends.get(span["span_id"]), warnings, local_only)
+        notes = warnings.get(span["span_id"])
+        if notes:
+            span["warnings"] = notes
+        try:
+            payload, inputs_at, output_at = pack_payload(span)
+        except PayloadError as exc:  # e.g. nested past orjson's depth: the part at fault is named
+            index = index_of[span["span_id"]]
+            too_big.append(Rejection(index, span["span_id"], f"spans[{index}].{exc.field}", exc.reason))
+            continue
+        except orjson.JSONEncodeError as exc:
+            index = index_of[span["span_id"]]
+            too_big.append(Rejection(index, span["span_id"], f"spans[{index}]", f"cannot be stored: {exc}"))
+            continue
+        if len(payload) > max_span_bytes:
+            index = index_of[span["span_id"]]
+            too_big.append(Rejection(index, span["span_id"], f"spans[{index}]",
+                                     f"{len(payload)} bytes exceed TRACECAR_MAX_SPAN_BYTES={max_span_bytes}"))
+            continue
+        row = SpoolRow(span, payload, notes, inputs_at=inputs_at, output_at=output_at, token_arrays=packed)
+        if count_tokens:  # for max_tokens_per_step: token ids the span carries
+            row.tokens = sum(len(job.ids) for job in collect_jobs(span))
+        rows.append(row)
+    return rows, too_big
+
+
+@dataclass
+class ContextView:
+    """What decoding reads of a remembered prompt context (prompt_refs.Context without its ids)."""
+
+    prompt_len: int
+    n_ids: int
+    response_source: str | None = None
+    text: str | None = None
+    response_text: str | None = None
+    tokenizer: str | None = None
+
+    @classmethod
+    def of(cls, entry: Any) -> ContextView:
+        return cls(entry.prompt_len, len(entry.ids), entry.response_source, entry.text, entry.response_text, entry.tokenizer)
+
+
+# (worker, span_id) -> the context remembered for that span, or None
+Lookup = Callable[[str, str], "ContextView | Any | None"]
+# (worker, span_id, prompt text, response text, tokenizer name)
+SetTexts = Callable[[str, str, "str | None", "str | None", str], None]
+
+
+def _n_ids(entry: Any) -> int:
+    return entry.n_ids if isinstance(entry, ContextView) else len(entry.ids)
+
+
+def decode_v2(spans: list[Span], worker: str, bases: dict[Any, Any], tokenizer: Any, name: str,
+              warnings: dict[str, list[str]], ends: dict[str, list[int]], lookup: Lookup, set_texts: SetTexts,
+              outcomes: dict[str, int]) -> int:
+    """decode_spans, reusing the text of referenced prompts decoded with this tokenizer, and
+    keeping each decoded prompt's text for the next turn (v2 batches only).
+
+    A turn whose earlier turn is in this batch too waits for a later round (one
+    ``decode_batch`` each), so its earlier text is known when it is decoded.
+    """
+    tokens = 0
+    pending = spans
+    while pending:
+        waiting = {s["span_id"] for s in pending}
+        now: list[Span] = []
+        later: list[Span] = []
+        for span in pending:
+            sid = span["span_id"]
+            refs = [b.ref for b in (bases.get(sid), bases.get((sid, "output"))) if b is not None and b.ref != sid]
+            (later if any(ref in waiting for ref in refs) else now).append(span)
+        if not now:  # cannot happen (a reference names an earlier span); never loop on it
+            now, later = later, []
+        known: dict[Any, Any] = {}
+        for span in now:
+            sid = span["span_id"]
+            base = bases.get(sid)
+            entry = lookup(worker, base.ref) if base is not None else None
+            if (entry is not None and base is not None and entry.text is not None and entry.tokenizer == name
+                    and entry.prompt_len == base.prompt_len):
+                then = entry.response_text is not None and base.with_response
+                known[sid] = KnownPrefix(base.prompt_len, entry.text, _n_ids(entry) - entry.prompt_len if then else 0,
+                                         entry.response_text if then else None)
+            base = bases.get((sid, "output"))
+            entry = lookup(worker, base.ref) if base is not None else None
+            if (entry is not None and base is not None and entry.text is not None and entry.response_text is not None
+                    and entry.tokenizer == name):
+                context = KnownPrefix(entry.prompt_len, entry.text, _n_ids(entry) - entry.prompt_len, entry.response_text)
+                known[(sid, "output.response_ids")] = KnownSuffix(context, base.start)
+        texts: dict[tuple[str, str], str] = {}
+        tokens += decode_spans(now, tokenizer, warnings, known=known, texts_out=texts, outcomes=outcomes, pieces=ends)
+        for span in now:
+            span_id = span["span_id"]
+            entry = lookup(worker, span_id)
+            if entry is not None:
+                response = texts.get((span_id, entry.response_source)) if entry.response_source else None
+                set_texts(worker, span_id, texts.get((span_id, "inputs.prompt_ids")), response, name)
+        pending = later
+    return tokens

@@ -1,0 +1,313 @@
+"""Worker processes for the per-span CPU work, so decoding and serialising use every core.
+
+The ingest process keeps everything that must happen once and in one place: the HTTP server,
+validation of what it acknowledges, sampling and budget decisions (tail sampling needs the whole
+step), the single SQLite spool writer, prompt contexts and the metrics registry. What it hands a
+worker is small and cheap to move: the request body as it came (bytes), the ids of the spans
+sampling kept, and for wire-version-2 spans the ids rebuilt from references as packed int64
+arrays plus the earlier texts to join onto. The worker parses and validates the body again
+(the same deterministic code; parsing is C, and it runs on another core), decodes with its own
+tokenizer (loaded once, in the initializer) and serialises the spool payloads
+(:mod:`.span_work`); it sends back bytes. Pickling the spans themselves would cost the ingest
+process more than serialising them (measured in docs/performance.md).
+
+Processes are started with ``spawn`` (the collector has threads; a forked threaded process can
+deadlock). A worker that dies breaks the pool: the batches in flight are redone in the ingest
+process (nothing acknowledged is lost: a batch is acknowledged only after its rows are
+committed), the pool is replaced, and the failure is logged (rate-limited) and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import sys
+import threading
+import time
+from array import array
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..types import Span
+from .validate import Rejection
+
+log = logging.getLogger("tracecar.collector.workers")
+
+@dataclass
+class WorkerConfig:
+    """Settings a worker needs, fixed for its life (sent once, to the initializer)."""
+
+    policy: Any  # decoding.TokenizerPolicy
+    redact_keys: list[str]
+    max_batch_spans: int
+    max_decompressed_bytes: int
+    max_span_bytes: int
+    local_only: bool
+
+
+@dataclass
+class WorkOrder:
+    """One batch's decode + serialise, as sent to a worker (see the module for why this shape)."""
+
+    body: bytes | bytearray
+    content_type: str | None
+    content_encoding: str | None
+    span_ids: list[str]  # the spans sampling kept, in order
+    warnings: dict[str, list[str]]
+    index_of: dict[str, int]
+    tokenizer: str | None  # None: serialise only
+    v: int = 1
+    worker: str = ""
+    count_tokens: bool = False
+    rebuilt: dict[str, list[tuple[str, str, bytes]]] = field(default_factory=dict)  # span -> (part, key, int64s)
+    bases: dict[Any, Any] = field(default_factory=dict)  # prompt_refs.Base by span (v2)
+    contexts: dict[str, Any] = field(default_factory=dict)  # span_id -> span_work.ContextView (v2)
+
+
+@dataclass
+class RowOut:
+    span_id: str
+    payload: bytes
+    inputs_at: int | None
+    output_at: int | None
+    token_arrays: bytes | None
+    tokens: int
+    warnings: list[str] | None
+
+
+@dataclass
+class WorkResult:
+    rows: list[RowOut] = field(default_factory=list)
+    too_big: list[Rejection] = field(default_factory=list)
+    warnings: dict[str, list[str]] = field(default_factory=dict)
+    tokens: int = 0
+    outcomes: dict[str, int] = field(default_factory=dict)
+    texts: list[tuple[str, str | None, str | None]] = field(default_factory=list)  # for PromptContexts.set_texts
+    redo: str | None = None  # why the ingest process must do this batch itself (tokenizer_failed, mismatch)
+
+
+def pack_ids(ids: Any) -> bytes | None:
+    """A list of ints as packed int64 (little-endian); None if it holds anything else."""
+    if type(ids) is not list:
+        return None
+    try:
+        packed = array("q", ids)
+    except (TypeError, OverflowError):
+        return None
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_ids(data: bytes) -> list[int]:
+    values = array("q")
+    values.frombytes(data)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values.tolist()
+
+
+# ---- inside a worker process --------------------------------------------------------------
+class _State:
+    config: WorkerConfig
+    tokenizers: Any
+    redact: Any
+    barrier: Any
+
+
+_state = _State()
+
+
+def _init(config: WorkerConfig, barrier: Any) -> None:
+    """Runs once per worker: one tokenizer registry, the default tokenizer loaded up front."""
+    _state.barrier = barrier
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one batch per process at a time: no thread pool inside
+    from tracecar.client.redact import RedactKeys
+
+    from .decoding import TokenizerNotFound, TokenizerRegistry
+
+    _state.config = config
+    _state.redact = RedactKeys(config.redact_keys)
+    _state.tokenizers = TokenizerRegistry(config.policy)
+    if config.policy.default:
+        try:
+            _state.tokenizers.get(config.policy.default)
+        except TokenizerNotFound:
+            pass  # the ingest process reports it, on the first batch that needs it
+
+
+def _ready() -> int:
+    """A warm-up task: held until every worker holds one, so each process has started and loaded."""
+    _state.barrier.wait(timeout=120)
+    return os.getpid()
+
+
+def work(order: WorkOrder) -> WorkResult:
+    """Parse, validate, decode and serialise one batch (in a worker process)."""
+    from ..receivers.receive import decompress, parse
+    from .decoding import TokenizerNotFound, decode_spans
+    from .span_work import decode_v2, serialize_spans
+    from .validate import validate_batch
+
+    cfg = _state.config
+    plain = decompress(order.body, order.content_encoding, cfg.max_decompressed_bytes)
+    raw = parse(plain, order.content_type)
+    json_body = not (order.content_type or "").lower().split(";")[0].strip().endswith("msgpack")
+    validated = validate_batch(raw, cfg.max_batch_spans, _state.redact, plain, body_is_json=json_body)
+    by_id = {s["span_id"]: s for s in validated.spans}
+    spans: list[Span] = []
+    for sid in order.span_ids:
+        span = by_id.get(sid)
+        if span is None:
+            return WorkResult(redo="mismatch")
+        for part, key, packed in order.rebuilt.get(sid, ()):
+            holder = span.get(part)
+            if type(holder) is not dict:
+                return WorkResult(redo="mismatch")
+            holder[key] = unpack_ids(packed)
+        spans.append(span)
+    warnings = order.warnings
+    ends: dict[str, list[int]] = {}
+    result = WorkResult(warnings=warnings)
+    if order.tokenizer is not None:
+        try:
+            tokenizer = _state.tokenizers.get(order.tokenizer)
+        except TokenizerNotFound:
+            return WorkResult(redo="tokenizer_failed")
+        if order.v < 2:
+            result.tokens = decode_spans(spans, tokenizer, warnings, pieces=ends)
+        else:
+            views = order.contexts
+
+            def set_texts(worker: str, span_id: str, text: str | None, response: str | None, name: str) -> None:
+                view = views.get(span_id)
+                if view is not None:  # later rounds of this batch join onto it
+                    view.text, view.response_text, view.tokenizer = text, response, name
+                result.texts.append((span_id, text, response))
+
+            result.tokens = decode_v2(spans, order.worker, order.bases, tokenizer, order.tokenizer, warnings, ends,
+                                      lambda worker, span_id: views.get(span_id), set_texts, result.outcomes)
+    rows, result.too_big = serialize_spans(spans, warnings, order.index_of, ends, max_span_bytes=cfg.max_span_bytes,
+                                           count_tokens=order.count_tokens, local_only=cfg.local_only)
+    result.rows = [RowOut(r.span["span_id"], r.payload, r.inputs_at, r.output_at, r.token_arrays, r.tokens, r.warnings)
+                   for r in rows]
+    return result
+
+
+# ---- in the ingest process ------------------------------------------------------------------
+class WorkerPool:
+    """``processes`` spawned workers; started in the background, replaced when one dies.
+
+    :meth:`run` answers None whenever the pool cannot do a batch (not started yet, warming up,
+    broken): the caller then does it in-process, so the pool is only ever a speed-up.
+    """
+
+    LOG_EVERY_S = 60.0
+    MAX_START_FAILURES = 3
+
+    def __init__(self, processes: int, config: WorkerConfig, metrics: Any) -> None:
+        self.processes = processes
+        self.config = config
+        self.metrics = metrics
+        self._ctx = multiprocessing.get_context("spawn")
+        self._pool: ProcessPoolExecutor | None = None
+        self._ready = False
+        self._closed = False
+        self._lock = threading.RLock()  # a done callback may run inside _start_locked
+        self._logged_at = 0.0
+        self._unlogged = 0
+        self._start_failures = 0
+        self.pids: list[int] = []
+        metrics.workers.set_function(lambda: len(set(self.pids)) if self.ready else 0)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and not self._closed
+
+    def start(self) -> None:
+        """Spawns the workers without waiting for them; batches go in-process until they are warm."""
+        with self._lock:
+            if self._pool is None and not self._closed:
+                self._start_locked()
+
+    def _start_locked(self) -> None:
+        barrier = self._ctx.Barrier(self.processes)
+        pool = ProcessPoolExecutor(self.processes, mp_context=self._ctx, initializer=_init, initargs=(self.config, barrier))
+        self._pool, self._ready, self.pids = pool, False, []
+        warm = [pool.submit(_ready) for _ in range(self.processes)]
+        pending = [len(warm)]
+        failed = [False]
+
+        def done(future: Future[int]) -> None:
+            with self._lock:
+                if self._pool is not pool:
+                    return
+                pending[0] -= 1
+                if future.cancelled() or future.exception() is not None:
+                    failed[0] = True
+                else:
+                    self.pids.append(future.result())
+                if pending[0] == 0 and not failed[0]:
+                    self._ready, self._start_failures = True, 0
+                    return
+                if pending[0] > 0:
+                    return
+            self._failed(pool, "start")  # outside the lock: it takes it
+
+        for future in warm:
+            future.add_done_callback(done)
+
+    async def run(self, order: WorkOrder) -> WorkResult | None:
+        """The batch done by a worker, or None: do it in-process (see the class)."""
+        pool = self._pool
+        if pool is None or not self.ready:
+            return None
+        try:
+            return await asyncio.wrap_future(pool.submit(work, order))
+        except BrokenProcessPool:
+            self._failed(pool, "died")
+        except Exception as exc:  # noqa: BLE001 - a bug in the worker must not cost the batch
+            if self._closed or self._pool is not pool:  # submitted while it shut down or was replaced
+                return None
+            self.metrics.worker_failures.labels(kind="error").inc()
+            self._log("a worker failed a batch; it is done in the ingest process", exc)
+        return None
+
+    def _failed(self, pool: ProcessPoolExecutor, kind: str) -> None:
+        with self._lock:
+            if self._pool is not pool or self._closed:
+                return  # another batch on the same pool already replaced it
+            self.metrics.worker_failures.labels(kind=kind).inc()
+            self._ready = False
+            pool.shutdown(wait=False, cancel_futures=True)
+            self._start_failures += kind == "start"
+            if self._start_failures >= self.MAX_START_FAILURES:  # e.g. workers cannot even start here
+                self._pool = None
+                self._closed = True
+                log.error("worker processes failed to start %d times in a row; decoding stays in the ingest process",
+                          self._start_failures, extra={"event": "workers_disabled"})
+                return
+            self._start_locked()
+        self._log("a worker process died; its batches are redone in the ingest process and the pool is restarted"
+                  if kind == "died" else "the worker processes failed to start; the pool is restarted", None)
+
+    def _log(self, message: str, exc: BaseException | None) -> None:
+        now = time.monotonic()
+        self._unlogged += 1
+        if now - self._logged_at < self.LOG_EVERY_S:
+            return
+        count, self._unlogged, self._logged_at = self._unlogged, 0, now
+        log.error(message, extra={"event": "worker_failed", "failures_since_last_log": count,
+                                  "error": None if exc is None else f"{type(exc).__name__}: {exc}"[:500]})
+
+    def close(self) -> None:
+        """After the drain: waits for the batches in flight, then stops the workers."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
