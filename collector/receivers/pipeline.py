@@ -364,7 +364,10 @@ class IngestPipeline:
         done here, in-process, from the spans as validated: they are never changed by the pool.
         """
         pool = self.pool
-        order = self._work_order(validated, spans, body, content_type, content_encoding) if pool is not None and receiver is None else None
+        loop = asyncio.get_running_loop()
+        order = None
+        if pool is not None and receiver is None and pool.usable:
+            order = await loop.run_in_executor(self.cpu, self._work_order, validated, spans, body, content_type, content_encoding)
         if pool is not None and order is not None:
             pool.start()  # no-op once started
             result = await pool.run(order)
@@ -374,16 +377,21 @@ class IngestPipeline:
             if result is not None:
                 self.metrics.worker_failures.labels(kind=result.redo or "redo").inc()
         self.metrics.worker_batches.labels(path="in_process").inc()
-        return await asyncio.get_running_loop().run_in_executor(self.cpu, self._decode_and_serialize, validated, spans)
+        return await loop.run_in_executor(self.cpu, self._decode_and_serialize, validated, spans)
 
     def _work_order(self, validated: Validated, spans: list[Span], body: bytes | bytearray, content_type: str | None,
                     content_encoding: str | None) -> WorkOrder | None:
         """What a worker needs for this batch, or None where the work stays here (nothing to decode:
-        serialising alone costs less than shipping; ids that are not plain ints)."""
+        serialising alone costs less than shipping; a tokenizer this process cannot load; ids that
+        are not plain ints). Runs in a CPU thread (a first tokenizer load takes a while)."""
         batch = validated.batch
         token2text = self.settings.token2text if batch.token2text is None else batch.token2text
         name = batch.tokenizer or self.settings.tokenizer
         if not spans or not token2text or name is None:
+            return None
+        try:  # this process's registry decides (and counts, logs) refusals and retries, as without workers
+            self.tokenizers.get(name)
+        except TokenizerNotFound:
             return None
         ids = [s["span_id"] for s in spans]
         order = WorkOrder(body, content_type, content_encoding, ids,
