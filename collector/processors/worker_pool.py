@@ -146,18 +146,72 @@ def _ready() -> int:
     return os.getpid()
 
 
-def work(order: WorkOrder) -> WorkResult:
-    """Parse, validate, decode and serialise one batch (in a worker process)."""
-    from ..receivers.receive import decompress, parse
-    from .decoding import TokenizerNotFound, decode_spans
-    from .span_work import decode_v2, serialize_spans
+@dataclass
+class PrepareOrder:
+    """Phase one of a batch in a worker: the body as it came; the ingest process has not parsed it."""
+
+    body: bytes | bytearray
+    content_type: str | None
+    content_encoding: str | None
+
+
+def parse_batch(body: bytes | bytearray, content_type: str | None, content_encoding: str | None, max_batch_spans: int,
+                max_decompressed_bytes: int, redact: Any) -> Any:
+    """decompress → parse → the span-count bound → validate_batch: the same code wherever it runs."""
+    from ..receivers import receive
     from .validate import validate_batch
 
+    plain = receive.decompress(body, content_encoding, max_decompressed_bytes)
+    raw = receive.parse(plain, content_type)
+    spans = raw.get("spans") if isinstance(raw, dict) else None
+    if isinstance(spans, list) and len(spans) > max_batch_spans:  # a size bound, like the body's: 413, so clients split
+        raise receive.BodyError(413, "spans", f"{len(spans)} spans exceed TRACECAR_MAX_BATCH_SPANS={max_batch_spans}; split the batch")
+    # redaction walks the spans only when the body holds a redact key at all
+    return validate_batch(raw, max_batch_spans, redact, plain,
+                          body_is_json=not (content_type or "").lower().split(";")[0].strip().endswith("msgpack"))
+
+
+#: the output fields a prompt reference reads (tracecar.client.prompt_delta: OUTPUT_REF_KEYS, CONTEXT_RESPONSE_KEYS)
+_SKELETON_OUTPUT_KEYS = ("prompt_ids", "response_ids", "token_ids")
+
+
+def head_of(span: Span, version: int) -> Span:
+    """What the ingest process reads of a span: every field but ``inputs`` and ``output`` (ids, trace
+    and parent, kind, name, worker, times, exception, attributes with step, sample index,
+    rollout_n, reward...), and in v2 batches the id lists prompt references resolve against
+    (``inputs.prompt_ids``; ``output.prompt_ids``/``response_ids``/``token_ids``). No text, no
+    other inputs: those stay in the worker, which serialises them."""
+    head: dict[str, Any] = {k: v for k, v in span.items() if k != "inputs" and k != "output"}
+    if version >= 2:
+        inputs, output = span.get("inputs"), span.get("output")
+        head["inputs"] = {"prompt_ids": inputs["prompt_ids"]} if type(inputs) is dict and "prompt_ids" in inputs else None
+        head["output"] = ({k: output[k] for k in _SKELETON_OUTPUT_KEYS if k in output} if type(output) is dict else None)
+    return head  # type: ignore[return-value]
+
+
+def prepare(order: PrepareOrder) -> Any:
+    """Parse and validate one batch (in a worker process); the ingest process gets the Validated
+    with each span reduced to :func:`head_of`, or None where the body is refused (the ingest
+    process then parses it itself, so its error answer is exactly the single-process one)."""
     cfg = _state.config
-    plain = decompress(order.body, order.content_encoding, cfg.max_decompressed_bytes)
-    raw = parse(plain, order.content_type)
-    json_body = not (order.content_type or "").lower().split(";")[0].strip().endswith("msgpack")
-    validated = validate_batch(raw, cfg.max_batch_spans, _state.redact, plain, body_is_json=json_body)
+    try:
+        validated = parse_batch(order.body, order.content_type, order.content_encoding, cfg.max_batch_spans,
+                                cfg.max_decompressed_bytes, _state.redact)
+    except Exception:  # noqa: BLE001 - a refused body: answered by the ingest process's own parse
+        return None
+    v = validated.batch.v
+    validated.spans = [head_of(s, v) for s in validated.spans]
+    return validated
+
+
+def work(order: WorkOrder) -> WorkResult:
+    """Parse, validate, decode and serialise one batch (in a worker process)."""
+    from .decoding import TokenizerNotFound, decode_spans
+    from .span_work import decode_v2, serialize_spans
+
+    cfg = _state.config
+    validated = parse_batch(order.body, order.content_type, order.content_encoding, cfg.max_batch_spans,
+                            cfg.max_decompressed_bytes, _state.redact)
     by_id = {s["span_id"]: s for s in validated.spans}
     spans: list[Span] = []
     for sid in order.span_ids:
@@ -268,11 +322,15 @@ class WorkerPool:
 
     async def run(self, order: WorkOrder) -> WorkResult | None:
         """The batch done by a worker, or None: do it in-process (see the class)."""
+        return await self.call(work, order)
+
+    async def call(self, fn: Any, order: Any) -> Any:
+        """``fn(order)`` in a worker, or None when the pool cannot (not warm, broken, a bug)."""
         pool = self._pool
         if pool is None or not self.ready:
             return None
         try:
-            return await asyncio.wrap_future(pool.submit(work, order))
+            return await asyncio.wrap_future(pool.submit(fn, order))
         except BrokenProcessPool:
             self._failed(pool, "died")
         except Exception as exc:  # noqa: BLE001 - a bug in the worker must not cost the batch

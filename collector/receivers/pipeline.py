@@ -33,12 +33,20 @@ from ..processors.prompt_refs import PromptContexts, is_ref, resolve_refs
 from ..processors.sampling import Policies, TailSelector
 from ..processors.sampling.head import MEMBERSHIP, StepBudgetSampler
 from ..processors.span_work import ContextView, PayloadError, decode_v2, pack_payload, serialize_spans
-from ..processors.validate import Rejection, Validated, parents_to_look_up, reject_foreign_children, validate_batch
-from ..processors.worker_pool import WorkerConfig, WorkerPool, WorkOrder, WorkResult, pack_ids
+from ..processors.validate import Rejection, Validated, parents_to_look_up, reject_foreign_children
+from ..processors.worker_pool import (
+    PrepareOrder,
+    WorkerConfig,
+    WorkerPool,
+    WorkOrder,
+    WorkResult,
+    pack_ids,
+    parse_batch,
+    prepare,
+)
 from ..settings import CollectorSettings
 from ..spool.store import Spool, SpoolFull, SpoolRow
 from ..types import Span
-from . import receive
 from .client_drops import ClientDrops, parse_dropped
 from .joins import TrajectoryContexts
 
@@ -171,7 +179,7 @@ class IngestPipeline:
         """
         self.check_capacity()
         loop = asyncio.get_running_loop()
-        validated = await loop.run_in_executor(self.cpu, receiver or self._receive_and_validate, body, content_type, content_encoding)
+        validated, heads = await self._receive_somewhere(body, content_type, content_encoding, receiver)
         m = self.metrics
         if validated.batch.dropped is not None:  # the sender's own drop totals
             totals = parse_dropped(validated.batch.dropped)
@@ -205,7 +213,7 @@ class IngestPipeline:
         if sampled.dropped:
             m.spans_sampled_out.labels(budget="max_samples_per_step_per_worker").inc(len(sampled.dropped))
         rows, tokens, too_big = await self._decode_and_serialize_somewhere(validated, spans, body, content_type,
-                                                                           content_encoding, receiver)
+                                                                           content_encoding, receiver, heads)
         for rejection in too_big:  # over the size bound ("spans[i]"), or a part that cannot be stored
             m.spans_rejected.labels(reason="span_too_large" if "." not in rejection.field else _reason_label(rejection)).inc()
         m.decoded_tokens.inc(tokens)
@@ -251,16 +259,18 @@ class IngestPipeline:
         self.metrics.tokenizer_refused.labels(reason=reason).inc()
 
     # ---- stages (worker threads) ---------------------------------------------------------
+    def _parse(self, body: bytes | bytearray, content_type: str | None, content_encoding: str | None) -> Validated:
+        return cast(Validated, parse_batch(body, content_type, content_encoding, self.settings.max_batch_spans,
+                                           self.settings.max_decompressed_bytes, self.redact_keys))
+
     def _receive_and_validate(self, body: bytes | bytearray, content_type: str | None, content_encoding: str | None) -> Validated:
-        plain = receive.decompress(body, content_encoding, self.settings.max_decompressed_bytes)
-        raw = receive.parse(plain, content_type)
-        limit = self.settings.max_batch_spans
-        spans = raw.get("spans") if isinstance(raw, dict) else None
-        if isinstance(spans, list) and len(spans) > limit:  # a size bound, like the body's: 413, so clients split
-            raise receive.BodyError(413, "spans", f"{len(spans)} spans exceed TRACECAR_MAX_BATCH_SPANS={limit}; split the batch")
-        # redaction walks the spans only when the body holds a redact key at all
-        validated = validate_batch(raw, limit, self.redact_keys, plain,
-                                   body_is_json=not (content_type or "").lower().split(";")[0].strip().endswith("msgpack"))
+        validated = self._parse(body, content_type, content_encoding)
+        self._after_validate(validated)
+        return validated
+
+    def _after_validate(self, validated: Validated) -> None:
+        """What validation needs of this process's state: the store (a parent's trace), prompt
+        contexts (v2 references), the OTLP joins. Reads span heads only (worker_pool.head_of)."""
         reject_foreign_children(validated, self._stored_traces(parents_to_look_up(validated)))
         if validated.batch.v >= 2:  # prompt references: rebuilt before sampling, so every stage sees full lists
             validated.rebuilt = _ref_paths(validated.spans)  # what a worker process is sent rebuilt (it re-parses the body)
@@ -270,7 +280,26 @@ class IngestPipeline:
             self.metrics.prompt_refs.labels(outcome="resolved").inc(resolved)
             self.metrics.prompt_refs.labels(outcome="unresolved").inc(len(validated.rejected) - before)
         self.contexts.remember(validated.spans)  # for engine spans that join these trajectories over OTLP
-        return validated
+
+    async def _receive_somewhere(self, body: bytes | bytearray, content_type: str | None, content_encoding: str | None,
+                                 receiver: Receiver | None) -> tuple[Validated, bool]:
+        """The batch validated, and whether its spans are heads only (parsed by a worker process).
+
+        With a warm pool the body is parsed and validated in a worker, which sends back each
+        span's head (worker_pool.head_of): this process never parses it. A body the worker
+        refuses, or a pool that cannot take it, is parsed here (so a refusal's answer is exactly
+        the single-process one, and nothing is lost to a dead worker).
+        """
+        loop = asyncio.get_running_loop()
+        pool = self.pool
+        if pool is not None and receiver is None and pool.ready:
+            prepared = await pool.call(prepare, PrepareOrder(body, content_type, content_encoding))
+            if prepared is not None:
+                validated = cast(Validated, prepared)
+                await loop.run_in_executor(self.cpu, self._after_validate, validated)
+                return validated, True
+        return await loop.run_in_executor(self.cpu, receiver or self._receive_and_validate, body, content_type,
+                                          content_encoding), False
 
     def _stored_traces(self, span_ids: list[str]) -> dict[str, str]:
         """trace_id of each of these spans that the store holds (one indexed lookup per 500 ids).
@@ -357,14 +386,19 @@ class IngestPipeline:
     # ---- the same work in a worker process (processors/worker_pool.py) --------------------------
     async def _decode_and_serialize_somewhere(self, validated: Validated, spans: list[Span], body: bytes | bytearray,
                                               content_type: str | None, content_encoding: str | None,
-                                              receiver: Receiver | None) -> tuple[list[SpoolRow], int, list[Rejection]]:
+                                              receiver: Receiver | None,
+                                              heads: bool = False) -> tuple[list[SpoolRow], int, list[Rejection]]:
         """In a worker process when the pool is warm and the batch decodes, else in a CPU thread.
 
         Whatever the pool cannot do (warming up, a worker died, a tokenizer it cannot load) is
         done here, in-process, from the spans as validated: they are never changed by the pool.
+        ``heads``: the spans are heads (a worker parsed the body): every batch goes to a worker,
+        and what the pool cannot do is done here from the body parsed again (:meth:`_full_spans`).
         """
         pool = self.pool
         loop = asyncio.get_running_loop()
+        if heads and pool is not None:
+            return await self._decode_heads(validated, spans, body, content_type, content_encoding, pool)
         order = None
         if pool is not None and receiver is None and pool.usable:
             order = await loop.run_in_executor(self.cpu, self._work_order, validated, spans, body, content_type, content_encoding)
@@ -379,18 +413,70 @@ class IngestPipeline:
         self.metrics.worker_batches.labels(path="in_process").inc()
         return await loop.run_in_executor(self.cpu, self._decode_and_serialize, validated, spans)
 
+    async def _decode_heads(self, validated: Validated, spans: list[Span], body: bytes | bytearray, content_type: str | None,
+                            content_encoding: str | None, pool: WorkerPool) -> tuple[list[SpoolRow], int, list[Rejection]]:
+        """Phase two of a worker-parsed batch: decode + serialise the kept spans in a worker."""
+        loop = asyncio.get_running_loop()
+        before = {sid: list(notes) for sid, notes in validated.warnings.items()}  # restored for a redo here
+        order = await loop.run_in_executor(self.cpu, self._work_order, validated, spans, body, content_type,
+                                           content_encoding, True)
+        if order is not None:
+            result = await pool.run(order)
+            if result is not None and result.redo is None:
+                self.metrics.worker_batches.labels(path="worker").inc()
+                return self._apply(validated, spans, order, result)
+            if result is not None:
+                self.metrics.worker_failures.labels(kind=result.redo or "redo").inc()
+        validated.warnings.clear()
+        validated.warnings.update(before)
+        self.metrics.worker_batches.labels(path="in_process").inc()
+        return await loop.run_in_executor(self.cpu, self._redo_here, validated, spans, body, content_type, content_encoding)
+
+    def _redo_here(self, validated: Validated, spans: list[Span], body: bytes | bytearray, content_type: str | None,
+                   content_encoding: str | None) -> tuple[list[SpoolRow], int, list[Rejection]]:
+        """A worker-parsed batch the pool could not finish: parsed here again, then done as without
+        workers. The rows carry the head dicts (what sampling decided on, and the spool indexes)."""
+        full = self._full_spans(validated, spans, body, content_type, content_encoding)
+        rows, tokens, too_big = self._decode_and_serialize(validated, full)
+        by_id = {s["span_id"]: s for s in spans}
+        for row in rows:
+            row.span = by_id[row.span["span_id"]]
+        return rows, tokens, too_big
+
+    def _full_spans(self, validated: Validated, heads: list[Span], body: bytes | bytearray, content_type: str | None,
+                    content_encoding: str | None) -> list[Span]:
+        """The kept spans whole (the same deterministic parse and validation as the worker's), with
+        the lists rebuilt from prompt references taken from the heads (resolved here already)."""
+        by_id = {s["span_id"]: s for s in self._parse(body, content_type, content_encoding).spans}
+        out: list[Span] = []
+        for head in heads:
+            sid = head["span_id"]
+            span = by_id[sid]
+            for part, key in validated.rebuilt.get(sid, ()):
+                cast("dict[str, Any]", span[part])[key] = cast("dict[str, Any]", head)[part][key]  # type: ignore[literal-required]
+            out.append(span)
+        return out
+
     def _work_order(self, validated: Validated, spans: list[Span], body: bytes | bytearray, content_type: str | None,
-                    content_encoding: str | None) -> WorkOrder | None:
+                    content_encoding: str | None, heads: bool = False) -> WorkOrder | None:
         """What a worker needs for this batch, or None where the work stays here (nothing to decode:
         serialising alone costs less than shipping; a tokenizer this process cannot load; ids that
         are not plain ints). Runs in a CPU thread (a first tokenizer load takes a while)."""
         batch = validated.batch
         token2text = self.settings.token2text if batch.token2text is None else batch.token2text
         name = batch.tokenizer or self.settings.tokenizer
-        if not spans or not token2text or name is None:
+        if heads and spans and (not token2text or name is None):  # serialise only, in the worker
+            if token2text:  # as _decode_and_serialize says it
+                self.metrics.decode_failures.labels(reason="no_tokenizer").inc()
+                for span in spans:
+                    validated.warnings.setdefault(span["span_id"], []).append(
+                        "tokenizer: token2text is on but no tokenizer is configured (TRACECAR_TOKENIZER)")
+            name = None
+        elif not spans or not token2text or name is None:
             return None
         try:  # this process's registry decides (and counts, logs) refusals and retries, as without workers
-            self.tokenizers.get(name)
+            if name is not None:
+                self.tokenizers.get(name)
         except TokenizerNotFound:
             return None
         ids = [s["span_id"] for s in spans]
