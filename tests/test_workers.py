@@ -119,6 +119,7 @@ def _bodies(kit: Any, tok: Tokenizer) -> list[tuple[list[dict[str, Any]], int]]:
 def test_two_workers_store_exactly_what_one_process_stores(collector_process, kit, tok, deepseek_tokenizer_path):
     bodies = _bodies(kit, tok)
     stored: dict[int, dict[str, tuple[Any, ...]]] = {}
+    counted: dict[int, dict[str, dict[str, float]]] = {}
     for workers in (1, 2):
         col = _start(collector_process, deepseek_tokenizer_path, workers, port=kit.free_port())
         for spans, v in bodies:
@@ -127,11 +128,18 @@ def test_two_workers_store_exactly_what_one_process_stores(collector_process, ki
         path = "worker" if workers > 1 else "in_process"
         assert _metric(col.url, "tracecar_worker_batches_total", path=path) == len(bodies)
         assert _metric(col.url, "tracecar_worker_batches_total") == len(bodies)
+        # worker-first: with a pool, no body is parsed by the ingest process (it read span heads)
+        assert _metric(col.url, "tracecar_batches_parsed_total", where="worker" if workers > 1 else "ingest") == len(bodies)
+        assert _metric(col.url, "tracecar_batches_parsed_total") == len(bodies)
+        counted[workers] = {name: {outcome: _metric(col.url, name, **{label: outcome}) for outcome in outcomes}
+                            for name, label, outcomes in COUNTERS}
+        counted[workers]["tokens"] = {"": _metric(col.url, "tracecar_decoded_tokens_total")}
         assert _metric(col.url, "tracecar_prompt_text_joins_total", outcome="reused") >= 2
         assert col.terminate() in (0, -signal.SIGTERM)  # drains, then uvicorn re-raises the signal
         stored[workers] = _rows(Path(col.env["TRACECAR_DATA_DIR"]))
         os.rename(col.env["TRACECAR_DATA_DIR"], col.env["TRACECAR_DATA_DIR"] + f"-{workers}")  # the next one starts empty
     assert stored[1] and stored[2] == stored[1]  # payload bytes, token arrays, warnings, token counts
+    assert counted[1]["tokens"][""] > 0 and counted[2] == counted[1], counted  # counted in a worker = counted here
     spans = {sid: orjson.loads(row[0]) for sid, row in stored[2].items()}
     plain, bad, arrays, envelope, empty = (spans[s["span_id"]] for s in bodies[0][0])
     assert plain["output"]["response_text"] == tok.decode(plain["output"]["token_ids"], skip_special_tokens=False)
@@ -141,6 +149,60 @@ def test_two_workers_store_exactly_what_one_process_stores(collector_process, ki
     assert stored[2][bodies[0][0][2]["span_id"]][1] is not None  # packed token arrays (with offsets)
     third = spans[bodies[2][0][0]["span_id"]]
     assert third["output"]["prompt_text"] == tok.decode(third["inputs"]["prompt_ids"], skip_special_tokens=False)
+
+
+# counters the decode and validation paths increment (in a worker's batch: counted in the ingest process)
+COUNTERS = [("tracecar_prompt_text_joins_total", "outcome", ("reused", "full")),
+            ("tracecar_prompt_refs_total", "outcome", ("resolved", "unresolved")),
+            ("tracecar_decode_failures_total", "reason", ("no_tokenizer", "tokenizer_not_found", "tokenizer_not_allowed")),
+            ("tracecar_spans_rejected_total", "reason", ("span", "trace_id", "end_time", "inputs", "span_too_large")),
+            ("tracecar_span_warnings_total", "kind", ("inputs", "output", "attributes"))]
+
+
+def test_refusals_and_warnings_answer_the_same_with_workers(collector_process, kit, tok, deepseek_tokenizer_path):
+    """Per-field rejections (pydantic, a foreign child, an unresolved prompt reference), body-level
+    refusals (not JSON, over TRACECAR_MAX_BATCH_SPANS), a batch with token2text off and one without a
+    tokenizer: the answers, the stored rows and the counters are the single-process collector's."""
+    ids = tok.encode(TEXTS[0]).ids
+    root, other = kit.new_id(), kit.new_id()
+    parent = _span(kit, root, ids, {"token_ids": ids})
+    foreign = {**_span(kit, other, ids, {"token_ids": ids}), "parent_id": parent["span_id"]}  # parent in another trace
+    bad_time = {**_span(kit, root, ids, {"token_ids": ids}), "end_time": "soon"}
+    no_trace = {k: v for k, v in _span(kit, root, ids, {"token_ids": ids}).items() if k != "trace_id"}
+    unresolved = _span(kit, root, {"$ref": "never-sent", "n": 3, "add": [1]}, {"token_ids": ids})
+    posts: list[tuple[Any, dict[str, Any]]] = [
+        ([parent, foreign, bad_time, no_trace, _span(kit, root, ids, {"token_ids": ids})], {}),
+        ([unresolved, _span(kit, root, ids, {"token_ids": ids})], {"v": 2}),
+        ([_span(kit, root, ids, {"token_ids": ids})], {"token2text": False}),
+        ([_span(kit, root, ids, {"token_ids": ids})], {"tokenizer": "no/such-tokenizer-here"}),
+        ([_span(kit, root, ids, {"token_ids": ids}) for _ in range(7)], {}),  # over max_batch_spans=6
+        (b"{not json", {}),
+    ]
+    seen: dict[int, Any] = {}
+    for workers in (1, 2):
+        col = _start(collector_process, deepseek_tokenizer_path, workers, port=kit.free_port(), max_batch_spans=6)
+        answers = []
+        for spans, envelope in posts:
+            if isinstance(spans, bytes):
+                got = httpx.post(col.url + "/v1/spans", content=spans, headers={"Content-Type": "application/json"}, timeout=10)
+            else:
+                got = kit.post(col.url, spans, **envelope)
+            answers.append((got.status_code, got.json()))
+        counters = {name: {o: _metric(col.url, name, **{label: o}) for o in outcomes} for name, label, outcomes in COUNTERS}
+        parsed = {w: _metric(col.url, "tracecar_batches_parsed_total", where=w) for w in ("worker", "ingest")}
+        assert col.terminate() in (0, -signal.SIGTERM)
+        seen[workers] = (answers, counters, _rows(Path(col.env["TRACECAR_DATA_DIR"])))
+        os.rename(col.env["TRACECAR_DATA_DIR"], col.env["TRACECAR_DATA_DIR"] + f"-{workers}")
+        if workers > 1:  # the four good bodies parsed by workers; the two refused ones by the ingest process, and
+            # the batch naming a tokenizer this process refuses once more (its refusal counted, logged and answered here)
+            assert parsed == {"worker": 4, "ingest": 3}, parsed
+    answers = seen[1][0]
+    fields = {r["field"] for _, a in answers[:2] for r in a["rejected"]}
+    assert {"spans[1].trace_id", "spans[2].end_time", "spans[3].trace_id", "spans[0].inputs.prompt_ids"} <= fields, fields
+    assert [status for status, _ in answers] == [200, 200, 200, 200, 413, 400], answers
+    assert seen[2][0] == answers  # status and body, field by field
+    assert seen[2][1] == seen[1][1]
+    assert seen[1][2] and seen[2][2] == seen[1][2]
 
 
 def test_budgets_are_decided_once_across_the_pool(collector_process, kit, tok, deepseek_tokenizer_path):

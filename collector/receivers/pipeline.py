@@ -296,8 +296,11 @@ class IngestPipeline:
             prepared = await pool.call(prepare, PrepareOrder(body, content_type, content_encoding))
             if prepared is not None:
                 validated = cast(Validated, prepared)
+                self.metrics.batches_parsed.labels(where="worker").inc()
                 await loop.run_in_executor(self.cpu, self._after_validate, validated)
                 return validated, True
+        if receiver is None:
+            self.metrics.batches_parsed.labels(where="ingest").inc()
         return await loop.run_in_executor(self.cpu, receiver or self._receive_and_validate, body, content_type,
                                           content_encoding), False
 
@@ -436,6 +439,7 @@ class IngestPipeline:
                    content_encoding: str | None) -> tuple[list[SpoolRow], int, list[Rejection]]:
         """A worker-parsed batch the pool could not finish: parsed here again, then done as without
         workers. The rows carry the head dicts (what sampling decided on, and the spool indexes)."""
+        self.metrics.batches_parsed.labels(where="ingest").inc()
         full = self._full_spans(validated, spans, body, content_type, content_encoding)
         rows, tokens, too_big = self._decode_and_serialize(validated, full)
         by_id = {s["span_id"]: s for s in spans}
