@@ -257,8 +257,9 @@ def test_the_live_query_reads_only_the_newest_rows(tmp_path):
 
     import orjson
 
-    from tracecar.collector.spool.live import LiveFilter, candidates_sql, first_seq_since
+    from tracecar.collector.spool.live import candidates_sql, first_seq_since
     from tracecar.collector.spool.store import Spool, SpoolRow
+    from tracecar.collector.trajectory_filter import TrajectoryFilter as LiveFilter
 
     spool = Spool(tmp_path / "spool.sqlite3", local_only=True)
     for i, at in enumerate((100.0, 200.0, 300.0, 400.0)):

@@ -31,19 +31,22 @@ from ..receivers.otlp import build_router as build_otlp_router
 from ..receivers.pipeline import Backpressure, IngestPipeline
 from ..receivers.receive import BodyError
 from ..settings import CollectorSettings
-from ..spool.query import TrajectoryFilter, get_trajectory, list_trajectories
+from ..spool.query import get_trajectory
 from ..spool.retention import Retention
 from ..spool.store import Spool
+from ..trajectory_filter import TrajectoryFilter
 from ..viewer.group_export_api import build_router as build_group_export_router
+from ..viewer.index import SORTS
+from ..viewer.list_api import list_page
 from ..viewer.live_api import build_router as build_live_router
 from ..viewer.routes import build_router as build_viewer_router
 from ..viewer.search import QUERY_MAX_CHARS
-from ..viewer.search_api import search_trajectories
 from ..viewer.tokens import trajectory_tokens
 from .auth import BearerAuth
 from .health import health_snapshot
 
 log = logging.getLogger("tracecar.collector")
+LIST_SORT_PATTERN = "^(" + "|".join(SORTS) + ")$"  # the viewer list's sorts
 
 
 class Collector:
@@ -231,22 +234,27 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
     async def trajectories(
         experiment: str | None = None, step: OptionalInt64 = None, step_min: OptionalInt64 = None,
         step_max: OptionalInt64 = None, sample_index: str | None = Query(None, max_length=256), rollout_n: OptionalInt64 = None,
-        validate: bool | None = None, worker: str | None = None, has_error: bool | None = None,
+        validate: bool | None = None, kept_because: str | None = Query(None, max_length=256),
+        worker: str | None = Query(None, max_length=256), has_error: bool | None = None,
         reward_min: float | None = None, reward_max: float | None = None, trained: bool | None = None,
         filtered_by: str | None = Query(None, max_length=256),
-        sort: str = Query("start", pattern="^(start|step|reward|duration|spans|sample_index)$"),
-        order: str = Query("desc", pattern="^(asc|desc)$"),
+        sort: str = Query("start", pattern=LIST_SORT_PATTERN), order: str = Query("desc", pattern="^(asc|desc)$"),
         limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0, le=INT64_MAX),
         q: str | None = Query(None, max_length=QUERY_MAX_CHARS),
     ) -> Any:
-        """Trajectories in the embedded store, filtered, sorted and paginated; ``q`` searches their text."""
-        flt = TrajectoryFilter(experiment, step, step_min, step_max, sample_index_filter(sample_index), rollout_n,
-                               validate, worker, has_error, reward_min, reward_max, trained, filtered_by or None)
-        if q:  # answered from the viewer's index and its full-text table (viewer/search_api.py)
-            return _json(await asyncio.to_thread(search_trajectories, viewer.trajectory_index, viewer.fresh, flt, q, sort=sort,
-                                                 descending=order == "desc", limit=limit, offset=offset))
-        return await asyncio.to_thread(list_trajectories, collector.spool, flt, limit=limit, offset=offset,
-                                       sort=sort, descending=order == "desc")
+        """Trajectories in the embedded store, filtered, sorted and paginated; ``q`` searches their text.
+
+        Answered from the viewer's trajectory index (viewer/list_api.py), as ``/ui/api/trajectories``;
+        ``experiment=`` (empty) is the trajectories sent without an experiment name.
+        """
+        flt = TrajectoryFilter(experiment=experiment, step=step, step_min=step_min, step_max=step_max,
+                               sample_index=sample_index_filter(sample_index), rollout_n=rollout_n, validate=validate,
+                               kept_because=kept_because, reward_min=reward_min, reward_max=reward_max, has_error=has_error,
+                               worker=worker, trained=trained, filtered_by=filtered_by, q=q)
+        page = await asyncio.to_thread(list_page, viewer.trajectory_index, flt, sort=sort, descending=order == "desc",
+                                       limit=limit, offset=offset, budget_s=settings.list_catch_up_s,
+                                       on_behind=collector.metrics.list_index_behind.inc)
+        return _json(page)
 
     @app.get("/v1/trajectories/{trace_id}", dependencies=[Depends(auth)])
     async def trajectory(trace_id: str) -> Any:
