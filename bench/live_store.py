@@ -6,7 +6,8 @@ window: the worst case), adds ``--running`` trajectories whose root has not arri
 calls each, plus open markers for the call that hangs), then times the live query three ways:
 the default scan cap (the newest 50,000 spans), a cap of the whole store, and one step. The
 baseline, from the same run on the same file, is the /v1/trajectories page (collector/viewer/list_api.py
-over the viewer's trajectory index, caught up first; newest first, page of 50). Prints each time and the ratio.
+over the viewer's trajectory index, caught up first; newest first, page of 50). Prints each time and its
+ratio to the baseline.
 
     .venv/bin/python bench/live_store.py [--spans 1000000] [--running 200] [--keep DIR]
 """
@@ -81,14 +82,14 @@ def main() -> None:
         pass
     print(f"viewer index caught up in {time.perf_counter() - started:.1f}s (one time; incremental after)")
     baseline = timed(lambda: list_page(index, TrajectoryFilter(), sort="start", descending=True, limit=50, offset=0, budget_s=5.0))
-    print(f"{'query':44} {'ms':>8} {'baseline / this':>16}")
+    print(f"{'query':44} {'ms':>8} {'this / baseline':>16}")
     print(f"{'baseline: /v1/trajectories page, newest first':44} {baseline:8.1f} {'1.0x':>16}")
     for name, cap, flt in (("/v1/live, default cap (50,000 newest spans)", 50_000, TrajectoryFilter()),
                            ("/v1/live, whole store scanned", 10**9, TrajectoryFilter()),
                            ("/v1/live?step= (one step)", 50_000, TrajectoryFilter(experiment="exp1", step=999_999))):
         answer = live(cap, flt)
         ms = timed(lambda cap=cap, flt=flt: live(cap, flt))
-        print(f"{name:44} {ms:8.1f} {baseline / ms:15.1f}x   ({answer['total']} running, scan_capped={answer['scan_capped']})")
+        print(f"{name:44} {ms:8.1f} {ms / baseline:15.1f}x   ({answer['total']} running, scan_capped={answer['scan_capped']})")
     index.close()
     spool.close()
 

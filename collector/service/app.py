@@ -37,6 +37,7 @@ from ..spool.store import Spool
 from ..trajectory_filter import TrajectoryFilter
 from ..viewer.group_export_api import build_router as build_group_export_router
 from ..viewer.index import SORTS
+from ..viewer.list_api import caught_up as viewer_list_caught_up
 from ..viewer.list_api import list_page
 from ..viewer.live_api import build_router as build_live_router
 from ..viewer.routes import build_router as build_viewer_router
@@ -44,6 +45,7 @@ from ..viewer.search import QUERY_MAX_CHARS
 from ..viewer.tokens import trajectory_tokens
 from .auth import BearerAuth
 from .health import health_snapshot
+from .health_step import latest_experiment, step_health
 
 log = logging.getLogger("tracecar.collector")
 LIST_SORT_PATTERN = "^(" + "|".join(SORTS) + ")$"  # the viewer list's sorts
@@ -222,9 +224,26 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         return _json(body, status_code=200 if collector.ready else 503)
 
     @app.get("/v1/health", dependencies=[Depends(auth)])
-    async def health() -> Any:
-        """Tracing health totals (client drops, sampled out, rejected, decode failures, spool depth)."""
-        return _json(health_snapshot(collector.metrics.registry, collector.pipeline.client_drops.by_worker()))
+    async def health(step: OptionalInt64 = None, experiment: str | None = None, validate: bool | None = None) -> Any:
+        """Tracing health totals (client drops, sampled out, rejected, decode failures, spool depth).
+
+        ``step``: also that step's numbers (``step``: stored, running, held, errors, sampling
+        decisions, what the trainer did; service/health_step.py) of ``experiment`` (default: the
+        latest; empty: none) and ``validate`` (default: both).
+        """
+        answer = health_snapshot(collector.metrics.registry, collector.pipeline.client_drops.by_worker())
+        if step is not None:
+            index = viewer.trajectory_index
+            await asyncio.to_thread(viewer_list_caught_up, index, settings.list_catch_up_s, collector.metrics.list_index_behind.inc)
+            if experiment is None:
+                experiment = await asyncio.to_thread(latest_experiment, index)
+            decided = await collector.pipeline.decisions(experiment or None, step, validate)
+            now = time.time()
+            answer["step"] = await asyncio.to_thread(
+                step_health, collector.spool, index, experiment, step, validate, window_s=settings.live_window_s,
+                max_scan_spans=settings.live_max_scan_spans, decisions=decided,
+                open_calls=lambda: collector.pipeline.open_calls.snapshot(now - settings.live_window_s))
+        return _json(answer)
 
     @app.get("/metrics")
     async def metrics() -> Any:

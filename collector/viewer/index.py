@@ -549,6 +549,22 @@ class TrajectoryIndex:
             out.append(row)
         return out
 
+    def step_counts(self, flt: ListFilter) -> dict[str, Any]:
+        """Counts over a selection (one step, for /v1/health?step=): errors, scored, kept by rule, the trainer's."""
+        where, params = root_where(flt)
+        with self._lock:
+            conn = self._db()
+            n, spans, errors, scored, trained, dropped = conn.execute(
+                f"SELECT COUNT(*), COALESCE(SUM(span_count), 0), COALESCE(SUM(has_error), 0), COUNT(reward),"
+                f" COALESCE(SUM(trained = 1), 0), COALESCE(SUM(trained = 0), 0) FROM trajectories WHERE {where}",
+                params).fetchone()
+            kept = dict(conn.execute(f"SELECT kept_because, COUNT(*) FROM trajectories WHERE {where}"
+                                     " AND kept_because IS NOT NULL GROUP BY kept_because", params).fetchall())
+            filtered = dict(conn.execute(f"SELECT filtered_by, COUNT(*) FROM trajectories WHERE {where}"
+                                         " AND filtered_by IS NOT NULL GROUP BY filtered_by", params).fetchall())
+        return {"trajectories": n, "spans": spans, "with_error": errors, "scored": scored, "kept_by_rule": kept,
+                "trainer": {"trained": trained, "dropped": dropped, "filtered_by": filtered}}
+
     def summary(self, trace_id: str) -> dict[str, Any] | None:
         with self._lock:
             rows = self._rows(self._db(), f"SELECT {COLUMNS} FROM trajectories WHERE trace_id = ?", [trace_id])
