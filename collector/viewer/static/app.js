@@ -106,9 +106,9 @@
     let full = false;
     const pre = h("pre", { class: "json" }, pretty(value, full));
     const text = pretty(value, false);
-    if (text === pretty(value, true)) return pre;
+    if (text === pretty(value, true)) return foldable(pre, text);
     const toggle = h("button", { type: "button", onclick: () => { full = !full; pre.textContent = pretty(value, full); toggle.textContent = full ? "abbreviate" : "show all numbers"; } }, "show all numbers");
-    return h("div", null, pre, toggle);
+    return h("div", null, foldable(pre, text), toggle);
   }
 
   function rewardBadge(reward, cls) {
@@ -440,10 +440,48 @@
       h("div", { class: "pv-response", title: t.response_preview || "", "data-testid": "response-preview" }, h("span", { class: "pv-role" }, "response"), marked(t.response_preview || "—", q)));
   }
 
+  // ---- long texts folded (issue 15 §7): their first lines, and a button (keyboard: Tab, Enter) for the rest ----
+  // The whole text stays in the page (find-in-page and selection see it); only its height is clipped.
+  const FOLD_CHARS = 1200;
+  const FOLD_LINES = 12;
+  let foldSeq = 0;
+
+  function setFold(wrap, open) {
+    wrap.classList.toggle("is-folded", !open);
+    const button = wrap.querySelector(":scope > .fold-toggle");
+    button.setAttribute("aria-expanded", open ? "true" : "false");
+    button.textContent = open ? "Show less" : button.dataset.more;
+  }
+
+  function foldable(el, text) {
+    const lines = text.split("\n").length;
+    if (text.length <= FOLD_CHARS && lines <= FOLD_LINES) return el;
+    el.id = el.id || "fold-" + (++foldSeq);
+    const more = "Show all (" + (lines > FOLD_LINES ? fmt.int(lines) + " lines, " : "") + fmt.int(text.length) + " characters)";
+    const button = h("button", { type: "button", class: "fold-toggle quiet", "aria-expanded": "false", "aria-controls": el.id,
+      "data-testid": "fold-toggle", "data-more": more }, more);
+    const wrap = h("div", { class: "fold is-folded", "data-testid": "fold" }, el, button);
+    button.addEventListener("click", () => setFold(wrap, wrap.classList.contains("is-folded")));
+    return wrap;
+  }
+
+  // one button (and the key e) shows or folds every long text of the page
+  function foldAllButton() {
+    const button = h("button", { type: "button", class: "quiet", "data-testid": "fold-all", "data-key": "fold-all",
+      title: "show or fold every long text (key: e)" }, "Show all long texts");
+    button.addEventListener("click", () => {
+      const folds = [...document.querySelectorAll("[data-testid=fold]")];
+      const open = folds.some((w) => w.classList.contains("is-folded"));
+      folds.forEach((w) => setFold(w, open));
+      button.textContent = open ? "Fold long texts" : "Show all long texts";
+    });
+    return button;
+  }
+
   // ---- #/t/ID : one trajectory ----------------------------------------------------------------
   function textBlock(text, cls, fallback) {
     if (text === null || text === undefined) return h("p", { class: "muted" }, fallback);
-    return h("pre", { class: "text " + (cls || "") }, text === "" ? "(empty)" : text);
+    return foldable(h("pre", { class: "text " + (cls || "") }, text === "" ? "(empty)" : text), text);
   }
 
   // the inference engine's own timings of a turn (vLLM's llm_request span, received over OTLP)
@@ -463,7 +501,7 @@
         e.error ? h("span", { class: "badge bad" }, "error") : null),
       h("div", { class: "grid" },
         h("div", null, h("div", { class: "label" }, "arguments"), jsonBlock(e.arguments)),
-        h("div", null, h("div", { class: "label" }, e.error ? "error" : "result"), e.error ? h("div", { class: "err-text" }, e.error) : jsonBlock(e.result))));
+        h("div", null, h("div", { class: "label" }, e.error ? "error" : "result"), e.error ? foldable(h("div", { class: "err-text" }, e.error), String(e.error)) : jsonBlock(e.result))));
   }
 
   function turnCard(turn) {
@@ -708,7 +746,7 @@
             ["response tokens", fmt.int(t.response_tokens)], ["spans", t.span_count], ["error", errorSaid(t)]]))),
       nav, why,
       actions,
-      h("h2", null, "Conversation"),
+      h("h2", { class: "with-tools" }, "Conversation", foldAllButton()),
       t.before_first_turn.map(eventCard),
       t.turns.length ? t.turns.map(turnCard) : h("p", { class: "muted" }, "No LLM call in this trajectory (no span whose output carries response_ids / token_ids)."),
       h("h2", null, "Tokens"),
