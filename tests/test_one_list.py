@@ -92,3 +92,43 @@ def test_a_list_right_after_an_ingest_shows_it(fed):
         post(fed.url, trajectory(f"late-{i}", 9, i, 0, WIN, reward=0.1 * i, t0=5000.0 + i))
         got = httpx.get(fed.url + "/v1/trajectories", params={"step": 9}, timeout=30).json()
         assert got["total"] == i + 1 and got["index"]["caught_up"], got["index"]
+
+
+def test_page_shows_tracing_health_per_step_and_exports_the_lists_selection(fed, tmp_path):
+    """The overview's *Tracing health* card (GET /ui/api/health?step=: the totals and the chosen
+    step's numbers) and the list's export links (GET /ui/api/export: the list's filters), in Chromium."""
+    from tests.test_groups_export import load
+    from tests.test_viewer import Page, _browser, expect
+    from tests.test_viewer_lookfeel import doc_shot
+
+    with _browser() as pw:
+        b = Page(pw, tmp_path, fed.url)
+        page = b.page
+        try:
+            page.goto(fed.url + f"/ui/#/?experiment={EXPERIMENT}")
+            step = page.locator("[data-testid=health-step]")
+            expect(step).to_contain_text("step 4: 2 stored")  # the latest step is chosen first
+            expect(page.locator("[data-testid=health-client_dropped]")).to_have_text("0 dropped by the workers")
+            page.locator("[data-testid=step-row][data-step='3'] td").nth(1).click()
+            expect(step).to_contain_text("step 3: 2 stored")
+            expect(page.locator("[data-testid=health-step-errors]")).to_have_text("1 with an error")
+            expect(page.locator("[data-testid=health-step-trainer]")).to_have_text("trainer: 1 trained, 0 dropped")
+            expect(page.locator("[data-testid=health-step-sampling]")).to_contain_text("kept 0, dropped 0")
+            page.locator("[data-testid=health]").scroll_into_view_if_needed()
+            b.shot("40-overview-health")
+            doc_shot(page, "health")
+
+            page.goto(fed.url + f"/ui/#/list?experiment={EXPERIMENT}&trained=false")
+            expect(page.locator("[data-testid=page-info]")).to_have_text("1–1 of 1")
+            link = page.locator("[data-testid=export-jsonl]")
+            assert "trained=false" in link.get_attribute("href") and "sort=" not in link.get_attribute("href")
+            with page.expect_download() as download:
+                link.click()
+            path = tmp_path / "from-the-list.jsonl"
+            download.value.save_as(path)
+            assert load(path, "jsonl")["trace_id"] == ["e-n1"]  # the list's one row, as a dataset
+            b.shot("41-list-export-links")
+            doc_shot(page, "export")
+            b.check_clean()
+        finally:
+            b.close()

@@ -318,6 +318,9 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
     app.include_router(viewer)
     # GRPO groups and dataset export, over the viewer's trajectory index
     app.include_router(build_group_export_router(collector, viewer.trajectory_index, viewer.fresh, auth, viewer.viewer_auth))
+    # the same health answer for the viewer's overview (its token or cookie)
+    app.add_api_route("/ui/api/health", health, methods=["GET"], dependencies=[Depends(viewer.viewer_auth)],
+                      include_in_schema=False)
     # running trajectories (root not yet arrived), for /v1/live and the viewer's "Running now"
     app.include_router(build_live_router(collector, auth, viewer.viewer_auth, collector.pipeline.open_calls))
     check_bounded_ints(app.routes)  # every integer query parameter fits SQLite, or the app does not start

@@ -109,4 +109,6 @@ def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[
                                  headers={"Content-Disposition": f'attachment; filename="{filename}"',
                                           "Cache-Control": "no-store"})
 
+    # the viewer's list links its selection here (a download with the page's token or cookie)
+    router.add_api_route("/ui/api/export", export, methods=["GET"], dependencies=[Depends(viewer_auth)], include_in_schema=False)
     return router
