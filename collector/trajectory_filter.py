@@ -23,7 +23,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .viewer import search
+from . import text_query
 
 TEXT_EQUALS = ("worker", "kept_because", "filtered_by")
 INT_EQUALS = ("step", "rollout_n")
@@ -104,9 +104,9 @@ class TrajectoryFilter:
             if value is not None:
                 clauses.append(f"{name} = ?")
                 params.append(int(value))
-        match = search.fts_query(self.q) if self.q else None
+        match = text_query.fts_query(self.q) if self.q else None
         if match is not None:
-            clauses.append(search.MATCH_CLAUSE)
+            clauses.append(text_query.MATCH_CLAUSE)
             params.append(match)
         return " AND ".join(clauses), params
 

@@ -414,6 +414,7 @@ def test_export_streams_a_big_store_in_bounded_memory(start_collector, tmp_path)
 # ---- the groups page, in Chromium --------------------------------------------------------------------
 def test_groups_page_from_the_overview_and_from_a_trajectory(fed, tmp_path):
     from tests.test_viewer import Page, _browser, expect
+    from tests.test_viewer_lookfeel import doc_shot
 
     with _browser() as pw:
         b = Page(pw, tmp_path, fed.url)
@@ -441,6 +442,7 @@ def test_groups_page_from_the_overview_and_from_a_trajectory(fed, tmp_path):
             assert chips.all_inner_texts() == ["▸1", "2", "3"]
             assert "tool calls differ" in chips.first.get_attribute("title")
             b.shot("groups-02-widest-spread-first")
+            doc_shot(page, "groups")
             rows.nth(3).locator("[data-testid=compare-with-best]").click()
             page.wait_for_selector("[data-testid=compare-grid]")
             cols = page.locator("[data-testid=compare-col]")
