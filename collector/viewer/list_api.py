@@ -14,8 +14,12 @@ and the backlog is indexed in the background.
 
 from __future__ import annotations
 
+import logging
+import sqlite3
 from collections.abc import Callable
 from typing import Any
+
+from fastapi import HTTPException
 
 from ..trajectory_filter import TrajectoryFilter
 from .index import TrajectoryIndex
@@ -23,7 +27,14 @@ from .index import TrajectoryIndex
 
 def caught_up(index: TrajectoryIndex, budget_s: float, on_behind: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Lets the index catch up for up to ``budget_s``, then says how far behind it is."""
-    if not index.refresh(budget_s=budget_s, all_held=True):
+    try:
+        fresh = index.refresh(budget_s=budget_s, all_held=True)
+    except (sqlite3.OperationalError, OSError) as exc:  # a full disk: the index cannot be brought up to date
+        logging.getLogger("tracecar.viewer").warning("trajectory index cannot catch up: %s", exc)
+        on_behind()
+        raise HTTPException(503, detail=f"trajectory index cannot catch up ({exc}); retry when the disk has room",
+                            headers={"Retry-After": "2"}) from None
+    if not fresh:
         index.catch_up_in_background()
         on_behind()
     return index.status()
