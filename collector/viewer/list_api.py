@@ -21,8 +21,11 @@ from typing import Any
 
 from fastapi import HTTPException
 
+from ..loudness import RateLimited
 from ..trajectory_filter import TrajectoryFilter
 from .index import TrajectoryIndex
+
+_index_failures = RateLimited()  # a full disk fails every list request: say it once a minute, with the count
 
 
 def caught_up(index: TrajectoryIndex, budget_s: float, on_behind: Callable[[], None] = lambda: None) -> dict[str, Any]:
@@ -30,9 +33,12 @@ def caught_up(index: TrajectoryIndex, budget_s: float, on_behind: Callable[[], N
     try:
         fresh = index.refresh(budget_s=budget_s, all_held=True)
     except (sqlite3.OperationalError, OSError) as exc:  # a full disk: the index cannot be brought up to date
-        logging.getLogger("tracecar.viewer").warning("trajectory index cannot catch up: %s", exc)
+        count = _index_failures.hit()
+        if count is not None:
+            logging.getLogger("tracecar.viewer").warning("trajectory index cannot catch up (%d request(s) refused): %s", count, exc)
         on_behind()
-        raise HTTPException(503, detail=f"trajectory index cannot catch up ({exc}); retry when the disk has room",
+        raise HTTPException(503, detail=f"trajectory index cannot catch up ({exc}); retry later (a full disk: free space "
+                                        "beside the spool)",
                             headers={"Retry-After": "2"}) from None
     if not fresh:
         index.catch_up_in_background()
