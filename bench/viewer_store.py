@@ -200,7 +200,7 @@ def search_cases(index: TrajectoryIndex) -> None:
     cases = [
         ("list newest, with previews", ListFilter(), "start"),
         ("list one step, with previews", ListFilter(experiment="exp1", step=200), "reward"),
-        ("search 'task 123457' (1 hit)", ListFilter(q="task 123457"), "start"),
+        ("search 'task 12345' (1 hit)", ListFilter(q="task 12345"), "start"),  # t < trajectories built
         ("search 'quadratic' (1/8)", ListFilter(q="quadratic"), "start"),
         ("search 'quadratic', by reward", ListFilter(q="quadratic"), "reward"),
         ("search 'answer' (every one)", ListFilter(q="answer"), "start"),
