@@ -128,7 +128,7 @@ def test_full_disk_answers_503_stores_nothing_partial_and_recovers(tiny_disk, st
     col = start_collector(data_dir=tiny_disk / "data")
     spool = col.collector.spool
     statuses: dict[int, int] = {}
-    acked, refused_batch = 0, None
+    acked, refused_batch, first_trace = 0, None, None
     with httpx.Client() as client:
         for _ in range(200):
             batch = kit.trajectory(children=9, payload_bytes=8_000)
@@ -138,6 +138,7 @@ def test_full_disk_answers_503_stores_nothing_partial_and_recovers(tiny_disk, st
                 refused_batch = batch
                 break
             acked += r.json()["accepted"]
+            first_trace = first_trace or batch[0]["trace_id"]
         assert refused_batch is not None, "the tiny disk never filled"
         assert r.status_code == 503, (r.status_code, r.text)  # not a 500
         assert r.headers.get("Retry-After") and "disk" in r.json()["error"]["reason"]
@@ -151,8 +152,16 @@ def test_full_disk_answers_503_stores_nothing_partial_and_recovers(tiny_disk, st
             assert again.status_code == 503, again.text
         assert httpx.get(col.url + "/healthz").status_code == 200
         assert httpx.get(col.url + "/readyz").status_code == 200
-        listing = httpx.get(col.url + "/v1/trajectories", params={"limit": 1000}).json()
-        assert listing["total"] == acked // 10
+        listing = httpx.get(col.url + "/v1/trajectories", params={"limit": 1000})  # its index lives on the same full disk
+        assert listing.status_code == 503 and listing.headers.get("Retry-After") and "disk" in listing.text, listing.text
+        # Every other reader of that index answers the same 503 (it was a 500 on the viewer's pages) ...
+        for path, params in [("/ui/api/trajectories", {}), ("/ui/api/facets", {}), ("/ui/api/overview", {}),
+                             ("/ui/api/status", {}), ("/v1/groups", {"step": 0}), ("/ui/api/groups", {"step": 0})]:
+            answer = httpx.get(col.url + path, params=params)
+            assert answer.status_code == 503 and answer.headers.get("Retry-After") and "disk" in answer.text, (path, answer.text)
+        # ... while a stored trajectory still opens: it is read from the spool, only its summary row is withheld.
+        opened = httpx.get(col.url + f"/ui/api/trajectories/{first_trace}")
+        assert opened.status_code == 200 and opened.json()["summary"] is None, opened.text[:300]
         refusals = kit.metrics(col.url, "tracecar_backpressure_total", bound="disk_full")
         assert refusals == 4
         assert _stored(spool, ids) == 0

@@ -33,6 +33,7 @@ from ..shape import shape
 from ..spool.query import get_trajectory
 from . import StoreOwner
 from .index import SORTS, ListFilter, TrajectoryIndex
+from .list_api import INDEX_ERRORS, viewer_fresh
 from .search import QUERY_MAX_CHARS
 from .tokens import trajectory_tokens
 
@@ -117,14 +118,7 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
     guarded = APIRouter(dependencies=[Depends(auth)])
 
     def fresh() -> dict[str, Any]:
-        """Indexes what arrived since the last request (bounded), then says how far behind it is.
-
-        A backlog (a big store opened for the first time) is left to the background thread, so
-        requests meanwhile answer at once from what is indexed so far.
-        """
-        if not index.catching_up() and not index.refresh(budget_s=0.3):
-            index.catch_up_in_background()
-        return index.status()
+        return viewer_fresh(index)
 
     @router.get("")
     async def bare() -> Any:
@@ -205,8 +199,11 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
         if found is None:
             raise HTTPException(404, detail={"field": "trace_id", "reason": f"no trajectory {trace_id!r} in the store"})
         view = await asyncio.to_thread(shape, found)
-        await asyncio.to_thread(fresh)
-        view["summary"] = await asyncio.to_thread(index.summary, trace_id)
+        try:  # the trajectory itself comes from the spool; its summary row is a bonus a full disk may withhold
+            await asyncio.to_thread(fresh)
+            view["summary"] = await asyncio.to_thread(index.summary, trace_id)
+        except (HTTPException, *INDEX_ERRORS):
+            view["summary"] = None
         if tree:
             view["tree"] = found["root"]
             view["tree_depth_cap"] = found["depth_cap"]
