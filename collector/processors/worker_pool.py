@@ -88,6 +88,8 @@ class WorkResult:
     outcomes: dict[str, int] = field(default_factory=dict)
     texts: list[tuple[str, str | None, str | None]] = field(default_factory=list)  # for PromptContexts.set_texts
     redo: str | None = None  # why the ingest process must do this batch itself (tokenizer_failed, mismatch)
+    span_ids: list[str] = field(default_factory=list)  # finished in phase one (prepare): the spans it did
+    tokenizer: str | None = None  # finished in phase one: the tokenizer its texts were decoded with
 
 
 def pack_ids(ids: Any) -> bytes | None:
@@ -148,11 +150,20 @@ def _ready() -> int:
 
 @dataclass
 class PrepareOrder:
-    """Phase one of a batch in a worker: the body as it came; the ingest process has not parsed it."""
+    """Phase one of a batch in a worker: the body as it came; the ingest process has not parsed it.
+
+    ``complete``: nothing this batch holds can be sampled out by the ingest process (no head
+    budget configured; the worker also checks the batch sends none), so a batch without prompt
+    references is decoded and serialised right away, in the same task (one parse in all).
+    """
 
     body: bytes | bytearray
     content_type: str | None
     content_encoding: str | None
+    complete: bool = False
+    token2text: bool = False  # the collector's TRACECAR_TOKEN2TEXT (a batch may override it)
+    tokenizer: str | None = None  # the collector's TRACECAR_TOKENIZER (a batch may name another)
+    count_tokens: bool = False
 
 
 def parse_batch(body: bytes | bytearray, content_type: str | None, content_encoding: str | None, max_batch_spans: int,
@@ -190,9 +201,14 @@ def head_of(span: Span, version: int) -> Span:
 
 
 def prepare(order: PrepareOrder) -> Any:
-    """Parse and validate one batch (in a worker process); the ingest process gets the Validated
-    with each span reduced to :func:`head_of`, or None where the body is refused (the ingest
-    process then parses it itself, so its error answer is exactly the single-process one)."""
+    """Parse and validate one batch (in a worker process): (the Validated with each span reduced
+    to :func:`head_of`, the finished batch or None), or None where the body is refused (the
+    ingest process then parses it itself, so its error answer is exactly the single-process one).
+
+    The batch is finished here too (decoded, serialised: a :class:`WorkResult`) when
+    ``order.complete`` and it holds no prompt reference and its tokenizer loads; else the ingest
+    process resolves references, samples, and sends phase two (:func:`work`).
+    """
     cfg = _state.config
     try:
         validated = parse_batch(order.body, order.content_type, order.content_encoding, cfg.max_batch_spans,
@@ -200,8 +216,64 @@ def prepare(order: PrepareOrder) -> Any:
     except Exception:  # noqa: BLE001 - a refused body: answered by the ingest process's own parse
         return None
     v = validated.batch.v
-    validated.spans = [head_of(s, v) for s in validated.spans]
-    return validated
+    heads = [head_of(s, v) for s in validated.spans]
+    done = _finish(order, validated) if order.complete else None
+    validated.spans = heads
+    return validated, done
+
+
+def _finish(order: PrepareOrder, validated: Any) -> WorkResult | None:
+    """Decode and serialise a batch sampling cannot thin (see :func:`prepare`), or None."""
+    from tracecar.client.prompt_delta import OUTPUT_REF_KEYS, as_ids
+
+    from .decoding import TokenizerNotFound, decode_spans
+    from .open_calls import OPEN_KIND
+    from .prompt_refs import Context, is_ref
+    from .sampling.head import MEMBERSHIP
+    from .span_work import ContextView, decode_v2, serialize_spans
+
+    batch = validated.batch
+    if batch.max_samples_per_step_per_worker is not None:
+        return None
+    spans = [s for s in validated.spans if s["kind"] != MEMBERSHIP and s["kind"] != OPEN_KIND]
+    for span in spans:  # a reference resolves against the ingest process's contexts: phase two
+        inputs, output = span.get("inputs"), span.get("output")
+        if type(inputs) is dict and is_ref(inputs.get("prompt_ids")):
+            return None
+        if type(output) is dict and any(is_ref(output.get(k)) for k in OUTPUT_REF_KEYS):
+            return None
+    token2text = order.token2text if batch.token2text is None else batch.token2text
+    name = batch.tokenizer or order.tokenizer
+    if token2text and spans and name is None:  # said and counted by the ingest process (phase two)
+        return None
+    warnings = {sid: list(notes) for sid, notes in validated.warnings.items()}
+    ends: dict[str, list[int]] = {}
+    result = WorkResult(warnings=warnings)
+    if token2text and spans and name is not None:
+        try:
+            tokenizer = _state.tokenizers.get(name)
+        except TokenizerNotFound:
+            return None  # refused, counted and logged by the ingest process, as without workers
+        if batch.v < 2:
+            result.tokens = decode_spans(spans, tokenizer, warnings, pieces=ends)
+        else:  # no references: each span's context is new; its texts go back for the next turns
+            views: dict[str, ContextView] = {}
+            for span in spans:
+                inputs = span.get("inputs")
+                ids = as_ids(inputs.get("prompt_ids")) if type(inputs) is dict else None
+                if ids is not None:
+                    views[span["span_id"]] = ContextView.of(Context.of(ids, span.get("output")))
+            result.tokens = decode_v2(spans, batch.worker, {}, tokenizer, name, warnings, ends,
+                                      lambda worker, span_id: views.get(span_id),
+                                      lambda worker, span_id, text, response, tok: result.texts.append((span_id, text, response)),
+                                      result.outcomes)
+    rows, result.too_big = serialize_spans(spans, warnings, validated.index_of, ends, max_span_bytes=_state.config.max_span_bytes,
+                                           count_tokens=order.count_tokens, local_only=_state.config.local_only)
+    result.rows = [RowOut(r.span["span_id"], r.payload, r.inputs_at, r.output_at, r.token_arrays, r.tokens, r.warnings)
+                   for r in rows]
+    result.span_ids = [s["span_id"] for s in spans]
+    result.tokenizer = name if token2text else None
+    return result
 
 
 def work(order: WorkOrder) -> WorkResult:

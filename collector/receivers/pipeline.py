@@ -179,7 +179,7 @@ class IngestPipeline:
         """
         self.check_capacity()
         loop = asyncio.get_running_loop()
-        validated, heads = await self._receive_somewhere(body, content_type, content_encoding, receiver)
+        validated, heads, done = await self._receive_somewhere(body, content_type, content_encoding, receiver)
         m = self.metrics
         if validated.batch.dropped is not None:  # the sender's own drop totals
             totals = parse_dropped(validated.batch.dropped)
@@ -213,7 +213,7 @@ class IngestPipeline:
         if sampled.dropped:
             m.spans_sampled_out.labels(budget="max_samples_per_step_per_worker").inc(len(sampled.dropped))
         rows, tokens, too_big = await self._decode_and_serialize_somewhere(validated, spans, body, content_type,
-                                                                           content_encoding, receiver, heads)
+                                                                           content_encoding, receiver, heads, done)
         for rejection in too_big:  # over the size bound ("spans[i]"), or a part that cannot be stored
             m.spans_rejected.labels(reason="span_too_large" if "." not in rejection.field else _reason_label(rejection)).inc()
         m.decoded_tokens.inc(tokens)
@@ -282,8 +282,9 @@ class IngestPipeline:
         self.contexts.remember(validated.spans)  # for engine spans that join these trajectories over OTLP
 
     async def _receive_somewhere(self, body: bytes | bytearray, content_type: str | None, content_encoding: str | None,
-                                 receiver: Receiver | None) -> tuple[Validated, bool]:
-        """The batch validated, and whether its spans are heads only (parsed by a worker process).
+                                 receiver: Receiver | None) -> tuple[Validated, bool, WorkResult | None]:
+        """The batch validated, whether its spans are heads only (parsed by a worker process), and
+        the batch finished by that worker when sampling cannot thin it (worker_pool.prepare).
 
         With a warm pool the body is parsed and validated in a worker, which sends back each
         span's head (worker_pool.head_of): this process never parses it. A body the worker
@@ -293,16 +294,23 @@ class IngestPipeline:
         loop = asyncio.get_running_loop()
         pool = self.pool
         if pool is not None and receiver is None and pool.ready:
-            prepared = await pool.call(prepare, PrepareOrder(body, content_type, content_encoding))
+            settings = self.settings
+            complete = self.sampler.limit is None and self.sampler._limit_for is None  # no head budget can drop
+            prepared = await pool.call(prepare, PrepareOrder(body, content_type, content_encoding, complete=complete,
+                                                             token2text=settings.token2text, tokenizer=settings.tokenizer,
+                                                             count_tokens=self.selection is not None))
             if prepared is not None:
-                validated = cast(Validated, prepared)
+                validated, done = cast("tuple[Validated, WorkResult | None]", prepared)
                 self.metrics.batches_parsed.labels(where="worker").inc()
+                rejected = len(validated.rejected)
                 await loop.run_in_executor(self.cpu, self._after_validate, validated)
-                return validated, True
+                if len(validated.rejected) != rejected:  # a foreign child, an unresolved reference: phase two
+                    done = None
+                return validated, True, done
         if receiver is None:
             self.metrics.batches_parsed.labels(where="ingest").inc()
         return await loop.run_in_executor(self.cpu, receiver or self._receive_and_validate, body, content_type,
-                                          content_encoding), False
+                                          content_encoding), False, None
 
     def _stored_traces(self, span_ids: list[str]) -> dict[str, str]:
         """trace_id of each of these spans that the store holds (one indexed lookup per 500 ids).
@@ -390,7 +398,8 @@ class IngestPipeline:
     async def _decode_and_serialize_somewhere(self, validated: Validated, spans: list[Span], body: bytes | bytearray,
                                               content_type: str | None, content_encoding: str | None,
                                               receiver: Receiver | None,
-                                              heads: bool = False) -> tuple[list[SpoolRow], int, list[Rejection]]:
+                                              heads: bool = False,
+                                              done: WorkResult | None = None) -> tuple[list[SpoolRow], int, list[Rejection]]:
         """In a worker process when the pool is warm and the batch decodes, else in a CPU thread.
 
         Whatever the pool cannot do (warming up, a worker died, a tokenizer it cannot load) is
@@ -400,6 +409,9 @@ class IngestPipeline:
         """
         pool = self.pool
         loop = asyncio.get_running_loop()
+        if done is not None and done.span_ids == [s["span_id"] for s in spans]:  # finished in phase one
+            self.metrics.worker_batches.labels(path="worker").inc()
+            return self._apply(validated, spans, validated.batch.worker, done.tokenizer, done)
         if heads and pool is not None:
             return await self._decode_heads(validated, spans, body, content_type, content_encoding, pool)
         order = None
@@ -410,7 +422,7 @@ class IngestPipeline:
             result = await pool.run(order)
             if result is not None and result.redo is None:
                 self.metrics.worker_batches.labels(path="worker").inc()
-                return self._apply(validated, spans, order, result)
+                return self._apply(validated, spans, order.worker, order.tokenizer, result)
             if result is not None:
                 self.metrics.worker_failures.labels(kind=result.redo or "redo").inc()
         self.metrics.worker_batches.labels(path="in_process").inc()
@@ -427,7 +439,7 @@ class IngestPipeline:
             result = await pool.run(order)
             if result is not None and result.redo is None:
                 self.metrics.worker_batches.labels(path="worker").inc()
-                return self._apply(validated, spans, order, result)
+                return self._apply(validated, spans, order.worker, order.tokenizer, result)
             if result is not None:
                 self.metrics.worker_failures.labels(kind=result.redo or "redo").inc()
         validated.warnings.clear()
@@ -504,14 +516,14 @@ class IngestPipeline:
                     order.contexts[sid] = ContextView.of(entry)
         return order
 
-    def _apply(self, validated: Validated, spans: list[Span], order: WorkOrder,
+    def _apply(self, validated: Validated, spans: list[Span], worker: str, tokenizer: str | None,
                result: WorkResult) -> tuple[list[SpoolRow], int, list[Rejection]]:
         """A worker's result as the in-process path leaves it: rows (with our own span dicts, whose
         index fields are what the spool reads), warnings, prompt texts for the next turns, counts."""
         by_id = {s["span_id"]: s for s in spans}
         validated.warnings.update(result.warnings)
         for sid, text, response in result.texts:
-            self.prompt_contexts.set_texts(order.worker, sid, text, response, order.tokenizer or "")
+            self.prompt_contexts.set_texts(worker, sid, text, response, tokenizer or "")
         for outcome, n in result.outcomes.items():
             self.metrics.prompt_text_joins.labels(outcome=outcome).inc(n)
         rows = [SpoolRow(by_id[r.span_id], r.payload, r.warnings, tokens=r.tokens, inputs_at=r.inputs_at, output_at=r.output_at,
