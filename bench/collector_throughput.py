@@ -142,6 +142,19 @@ def tree_cpu(proc: psutil.Process) -> float:
     return total
 
 
+def worker_pids(pid: int) -> list[int]:
+    """The collector's pool processes (spawned children; not multiprocessing's resource tracker)."""
+    out = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            cmd = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if "multiprocessing" in cmd and "resource_tracker" not in cmd:
+            out.append(child.pid)
+    return out
+
+
 def wait_forwarded(url: str, timeout: float) -> float:
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
@@ -207,7 +220,11 @@ STAGES = (
     ("decode: tokenizer decode_batch and checks", ("decode_spans (",)),
     ("ingest: parse request body (orjson/msgpack)", ("parse (", "decompress (")),
     ("ingest: validate spans (pydantic)", ("validate_batch (",)),
-    ("ingest: serialize spool payloads (orjson)", ("_decode_and_serialize (",)),
+    ("ingest: serialize spool payloads (orjson)", ("_decode_and_serialize (", "serialize_spans (")),
+    ("workers: span heads cut, results packed", ("head_of (", "RowOut.__init__", "WorkResult.__init__")),
+    ("workers <-> ingest: pickling, pipes", ("multiprocessing/connection.py", "multiprocessing/queues.py",
+                                            "ForkingPickler", "_sendback_result")),
+    ("ingest: prompt references, contexts", ("resolve_refs (", "PromptContexts.", "_work_order (")),
     ("ingest: SQLite insert + commit", ("Spool.write (",)),
     ("forward: read spool + orjson.loads payloads", ("Forwarder._forward (", "Spool.next_pending (")),
     ("forward: build + encode Weave calls, HTTP", ("WeaveSink.", "encode_call (", "to_weave_call (")),
@@ -369,11 +386,15 @@ def measure(args: Any, tokenizer: str, workers: int, profile: bool) -> tuple[dic
                 marks["a"] = sampler.mark()
                 if py_spy:
                     half = max(2.0, (args.seconds - 3) / 2)
-                    profiles["all threads"] = work / "profile-all.txt"
-                    spies.append(start_profile(py_spy, collector.pid, half, profiles["all threads"], gil=False))
+                    pool = worker_pids(collector.pid)
+                    if pool:  # one worker process, at the same time as the ingest process's all-threads profile
+                        profiles[f"worker process (1 of {len(pool)}), all threads"] = work / "profile-worker.txt"
+                        spies.append(start_profile(py_spy, pool[0], half, work / "profile-worker.txt", gil=False))
+                    profiles["ingest process, all threads" if pool else "all threads"] = work / "profile-all.txt"
+                    spies.append(start_profile(py_spy, collector.pid, half, work / "profile-all.txt", gil=False))
                     spies[-1].wait(timeout=half + 30)
-                    profiles["GIL holder"] = work / "profile-gil.txt"
-                    spies.append(start_profile(py_spy, collector.pid, half, profiles["GIL holder"], gil=True))
+                    profiles["ingest process, GIL holder" if pool else "GIL holder"] = work / "profile-gil.txt"
+                    spies.append(start_profile(py_spy, collector.pid, half, work / "profile-gil.txt", gil=True))
 
             feeders = [(collector.url, w, args.seconds, 100_000) for w in range(args.feeders)]
             results = run_feeders(raw_feeder, feeders, on_start=on_start_a)
@@ -430,6 +451,8 @@ def measure(args: Any, tokenizer: str, workers: int, profile: bool) -> tuple[dic
                   f"{c.get('acked', float('nan')):.2f} s, all forwarded after {c.get('forwarded', float('nan')):.2f} s; "
                   f"HTTP statuses {dict(c['statuses'])}")
             m = scrape(collector.url)
+            print(f"bodies parsed in worker processes: {m.total('tracecar_batches_parsed_total', where='worker'):,.0f}, "
+                  f"in the ingest process: {m.total('tracecar_batches_parsed_total', where='ingest'):,.0f}")
             print(f"batches decoded in worker processes: {m.total('tracecar_worker_batches_total', path='worker'):,.0f}, "
                   f"in the ingest process: {m.total('tracecar_worker_batches_total', path='in_process'):,.0f}; "
                   f"worker failures: {m.total('tracecar_worker_failures_total'):,.0f}")

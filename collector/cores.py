@@ -54,3 +54,16 @@ def available_cores(root: Path = CGROUP) -> int:
     if quota is not None:
         cores = min(cores, max(1, math.floor(quota)))
     return max(1, cores)
+
+
+#: below this many cores the pool is not started by default: the ingest process (HTTP, sampling,
+#: the spool writer, Weave forwarding) needs most of a core itself, and on 2 cores 2 workers beside
+#: it were measured slower than the single process (docs/performance.md, "Worker processes")
+MIN_CORES_FOR_POOL = 3
+
+
+def default_workers(cores: int | None = None) -> int:
+    """TRACECAR_WORKERS when unset: the cores this container may use, or 1 (no pool) below
+    :data:`MIN_CORES_FOR_POOL`."""
+    n = available_cores() if cores is None else cores
+    return n if n >= MIN_CORES_FOR_POOL else 1

@@ -113,7 +113,7 @@ class CollectorSettings(BudgetSettings, BaseSettings):
     http_idle_timeout_s: float = Field(60.0, gt=0, description="An idle kept-alive connection is closed after this long.")
     http_max_header_bytes: int = Field(64 * 1024, ge=1024, description="Largest request head (request line and headers); larger ones get 431 and the connection is closed.")
     decode_threads: int = Field(2, ge=1, description="Threads decoding tokens (tokenizers releases the GIL).")
-    workers: int | None = Field(None, ge=1, le=256, description="Worker processes that decode token ids and serialise spool payloads beside the ingest process (which keeps the HTTP server, sampling, the spool writer and the metrics); unset: the cores this container may use (CPU affinity, capped by a cgroup CPU quota); 1: all in the ingest process (threads).")
+    workers: int | None = Field(None, ge=1, le=256, description="Worker processes that decode token ids and serialise spool payloads beside the ingest process (which keeps the HTTP server, sampling, the spool writer and the metrics); unset: the cores this container may use (CPU affinity, capped by a cgroup CPU quota), or 1 below 3 cores; 1: all in the ingest process (threads).")
     keep_forwarded: bool = Field(True, description="Keep forwarded spans in the local store (queryable); false deletes them once the backend has them.")
     shutdown_unready_s: float = Field(0.0, ge=0, description="On SIGTERM, stay up this long answering /readyz and ingest with 503 before closing the listener (lets endpoints and load balancers stop sending first); a second signal skips it.")
     shutdown_drain_s: float = Field(10.0, ge=0, description="On SIGTERM, how long to keep forwarding before exit; the rest stays in the spool.")
@@ -187,12 +187,12 @@ class CollectorSettings(BudgetSettings, BaseSettings):
 
     @property
     def effective_workers(self) -> int:
-        """TRACECAR_WORKERS, else the cores this process may use (see collector/cores.py)."""
+        """TRACECAR_WORKERS, else the cores this process may use, 1 below 3 (see collector/cores.py)."""
         if self.workers is not None:
             return self.workers
-        from .cores import available_cores
+        from .cores import default_workers
 
-        return available_cores()
+        return default_workers()
 
     @property
     def effective_backend(self) -> Literal["local", "weave", "otlp", "mlflow"]:
