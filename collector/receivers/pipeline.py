@@ -43,6 +43,7 @@ from ..processors.worker_pool import (
     pack_ids,
     parse_batch,
     prepare,
+    unpack_heads,
 )
 from ..settings import CollectorSettings
 from ..spool.store import Spool, SpoolFull, SpoolRow
@@ -302,6 +303,8 @@ class IngestPipeline:
             if prepared is not None:
                 validated, done = cast("tuple[Validated, WorkResult | None]", prepared)
                 self.metrics.batches_parsed.labels(where="worker").inc()
+                if validated.batch.v >= 2:
+                    await loop.run_in_executor(self.cpu, unpack_heads, validated.spans)
                 rejected = len(validated.rejected)
                 await loop.run_in_executor(self.cpu, self._after_validate, validated)
                 if len(validated.rejected) != rejected:  # a foreign child, an unresolved reference: phase two
