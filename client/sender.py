@@ -26,7 +26,7 @@ from .prompt_delta import UNRESOLVED_REASON, PromptDeltas
 from .redact import RedactKeys
 from .retry_after import parse_retry_after
 from .spans import SpanRecord
-from .wire import JSON_CONTENT_TYPE, WIRE_VERSION, WIRE_VERSION_DELTA, WireEncoder, batch_body, pack_span
+from .wire import JSON_CONTENT_TYPE, WIRE_VERSION, WIRE_VERSION_DELTA, WireEncoder, batch_body, pack_span, pack_span_legacy
 
 log = logging.getLogger("tracecar.client")
 
@@ -92,6 +92,7 @@ class Sender:
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
         self.encoder = WireEncoder(config.max_string_chars, config.max_depth, RedactKeys(config.redact_keys))
+        self._pack = pack_span_legacy if config.packing == "legacy" else pack_span
         self._init_state()
         os.register_at_fork(after_in_child=self._init_state)
 
@@ -225,7 +226,7 @@ class Sender:
             marker = opens.popleft()
             if marker.record.end is None:  # ended already: its span says more
                 wire = marker.to_wire()
-                parts.append(pack_span(wire, self.encoder, cfg.max_string_chars))
+                parts.append(self._pack(wire, self.encoder, cfg.max_string_chars))
                 marker_ids.add(wire["span_id"])
                 size += len(parts[-1])
                 markers += 1
@@ -241,7 +242,7 @@ class Sender:
                     whole.discard(wire["span_id"])
                 if deltas.apply(wire, full=resend):
                     refs[wire["span_id"]] = record
-                packed = pack_span(wire, self.encoder, cfg.max_string_chars)
+                packed = self._pack(wire, self.encoder, cfg.max_string_chars)
             except Exception as exc:  # noqa: BLE001 - one unserialisable span must not cost the batch
                 log.warning("tracecar: span %s could not be encoded: %s", record.name, exc)
                 with self._lock:
