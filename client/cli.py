@@ -20,6 +20,9 @@ import httpx
 from . import __version__
 
 DEFAULT_URL = "http://127.0.0.1:9470"
+# GET /v1/trajectories' sorts (the collector's viewer index, collector/viewer/index.py SORTS; a test keeps them equal)
+LIST_SORTS = ("start", "reward", "turns", "duration", "step", "sample_index", "rollout_n", "tools", "tokens", "spans",
+              "advantage")
 
 
 def _url(args: argparse.Namespace) -> str:
@@ -176,8 +179,10 @@ def _show(args: argparse.Namespace, page: dict[str, Any], printer: Callable[[dic
 
 def cmd_trajectories(args: argparse.Namespace) -> None:
     params = {k: v for k, v in {
-        "experiment": args.experiment, "step": args.step, "sample_index": args.sample_index,
-        "rollout_n": args.rollout_n, "validate": args.validate, "sort": args.sort, "order": args.order,
+        "experiment": args.experiment, "step": args.step, "step_min": args.step_min, "step_max": args.step_max,
+        "sample_index": args.sample_index, "rollout_n": args.rollout_n, "validate": args.validate,
+        "kept_because": args.kept_because, "worker": args.worker, "has_error": args.has_error,
+        "reward_min": args.reward_min, "reward_max": args.reward_max, "sort": args.sort, "order": args.order,
         "limit": args.limit, "offset": args.offset, "trained": args.trained, "filtered_by": args.filtered_by,
         "q": args.search,
     }.items() if v is not None}
@@ -375,7 +380,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--validate", choices=["true", "false"])
     p.add_argument("--trained", choices=["true", "false"], help="what the trainer did (annotate(trained=...))")
     p.add_argument("--filtered-by", help="the trainer's filter that dropped it (annotate(filtered_by=...))")
-    p.add_argument("--sort", choices=["start", "step", "reward", "duration", "spans", "sample_index"])
+    p.add_argument("--step-min", type=int)
+    p.add_argument("--step-max", type=int)
+    p.add_argument("--kept-because", help="the sampling rule that kept it (tail-based budgets)")
+    p.add_argument("--worker")
+    p.add_argument("--has-error", choices=["true", "false"])
+    p.add_argument("--reward-min", type=float)
+    p.add_argument("--reward-max", type=float)
+    p.add_argument("--sort", choices=LIST_SORTS)
     p.add_argument("--order", choices=["asc", "desc"])
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--offset", type=int, default=0)

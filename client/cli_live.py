@@ -71,11 +71,38 @@ def print_health(answer: dict[str, Any]) -> None:
     for key in ("spans_received", "spans_accepted", "spans_forwarded", "spans_dead_lettered", "spool_depth",
                 "held_spans", "backend_unreachable"):
         print(f"{key:22} {answer[key]:>10}")
+    if answer.get("step"):
+        print_step_health(answer["step"])
+
+
+def _counts(by: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(by.items())) or "-"
+
+
+def print_step_health(s: dict[str, Any]) -> None:
+    """The per-step part of ``/v1/health?step=N``."""
+    split = {None: "", False: " (training)", True: " (validation)"}[s["validate"]]
+    print(f"\nstep {s['step']} of {s['experiment'] if s['experiment'] is not None else '(no experiment)'}{split}")
+    trainer = s["trainer"]
+    sampling = s["sampling"]
+    rows = [
+        ("trajectories stored", f"{s['trajectories']} ({s['spans']} spans; {s['scored']} scored, {s['with_error']} with an error)"),
+        ("running now", f"{s['running']}" + (" (scan capped: more may run)" if s["running_scan_capped"] else "")),
+        ("held for a decision", f"{s['held_spans']} spans"),
+        ("sampling", f"mode {sampling['mode']}: kept {sampling['kept']} ({_counts(sampling['kept_by_rule'] or {})}), "
+                     f"dropped {sampling['dropped']} ({_counts(sampling['dropped_by_reason'] or {})})"),
+        ("kept by rule (stored)", _counts(s["kept_by_rule"])),
+        ("trainer", f"trained {trainer['trained']}, dropped {trainer['dropped']} ({_counts(trainer['filtered_by'])})"),
+    ]
+    for label, text in rows:
+        print(f"  {label:22} {text}")
 
 
 def cmd_health(args: argparse.Namespace) -> None:
     cli = _cli()
-    cli._show(args, cli._get(args, "/v1/health"), print_health)
+    params = {k: v for k, v in {"step": args.step, "experiment": args.experiment, "validate": args.validate}.items()
+              if v is not None}
+    cli._show(args, cli._get(args, "/v1/health", params), print_health)
 
 
 def add_parsers(sub: Any) -> None:
@@ -93,5 +120,8 @@ def add_parsers(sub: Any) -> None:
 
     p = sub.add_parser("health", help="tracing health totals: client drops, sampled out, rejected, decode failures, spool depth")
     p.add_argument("--url")
+    p.add_argument("--step", type=int, help="also this step's numbers: stored, running, held, sampling, trainer")
+    p.add_argument("--experiment", help="with --step: the experiment (default: the latest; '' for none)")
+    p.add_argument("--validate", choices=["true", "false"], help="with --step: validation or training only (default: both)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_health)

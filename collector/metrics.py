@@ -68,6 +68,8 @@ class Metrics:
         self.held_bytes = Gauge("tracecar_held_bytes", "Bytes of spans awaiting their step's decision.", registry=r)
         self.held_trajectories = Gauge("tracecar_held_trajectories", "Trajectories awaiting their step's decision (summaries in memory).", registry=r)
         self.open_steps = Gauge("tracecar_open_steps", "Steps (rounds) held open awaiting a decision.", registry=r)
+        # the list API (GET /v1/trajectories) over the viewer's trajectory index
+        self.list_index_behind = Counter("tracecar_list_index_behind", "GET /v1/trajectories answers given before the trajectory index caught up (TRACECAR_LIST_CATCH_UP_S hit; index.caught_up=false).", registry=r)
 
     def bind_selection(self, held_spans: Callable[[], float], held_bytes: Callable[[], float],
                        held_trajectories: Callable[[], float], open_steps: Callable[[], float]) -> None:

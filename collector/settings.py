@@ -119,6 +119,9 @@ class CollectorSettings(BudgetSettings, BaseSettings):
     redact_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Keys whose values are replaced by REDACTED at ingest, on top of weave's api_key, auth_headers, authorization (case-insensitive, any depth; comma-separated in the environment).")
     log_level: str = Field("info", description="Log level (JSON lines on stderr).")
 
+    # --- the list API over the viewer's trajectory index (issue 15, helper "lists") ---
+    list_catch_up_s: float = Field(5.0, gt=0, description="GET /v1/trajectories: how long a request lets the trajectory index catch up with the store before answering (so a list right after an ingest shows it); past it the answer says index.caught_up=false and the rest is indexed in the background.")
+
     @field_validator("redact_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:

@@ -303,6 +303,48 @@ def test_cli_export_writes_files_datasets_loads(fed, tmp_path, capsys):
     assert "422" in str(failed.value) and not (tmp_path / "x.jsonl").exists()
 
 
+def trainer_note(trace: str, **values: Any) -> dict[str, Any]:
+    """What client.annotate(traj, trained=..., filtered_by=...) sends: an annotation span on the trajectory."""
+    return {"worker": "w0", "project": None, "entity": None, "exception": None, "span_id": f"{trace}-trainer",
+            "trace_id": trace, "parent_id": None, "name": "annotation", "kind": "annotation", "start_time": 9000.0,
+            "end_time": 9000.0, "attributes": values, "inputs": {}, "output": None}
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_export_selects_by_what_the_trainer_did_as_the_list_does(fed, tmp_path, fmt):
+    """trained= and filtered_by= (and q=) select in /v1/export and `tracecar export` as in /v1/trajectories;
+    the records say what the trainer did, and load with `datasets`."""
+    notes = [trainer_note(f"s1-n{n}", trained=False, filtered_by="zero_variance") for n in range(3)]  # the all-equal group
+    notes += [trainer_note(f"s0-n{n}", trained=True, policy_version=2, trained_on_version=3) for n in range(4)]
+    notes.append(trainer_note("s9-n0", trained=False, filtered_by="overlong"))
+    post(fed.url, notes)
+    cases = [({"trained": "false"}, ["s1-n0", "s1-n1", "s1-n2", "s9-n0"]),
+             ({"trained": "true"}, ["s0-n0", "s0-n1", "s0-n2", "s0-n3"]),
+             ({"filtered_by": "zero_variance"}, ["s1-n0", "s1-n1", "s1-n2"]),
+             ({"trained": "false", "step": 4}, ["s9-n0"]),
+             ({"filtered_by": "nothing"}, []),
+             ({"q": "giving up"}, ["s0-n0"])]
+    for i, (params, expected) in enumerate(cases):
+        path = tmp_path / f"sel{i}.{fmt}"
+        path.write_bytes(export_bytes(fed.url, format=fmt, experiment=EXPERIMENT, **params))
+        if not expected:
+            assert fmt == "parquet" or path.read_bytes() == b"", params
+            continue
+        ds = load(path, fmt)
+        assert sorted(ds["trace_id"]) == expected, params
+        listed = get(fed.url, "/v1/trajectories", experiment=EXPERIMENT, limit=100, **params)
+        assert sorted(t["trace_id"] for t in listed["trajectories"]) == expected, params  # the list agrees
+    ds = load(tmp_path / f"sel1.{fmt}", fmt)
+    row = next(r for r in ds if r["trace_id"] == "s0-n0")
+    assert (row["trained"], row["filtered_by"], row["policy_version"], row["trained_on_version"]) == (True, None, 2, 3)
+    row = next(r for r in load(tmp_path / f"sel0.{fmt}", fmt) if r["trace_id"] == "s9-n0")
+    assert (row["trained"], row["filtered_by"]) == (False, "overlong")
+    out = tmp_path / f"cli.{fmt}"
+    cli.main(["export", "--url", fed.url, "-o", str(out), "--experiment", EXPERIMENT, "--trained", "false",
+              "--filtered-by", "zero_variance"])
+    assert sorted(load(out, fmt)["trace_id"]) == ["s1-n0", "s1-n1", "s1-n2"]
+
+
 # ---- constant memory ------------------------------------------------------------------------------
 def write_store(path: Path, trajectories: int) -> int:
     """A store written straight into the spool (fast): trajectories of 4 turns, 2 tool calls, ~4 KiB of text."""
@@ -372,6 +414,7 @@ def test_export_streams_a_big_store_in_bounded_memory(start_collector, tmp_path)
 # ---- the groups page, in Chromium --------------------------------------------------------------------
 def test_groups_page_from_the_overview_and_from_a_trajectory(fed, tmp_path):
     from tests.test_viewer import Page, _browser, expect
+    from tests.test_viewer_lookfeel import doc_shot
 
     with _browser() as pw:
         b = Page(pw, tmp_path, fed.url)
@@ -399,6 +442,7 @@ def test_groups_page_from_the_overview_and_from_a_trajectory(fed, tmp_path):
             assert chips.all_inner_texts() == ["▸1", "2", "3"]
             assert "tool calls differ" in chips.first.get_attribute("title")
             b.shot("groups-02-widest-spread-first")
+            doc_shot(page, "groups")
             rows.nth(3).locator("[data-testid=compare-with-best]").click()
             page.wait_for_selector("[data-testid=compare-grid]")
             cols = page.locator("[data-testid=compare-col]")

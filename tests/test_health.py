@@ -168,3 +168,40 @@ def test_health_metrics_flatten_every_group_with_a_total():
     assert flat["tracecar/client_dropped/queue_full"] == 3 and flat["tracecar/client_dropped_total"] == 4
     assert flat["tracecar/sampled_out_total"] == 0 and flat["tracecar/spool_depth"] == 7
     assert flat["tracecar/decode_failures_total"] == 0  # absent groups still appear: a chart starts at zero
+
+
+def test_health_of_one_step_counts_stored_running_errors_and_the_trainer(start_collector, capsys):
+    """/v1/health?step=N (and `tracecar health --step N`): the step's own numbers beside the totals."""
+    from tests.test_groups_export import EXPERIMENT, LOSE, WIN, post, trainer_note, trajectory
+
+    col = start_collector()
+    spans = []
+    for n, (turns, reward) in enumerate([(LOSE, 0.0), (WIN, 1.0), (WIN, 1.0)]):
+        spans += trajectory(f"h3-n{n}", 3, 0, n, turns, reward=reward, kept_because="fill", t0=1000.0 + n)
+    spans += trajectory("h4-n0", 4, 0, 0, WIN, reward=None, t0=2000.0)
+    running = [s for s in trajectory("h3-run", 3, 1, 0, WIN, t0=time.time()) if s["parent_id"] is not None]  # no root yet
+    post(col.url, spans + running)
+    post(col.url, [trainer_note("h3-n1", trained=True), trainer_note("h3-n2", trained=False, filtered_by="zero_variance")])
+    response = httpx.get(col.url + "/v1/health", params={"step": 3}, timeout=30)
+    assert response.status_code == 200, response.text
+    got = response.json()
+    assert got["spans_accepted"] == len(spans) + len(running) + 2  # the totals are still there
+    step = got["step"]
+    assert (step["experiment"], step["step"], step["validate"]) == (EXPERIMENT, 3, None)  # the latest experiment
+    assert (step["trajectories"], step["scored"], step["with_error"], step["running"]) == (3, 3, 1, 1)
+    assert step["spans"] == sum(1 for s in spans if s["trace_id"].startswith("h3") and s["kind"] != "annotation")
+    assert step["kept_by_rule"] == {"fill": 3} and step["held_spans"] == 0
+    assert step["trainer"] == {"trained": 1, "dropped": 1, "filtered_by": {"zero_variance": 1}}
+    assert step["sampling"]["mode"] == "pass" and step["sampling"]["dropped"] == 0
+    other = httpx.get(col.url + "/v1/health", params={"step": 4, "experiment": EXPERIMENT, "validate": "false"}, timeout=30).json()
+    assert (other["step"]["trajectories"], other["step"]["scored"], other["step"]["running"]) == (1, 0, 0)
+    none = httpx.get(col.url + "/v1/health", params={"step": 3, "experiment": ""}, timeout=30).json()["step"]
+    assert none["experiment"] == "" and none["trajectories"] == 0  # "": sent without an experiment name
+    assert "step" not in _health(col.url)  # without step=: the totals only, as before
+    bad = httpx.get(col.url + "/v1/health", params={"step": "x"}, timeout=10)
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "step"
+    cli_main(["health", "--url", col.url, "--step", "3"])
+    out = capsys.readouterr().out
+    assert f"step 3 of {EXPERIMENT}" in out and "running now" in out and "zero_variance=1" in out
+    stored = next(line for line in out.splitlines() if "trajectories stored" in line)
+    assert stored.split()[2:4] == ["3", f"({step['spans']}"], stored

@@ -210,6 +210,7 @@ def test_without_a_budget_no_weave_root_is_sent_before_it_is_whole(start_collect
 
 def test_page_shows_running_trajectories_and_updates_without_reloading(start_collector, tracer_to, rollout, kit, tmp_path):
     from tests.test_viewer import Page, _browser, expect
+    from tests.test_viewer_lookfeel import doc_shot
 
     col = start_collector()
     tracer_to(col.url, experiment="exp-live")
@@ -232,6 +233,7 @@ def test_page_shows_running_trajectories_and_updates_without_reloading(start_col
             expect(page.locator("[data-testid=live-spans] li")).to_have_count(2)
             expect(page.locator("[data-testid=live-open-calls] code")).to_have_text(["agent_loop", "Agent.run", "Agent.stuck_tool"])
             b.shot("20-live-running")
+            doc_shot(page, "live")
             page.goto(col.url + "/ui/#/list?experiment=exp-live&step=3")
             expect(page.locator("[data-testid=live-panel] [data-testid=live-row]")).to_have_count(1)
             expect(page.locator("[data-testid=traj-row]")).to_have_count(1)  # only the finished one is listed
@@ -257,8 +259,9 @@ def test_the_live_query_reads_only_the_newest_rows(tmp_path):
 
     import orjson
 
-    from tracecar.collector.spool.live import LiveFilter, candidates_sql, first_seq_since
+    from tracecar.collector.spool.live import candidates_sql, first_seq_since
     from tracecar.collector.spool.store import Spool, SpoolRow
+    from tracecar.collector.trajectory_filter import TrajectoryFilter as LiveFilter
 
     spool = Spool(tmp_path / "spool.sqlite3", local_only=True)
     for i, at in enumerate((100.0, 200.0, 300.0, 400.0)):

@@ -43,7 +43,7 @@ def test_every_metric_is_in_the_readme():
 
 
 def test_the_readme_is_short_and_its_links_lead_to_pages_that_exist():
-    assert len(README.splitlines()) <= 200  # reads in five minutes; the reference lives in docs/
+    assert len(README.splitlines()) <= 400  # reads in ten minutes: one table or section per topic; the reference lives in docs/
     links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README)
     assert links and all((ROOT / link).is_file() for link in links if "://" not in link), links
     for page in (ROOT / "docs").glob("*.md"):

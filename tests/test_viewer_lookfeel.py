@@ -320,3 +320,74 @@ def test_an_index_from_before_previews_is_rebuilt_with_them(tmp_path):
     assert [(t["trace_id"], t["prompt_preview"], t["response_preview"]) for t in rows] == [("old", "legacy question", "legacy answer")]
     reopened.close()
     spool.close()
+
+
+# ---- long texts folded -----------------------------------------------------------------------------
+def test_page_folds_long_texts_and_tool_results_behind_a_keyboard_button(start_collector, tmp_path):
+    """A long response, a long tool result and a long error are folded to their first lines with a
+    "Show all" button (a real <button>: Tab and Enter reach it); short texts are not; `e` shows or
+    folds them all; the whole text is in the page either way; nothing is fetched from elsewhere."""
+    from tests.test_groups_export import post, trajectory
+
+    answer = "\n".join(f"line {i}: the policy reasons about step {i} of the proof." for i in range(80))
+    listing = "\n".join(f"file_{i}.py  {i * 37} bytes" for i in range(60))
+    spans = trajectory("fold-1", 1, 0, 0, [("call ls", {"path": "."}), (answer, None)], reward=1.0)
+    for span in spans:
+        if span["name"] == "CalculatorTool.execute":
+            span["output"] = {"stdout": listing}
+    spans += trajectory("fold-2", 1, 0, 1, [("call calc", {"expression": "bad"}), ("short.", None)], reward=0.0)
+    for span in spans:
+        if span["trace_id"] == "fold-2" and span.get("exception"):
+            span["exception"] = "Traceback (most recent call last):\n" + "\n".join(f'  File "tool.py", line {i}, in f{i}' for i in range(40))
+    col = start_collector()
+    post(col.url, spans)
+    with _browser() as pw:
+        b = Page(pw, tmp_path, col.url)
+        page = b.page
+        try:
+            page.goto(col.url + "/ui/#/t/fold-1")
+            page.wait_for_selector("[data-testid=trajectory][data-trace-id='fold-1'] [data-testid=turn]")
+            folds = page.locator("[data-testid=turn] [data-testid=fold]")
+            expect(folds).to_have_count(2)  # the 60-line tool result and the 80-line response; not the short prompts
+            result, response = folds.nth(0), folds.nth(1)  # turn 1's tool result (JSON), then turn 2's response
+            toggle = response.locator("[data-testid=fold-toggle]")
+            expect(toggle).to_have_attribute("aria-expanded", "false")
+            expect(toggle).to_have_text("Show all (80 lines, " + f"{len(answer):,}" + " characters)")
+            assert toggle.evaluate("el => el.tagName") == "BUTTON"
+            text = response.locator("pre")
+            assert text.get_attribute("id") == toggle.get_attribute("aria-controls")
+            folded_height = text.bounding_box()["height"]
+            assert folded_height < 220 and text.text_content() == answer  # clipped, the whole text still in the page
+            expect(result.locator("[data-testid=fold-toggle]")).to_have_text("Show all (1,414 characters)")  # lines only when many
+            response.scroll_into_view_if_needed()
+            page.mouse.wheel(0, 300)
+            b.shot("30-long-texts-folded")
+            doc_shot(page, "fold")
+            toggle.focus()  # keyboard: a focused button opens with Enter and closes with Space
+            page.keyboard.press("Enter")
+            expect(toggle).to_have_attribute("aria-expanded", "true")
+            expect(toggle).to_have_text("Show less")
+            assert text.bounding_box()["height"] > 4 * folded_height
+            assert result.locator("[data-testid=fold-toggle]").get_attribute("aria-expanded") == "false"  # each its own
+            page.keyboard.press("Space")
+            expect(toggle).to_have_attribute("aria-expanded", "false")
+            page.locator("body").click(position={"x": 5, "y": 5})  # focus off the button: e is a page key
+            page.keyboard.press("e")
+            expect(page.locator("[data-testid=fold-toggle][aria-expanded=false]")).to_have_count(0)
+            expect(page.locator("[data-testid=fold-all]")).to_have_text("Fold long texts")
+            b.shot("31-long-texts-shown")
+            page.keyboard.press("e")
+            expect(page.locator("[data-testid=fold-toggle][aria-expanded=true]")).to_have_count(0)
+            # a long error is folded too; a page with nothing long has no fold
+            page.goto(col.url + "/ui/#/t/fold-2")
+            page.wait_for_selector("[data-testid=trajectory][data-trace-id='fold-2'] [data-testid=turn]")
+            error = page.locator("[data-testid=tool-call] [data-testid=fold]")
+            expect(error).to_have_count(1)
+            assert "line 39, in f39" in error.locator(".err-text").text_content()
+            expect(page.locator("[data-testid=turn] [data-testid=fold]")).to_have_count(1)
+            page.keyboard.press("?")
+            expect(page.locator("[data-testid=key-help]")).to_contain_text("show or fold every long text")
+            page.keyboard.press("Escape")
+            b.check_clean()
+        finally:
+            b.close()

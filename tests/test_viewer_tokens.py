@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from tests.test_viewer import ARTIFACTS, Page, _browser, expect, get
+from tests.test_viewer_lookfeel import doc_shot
 from tracecar.client import annotate
 from tracecar.client.demo import run_demo
 
@@ -81,6 +82,9 @@ def test_page_token_view_and_trainer_status(start_collector, tracer_to, deepseek
             status = page.locator(f"[data-testid=trajectory][data-trace-id='{dropped['trace_id']}'] [data-testid=trainer-status]")
             expect(status).to_have_text("kept by tracecar, filtered by the trainer: dynamic_sampling")
             b.shot("21-kept-by-tracecar-filtered-by-the-trainer")
+            page.mouse.wheel(0, -20_000)  # the page keeps the token view's scroll: its head (the trainer's badge) in view
+            expect(status).to_be_in_viewport()
+            doc_shot(page, "trainer")
 
             page.goto(col.url + "/ui/#/list")
             page.wait_for_selector("[data-testid=traj-row]")

@@ -31,19 +31,24 @@ from ..receivers.otlp import build_router as build_otlp_router
 from ..receivers.pipeline import Backpressure, IngestPipeline
 from ..receivers.receive import BodyError
 from ..settings import CollectorSettings
-from ..spool.query import TrajectoryFilter, get_trajectory, list_trajectories
+from ..spool.query import get_trajectory
 from ..spool.retention import Retention
 from ..spool.store import Spool
+from ..trajectory_filter import TrajectoryFilter
 from ..viewer.group_export_api import build_router as build_group_export_router
+from ..viewer.index import SORTS
+from ..viewer.list_api import caught_up as viewer_list_caught_up
+from ..viewer.list_api import list_page
 from ..viewer.live_api import build_router as build_live_router
 from ..viewer.routes import build_router as build_viewer_router
 from ..viewer.search import QUERY_MAX_CHARS
-from ..viewer.search_api import search_trajectories
 from ..viewer.tokens import trajectory_tokens
 from .auth import BearerAuth
 from .health import health_snapshot
+from .health_step import latest_experiment, step_health
 
 log = logging.getLogger("tracecar.collector")
+LIST_SORT_PATTERN = "^(" + "|".join(SORTS) + ")$"  # the viewer list's sorts
 
 
 class Collector:
@@ -219,9 +224,26 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         return _json(body, status_code=200 if collector.ready else 503)
 
     @app.get("/v1/health", dependencies=[Depends(auth)])
-    async def health() -> Any:
-        """Tracing health totals (client drops, sampled out, rejected, decode failures, spool depth)."""
-        return _json(health_snapshot(collector.metrics.registry, collector.pipeline.client_drops.by_worker()))
+    async def health(step: OptionalInt64 = None, experiment: str | None = None, validate: bool | None = None) -> Any:
+        """Tracing health totals (client drops, sampled out, rejected, decode failures, spool depth).
+
+        ``step``: also that step's numbers (``step``: stored, running, held, errors, sampling
+        decisions, what the trainer did; service/health_step.py) of ``experiment`` (default: the
+        latest; empty: none) and ``validate`` (default: both).
+        """
+        answer = health_snapshot(collector.metrics.registry, collector.pipeline.client_drops.by_worker())
+        if step is not None:
+            index = viewer.trajectory_index
+            await asyncio.to_thread(viewer_list_caught_up, index, settings.list_catch_up_s, collector.metrics.list_index_behind.inc)
+            if experiment is None:
+                experiment = await asyncio.to_thread(latest_experiment, index)
+            decided = await collector.pipeline.decisions(experiment or None, step, validate)
+            now = time.time()
+            answer["step"] = await asyncio.to_thread(
+                step_health, collector.spool, index, experiment, step, validate, window_s=settings.live_window_s,
+                max_scan_spans=settings.live_max_scan_spans, decisions=decided,
+                open_calls=lambda: collector.pipeline.open_calls.snapshot(now - settings.live_window_s))
+        return _json(answer)
 
     @app.get("/metrics")
     async def metrics() -> Any:
@@ -231,22 +253,27 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
     async def trajectories(
         experiment: str | None = None, step: OptionalInt64 = None, step_min: OptionalInt64 = None,
         step_max: OptionalInt64 = None, sample_index: str | None = Query(None, max_length=256), rollout_n: OptionalInt64 = None,
-        validate: bool | None = None, worker: str | None = None, has_error: bool | None = None,
+        validate: bool | None = None, kept_because: str | None = Query(None, max_length=256),
+        worker: str | None = Query(None, max_length=256), has_error: bool | None = None,
         reward_min: float | None = None, reward_max: float | None = None, trained: bool | None = None,
         filtered_by: str | None = Query(None, max_length=256),
-        sort: str = Query("start", pattern="^(start|step|reward|duration|spans|sample_index)$"),
-        order: str = Query("desc", pattern="^(asc|desc)$"),
+        sort: str = Query("start", pattern=LIST_SORT_PATTERN), order: str = Query("desc", pattern="^(asc|desc)$"),
         limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0, le=INT64_MAX),
         q: str | None = Query(None, max_length=QUERY_MAX_CHARS),
     ) -> Any:
-        """Trajectories in the embedded store, filtered, sorted and paginated; ``q`` searches their text."""
-        flt = TrajectoryFilter(experiment, step, step_min, step_max, sample_index_filter(sample_index), rollout_n,
-                               validate, worker, has_error, reward_min, reward_max, trained, filtered_by or None)
-        if q:  # answered from the viewer's index and its full-text table (viewer/search_api.py)
-            return _json(await asyncio.to_thread(search_trajectories, viewer.trajectory_index, viewer.fresh, flt, q, sort=sort,
-                                                 descending=order == "desc", limit=limit, offset=offset))
-        return await asyncio.to_thread(list_trajectories, collector.spool, flt, limit=limit, offset=offset,
-                                       sort=sort, descending=order == "desc")
+        """Trajectories in the embedded store, filtered, sorted and paginated; ``q`` searches their text.
+
+        Answered from the viewer's trajectory index (viewer/list_api.py), as ``/ui/api/trajectories``;
+        ``experiment=`` (empty) is the trajectories sent without an experiment name.
+        """
+        flt = TrajectoryFilter(experiment=experiment, step=step, step_min=step_min, step_max=step_max,
+                               sample_index=sample_index_filter(sample_index), rollout_n=rollout_n, validate=validate,
+                               kept_because=kept_because, reward_min=reward_min, reward_max=reward_max, has_error=has_error,
+                               worker=worker, trained=trained, filtered_by=filtered_by, q=q)
+        page = await asyncio.to_thread(list_page, viewer.trajectory_index, flt, sort=sort, descending=order == "desc",
+                                       limit=limit, offset=offset, budget_s=settings.list_catch_up_s,
+                                       on_behind=collector.metrics.list_index_behind.inc)
+        return _json(page)
 
     @app.get("/v1/trajectories/{trace_id}", dependencies=[Depends(auth)])
     async def trajectory(trace_id: str) -> Any:
@@ -291,6 +318,9 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
     app.include_router(viewer)
     # GRPO groups and dataset export, over the viewer's trajectory index
     app.include_router(build_group_export_router(collector, viewer.trajectory_index, viewer.fresh, auth, viewer.viewer_auth))
+    # the same health answer for the viewer's overview (its token or cookie)
+    app.add_api_route("/ui/api/health", health, methods=["GET"], dependencies=[Depends(viewer.viewer_auth)],
+                      include_in_schema=False)
     # running trajectories (root not yet arrived), for /v1/live and the viewer's "Running now"
     app.include_router(build_live_router(collector, auth, viewer.viewer_auth, collector.pipeline.open_calls))
     check_bounded_ints(app.routes)  # every integer query parameter fits SQLite, or the app does not start

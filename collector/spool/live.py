@@ -18,22 +18,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from .query import sample_index_values
+from ..trajectory_filter import TrajectoryFilter
 from .store import HELD, Spool
 
 SPANS_PER_TRAJECTORY = 500  # spans listed per running trajectory (the count is always exact)
 
 
-@dataclass
-class LiveFilter:
-    experiment: str | None = None  # "" = the trajectories sent without an experiment name
-    step: int | None = None
-    validate: bool | None = None
-    worker: str | None = None
-    sample_index: int | str | None = None
+#: The filters the live view answers: the columns every stored span carries (and an open call's marker).
+LIVE_FILTERS = ("experiment", "step", "validate", "worker", "sample_index")
 
 
 def first_seq_since(spool: Spool, since: float) -> int:
@@ -62,43 +56,17 @@ def _has_root(spool: Spool, trace_id: str) -> bool:
         "SELECT 1 AS x FROM spans WHERE trace_id = ? AND parent_id IS NULL AND kind != 'annotation' LIMIT 1", (trace_id,)))
 
 
-def _matches(call: dict[str, Any], flt: LiveFilter) -> bool:
-    if flt.experiment is not None and call["experiment"] != (flt.experiment or None):
-        return False
-    if flt.step is not None and call["step"] != flt.step:
-        return False
-    if flt.validate is not None and call["validate"] is not None and bool(call["validate"]) != flt.validate:
-        return False
-    if flt.worker is not None and call["worker"] != flt.worker:
-        return False
-    return flt.sample_index is None or call["sample_index"] in sample_index_values(flt.sample_index)
-
-
-def candidates_sql(flt: LiveFilter, start_seq: int) -> tuple[str, list[Any]]:
+def candidates_sql(flt: TrajectoryFilter, start_seq: int) -> tuple[str, list[Any]]:
     """Traces with spans at or after ``start_seq`` and no root among them. ``NOT INDEXED``: the
     rowid range is the bound that keeps this cheap; SQLite would otherwise walk the whole
     trace index to save the GROUP BY's sort."""
-    clauses: list[str] = ["seq >= ?", "kind != 'annotation'"]
-    params: list[Any] = [start_seq]
-    if flt.experiment is not None:
-        clauses.append("experiment IS ?")
-        params.append(flt.experiment or None)
-    for column, value in (("step", flt.step), ("worker", flt.worker)):
-        if value is not None:
-            clauses.append(f"{column} = ?")
-            params.append(value)
-    if flt.validate is not None:
-        clauses.append("validate = ?")
-        params.append(int(flt.validate))
-    if flt.sample_index is not None:
-        values = sample_index_values(flt.sample_index)
-        clauses.append(f"sample_index IN ({','.join('?' * len(values))})")
-        params.extend(values)
-    return ("SELECT trace_id, MAX(received_at) AS last_received FROM spans NOT INDEXED WHERE " + " AND ".join(clauses)
-            + " GROUP BY trace_id HAVING SUM(parent_id IS NULL) = 0", params)
+    clauses, params = flt.where(allowed=LIVE_FILTERS)  # the one filter builder (trajectory_filter.py)
+    where = "seq >= ? AND kind != 'annotation'" + (f" AND {clauses}" if clauses else "")
+    return ("SELECT trace_id, MAX(received_at) AS last_received FROM spans NOT INDEXED WHERE " + where
+            + " GROUP BY trace_id HAVING SUM(parent_id IS NULL) = 0", [start_seq, *params])
 
 
-def running_trajectories(spool: Spool, flt: LiveFilter, *, window_s: float, max_scan_spans: int,
+def running_trajectories(spool: Spool, flt: TrajectoryFilter, *, window_s: float, max_scan_spans: int,
                          limit: int = 100, now: float | None = None,
                          open_calls: Callable[[], list[dict[str, Any]]] = list) -> dict[str, Any]:
     """The running trajectories seen in the window, the longest idle first (a stuck one on top).
@@ -116,7 +84,7 @@ def running_trajectories(spool: Spool, flt: LiveFilter, *, window_s: float, max_
     last_activity: dict[str, float] = {row["trace_id"]: row["last_received"] for row in spool.query(sql, params)}
     opened: dict[str, list[dict[str, Any]]] = {}
     for call in open_calls():
-        if _matches(call, flt):
+        if flt.matches(call, unknown_passes=("validate",)):  # a marker may not say
             opened.setdefault(call["trace_id"], []).append(call)
     for trace_id, calls in opened.items():
         newest_start = max(c["start_time"] for c in calls)

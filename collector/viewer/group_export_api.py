@@ -22,6 +22,7 @@ from . import StoreOwner
 from .export import FORMATS, MEDIA_TYPES, IndexBehind, export_chunks, parquet_available, settle
 from .groups import GROUP_SORTS, build_groups
 from .index import ListFilter, TrajectoryIndex
+from .search import QUERY_MAX_CHARS
 
 GROUP_SORT_PATTERN = "^(" + "|".join(GROUP_SORTS) + ")$"
 FORMAT_PATTERN = "^(" + "|".join(FORMATS) + ")$"
@@ -83,21 +84,31 @@ def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[
         step_min: OptionalInt64 = None, step_max: OptionalInt64 = None, sample_index: str | None = Query(None, max_length=256),
         rollout_n: OptionalInt64 = None, validate: bool | None = None, kept_because: str | None = None,
         reward_min: float | None = None, reward_max: float | None = None, has_error: bool | None = None,
-        worker: str | None = None, token_ids: bool = False, limit: int | None = Query(None, ge=1, le=INT64_MAX),
+        worker: str | None = None, trained: bool | None = None, filtered_by: str | None = Query(None, max_length=256),
+        q: str | None = Query(None, max_length=QUERY_MAX_CHARS),
+        token_ids: bool = False, limit: int | None = Query(None, ge=1, le=INT64_MAX),
     ) -> Any:
-        """Selected trajectories as a dataset file (JSONL or Parquet), streamed."""
+        """Selected trajectories as a dataset file (JSONL or Parquet), streamed.
+
+        Every filter of the trajectory list (``GET /v1/trajectories``), the trainer's (``trained``,
+        ``filtered_by``) and text search (``q``) included: one filter (trajectory_filter.py).
+        """
         if format == "parquet" and not parquet_available():
             raise HTTPException(501, detail={"field": "format", "reason": "parquet needs pyarrow: pip install 'tracecar[export]'"})
         try:
             await asyncio.to_thread(settle, index)
         except IndexBehind as exc:
             raise HTTPException(503, detail={"field": None, "reason": str(exc)}, headers={"Retry-After": "10"}) from exc
-        flt = ListFilter(experiment, step, step_min, step_max, sample_index_filter(sample_index), rollout_n, validate,
-                         kept_because or None, reward_min, reward_max, has_error, worker)
+        flt = ListFilter(experiment=experiment, step=step, step_min=step_min, step_max=step_max,
+                         sample_index=sample_index_filter(sample_index), rollout_n=rollout_n, validate=validate,
+                         kept_because=kept_because, reward_min=reward_min, reward_max=reward_max, has_error=has_error,
+                         worker=worker, trained=trained, filtered_by=filtered_by, q=q)
         chunks = export_chunks(collector.spool, index, flt, format, token_ids=token_ids, limit=limit)
         filename = f"tracecar-export.{format}"
         return StreamingResponse(chunks, media_type=MEDIA_TYPES[format],
                                  headers={"Content-Disposition": f'attachment; filename="{filename}"',
                                           "Cache-Control": "no-store"})
 
+    # the viewer's list links its selection here (a download with the page's token or cookie)
+    router.add_api_route("/ui/api/export", export, methods=["GET"], dependencies=[Depends(viewer_auth)], include_in_schema=False)
     return router

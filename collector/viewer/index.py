@@ -28,14 +28,13 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from ..shape import is_engine_payload, is_tool, token_counts, token_output
-from ..spool.query import sample_index_values
+from ..trajectory_filter import TrajectoryFilter
 from . import search
 
 log = logging.getLogger("tracecar.collector.viewer")
@@ -158,57 +157,13 @@ _COLUMNS = """seq, span_id, trace_id, parent_id, name, kind, worker, experiment,
 _SCAN = f"SELECT {_COLUMNS} FROM spool.spans WHERE seq > ? ORDER BY seq LIMIT ?"
 
 
-@dataclass
-class ListFilter:
-    """The list's filters; every one optional. Root columns only, so each maps to an index."""
+ListFilter = TrajectoryFilter  # the viewer's name for the one filter (trajectory_filter.py)
 
-    experiment: str | None = None
-    step: int | None = None
-    step_min: int | None = None
-    step_max: int | None = None
-    sample_index: int | str | None = None  # an int, or a string index when the client sends one
-    rollout_n: int | None = None
-    validate: bool | None = None
-    kept_because: str | None = None
-    reward_min: float | None = None
-    reward_max: float | None = None
-    has_error: bool | None = None
-    worker: str | None = None
-    trained: bool | None = None  # what the trainer did (client.annotate)
-    filtered_by: str | None = None
-    q: str | None = None  # words searched in the first prompt and last response (search.py)
 
-    def where(self) -> tuple[str, list[Any]]:
-        clauses, params = [ROOT], []
-        if self.experiment == "":  # the page's name for "no experiment_name"
-            clauses.append("experiment IS NULL")
-        for name in ("experiment", "step", "rollout_n", "kept_because", "worker", "filtered_by"):
-            value = getattr(self, name)
-            if value is not None and value != "":
-                clauses.append(f"{name} = ?")
-                params.append(value)
-        if self.sample_index is not None and self.sample_index != "":
-            values = sample_index_values(self.sample_index)
-            clauses.append(f"sample_index IN ({','.join('?' * len(values))})")
-            params.extend(values)
-        for column, op, value in (("step", ">=", self.step_min), ("step", "<=", self.step_max),
-                                  ("reward", ">=", self.reward_min), ("reward", "<=", self.reward_max)):
-            if value is not None:
-                clauses.append(f"{column} {op} ?")
-                params.append(value)
-        for name in ("validate", "has_error", "trained"):
-            value = getattr(self, name)
-            if value is not None:
-                clauses.append(f"{name} = ?")
-                params.append(int(value))
-        match = search.fts_query(self.q) if self.q else None
-        if match is not None:
-            clauses.append(search.MATCH_CLAUSE)
-            params.append(match)
-        return " AND ".join(clauses), params
-
-    def as_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+def root_where(flt: TrajectoryFilter) -> tuple[str, list[Any]]:
+    """The filter over this index's ``trajectories``: root rows only (so the partial indexes apply)."""
+    clauses, params = flt.where()
+    return (f"{ROOT} AND {clauses}" if clauses else ROOT), params
 
 
 class _Delta:
@@ -354,8 +309,13 @@ class TrajectoryIndex:
                 self._conn = None
 
     # ---- catching up -------------------------------------------------------------------------
-    def refresh(self, budget_s: float = 0.3) -> bool:
-        """Indexes new spans for up to ``budget_s``; True when the index has caught up."""
+    def refresh(self, budget_s: float = 0.3, *, all_held: bool = False) -> bool:
+        """Indexes new spans for up to ``budget_s``; True when the index has caught up.
+
+        ``all_held``: also re-read every held span now (not only those below the spool's oldest
+        held one, with the rest every few seconds), so a step decided just now is listed: for
+        the API, whose callers list right after a decision. Bounded by the spool's held spans.
+        """
         deadline = time.monotonic() + budget_s
         with self._lock:
             conn = self._db()
@@ -364,7 +324,7 @@ class TrajectoryIndex:
                     break
                 if time.monotonic() >= deadline:
                     return False
-            self._released(conn, everything=time.monotonic() - self._held_checked_at > 5)
+            self._released(conn, everything=all_held or time.monotonic() - self._held_checked_at > 5)
             if self.prune_deleted and time.monotonic() - self._pruned_at > 10:
                 self._prune(conn)
             self._analyze(conn)
@@ -540,7 +500,7 @@ class TrajectoryIndex:
     def list_sql(self, flt: ListFilter, sort: str, descending: bool, nulls: bool) -> tuple[str, list[Any]]:
         """The page query for one segment: rows with the sort key set, or (``nulls``) without it."""
         column = SORTS.get(sort, "start_time")
-        where, params = flt.where()
+        where, params = root_where(flt)
         direction = "DESC" if descending else "ASC"
         if column in NOT_NULL:
             order = f"{column} {direction}, rowid {direction}"
@@ -557,7 +517,7 @@ class TrajectoryIndex:
         """One page, trajectories without the sort key (e.g. not yet scored) last in either order."""
         with self._lock:
             conn = self._db()
-            where, params = flt.where()
+            where, params = root_where(flt)
             total = conn.execute(f"SELECT COUNT(*) FROM trajectories WHERE {where}", params).fetchone()[0]
             sql, params = self.list_sql(flt, sort, descending, nulls=False)
             rows = self._rows(conn, sql, [*params, limit, offset])
@@ -571,7 +531,7 @@ class TrajectoryIndex:
                 "order": "desc" if descending else "asc", "filters": flt.as_dict(), "trajectories": rows}
 
     def _count_with_key(self, conn: sqlite3.Connection, flt: ListFilter, sort: str) -> int:
-        where, params = flt.where()
+        where, params = root_where(flt)
         return conn.execute(f"SELECT COUNT(*) FROM trajectories WHERE {where} AND {SORTS.get(sort, 'start_time')} IS NOT NULL",
                             params).fetchone()[0]
 
@@ -588,6 +548,22 @@ class TrajectoryIndex:
                 row["trained"] = None if row["trained"] is None else bool(row["trained"])
             out.append(row)
         return out
+
+    def step_counts(self, flt: ListFilter) -> dict[str, Any]:
+        """Counts over a selection (one step, for /v1/health?step=): errors, scored, kept by rule, the trainer's."""
+        where, params = root_where(flt)
+        with self._lock:
+            conn = self._db()
+            n, spans, errors, scored, trained, dropped = conn.execute(
+                f"SELECT COUNT(*), COALESCE(SUM(span_count), 0), COALESCE(SUM(has_error), 0), COUNT(reward),"
+                f" COALESCE(SUM(trained = 1), 0), COALESCE(SUM(trained = 0), 0) FROM trajectories WHERE {where}",
+                params).fetchone()
+            kept = dict(conn.execute(f"SELECT kept_because, COUNT(*) FROM trajectories WHERE {where}"
+                                     " AND kept_because IS NOT NULL GROUP BY kept_because", params).fetchall())
+            filtered = dict(conn.execute(f"SELECT filtered_by, COUNT(*) FROM trajectories WHERE {where}"
+                                         " AND filtered_by IS NOT NULL GROUP BY filtered_by", params).fetchall())
+        return {"trajectories": n, "spans": spans, "with_error": errors, "scored": scored, "kept_by_rule": kept,
+                "trainer": {"trained": trained, "dropped": dropped, "filtered_by": filtered}}
 
     def summary(self, trace_id: str) -> dict[str, Any] | None:
         with self._lock:
@@ -691,7 +667,7 @@ class TrajectoryIndex:
         indexed meanwhile neither shift nor repeat rows. The table is walked by rowid (one pass over
         the summaries for the whole walk), not through a filter index that would re-sort per page.
         """
-        where, params = flt.where()
+        where, params = root_where(flt)
         with self._lock:
             return self._rows(self._db(), f"SELECT rowid AS cursor, {COLUMNS} FROM trajectories NOT INDEXED"
                                           f" WHERE {where} AND rowid > ? ORDER BY rowid LIMIT ?", [*params, after, limit])

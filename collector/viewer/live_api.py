@@ -18,7 +18,8 @@ from fastapi.responses import Response
 
 from ..processors.open_calls import OpenCalls
 from ..query_params import OptionalInt64, sample_index_filter
-from ..spool.live import LiveFilter, running_trajectories
+from ..spool.live import running_trajectories
+from ..trajectory_filter import TrajectoryFilter
 from . import StoreOwner
 
 
@@ -34,7 +35,8 @@ def build_router(collector: StoreOwner, api_auth: Callable[..., Any], viewer_aut
 
         ``experiment=`` (empty) is the trajectories sent without an experiment name.
         """
-        flt = LiveFilter(experiment, step, validate, worker, sample_index_filter(sample_index))
+        flt = TrajectoryFilter(experiment=experiment, step=step, validate=validate, worker=worker,
+                               sample_index=sample_index_filter(sample_index))
         now = time.time()
         answer = await asyncio.to_thread(running_trajectories, collector.spool, flt, window_s=settings.live_window_s,
                                          max_scan_spans=settings.live_max_scan_spans, limit=limit, now=now,

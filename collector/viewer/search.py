@@ -14,14 +14,14 @@ Only what the collector decoded is searchable (``TRACECAR_TOKEN2TEXT``); token i
 
 from __future__ import annotations
 
-import re
 import sqlite3
 from collections.abc import Iterable
 from typing import Any
 
+from ..text_query import MATCH_CLAUSE, QUERY_MAX_CHARS, fts_query  # noqa: F401 - the viewer's names for them
+
 STORED_CHARS = 2000  # per text: longer ones keep their first and last STORED_CHARS / 2 (both are searched)
 LIST_CHARS = 200  # per text in a list row: its end (where a chat prompt's question and a response's answer are)
-QUERY_MAX_CHARS = 256
 ELLIPSIS = " … "
 
 SCHEMA = """
@@ -38,13 +38,6 @@ CREATE VIRTUAL TABLE IF NOT EXISTS previews_fts USING fts5(
 );
 """
 DROP = "DROP TABLE IF EXISTS previews_fts; DROP TABLE IF EXISTS previews;"
-# The trajectories a search matches, as a clause of ListFilter.where() over ``trajectories``
-# (one FTS query, then rowid seeks; the index never VACUUMs, so rowids stay put).
-MATCH_CLAUSE = "rowid IN (SELECT rowid FROM previews_fts WHERE previews_fts MATCH ?)"
-
-_WORD = re.compile(r"\w+", re.UNICODE)
-
-
 def bounded(text: str | None) -> str | None:
     """A text as stored: whole up to STORED_CHARS, else its head and tail."""
     if not isinstance(text, str) or text == "":
@@ -53,20 +46,6 @@ def bounded(text: str | None) -> str | None:
         return text
     half = STORED_CHARS // 2
     return text[:half] + ELLIPSIS + text[-half:]
-
-
-def fts_query(text: str) -> str | None:
-    """The user's words as an FTS5 query: every word must occur (the last may be a prefix).
-
-    Words are quoted, so FTS5's operators and column filters in user input are plain text and
-    a query can never be a syntax error. None when the text has no word at all.
-    """
-    words = _WORD.findall(text[:QUERY_MAX_CHARS])
-    if not words:
-        return None
-    quoted = ['"' + w.replace('"', '""') + '"' for w in words]
-    quoted[-1] += "*"
-    return " AND ".join(quoted)
 
 
 def _at(value: Any, default: float) -> float:

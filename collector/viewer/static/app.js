@@ -106,9 +106,9 @@
     let full = false;
     const pre = h("pre", { class: "json" }, pretty(value, full));
     const text = pretty(value, false);
-    if (text === pretty(value, true)) return pre;
+    if (text === pretty(value, true)) return foldable(pre, text);
     const toggle = h("button", { type: "button", onclick: () => { full = !full; pre.textContent = pretty(value, full); toggle.textContent = full ? "abbreviate" : "show all numbers"; } }, "show all numbers");
-    return h("div", null, pre, toggle);
+    return h("div", null, foldable(pre, text), toggle);
   }
 
   function rewardBadge(reward, cls) {
@@ -217,6 +217,49 @@
   }
 
   // ---- #/ : steps overview -------------------------------------------------------------------
+  // ---- tracing health (issue 15 §5): the numbers traces are trusted by, and the chosen step's ----------
+  const LOSSES = [["client_dropped", "dropped by the workers"], ["sampled_out", "sampled out"], ["rejected", "rejected"],
+    ["decode_failures", "decode failures"], ["forward_failures", "forward failures"]];
+
+  function healthCard(experiment, split) {
+    const totals = h("div", { class: "health-totals", "data-testid": "health-totals" }, h("span", { class: "muted" }, "reading /v1/health…"));
+    const stepLine = h("div", { class: "health-step", "data-testid": "health-step" });
+    const card = h("div", { class: "card health", "data-testid": "health" }, h("h3", null, "Tracing health"), totals, stepLine);
+    const validate = split === "all" ? undefined : String(split === "validation");
+    let seq = 0;
+    const count = (n, label, detail, testid) => h("span", { class: "health-item" + (n ? " bad" : ""), title: detail || "", "data-testid": testid }, fmt.int(n) + " " + label);
+    const detail = (by) => Object.entries(by || {}).map(([k, v]) => (k || "-") + " " + v).join(", ");
+    async function show(step) {
+      const mine = ++seq;
+      let got;
+      try {
+        got = await api("health", { step, experiment: expParam(experiment), validate }, ["experiment"]);
+      } catch (err) {
+        totals.replaceChildren(errorBox(err));
+        return;
+      }
+      if (mine !== seq) return;
+      totals.replaceChildren(...[...LOSSES.map(([key, label]) => count(got[key + "_total"], label, detail(got[key]), "health-" + key)),
+        h("span", { class: "health-item" }, "spool depth " + fmt.int(got.spool_depth)),
+        h("span", { class: "health-item" }, fmt.int(got.held_spans) + " held"),
+        got.backend_unreachable ? h("span", { class: "health-item bad" }, "backend unreachable") : null,
+        h("span", { class: "muted" }, "collector totals since start")].filter(Boolean));
+      const st = got.step;
+      if (!st) { stepLine.replaceChildren(); return; }
+      const sampling = st.sampling || {};
+      stepLine.replaceChildren(h("strong", null, "step " + st.step + ": "),
+        h("span", { class: "health-item" }, fmt.int(st.trajectories) + " stored"),
+        count(st.with_error, "with an error", null, "health-step-errors"),
+        h("span", { class: "health-item" + (st.running ? " warn" : ""), "data-testid": "health-step-running" }, fmt.int(st.running) + " running"),
+        h("span", { class: "health-item" }, fmt.int(st.held_spans) + " spans held"),
+        h("span", { class: "health-item", title: detail(sampling.dropped_by_reason), "data-testid": "health-step-sampling" },
+          "sampling " + (sampling.mode || "—") + ": kept " + fmt.int(sampling.kept) + ", dropped " + fmt.int(sampling.dropped)),
+        h("span", { class: "health-item", title: detail(st.trainer.filtered_by), "data-testid": "health-step-trainer" },
+          "trainer: " + fmt.int(st.trainer.trained) + " trained, " + fmt.int(st.trainer.dropped) + " dropped"));
+    }
+    return { card, show };
+  }
+
   async function overviewView(params, mount) {
     const facets = await api("facets");
     if (!facets.experiments.length) {
@@ -251,8 +294,11 @@
     const tbody = h("tbody");
     const pager = h("div", { class: "pager" });
 
+    const health = healthCard(expArg, split);
+
     function choose(stepNumber) {
       chosen = steps.find((s) => s.step === stepNumber) || chosen;
+      health.show(chosen.step);
       histTitle.textContent = "Reward histogram, step " + chosen.step;
       if (hist) { hist.destroy(); charts = charts.filter((c) => c !== hist); }
       if (chartsAvailable()) hist = histChart(histCanvas, ov, chosen);
@@ -300,7 +346,7 @@
     const keptCanvas = h("canvas", { "data-testid": "kept-chart" });
     const scored = steps.reduce((n, s) => n + s.scored, 0);
     mount.push(() => {
-      if (!chartsAvailable()) return;
+      if (!chartsAvailable()) { health.show(chosen.step); return; }
       rewardChart(rewardCanvas, ov, choose);
       if (ov.rules.length) keptChart(keptCanvas, ov);
       choose(chosen.step);
@@ -316,6 +362,7 @@
           ? h("div", { class: "chart-box" }, keptCanvas)
           : h("p", { class: "muted" }, "No trajectory carries a kept_because attribute (every span the sampler admits is kept).")),
         h("div", { class: "card" }, histTitle, h("div", { class: "chart-box" }, histCanvas))),
+      health.card,
       h("h2", null, "Steps"),
       h("table", { "data-testid": "steps-table" },
         h("thead", null, h("tr", null, h("th", null, "step"), h("th", { class: "num" }, "trajectories"), h("th", { class: "num" }, "scored"),
@@ -415,7 +462,8 @@
         [25, 50, 100, 200].map((n) => h("option", { value: n, selected: n === limit }, n)))));
     return h("div", { "data-testid": "list" },
       h("h1", null, "Trajectories"), form,
-      h("div", { class: "row" }, compareButton, clearButton, h("span", { class: "muted" }, "tick two or more rows to compare them side by side")),
+      h("div", { class: "row" }, compareButton, clearButton, h("span", { class: "muted" }, "tick two or more rows to compare them side by side"),
+        exportLinks(query, page.total)),
       pager,
       h("table", { "data-testid": "list-table" },
         h("thead", null, h("tr", null, h("th", null, ""), h("th", null, "trajectory"), h("th", { class: "preview" }, "prompt → last response"), h("th", null, "experiment"), head("step", "step", "num"),
@@ -423,6 +471,19 @@
           head("turns", "turns", "num"), head("tools", "tools", "num"), head("tokens", "resp. tokens", "num"), head("duration", "duration", "num"),
           h("th", null, ""), head("reward", "reward", "num"), head("advantage", "trainer"))),
         h("tbody", null, rows)));
+  }
+
+  // The list's selection as a dataset file (GET /ui/api/export = /v1/export, same filters; issue 15 §6)
+  function exportLinks(query, total) {
+    const { sort, order, limit, offset, ...filters } = query;
+    const link = (format, label) => {
+      const qs = new URLSearchParams(clean({ ...filters, format }));
+      if (filters.experiment === "") qs.set("experiment", "");
+      return h("a", { class: "button", href: "api/export?" + qs.toString(), download: "tracecar-export." + format,
+        "data-testid": "export-" + format, title: "all " + fmt.int(total) + " trajectories matching these filters, for datasets.load_dataset" }, label);
+    };
+    return h("span", { class: "export-links", "data-testid": "export-links" }, h("span", { class: "muted" }, "export " + fmt.int(total) + ":"),
+      link("jsonl", "JSONL"), link("parquet", "Parquet"));
   }
 
   // The ends of a trajectory's first prompt and last response (the list's previews), the searched words marked.
@@ -440,10 +501,48 @@
       h("div", { class: "pv-response", title: t.response_preview || "", "data-testid": "response-preview" }, h("span", { class: "pv-role" }, "response"), marked(t.response_preview || "—", q)));
   }
 
+  // ---- long texts folded (issue 15 §7): their first lines, and a button (keyboard: Tab, Enter) for the rest ----
+  // The whole text stays in the page (find-in-page and selection see it); only its height is clipped.
+  const FOLD_CHARS = 1200;
+  const FOLD_LINES = 12;
+  let foldSeq = 0;
+
+  function setFold(wrap, open) {
+    wrap.classList.toggle("is-folded", !open);
+    const button = wrap.querySelector(":scope > .fold-toggle");
+    button.setAttribute("aria-expanded", open ? "true" : "false");
+    button.textContent = open ? "Show less" : button.dataset.more;
+  }
+
+  function foldable(el, text) {
+    const lines = text.split("\n").length;
+    if (text.length <= FOLD_CHARS && lines <= FOLD_LINES) return el;
+    el.id = el.id || "fold-" + (++foldSeq);
+    const more = "Show all (" + (lines > FOLD_LINES ? fmt.int(lines) + " lines, " : "") + fmt.int(text.length) + " characters)";
+    const button = h("button", { type: "button", class: "fold-toggle quiet", "aria-expanded": "false", "aria-controls": el.id,
+      "data-testid": "fold-toggle", "data-more": more }, more);
+    const wrap = h("div", { class: "fold is-folded", "data-testid": "fold" }, el, button);
+    button.addEventListener("click", () => setFold(wrap, wrap.classList.contains("is-folded")));
+    return wrap;
+  }
+
+  // one button (and the key e) shows or folds every long text of the page
+  function foldAllButton() {
+    const button = h("button", { type: "button", class: "quiet", "data-testid": "fold-all", "data-key": "fold-all",
+      title: "show or fold every long text (key: e)" }, "Show all long texts");
+    button.addEventListener("click", () => {
+      const folds = [...document.querySelectorAll("[data-testid=fold]")];
+      const open = folds.some((w) => w.classList.contains("is-folded"));
+      folds.forEach((w) => setFold(w, open));
+      button.textContent = open ? "Fold long texts" : "Show all long texts";
+    });
+    return button;
+  }
+
   // ---- #/t/ID : one trajectory ----------------------------------------------------------------
   function textBlock(text, cls, fallback) {
     if (text === null || text === undefined) return h("p", { class: "muted" }, fallback);
-    return h("pre", { class: "text " + (cls || "") }, text === "" ? "(empty)" : text);
+    return foldable(h("pre", { class: "text " + (cls || "") }, text === "" ? "(empty)" : text), text);
   }
 
   // the inference engine's own timings of a turn (vLLM's llm_request span, received over OTLP)
@@ -463,7 +562,7 @@
         e.error ? h("span", { class: "badge bad" }, "error") : null),
       h("div", { class: "grid" },
         h("div", null, h("div", { class: "label" }, "arguments"), jsonBlock(e.arguments)),
-        h("div", null, h("div", { class: "label" }, e.error ? "error" : "result"), e.error ? h("div", { class: "err-text" }, e.error) : jsonBlock(e.result))));
+        h("div", null, h("div", { class: "label" }, e.error ? "error" : "result"), e.error ? foldable(h("div", { class: "err-text" }, e.error), String(e.error)) : jsonBlock(e.result))));
   }
 
   function turnCard(turn) {
@@ -708,7 +807,7 @@
             ["response tokens", fmt.int(t.response_tokens)], ["spans", t.span_count], ["error", errorSaid(t)]]))),
       nav, why,
       actions,
-      h("h2", null, "Conversation"),
+      h("h2", { class: "with-tools" }, "Conversation", foldAllButton()),
       t.before_first_turn.map(eventCard),
       t.turns.length ? t.turns.map(turnCard) : h("p", { class: "muted" }, "No LLM call in this trajectory (no span whose output carries response_ids / token_ids)."),
       h("h2", null, "Tokens"),

@@ -37,7 +37,7 @@
   }
 
   const KEYS = [["j", "next rollout of this group"], ["k", "previous rollout of this group"], ["g", "this rollout's group"],
-    ["b", "best of this step"], ["w", "worst of this step"], ["t", "switch theme"], ["?", "show or hide these keys"]];
+    ["b", "best of this step"], ["w", "worst of this step"], ["t", "switch theme"], ["e", "show or fold every long text"], ["?", "show or hide these keys"]];
 
   function help() {
     let box = document.getElementById("key-help");
@@ -71,12 +71,19 @@
     return true;
   }
 
+  function press(name) {
+    const button = document.querySelector("button[data-key='" + name + "']");
+    if (!button) return false;
+    button.click();
+    return true;
+  }
+
   function onKey(e) {
     if (e.ctrlKey || e.metaKey || e.altKey || e.defaultPrevented) return;
     const target = e.target;
     if (target && (target.isContentEditable || /^(INPUT|TEXTAREA|SELECT)$/.test(target.tagName))) return;
     const actions = { j: () => follow("next"), k: () => follow("prev"), g: () => follow("group"), b: () => follow("best"),
-      w: () => follow("worst"), t: () => { cycle(); return true; }, "?": () => { help(); return true; },
+      w: () => follow("worst"), t: () => { cycle(); return true; }, e: () => press("fold-all"), "?": () => { help(); return true; },
       Escape: () => { const box = document.getElementById("key-help"); if (box) box.remove(); return Boolean(box); } };
     const act = actions[e.key];
     if (act && act()) e.preventDefault();
