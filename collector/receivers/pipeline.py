@@ -53,8 +53,8 @@ from . import receive
 from .client_drops import ClientDrops, parse_dropped
 from .joins import TrajectoryContexts
 
-#: the batch versions /v1/spans reads; a client sends prompt references only when 2 is listed
-WIRE_VERSIONS = (1, 2)
+#: the batch versions /v1/spans reads; a client sends prompt references only when 2 is listed, short ids when 3 is
+WIRE_VERSIONS = (1, 2, 3)
 _DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 log = logging.getLogger("tracecar.collector.pipeline")
 
