@@ -25,7 +25,7 @@ from .loud import FailureReporter
 from .prompt_delta import UNRESOLVED_REASON, PromptDeltas
 from .redact import RedactKeys
 from .retry_after import parse_retry_after
-from .short_ids import PREFIX_KEY, WIRE_VERSION_IDS, expand, shorten_wire
+from .short_ids import PREFIX_KEY, WIRE_VERSION_IDS, expand, shorten_record
 from .spans import SpanRecord, ids
 from .wire import JSON_CONTENT_TYPE, WIRE_VERSION, WIRE_VERSION_DELTA, WireEncoder, batch_body, pack_span, pack_span_legacy
 
@@ -233,7 +233,7 @@ class Sender:
                 wire = marker.to_wire()
                 marker_ids.add(wire["span_id"])
                 if self._short_ids is True and self._v2():
-                    shorten_wire(wire, ids.prefix)
+                    shorten_record(wire, marker.record, ids.prefix)
                 parts.append(self._pack(wire, self.encoder, cfg.max_string_chars))
                 size += len(parts[-1])
                 markers += 1
@@ -252,7 +252,7 @@ class Sender:
                 if deltas.apply(wire, full=resend):
                     refs[wire["span_id"]] = record
                 if short:
-                    shorten_wire(wire, prefix)
+                    shorten_record(wire, record, prefix)
                 packed = self._pack(wire, self.encoder, cfg.max_string_chars)
             except Exception as exc:  # noqa: BLE001 - one unserialisable span must not cost the batch
                 log.warning("tracecar: span %s could not be encoded: %s", record.name, exc)

@@ -42,10 +42,49 @@ def expand(sid: Any, prefix: str) -> Any:
     return sid
 
 
+def shorten_record(wire: dict[str, Any], record: Any, prefix: str) -> None:
+    """:func:`shorten_wire` for the wire dict of a client ``SpanRecord``: its three ids come
+    straight from the records' counters (one format each, no string checks), the rest as there."""
+    if record.prefix == prefix:
+        wire["span_id"] = f"~{record.number:x}"
+    trace = record.trace
+    if trace.prefix == prefix:
+        wire["trace_id"] = f"~{trace.number:x}"
+    parent = record.parent
+    if parent is not None and parent.prefix == prefix:
+        wire["parent_id"] = f"~{parent.number:x}"
+    _shorten_rest(wire, prefix)
+
+
 def shorten_wire(wire: dict[str, Any], prefix: str) -> None:
     """Shortens a span's ids in place; the parts it rewrites (attributes, references) are copied
-    first, since they may be shared with other spans or with the caller."""
-    _rewrite(wire, prefix, shorten)
+    first, since they may be shared with other spans or with the caller.
+
+    The sender thread runs this for every span: the three ids are done inline (no call each), and
+    the mark and references only looked at when there (most spans have neither).
+    """
+    plen = len(prefix)
+    full = plen + _COUNTER
+    for key in ("span_id", "trace_id", "parent_id"):
+        sid = wire.get(key)
+        if type(sid) is str and len(sid) == full and sid.startswith(prefix):
+            tail = sid[plen:]
+            if not tail.strip(_HEX):
+                wire[key] = SHORT + tail.lstrip("0")
+    _shorten_rest(wire, prefix)
+
+
+def _shorten_rest(wire: dict[str, Any], prefix: str) -> None:
+    """The turn mark's ids and the references' ``$ref`` (copied first: they may be shared)."""
+    attrs = wire.get("attributes")
+    mark = attrs.get(MARK) if type(attrs) is dict else None
+    if type(mark) is dict and (MARK_IDS[0] in mark or MARK_IDS[1] in mark):
+        wire["attributes"] = {**attrs, MARK: {**mark, **{k: shorten(mark[k], prefix) for k in MARK_IDS if k in mark}}}  # type: ignore[dict-item]
+    inputs = wire.get("inputs")
+    output = wire.get("output")
+    if type(inputs) is dict and type(inputs.get("prompt_ids")) is dict \
+            or type(output) is dict and (type(output.get("prompt_ids")) is dict or type(output.get("response_ids")) is dict):
+        _rewrite_refs(wire, prefix, shorten)
 
 
 def expand_wire(span: Any, prefix: str) -> None:
@@ -64,6 +103,10 @@ def _rewrite(span: dict[str, Any], prefix: str, how: Any) -> None:
     if type(mark) is dict and (MARK_IDS[0] in mark or MARK_IDS[1] in mark):
         new_mark = {**mark, **{k: how(mark[k], prefix) for k in MARK_IDS if k in mark}}
         span["attributes"] = {**attrs, MARK: new_mark}  # type: ignore[dict-item]
+    _rewrite_refs(span, prefix, how)
+
+
+def _rewrite_refs(span: dict[str, Any], prefix: str, how: Any) -> None:
     for part, key in REF_PLACES:
         holder = span.get(part)
         ref = holder.get(key) if type(holder) is dict else None

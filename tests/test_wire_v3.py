@@ -199,3 +199,22 @@ def test_the_real_client_moves_to_v3_and_the_store_has_full_ids(start_collector:
         turns = sorted(tree["root"]["children"], key=lambda c: c["start_time"])
         assert len(turns) == 4 and all(len(c["span_id"]) == 32 and "~" not in orjson.dumps(c).decode() for c in turns)
         assert [len(c["inputs"]["prompt_ids"]) for c in turns] == [200, 240, 280, 320]
+
+
+def test_shortening_a_record_equals_shortening_its_ids() -> None:
+    from tracecar.client.short_ids import shorten_record
+    from tracecar.client.spans import SpanRecord, ids
+
+    root = SpanRecord("agent_loop", "trajectory", 1.0, None, {"step": 1})
+    top = SpanRecord("run", "op", 1.0, root, {"step": 1, "tracecar": {"top": True}})
+    turn = SpanRecord("generate", "op", 1.0, top, None)
+    turn.attributes = {"tracecar": {"root": top.span_id, "turn": turn.span_id}}
+    foreign = SpanRecord("tool", "op", 1.0, turn, None)
+    foreign.prefix, foreign._sid = "f" * 16, None  # made in another process (a fork's parent)
+    for record in (root, top, turn, foreign):
+        a, b = record.to_wire(), record.to_wire()
+        shorten_record(a, record, ids.prefix)
+        shorten_wire(b, ids.prefix)
+        assert a == b
+        expand_wire(a, ids.prefix)
+        assert a == record.to_wire()
