@@ -25,7 +25,7 @@ from .loud import FailureReporter
 from .prompt_delta import UNRESOLVED_REASON, PromptDeltas
 from .redact import RedactKeys
 from .retry_after import parse_retry_after
-from .short_ids import PREFIX_KEY, WIRE_VERSION_IDS, expand, shorten_record
+from .short_ids import PREFIX_KEY, WIRE_VERSION_IDS, expand, shorten_record, shorten_wire
 from .spans import SpanRecord, ids
 from .wire import JSON_CONTENT_TYPE, WIRE_VERSION, WIRE_VERSION_DELTA, WireEncoder, batch_body, pack_span, pack_span_legacy
 
@@ -232,8 +232,8 @@ class Sender:
             if marker.record.end is None:  # ended already: its span says more
                 wire = marker.to_wire()
                 marker_ids.add(wire["span_id"])
-                if self._short_ids is True and self._v2():
-                    shorten_record(wire, marker.record, ids.prefix)
+                if self._short_ids is True and self._v2():  # by the strings: its span_id is the call's + ".open"
+                    shorten_wire(wire, ids.prefix)
                 parts.append(self._pack(wire, self.encoder, cfg.max_string_chars))
                 size += len(parts[-1])
                 markers += 1

@@ -43,8 +43,9 @@ def expand(sid: Any, prefix: str) -> Any:
 
 
 def shorten_record(wire: dict[str, Any], record: Any, prefix: str) -> None:
-    """:func:`shorten_wire` for the wire dict of a client ``SpanRecord``: its three ids come
-    straight from the records' counters (one format each, no string checks), the rest as there."""
+    """:func:`shorten_wire` for ``record.to_wire()``: its three ids come straight from the records'
+    counters (one format each, no string checks), the rest as there. Only for that dict: an open
+    marker's ``span_id`` is the call's + ``".open"``, so markers take :func:`shorten_wire`."""
     if record.prefix == prefix:
         wire["span_id"] = f"~{record.number:x}"
     trace = record.trace
