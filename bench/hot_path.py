@@ -15,7 +15,9 @@ N times in each mode, each mode in a fresh process:
   weave     VERL's in-process weave backend: ``weave.init`` + ``create_call`` / ``finish_call``
             per call (bench/verl_style.py), to the loopback sink stub; one run per interpreter
             given in ``--weave-pythons`` (weave's per-value cost differs between 3.11 and 3.12)
-  optional: verl_off, tracecar_off (decorated, tracing off), plain_burst / tracecar_burst (no gap)
+  optional: verl_off, tracecar_off (decorated, tracing off), plain_burst / tracecar_burst (no gap),
+            tracecar_legacy[_burst] (the client's previous packing, ``TRACECAR_PACKING=legacy``: the
+            same-run baseline of the packing work)
 
 What is measured, per mode:
   * caller time: perf_counter_ns around each call after warm-up; "added" = mode minus plain
@@ -81,7 +83,8 @@ from common import (
     weave_env,
 )
 
-MODES = ("plain", "verl_off", "tracecar_off", "tracecar", "otel", "mlflow", "weave", "plain_burst", "tracecar_burst")
+MODES = ("plain", "verl_off", "tracecar_off", "tracecar", "tracecar_legacy", "otel", "mlflow", "weave", "plain_burst", "tracecar_burst",
+         "tracecar_legacy_burst")
 DEFAULT_MODES = "plain,tracecar,otel,mlflow,weave"
 PEERS = ("otel", "mlflow", "weave")
 
@@ -223,7 +226,8 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         from tracecar.client import rollout_trace_attr, rollout_trace_op, tracer
 
         if mode != "tracecar_off":
-            tr = tracer.configure(url=args.collector, experiment="bench", queue_max_spans=queue)
+            tr = tracer.configure(url=args.collector, experiment="bench", queue_max_spans=queue,
+                                  packing="legacy" if mode == "tracecar_legacy" else None)
             flush = lambda: tr.flush(120)  # noqa: E731
             stats = tr.stats
             delivered = lambda: tr.stats()["sent"]  # noqa: E731 - includes the rollout_trace_attr span
@@ -367,7 +371,7 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None
                        "added+bg µs", "traced", "delivered", "dropped"]))
     print("added = mode minus plain (median / p99 of the caller's time); bg CPU = other threads' CPU during the calls; "
           "flush CPU = the process while flushing afterwards; added+bg = added median + bg + flush, per call")
-    for label in ("tracecar", "tracecar_burst"):
+    for label in ("tracecar", "tracecar_burst", "tracecar_legacy", "tracecar_legacy_burst"):
         if label in results:
             s = results[label]["stats"]
             print(f"{label}: client stats sent={s.get('sent')} dropped={s.get('dropped')} queued={s.get('queued')}")
@@ -376,6 +380,12 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None
     drops = {k: r["dropped"] for k, r in results.items() if r["dropped"]}
     if drops:
         print(f"WARNING: spans dropped {drops}: those figures are not cost figures (pace with --gap-us, size --queue)")
+    for old, new in (("tracecar_legacy", "tracecar"), ("tracecar_legacy_burst", "tracecar_burst")):
+        if old in results and new in results:
+            a, b = results[old], results[new]
+            print(f"{old} / {new} (previous packing / this one): added median {ratio(a['added_med'], b['added_med']):.2f}x   "
+                  f"bg CPU {a['bg_cpu_us_per_call']:.1f} / {b['bg_cpu_us_per_call']:.1f} µs = "
+                  f"{ratio(a['bg_cpu_us_per_call'], b['bg_cpu_us_per_call']):.2f}x   added+bg {ratio(a['headline'], b['headline']):.2f}x")
     peers = {k: r for k, r in results.items() if k.split("_py")[0] in PEERS}
     t = results.get("tracecar")
     if t is None or not peers:

@@ -6,8 +6,9 @@ response ids, followed by ~700 ids of tool output appended to the context (~1,00
 turn k's prompt holds ~1,000·k ids). Ids are real deepseek tokens of generated text (English,
 CJK, emoji), so decoding is real. The same trajectories go through the real client to a real
 collector (``python -m tracecar.collector``, token2text on, local store) twice in one run:
-with today's format (``TRACECAR_PROMPT_DELTA=0``: every prompt sent whole) and with prompt
-deltas (wire version 2). Two shapes: the ``generate`` chain alone, and the whole VERL trajectory
+with today's format (``TRACECAR_PROMPT_DELTA=0``: wire version 1, every prompt sent whole) and with
+prompt deltas (wire version 3: version 2's references, and this process's span ids written short,
+tracecar.client.short_ids). Two shapes: the ``generate`` chain alone, and the whole VERL trajectory
 (its ``ToolAgentLoop.run`` output repeats the full context as prompt_ids + response_ids, and the
 tool calls). Prints per trajectory: request bytes (before compression), tokens the collector
 decoded, spool payload bytes, the client process's CPU; then the RATIOS block (today / delta; targets ≥ 4× bytes and tokens).
@@ -204,7 +205,7 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory(prefix="tracecar-bench-delta-") as tmp:
         for shape, full_output in (("generate chain", False), ("VERL trajectory", True)):
-            for fmt, delta in (("today (v1, whole lists)", False), ("prompt deltas (v2)", True)):
+            for fmt, delta in (("today (v1, whole lists)", False), ("prompt deltas (v3)", True)):
                 r = results[(shape, delta)] = one_run(trajectories, delta, full_output, Path(tmp))
                 print(f"{shape:16} {fmt:24} wire {r['bytes']:>10,.0f} B/traj  decoded {r['tokens']:>8,.0f} tokens/traj  "
                       f"spool {r['spool']:>10,.0f} B/traj  refs sent {r['refs']:.0f} (resent whole {r['resent']:.0f}); "

@@ -100,6 +100,10 @@ class ClientConfig:
     prompt_delta: bool = True
     prompt_delta_max_requests: int = 4096
     prompt_delta_max_ids: int = 4_000_000
+    # "spliced" (numeric lists packed apart and spliced in, the redaction search over the rest,
+    # default-valued fields left out) or "legacy" (the previous packing: one dump searched whole,
+    # every field sent), kept so bench/hot_path.py can run both in one run
+    packing: str = "spliced"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ClientConfig:
@@ -134,6 +138,7 @@ class ClientConfig:
             prompt_delta=(env.get("TRACECAR_PROMPT_DELTA") or "1").strip().lower() not in ("0", "false", "no", "off"),
             prompt_delta_max_requests=_env_int(env, "PROMPT_DELTA_MAX_REQUESTS", cls.prompt_delta_max_requests),
             prompt_delta_max_ids=_env_int(env, "PROMPT_DELTA_MAX_IDS", cls.prompt_delta_max_ids),
+            packing=(env.get("TRACECAR_PACKING") or cls.packing).strip().lower(),
         )
         known = {f.name for f in fields(cls)}
         return replace(base, **{k: v for k, v in overrides.items() if k in known and v is not None})

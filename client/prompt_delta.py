@@ -194,7 +194,9 @@ def _shared_prefix(prompt: list[Any], context: list[Any]) -> int:
     Only the whole context is tried (one C comparison): agent loops append to it.
     """
     n = len(context)
-    if len(prompt) >= n and prompt[:n] == context and _same_kinds(prompt, context, 0, n):
+    # the ends first: another request's prompt (or a trimmed one) differs there, and costs no slice
+    if n and len(prompt) >= n and prompt[n - 1] == context[-1] and prompt[0] == context[0] \
+            and prompt[:n] == context and _same_kinds(prompt, context, 0, n):
         return n
     return 0
 

@@ -25,8 +25,9 @@ from .loud import FailureReporter
 from .prompt_delta import UNRESOLVED_REASON, PromptDeltas
 from .redact import RedactKeys
 from .retry_after import parse_retry_after
-from .spans import SpanRecord
-from .wire import JSON_CONTENT_TYPE, WIRE_VERSION, WIRE_VERSION_DELTA, WireEncoder, batch_body, pack_span
+from .short_ids import PREFIX_KEY, WIRE_VERSION_IDS, expand, shorten_record, shorten_wire
+from .spans import SpanRecord, ids
+from .wire import JSON_CONTENT_TYPE, WIRE_VERSION, WIRE_VERSION_DELTA, WireEncoder, batch_body, pack_span, pack_span_legacy
 
 log = logging.getLogger("tracecar.client")
 
@@ -92,6 +93,7 @@ class Sender:
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
         self.encoder = WireEncoder(config.max_string_chars, config.max_depth, RedactKeys(config.redact_keys))
+        self._pack = pack_span_legacy if config.packing == "legacy" else pack_span
         self._init_state()
         os.register_at_fork(after_in_child=self._init_state)
 
@@ -119,6 +121,10 @@ class Sender:
         # release that added both): markers stop; a refused marker is never counted as a dropped span
         self._markers_ok: bool | None = None
         self._send_whole: set[str] = set()  # span ids to resend in full (their reference was not resolved)
+        # True once an answer lists wire version 3 (short span ids, tracecar.client.short_ids); until
+        # then, and for an older collector, ids go out in full
+        self._short_ids: bool | None = None
+        self._id_prefix = ids.prefix  # the prefix the pending body's short ids stand for
         self.worker_id = self.config.worker_id or default_worker_id()
         self.reporter = FailureReporter(self.config.url, self.config.retry_max_elapsed_s)  # rate-limited, sender thread
 
@@ -225,13 +231,17 @@ class Sender:
             marker = opens.popleft()
             if marker.record.end is None:  # ended already: its span says more
                 wire = marker.to_wire()
-                parts.append(pack_span(wire, self.encoder, cfg.max_string_chars))
                 marker_ids.add(wire["span_id"])
+                if self._short_ids is True and self._v2():  # by the strings: its span_id is the call's + ".open"
+                    shorten_wire(wire, ids.prefix)
+                parts.append(self._pack(wire, self.encoder, cfg.max_string_chars))
                 size += len(parts[-1])
                 markers += 1
         if self._markers_ok is False:
             opens.clear()  # an older collector: they would only be refused
         deltas, refs, whole = self.deltas, {}, self._send_whole
+        short = self._short_ids is True and self._v2()
+        prefix = self._id_prefix = ids.prefix
         while queue and len(parts) - markers < cfg.batch_max_spans and size < cfg.batch_max_bytes:
             record = queue.popleft()
             try:
@@ -241,7 +251,9 @@ class Sender:
                     whole.discard(wire["span_id"])
                 if deltas.apply(wire, full=resend):
                     refs[wire["span_id"]] = record
-                packed = pack_span(wire, self.encoder, cfg.max_string_chars)
+                if short:
+                    shorten_record(wire, record, prefix)
+                packed = self._pack(wire, self.encoder, cfg.max_string_chars)
             except Exception as exc:  # noqa: BLE001 - one unserialisable span must not cost the batch
                 log.warning("tracecar: span %s could not be encoded: %s", record.name, exc)
                 with self._lock:
@@ -276,13 +288,20 @@ class Sender:
                         frame["text"] = scrub(frame["text"])  # a key hard-coded in the source line
         return wire
 
+    def _v2(self) -> bool:
+        cfg = self.config
+        return cfg.prompt_delta and cfg.prompt_delta_max_requests > 0 and self.deltas.enabled is not False
+
     def _header(self) -> dict[str, Any]:
         cfg = self.config
         # v2 from the first batch on (the collector then remembers its contexts for later references), until
         # an answer shows a collector without it
-        v2 = cfg.prompt_delta and cfg.prompt_delta_max_requests > 0 and self.deltas.enabled is not False
-        header = {"v": WIRE_VERSION_DELTA if v2 else WIRE_VERSION, "worker": self.worker_id, "project": cfg.project,
-                  "entity": cfg.entity, "tokenizer": cfg.tokenizer, "client": client_info()}
+        v2 = self._v2()
+        v3 = v2 and self._short_ids is True
+        header = {"v": WIRE_VERSION_IDS if v3 else WIRE_VERSION_DELTA if v2 else WIRE_VERSION, "worker": self.worker_id,
+                  "project": cfg.project, "entity": cfg.entity, "tokenizer": cfg.tokenizer, "client": client_info()}
+        if v3:
+            header[PREFIX_KEY] = self._id_prefix
         if cfg.wandb_run_id is not None:
             header["wandb_run_id"] = cfg.wandb_run_id
         if cfg.token2text is not None:
@@ -387,13 +406,17 @@ class Sender:
     def _split_and_resend(self, n: int) -> bool:
         """The collector said 413: resend the same spans as two smaller batches, and shrink later ones."""
         body, _ = self._pending_body  # type: ignore[misc]
-        spans = orjson.loads(body)["spans"]
+        parsed = orjson.loads(body)
+        spans = parsed.pop("spans")
+        prefix = parsed.get(PREFIX_KEY) or ""
         half = max(1, n // 2)
         self.config = replace(self.config, batch_max_spans=max(1, min(self.config.batch_max_spans, half)))
         for chunk in (spans[:half], spans[half:]):
             if chunk:
-                smaller = batch_body(self._header(), [orjson.dumps(s) for s in chunk])
-                counted = sum(1 for s in chunk if s.get("span_id") not in self._marker_ids)  # markers are not spans
+                # the body's own header: its short ids stand for its prefix, whatever later answers said
+                smaller = batch_body({**self._header(), "v": parsed.get("v"), PREFIX_KEY: parsed.get(PREFIX_KEY)}
+                                     if PREFIX_KEY in parsed else self._header(), [orjson.dumps(s) for s in chunk])
+                counted = sum(1 for s in chunk if expand(s.get("span_id"), prefix) not in self._marker_ids)  # markers are not spans
                 self._pending_body = (smaller, counted)
                 if not self._post_with_retries(smaller, counted):
                     return False
@@ -411,6 +434,7 @@ class Sender:
             knows_v2 = WIRE_VERSION_DELTA in (answer.get("wire_versions") or ())
             self.deltas.set_enabled(knows_v2)
             self._markers_ok = knows_v2
+            self._short_ids = WIRE_VERSION_IDS in (answer.get("wire_versions") or ())
         except Exception:  # noqa: BLE001 - a success without a readable body still counts as sent
             pass
         rejected -= resent

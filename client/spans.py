@@ -55,7 +55,7 @@ class SpanRecord:
 
     __slots__ = (
         "number", "prefix", "trace", "parent", "name", "kind", "start", "end",
-        "attributes", "signature", "args", "kwargs", "list_lens", "output", "exception", "exc_stack",
+        "attributes", "signature", "args", "kwargs", "list_lens", "output", "exception", "exc_stack", "_sid",
     )
 
     def __init__(
@@ -85,10 +85,16 @@ class SpanRecord:
         self.output: Any = None
         self.exception: BaseException | str | None = None
         self.exc_stack: tuple[tuple[Any, int | None], ...] | None = None
+        self._sid: str | None = None
 
     @property
     def span_id(self) -> str:
-        return f"{self.prefix}{self.number:016x}"
+        """Formatted once, when first asked (on the sender thread, mostly): a span's, its parent's and
+        its trace's ids are read for every span sent."""
+        sid = self._sid
+        if sid is None:
+            sid = self._sid = f"{self.prefix}{self.number:016x}"
+        return sid
 
     def to_wire(self, max_frames: int = 200) -> dict[str, Any]:
         """Wire dict for this span (values as captured); runs on the sender thread."""

@@ -206,8 +206,15 @@ def ids_as_lists(values: dict[str, Any]) -> dict[str, Any]:
 def pack_span(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> bytes:
     """Packs one span as JSON: the fast path when it can, the bounded Python walk when it must.
 
-    The walk also runs when the packed bytes may hold a redact key (a byte search): it replaces
-    those values, so a secret never leaves the worker.
+    Numeric lists (token ids, logprobs, masks) at the top of ``inputs`` / ``output`` (and one
+    dict further down: a prompt reference's ``add``) are packed on their own and spliced into the
+    span's JSON as they are; a list whose JSON holds no quote holds no string, hence no key, so
+    the redaction byte search runs over the rest of the span only (a few hundred bytes instead of
+    the ~12 KB of a 2,000-id span). The bytes are exactly what one ``orjson.dumps`` of the whole
+    span gives. A span whose bytes may hold a redact key, anything the fast path cannot take
+    (cycles, nesting past 254 levels, integers past 64 bits), a non-finite top-level number
+    (orjson would turn a NaN reward into null), or a result larger than the string bound goes
+    through the bounded walk, which replaces those values, so a secret never leaves the worker.
     """
     for part in ("output", "inputs"):
         value = wire.get(part)
@@ -215,16 +222,122 @@ def pack_span(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> by
             wire[part] = ids_as_lists(value)
     if not (_has_non_finite(wire.get("output")) or _has_non_finite(wire.get("attributes"))):
         try:
-            packed = orjson.dumps(wire, default=encoder.flatten, option=_OPTIONS)
-            # the span's own fields before "attributes" are ids and names: no key to redact there
-            if len(packed) <= size_limit and not encoder.redact.might_hold(packed, start_at=max(0, packed.find(b'"attributes":'))):
+            packed = _pack_spliced(wire, encoder, size_limit) if _Fragment is not None and encoder.redact.spliceable \
+                else _pack_whole(wire, encoder, size_limit)
+            if packed is not None:
                 return packed
         except (orjson.JSONEncodeError, TypeError, OverflowError, RecursionError):
             pass
     return orjson.dumps(encoder.encode(wire), option=_OPTIONS)
 
 
+def pack_span_legacy(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> bytes:
+    """The previous packing (one dump, the byte search over all of it, default fields sent):
+    kept so a benchmark can run it beside :func:`pack_span` in one run (``TRACECAR_PACKING=legacy``)."""
+    for part in ("output", "inputs"):
+        value = wire.get(part)
+        if type(value) is dict:
+            wire[part] = ids_as_lists(value)
+    if not (_has_non_finite(wire.get("output")) or _has_non_finite(wire.get("attributes"))):
+        try:
+            packed = orjson.dumps(wire, default=encoder.flatten, option=_OPTIONS)
+            if len(packed) <= size_limit and not _legacy_might_hold(encoder.redact, packed, max(0, packed.find(b'"attributes":'))):
+                return packed
+        except (orjson.JSONEncodeError, TypeError, OverflowError, RecursionError):
+            pass
+    return orjson.dumps(encoder.encode(wire), option=_OPTIONS)
+
+
+def _legacy_might_hold(redact: RedactKeys, packed: bytes, start_at: int) -> bool:
+    """The previous byte search (split at quotes, pieces of a key's length compared), for the baseline only."""
+    if redact._always_walk:
+        return True
+    body = packed[start_at:]
+    if (not body.isascii() or b"\\" in body) and redact._odd_key(body):
+        return True
+    pieces = body.split(b'"')
+    lengths = redact._lengths
+    if lengths.isdisjoint(map(len, pieces)):
+        return False
+    return any(p.lower() in redact._needle_set for p in pieces if len(p) in lengths)
+
+
+def _pack_whole(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> bytes | None:
+    """One dump, then the byte search over it; None: take the walk."""
+    packed = orjson.dumps(wire, default=encoder.flatten, option=_OPTIONS)
+    # the span's own fields before "attributes" are ids and names: no key to redact there
+    if len(packed) <= size_limit and not encoder.redact.might_hold(packed, start_at=max(0, packed.find(b'"attributes":'))):
+        return packed
+    return None
+
+
+_Fragment = getattr(orjson, "Fragment", None)  # orjson >= 3.10: already-packed JSON spliced in as is
+_NUMBERS = (int, float)
+SPLICE_MIN_ITEMS = 16  # a shorter list costs less inline than packed apart
+_OMIT_IF_NONE = ("parent_id", "end_time", "output", "exception")
+_MAX_SPLICED = 31  # placeholders are \x00 + one byte 1..31: control bytes, never in orjson's output
+
+
+def _pack_spliced(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> bytes | None:
+    """Numeric lists packed apart and spliced in; the byte search over the rest; None: take the walk."""
+    lists: list[bytes] = []
+    shell = dict(wire)
+    for key in ("inputs", "output"):
+        value = shell.get(key)
+        if type(value) is dict:
+            shell[key] = _splice_lists(value, lists, encoder.flatten, 0)
+    for key in _OMIT_IF_NONE:  # the collector's defaults (SpanIn): sent only when they say something
+        if key in shell and shell[key] is None:
+            del shell[key]
+    if shell.get("kind") == "op":
+        del shell["kind"]
+    small = orjson.dumps(shell, default=encoder.flatten, option=_OPTIONS)
+    if encoder.redact.might_hold(small, start_at=max(0, small.find(b'"attributes":'))):
+        return None
+    if not lists:
+        packed = small
+    else:
+        pieces = small.split(b"\x00")
+        out = [pieces[0]]
+        for piece in pieces[1:]:
+            out.append(lists[piece[0] - 1])
+            out.append(piece[1:])
+        packed = b"".join(out)
+    return packed if len(packed) <= size_limit else None
+
+
+def _splice_lists(container: dict[Any, Any], lists: list[bytes], flatten: Any, depth: int) -> dict[Any, Any]:
+    """``container`` with each numeric list replaced by a placeholder for its packed bytes (a copy
+    only if one is); a list qualifies when its JSON holds no quote (so no string, no dict key) and
+    no nested list (so orjson's depth bound is not in play: the bytes are those of the inline dump)."""
+    out = container
+    for key, value in container.items():
+        kind = type(value)
+        if kind is list:
+            if len(value) < SPLICE_MIN_ITEMS or type(value[0]) not in _NUMBERS or type(value[-1]) not in _NUMBERS \
+                    or len(lists) >= _MAX_SPLICED:
+                continue
+            packed = orjson.dumps(value, default=flatten, option=_OPTIONS)
+            if b'"' in packed or packed.find(b"[", 1) != -1:
+                continue
+            lists.append(packed)
+            new: Any = _Fragment(b"\x00" + bytes((len(lists),)))  # type: ignore[misc]
+        elif kind is dict and depth == 0:
+            new = _splice_lists(value, lists, flatten, 1)
+            if new is value:
+                continue
+        else:
+            continue
+        if out is container:
+            out = dict(container)
+        out[key] = new
+    return out
+
+
 def batch_body(header: dict[str, Any], packed_spans: list[bytes]) -> bytes:
-    """The request body: the envelope with the already-packed spans spliced in."""
-    head = orjson.dumps({**header, "spans": []})
-    return head[:-3] + b"[" + b",".join(packed_spans) + b"]}"
+    """The request body: the envelope with the already-packed spans spliced in (one copy of the spans)."""
+    head = orjson.dumps({**header, "spans": []})[:-3] + b"["
+    if not packed_spans:
+        return head + b"]}"
+    return b",".join([head + packed_spans[0], *packed_spans[1:-1], packed_spans[-1] + b"]}"] if len(packed_spans) > 1
+                     else [head + packed_spans[0] + b"]}"])

@@ -250,7 +250,7 @@ def test_the_wire_format_over_http_refs_in_batch_across_batches_and_refused(star
     unknown = _span(kit, root, {"$ref": "feedfacefeedface0000000000000001", "n": 5, "add": [9]})
     malformed = _span(kit, root, {"$ref": first["span_id"], "n": -1, "add": []})
     answer = kit.post(col.url, [first, second, unknown, malformed], v=2).json()
-    assert answer["accepted"] == 2 and answer["wire_versions"] == [1, 2]
+    assert answer["accepted"] == 2 and answer["wire_versions"] == [1, 2, 3]
     by_id = {r["span_id"]: r for r in answer["rejected"]}
     assert by_id[unknown["span_id"]]["field"] == "spans[2].inputs.prompt_ids"
     assert by_id[unknown["span_id"]]["reason"].startswith("unresolved prompt ref: span 'feedface")

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tracecar.client.redact import DEFAULT as DEFAULT_REDACT
 from tracecar.client.redact import REDACTED, RedactKeys, redact_span, scrub_exception
+from tracecar.client.short_ids import WIRE_VERSION_IDS, expand_wire
 
 from ..types import Span, SpanKind
 
@@ -148,6 +149,8 @@ class BatchIn(BaseModel):
     max_samples_per_step_per_worker: int | None = Field(None, ge=0)
     client: dict[str, str] | None = Field(None, max_length=32)
     dropped: Any = None  # the sender's drop totals (receivers.client_drops checks it apart: never costs the batch)
+    # wire version 3: the prefix a short span id ("~2d") stands for (tracecar.client.short_ids)
+    id_prefix: str | None = Field(None, pattern=r"^[0-9a-f]{1,64}$")
     spans: list[Any]
 
 
@@ -203,6 +206,9 @@ def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT
         raise EnvelopeError(_loc(err["loc"]), err["msg"]) from None
     if len(batch.spans) > max_spans:
         raise EnvelopeError("spans", f"{len(batch.spans)} spans exceed TRACECAR_MAX_BATCH_SPANS={max_spans}")
+    if batch.v >= WIRE_VERSION_IDS and batch.id_prefix:  # ids in full before anything reads them
+        for item in batch.spans:
+            expand_wire(item, batch.id_prefix)
     out = Validated(batch=batch)
     walk = body is None or redact.might_hold(body, body_is_json)
     if walk and batch.client:

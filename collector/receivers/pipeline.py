@@ -51,8 +51,8 @@ from ..types import Span
 from .client_drops import ClientDrops, parse_dropped
 from .joins import TrajectoryContexts
 
-#: the batch versions /v1/spans reads; a client sends prompt references only when 2 is listed
-WIRE_VERSIONS = (1, 2)
+#: the batch versions /v1/spans reads; a client sends prompt references only when 2 is listed, short ids when 3 is
+WIRE_VERSIONS = (1, 2, 3)
 __all__ = ["Backpressure", "IngestPipeline", "IngestResult", "PayloadError", "WIRE_VERSIONS", "pack_payload"]
 log = logging.getLogger("tracecar.collector.pipeline")
 
