@@ -79,8 +79,45 @@ class PromptContexts:
         self.max_bytes = max_bytes
         self.on_evict = on_evict
         self._entries: OrderedDict[tuple[str, str], Context] = OrderedDict()
+        self._trace_of: dict[tuple[str, str], str] = {}  # entry -> its trajectory (released when that ends)
+        self._of_trace: dict[tuple[str, str], set[str]] = {}  # (worker, trace) -> its entries' span ids
+        self._ended: list[tuple[str, str]] = []  # trajectories whose root arrived, released by the next batch
         self._bytes = 0
         self._lock = threading.Lock()
+
+    def _drop(self, key: tuple[str, str]) -> Context | None:
+        """Removes one entry and its trajectory link (the lock held)."""
+        gone = self._entries.pop(key, None)
+        if gone is not None:
+            self._bytes -= gone.size
+        trace = self._trace_of.pop(key, None)
+        if trace is not None:
+            members = self._of_trace.get((key[0], trace))
+            if members is not None:
+                members.discard(key[1])
+                if not members:
+                    del self._of_trace[(key[0], trace)]
+        return gone
+
+    def trajectory_ended(self, worker: str, trace_id: str) -> None:
+        """A trajectory's root arrived: no later turn refers to its contexts (the client forgets a
+        trajectory's requests when it sends the root). They are released at the next batch's
+        :meth:`release_ended`, so the batch that carried the root still finds its bases' texts;
+        without this every finished trajectory's ids sat in memory until the LRU bound pushed them
+        out (128 MiB by default, held for good by a collector that has seen enough spans)."""
+        with self._lock:
+            if (worker, trace_id) in self._of_trace:
+                self._ended.append((worker, trace_id))
+
+    def release_ended(self) -> int:
+        """Frees the contexts of the trajectories ended before this batch; returns how many."""
+        with self._lock:
+            ended, self._ended = self._ended, []
+            released = 0
+            for worker, trace in ended:
+                for span_id in list(self._of_trace.get((worker, trace), ())):
+                    released += self._drop((worker, span_id)) is not None
+            return released
 
     @property
     def bytes(self) -> int:
@@ -96,20 +133,21 @@ class PromptContexts:
                 self._entries.move_to_end((worker, span_id))
             return entry
 
-    def remember(self, worker: str, span_id: str, context: Context) -> None:
+    def remember(self, worker: str, span_id: str, context: Context, trace_id: str | None = None) -> None:
         key = (worker, span_id)
         evicted = 0
         with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= old.size
+            trace = self._trace_of.get(key) if trace_id is None else trace_id
+            self._drop(key)
             if context.size > self.max_bytes:
                 return
             self._entries[key] = context
             self._bytes += context.size
+            if trace is not None:
+                self._trace_of[key] = trace
+                self._of_trace.setdefault((worker, trace), set()).add(span_id)
             while self._bytes > self.max_bytes:
-                _, gone = self._entries.popitem(last=False)
-                self._bytes -= gone.size
+                self._drop(next(iter(self._entries)))
                 evicted += 1
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
@@ -187,6 +225,7 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int) -
     past it are refused as unresolved, so the client resends them whole, where the body bounds apply.
     """
     worker = validated.batch.worker
+    contexts.release_ended()
     bases: dict[Any, Base] = {}
     resolved = rebuilt_ids = 0
     kept = []
@@ -230,6 +269,9 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int) -
             bases[(span["span_id"], "output")] = Base(worker, whole[0], whole[1].prompt_len, True, whole[2])
         ids = as_ids(prompt)
         if ids is not None:
-            contexts.remember(worker, span["span_id"], Context.of(ids, output))
+            contexts.remember(worker, span["span_id"], Context.of(ids, output), span.get("trace_id"))
+    for span in kept:
+        if span.get("kind") == "trajectory":
+            contexts.trajectory_ended(worker, span["trace_id"])
     validated.spans = kept
     return bases, resolved
