@@ -48,12 +48,14 @@ def shorten_record(wire: dict[str, Any], record: Any, prefix: str) -> None:
     marker's ``span_id`` is the call's + ``".open"``, so markers take :func:`shorten_wire`."""
     if record.prefix == prefix:
         wire["span_id"] = f"~{record.number:x}"
-    trace = record.trace
-    if trace.prefix == prefix:
-        wire["trace_id"] = f"~{trace.number:x}"
-    parent = record.parent
-    if parent is not None and parent.prefix == prefix:
-        wire["parent_id"] = f"~{parent.number:x}"
+    for key, other in (("trace_id", record.trace), ("parent_id", record.parent)):
+        if other is None:
+            continue
+        other_prefix = getattr(other, "prefix", None)  # an annotation's trajectory is only an id (tracing._TraceRef)
+        if other_prefix is None:
+            wire[key] = shorten(wire.get(key), prefix)
+        elif other_prefix == prefix:
+            wire[key] = f"~{other.number:x}"
     _shorten_rest(wire, prefix)
 
 

@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from tracecar.client import rollout_trace_attr, rollout_trace_op
+from tracecar.client import annotate, rollout_trace_attr, rollout_trace_op
 from tracecar.client import sender as sender_module
 from tracecar.client.prompt_delta import PromptDeltas
 from tracecar.client.redact import RedactKeys
@@ -186,6 +186,9 @@ def test_the_real_client_moves_to_v3_and_the_store_has_full_ids(start_collector:
             return list(await asyncio.gather(*(one(i) for i in range(3))))
 
         roots = asyncio.run(main())
+        assert tracer.flush(20)  # the first answers listed 3: the rewards below go out as v3
+        annotate(roots[0], reward=0.5)  # by id: the trajectory is only an id here (tracing._TraceRef)
+        annotate(roots[1], reward=1.0, trained=True)
         assert tracer.flush(20)
     finally:
         sender_module.Sender._post_with_retries = original  # type: ignore[method-assign]
@@ -199,6 +202,8 @@ def test_the_real_client_moves_to_v3_and_the_store_has_full_ids(start_collector:
         turns = sorted(tree["root"]["children"], key=lambda c: c["start_time"])
         assert len(turns) == 4 and all(len(c["span_id"]) == 32 and "~" not in orjson.dumps(c).decode() for c in turns)
         assert [len(c["inputs"]["prompt_ids"]) for c in turns] == [200, 240, 280, 320]
+    listed = {t["trace_id"]: t for t in httpx.get(f"{col.url}/v1/trajectories", params={"step": 1}, timeout=10).json()["trajectories"]}
+    assert [listed[r]["reward"] for r in roots] == [0.5, 1.0, None]  # annotations sent short reach their trajectory
 
 
 def test_shortening_a_record_equals_shortening_its_ids() -> None:
