@@ -1,7 +1,7 @@
 """The per-span CPU work after sampling: decode token ids to text, pack token arrays, serialise.
 
 Pure functions of the spans and a few settings, so the ingest process runs them in a thread
-(``TRACECAR_WORKERS=1``) and the worker processes of :mod:`.worker_pool` run the very same code.
+(``TRACECAR_WORKERS=1``) and the worker processes of :mod:`tracecar.collector.receivers.worker_pool` run the very same code.
 State the work needs from the ingest process (earlier prompts' texts, for wire-version-2
 references) comes in through the ``contexts`` lookup and goes back through ``set_texts``.
 """

@@ -34,7 +34,12 @@ from ..processors.sampling import Policies, TailSelector
 from ..processors.sampling.head import MEMBERSHIP, StepBudgetSampler
 from ..processors.span_work import ContextView, PayloadError, decode_v2, pack_payload, serialize_spans
 from ..processors.validate import Rejection, Validated, parents_to_look_up, reject_foreign_children
-from ..processors.worker_pool import (
+from ..settings import CollectorSettings
+from ..spool.store import Spool, SpoolFull, SpoolRow
+from ..types import Span
+from .client_drops import ClientDrops, parse_dropped
+from .joins import TrajectoryContexts
+from .worker_pool import (
     PrepareOrder,
     WorkerConfig,
     WorkerPool,
@@ -45,11 +50,6 @@ from ..processors.worker_pool import (
     prepare,
     unpack_heads,
 )
-from ..settings import CollectorSettings
-from ..spool.store import Spool, SpoolFull, SpoolRow
-from ..types import Span
-from .client_drops import ClientDrops, parse_dropped
-from .joins import TrajectoryContexts
 
 #: the batch versions /v1/spans reads; a client sends prompt references only when 2 is listed, short ids when 3 is
 WIRE_VERSIONS = (1, 2, 3)
@@ -397,7 +397,7 @@ class IngestPipeline:
         return serialize_spans(spans, validated.warnings, validated.index_of, ends or {}, max_span_bytes=self.settings.max_span_bytes,
                                count_tokens=self.selection is not None, local_only=self.spool.local_only)
 
-    # ---- the same work in a worker process (processors/worker_pool.py) --------------------------
+    # ---- the same work in a worker process (receivers/worker_pool.py) --------------------------
     async def _decode_and_serialize_somewhere(self, validated: Validated, spans: list[Span], body: bytes | bytearray,
                                               content_type: str | None, content_encoding: str | None,
                                               receiver: Receiver | None,

@@ -32,8 +32,8 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..processors.validate import Rejection
 from ..types import Span
-from .validate import Rejection
 
 log = logging.getLogger("tracecar.collector.workers")
 
@@ -130,7 +130,7 @@ def _init(config: WorkerConfig, barrier: Any) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one batch per process at a time: no thread pool inside
     from tracecar.client.redact import RedactKeys
 
-    from .decoding import TokenizerNotFound, TokenizerRegistry
+    from ..processors.decoding import TokenizerNotFound, TokenizerRegistry
 
     _state.config = config
     _state.redact = RedactKeys(config.redact_keys)
@@ -169,8 +169,8 @@ class PrepareOrder:
 def parse_batch(body: bytes | bytearray, content_type: str | None, content_encoding: str | None, max_batch_spans: int,
                 max_decompressed_bytes: int, redact: Any) -> Any:
     """decompress → parse → the span-count bound → validate_batch: the same code wherever it runs."""
-    from ..receivers import receive
-    from .validate import validate_batch
+    from ..processors.validate import validate_batch
+    from . import receive
 
     plain = receive.decompress(body, content_encoding, max_decompressed_bytes)
     raw = receive.parse(plain, content_type)
@@ -255,11 +255,11 @@ def _finish(order: PrepareOrder, validated: Any) -> WorkResult | None:
     """Decode and serialise a batch sampling cannot thin (see :func:`prepare`), or None."""
     from tracecar.client.prompt_delta import OUTPUT_REF_KEYS, as_ids
 
-    from .decoding import TokenizerNotFound, decode_spans
-    from .open_calls import OPEN_KIND
-    from .prompt_refs import Context, is_ref
-    from .sampling.head import MEMBERSHIP
-    from .span_work import ContextView, decode_v2, serialize_spans
+    from ..processors.decoding import TokenizerNotFound, decode_spans
+    from ..processors.open_calls import OPEN_KIND
+    from ..processors.prompt_refs import Context, is_ref
+    from ..processors.sampling.head import MEMBERSHIP
+    from ..processors.span_work import ContextView, decode_v2, serialize_spans
 
     batch = validated.batch
     if batch.max_samples_per_step_per_worker is not None:
@@ -307,8 +307,8 @@ def _finish(order: PrepareOrder, validated: Any) -> WorkResult | None:
 
 def work(order: WorkOrder) -> WorkResult:
     """Parse, validate, decode and serialise one batch (in a worker process)."""
-    from .decoding import TokenizerNotFound, decode_spans
-    from .span_work import decode_v2, serialize_spans
+    from ..processors.decoding import TokenizerNotFound, decode_spans
+    from ..processors.span_work import decode_v2, serialize_spans
 
     cfg = _state.config
     validated = parse_batch(order.body, order.content_type, order.content_encoding, cfg.max_batch_spans,
