@@ -45,6 +45,7 @@ from common import (
     WEAVE_PROJECT,
     header,
     machine_note,
+    pool_pids,
     ratio,
     scrape,
     services,
@@ -140,19 +141,6 @@ def tree_cpu(proc: psutil.Process) -> float:
         except psutil.Error:
             pass
     return total
-
-
-def worker_pids(pid: int) -> list[int]:
-    """The collector's pool processes (spawned children; not multiprocessing's resource tracker)."""
-    out = []
-    for child in psutil.Process(pid).children(recursive=True):
-        try:
-            cmd = " ".join(child.cmdline())
-        except psutil.Error:
-            continue
-        if "multiprocessing" in cmd and "resource_tracker" not in cmd:
-            out.append(child.pid)
-    return out
 
 
 def wait_forwarded(url: str, timeout: float) -> float:
@@ -386,7 +374,7 @@ def measure(args: Any, tokenizer: str, workers: int, profile: bool) -> tuple[dic
                 marks["a"] = sampler.mark()
                 if py_spy:
                     half = max(2.0, (args.seconds - 3) / 2)
-                    pool = worker_pids(collector.pid)
+                    pool = pool_pids(collector.pid)
                     if pool:  # one worker process, at the same time as the ingest process's all-threads profile
                         profiles[f"worker process (1 of {len(pool)}), all threads"] = work / "profile-worker.txt"
                         spies.append(start_profile(py_spy, pool[0], half, work / "profile-worker.txt", gil=False))

