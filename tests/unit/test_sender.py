@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -84,6 +85,39 @@ def test_spans_go_out_in_order_in_batches_no_larger_than_the_bound(collector: Co
     assert collector.sent_names() == [f"op{i}" for i in range(7)]
     assert max(len(b["spans"]) for b in collector.batches) <= 3 and collector.batches[0]["worker"] == "w-unit"
     assert s.stats.as_dict()["sent"] == 7 and s.stats.as_dict()["dropped_total"] == 0
+
+
+def test_after_a_post_only_whole_bodies_go_on_and_the_rest_waits_for_the_interval_or_a_flush(collector: Collector) -> None:
+    # a post costs the worker ~300 µs of CPU whatever its size: the sender must not post a few
+    # spans at a time just because they arrived while the previous post was in flight
+    s = sender(collector.url, batch_max_spans=3, flush_interval_s=30)  # the timer never fires here
+    for i in range(7):
+        s.enqueue(record(f"op{i}"))  # the third wakes the sender
+    deadline = time.monotonic() + 10
+    while len(collector.batches) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # a sender that posted the leftover span at once would have done so by now
+    assert [len(b["spans"]) for b in collector.batches] == [3, 3]
+    assert s.flush(10)  # a flush sends what is left, whole body or not
+    assert collector.sent_names() == [f"op{i}" for i in range(7)]
+    assert [len(b["spans"]) for b in collector.batches] == [3, 3, 1]
+    assert s.shutdown(10) and s.stats.as_dict()["sent"] == 7
+
+
+def test_the_wake_up_length_follows_the_bytes_a_body_holds(collector: Collector) -> None:
+    # 3 spans of ~4 KB fill a 12 KB body although batch_max_spans allows 100: after the first
+    # body the caller wakes the sender at 3 queued spans, not at 100
+    s = sender(collector.url, batch_max_spans=100, batch_max_bytes=12_000, flush_interval_s=30)
+    s.enqueue(record("first", "x" * 4000))
+    assert s.flush(10) and len(collector.batches) == 1
+    assert s._body_spans == 3
+    for i in range(3):
+        s.enqueue(record(f"op{i}", "x" * 4000))
+    deadline = time.monotonic() + 10
+    while len(collector.batches) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [len(b["spans"]) for b in collector.batches] == [1, 3]
+    assert s.shutdown(10) and s.stats.as_dict()["sent"] == 4
 
 
 def test_a_full_queue_drops_and_counts_instead_of_blocking(collector: Collector) -> None:
