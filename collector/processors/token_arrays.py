@@ -78,22 +78,37 @@ class TokenArrays:
         return out
 
 
+# The checks below run once per token of every response the collector stores: set(map(type, …))
+# and map() keep them in C (2–3× faster than a Python loop per value)
+_NUMBER_TYPES = frozenset({int, float})
+_MASK_TYPES = frozenset({int, bool})
+_MASK_VALUES = frozenset({0, 1})
+
+
 def _floats(values: list[Any]) -> list[float] | None:
-    out = []
-    for v in values:
-        if v is None:
-            out.append(math.nan)
-        elif type(v) in (int, float):
-            out.append(float(v))
-        else:
-            return None
-    return out
+    types = set(map(type, values))
+    if types <= _NUMBER_TYPES:
+        return list(map(float, values))
+    if not types <= _NUMBER_TYPES | {type(None)}:
+        return None
+    return [math.nan if v is None else float(v) for v in values]  # a missing log-probability
 
 
 def _mask(values: list[Any]) -> list[int] | None:
-    if all(type(v) in (int, bool) and v in (0, 1) for v in values):
-        return [int(v) for v in values]
+    if set(map(type, values)) <= _MASK_TYPES and set(values) <= _MASK_VALUES:
+        return list(map(int, values))
     return None
+
+
+def _int32_ids(ids: list[Any]) -> bool:
+    """Plain ints (no bools) that fit a signed 32-bit array."""
+    if set(map(type, ids)) - {int}:
+        return False
+    try:
+        array("i", ids)
+    except OverflowError:
+        return False
+    return True
 
 
 def extract(span: Span, warnings: list[str]) -> TokenArrays | None:
@@ -108,15 +123,16 @@ def extract(span: Span, warnings: list[str]) -> TokenArrays | None:
     id_key = next((k for k in ID_KEYS if isinstance(output.get(k), list)), None)
     if id_key is None:
         return None
+    present = {name: key for name, keys in ARRAY_KEYS.items()
+               if (key := next((k for k in keys if isinstance(output.get(k), list)), None)) is not None}
+    if not present:  # most spans (a server's generate call): nothing to pack, the ids are not looked at
+        return None
     ids = output[id_key]
-    if not all(type(i) is int and -(2**31) <= i < 2**31 for i in ids):
+    if not _int32_ids(ids):
         return None
     sources = {"ids": id_key}  # which output key each array came from
     found = TokenArrays(ids=list(ids), keys=sources)
-    for name, keys in ARRAY_KEYS.items():
-        key = next((k for k in keys if isinstance(output.get(k), list)), None)
-        if key is None:
-            continue
+    for name, key in present.items():
         values = output[key]
         if len(values) != len(ids):
             warnings.append(f"output.{key}: {len(values)} values for {len(ids)} tokens in output.{id_key}; not packed")
