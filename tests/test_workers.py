@@ -23,6 +23,8 @@ import psutil
 import pytest
 from tokenizers import Tokenizer
 
+from tests.support.processes import pool_pids
+
 pytestmark = pytest.mark.timeout(240)
 
 TEXTS = ["<|im_start|>user why is the reward 0.5? é naïve 数字🙂", "tool said: 42 ünïcödé \u2603 " * 5,
