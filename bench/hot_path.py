@@ -301,7 +301,10 @@ def run_mode(mode: str, python: str, args: argparse.Namespace, stub_url: str, co
            "--gap-us", str(args.gap_us), "--seconds", str(args.seconds), "--weave-seconds", str(args.weave_seconds),
            "--queue", str(args.queue), "--stub", stub_url, "--collector", collector_url, "--workdir", str(workdir)]
     # TRACECAR_OPEN_MARKERS passes through: the live view's markers A/B (on by default)
-    out = subprocess.run(cmd, env=clean_env(NO_PROXY="127.0.0.1,localhost", PYTHONPATH=str(BENCH),
+    # an inherited PYTHONPATH stays behind bench/: a same-run A/B against another tree's code
+    # (PYTHONPATH=<that tree>/tests/typecheck) reaches the children
+    pythonpath = os.pathsep.join(p for p in (str(BENCH), os.environ.get("PYTHONPATH")) if p)
+    out = subprocess.run(cmd, env=clean_env(NO_PROXY="127.0.0.1,localhost", PYTHONPATH=pythonpath,
                                             TRACECAR_OPEN_MARKERS=os.environ.get("TRACECAR_OPEN_MARKERS")), capture_output=True,
                          text=True, timeout=args.weave_seconds + args.seconds + 240, cwd=str(workdir),
                          preexec_fn=pin(WORKER_CPUS) if args.pin else None)

@@ -45,10 +45,9 @@ class RedactKeys:
         self._quoted = tuple(b'"' + n + b'"' for n in self._needles)
         self._lengths = frozenset(len(n) for n in self._needles)
         alternatives = "|".join(re.escape(k) for k in sorted(self.keys, key=len, reverse=True))
-        # key, optional closing quote, = or :, then a quoted string or a bare token
-        self._text_re = re.compile(
-            rf"""(?i)((?<![\w-])(?:{alternatives})['"]?\s*[:=]\s*)('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[^\s,;)}}\]]+)"""
-        )
+        # a key (not inside a longer name), its closing quote if any (JSON inside a string escapes
+        # it: \"), then = or :; the value after it is measured by value_end
+        self._text_re = re.compile(rf"""(?i)(?<![\w-])(?:{alternatives})(?:\\?['"])?\s*[:=]\s*""")
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and key.lower() in self.keys
@@ -96,11 +95,79 @@ class RedactKeys:
         return False
 
     def scrub_text(self, text: str) -> str:
-        """``api_key='sk-…'`` / ``"Authorization": "Bearer …"`` inside free text, value replaced."""
+        """``api_key='sk-…'``, ``"Authorization": "Bearer …"``, ``Authorization: Bearer …``,
+        ``api_key=['a', 'b']`` inside free text (an exception message, a repr), value replaced.
+
+        The value is a quoted string (escaped quotes too, as in JSON held in a string), a bracketed
+        value up to its matching bracket (a list, tuple or dict in a repr), an authorization
+        scheme with its credential, or else a bare token.
+        """
         low = text.lower()
         if not any(k in low for k in self.keys):
             return text
-        return self._text_re.sub(lambda m: m.group(1) + REDACTED, text)
+        out: list[str] = []
+        done = 0
+        for match in self._text_re.finditer(text):
+            start = match.end()
+            if match.start() < done or start >= len(text):
+                continue  # inside a value replaced already, or nothing after the separator
+            end = value_end(text, start)
+            if end > start:
+                out += (text[done:start], REDACTED)
+                done = end
+        return "".join(out) + text[done:] if out else text
+
+
+_SCHEME = re.compile(r"(?i)(?:bearer|basic|token|digest|negotiate|bot|apikey|api-key|aws4-hmac-sha256)\s+(?=\S)")
+_BARE = re.compile(r"[^\s,;)}\]]+")
+_CLOSE = {"[": "]", "(": ")", "{": "}"}
+
+
+def value_end(text: str, start: int) -> int:
+    """Where the value that begins at ``start`` ends (see :meth:`RedactKeys.scrub_text`); a value
+    cut short (an unclosed quote or bracket, as in a truncated repr) runs to the end of the text."""
+    first = text[start]
+    if first in "'\"":
+        return _quoted_end(text, start + 1, first)
+    if first == "\\" and text[start + 1:start + 2] in ("'", '"'):  # \"sk-…\" inside JSON held in a string
+        closing = text.find("\\" + text[start + 1], start + 2)
+        return len(text) if closing < 0 else closing + 2
+    if first in _CLOSE:
+        return _bracketed_end(text, start)
+    scheme = _SCHEME.match(text, start)
+    bare = _BARE.match(text, scheme.end() if scheme else start)
+    return bare.end() if bare else start
+
+
+def _quoted_end(text: str, i: int, quote: str) -> int:
+    n = len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == quote:
+            return i + 1
+        i += 1
+    return n
+
+
+def _bracketed_end(text: str, i: int) -> int:
+    stack: list[str] = []
+    n = len(text)
+    while i < n:
+        c = text[i]
+        if c in "'\"":
+            i = _quoted_end(text, i + 1, c)
+            continue
+        if c in _CLOSE:
+            stack.append(_CLOSE[c])
+        elif stack and c == stack[-1]:
+            stack.pop()
+            if not stack:
+                return i + 1
+        i += 1
+    return n
 
 
 def parse_keys(raw: str | None) -> tuple[str, ...]:
@@ -154,6 +221,18 @@ def scrub_exception(span: dict[str, Any], keys: RedactKeys = DEFAULT) -> None:
         if type(info.get("message")) is str:
             info["message"] = keys.scrub_text(info["message"])
         for frame in info.get("traceback") or ():
-            if type(frame) is dict and type(frame.get("text")) is str:
-                frame["text"] = keys.scrub_text(frame["text"])
+            if type(frame) is dict:
+                scrub_frame(frame, keys)
         span["exception_info"] = info
+
+
+#: a traceback frame's free-text fields (a source line, and names a secret may be formatted into)
+FRAME_TEXT_FIELDS = ("text", "filename", "function_name")
+
+
+def scrub_frame(frame: dict[str, Any], keys: RedactKeys = DEFAULT) -> None:
+    """``key=value`` secrets in a traceback frame's line, file name and function name, replaced."""
+    for name in FRAME_TEXT_FIELDS:
+        value = frame.get(name)
+        if type(value) is str:
+            frame[name] = keys.scrub_text(value)

@@ -23,7 +23,7 @@ import orjson
 from .config import ClientConfig, client_info, default_worker_id
 from .loud import FailureReporter
 from .prompt_delta import UNRESOLVED_REASON, PromptDeltas
-from .redact import RedactKeys
+from .redact import RedactKeys, scrub_frame
 from .retry_after import parse_retry_after
 from .short_ids import PREFIX_KEY, WIRE_VERSION_IDS, expand, shorten_record, shorten_wire
 from .spans import SpanRecord, ids
@@ -299,8 +299,7 @@ class Sender:
             if info is not None:
                 info["message"] = scrub(info["message"])
                 for frame in info.get("traceback") or ():
-                    if frame["text"]:
-                        frame["text"] = scrub(frame["text"])  # a key hard-coded in the source line
+                    scrub_frame(frame, self.encoder.redact)  # a key hard-coded in the source line, or in a file name
         return wire
 
     def _v2(self) -> bool:

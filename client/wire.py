@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 
 from .redact import DEFAULT as DEFAULT_REDACT
-from .redact import REDACTED, RedactKeys
+from .redact import REDACTED, RedactKeys, redact_value
 
 WIRE_VERSION = 1
 # version 2: inputs.prompt_ids may be {"$ref", "n", "add"} (tracecar.client.prompt_delta); sent
@@ -69,8 +69,8 @@ class WireEncoder:
             return value if math.isfinite(value) else repr(value)
         if kind is str:
             return self._cut(value)
-        if depth >= self.max_depth:
-            return self._cut(self.redact.scrub_text(repr(value)))
+        if depth >= self.max_depth:  # written as its repr, secrets at any depth below redacted first (as weave walks them)
+            return self._cut(self.redact.scrub_text(repr(redact_value(value, self.redact))))
         if kind is list or kind is tuple:
             return [self.encode(v, depth + 1) for v in value]
         if kind is dict:

@@ -78,6 +78,15 @@ def setting(key: str, value: Any) -> Callable[[Any, dict[str, Any]], None]:
 _DELETE = object()
 
 
+def annotation_with(**attributes: Any) -> Callable[[Any, dict[str, Any]], dict[str, Any]]:
+    """The hostile span becomes a trainer annotation of the trajectory carrying ``attributes``."""
+
+    def mutate(kit: Any, span: dict[str, Any]) -> dict[str, Any]:
+        return dict(span, kind="annotation", name="annotation", parent_id=None, attributes=attributes)
+
+    return mutate
+
+
 def nested(depth: int) -> Any:
     value: Any = "leaf"
     for _ in range(depth):
@@ -157,6 +166,10 @@ CASES = [
     Case("step beyond 64 bits", with_bad(setting("attributes.step", 2**64 - 1)), 200, ["spans[1].attributes.step"], fmt="msgpack"),
     Case("sample_index beyond int64", with_bad(setting("attributes.sample_index", 2**63)), 200, ["spans[1].attributes.sample_index"], fmt="msgpack"),
     Case("integer reward beyond int64", with_bad(setting("attributes.reward", 2**64 - 1)), 200, ["spans[1].attributes.reward"], fmt="msgpack"),
+    # the store's trajectory index binds it as an SQLite INTEGER: accepted, it made every list a 500
+    Case("advantage beyond int64", with_bad(annotation_with(advantage=2**63)), 200, ["spans[1].attributes.advantage"]),
+    Case("advantage not a number", with_bad(annotation_with(advantage={"api_key": "sk-ECHO"})), 200,
+         ["spans[1].attributes.advantage"]),
     Case("validate not a bool", with_bad(setting("attributes.validate", "yes")), 200, ["spans[1].attributes.validate"]),
     Case("experiment_name not a string", with_bad(setting("attributes.experiment_name", 7)), 200, ["spans[1].attributes.experiment_name"]),
     Case("attributes not an object", with_bad(setting("attributes", [1, 2])), 200, ["spans[1].attributes"]),
@@ -281,6 +294,7 @@ def test_hostile_batches_get_a_4xx_naming_the_field_and_good_spans_survive(hosti
                 got = sorted(x["field"] for x in payload["rejected"])
                 assert got == sorted(case.fields), (case.name, payload["rejected"])
                 assert all(x["reason"] for x in payload["rejected"]), case.name
+                assert "sk-ECHO" not in r.text, case.name  # a refused value is described, never echoed
                 assert payload["accepted"] == len(good_ids), (case.name, payload)
                 stored = {row["span_id"] for row in spool.query(
                     f"SELECT span_id FROM spans WHERE span_id IN ({','.join('?' * len(good_ids))})", good_ids)}
@@ -292,6 +306,10 @@ def test_hostile_batches_get_a_4xx_naming_the_field_and_good_spans_survive(hosti
             ok = kit.post(col.url, good(kit), client=client)
             assert ok.status_code == 200 and ok.json()["accepted"] == 2, case.name
 
+    # whatever was accepted, every list of the trajectory index still answers
+    for path in ("/v1/trajectories", "/ui/api/trajectories", "/v1/groups?step=1", "/ui/api/facets", "/v1/health?step=1"):
+        listed = httpx.get(col.url + path, timeout=30)
+        assert listed.status_code == 200, (path, listed.text[:300])
     metrics = httpx.get(col.url + "/metrics").text
     five_xx = sum(kit.metric(metrics, "tracecar_requests_total", status=str(s)) for s in range(500, 600))
     print(f"\nbad input: {len(CASES)} hostile cases, {len(CASES)} good follow-ups, 5xx={five_xx}; " + "; ".join(outcomes))

@@ -580,3 +580,37 @@ def test_secrets_under_dotted_otel_attribute_names_are_redacted(start_collector)
     assert "sk-OTEL" not in stored and "hunter2" not in stored
     attrs = orjson.loads(stored)["attributes"]
     assert attrs["llm.api_key"] == "REDACTED" and attrs["gen_ai.usage.input_tokens"] == "7"
+
+
+def test_secrets_anywhere_under_otel_and_in_its_free_text_are_redacted(start_collector):
+    """Links, key-value lists nested in an attribute, the status message and an exception event's
+    message and stack trace: every place a producer's span can carry a secret to the store."""
+    col = start_collector()
+    span = _span(TID, bytes.fromhex("eee19b7ec3c1b191"), "llm call")
+    span.status.code = trace_pb2.Status.STATUS_CODE_ERROR
+    span.status.message = "401 for api_key=sk-STATUS1"
+    link = span.links.add()
+    link.trace_id, link.span_id = bytes.fromhex("6b8efff798038103d269b633813fc60c"), bytes.fromhex("eee19b7ec3c1b192")
+    for key, value in (("http.request.header.authorization", "Bearer sk-LINK1"), ("llm.api_key", "sk-LINK2")):
+        kv = link.attributes.add()
+        kv.key, kv.value.string_value = key, value
+    kv = span.attributes.add()  # {"request": {"header.authorization": "Bearer sk-NESTED1"}}
+    kv.key = "request"
+    inner = kv.value.kvlist_value.values.add()
+    inner.key, inner.value.string_value = "header.authorization", "Bearer sk-NESTED1"
+    event = span.events.add()
+    event.name, event.time_unix_nano = "exception", int(100.5e9)
+    for key, value in (("exception.type", "HTTPError"), ("exception.message", "sent Authorization: Bearer sk-EVENT1"),
+                       ("exception.stacktrace", "File \"x.py\", line 3, in call\n    post(api_key='sk-EVENT2')")):
+        kv = event.attributes.add()
+        kv.key, kv.value.string_value = key, value
+    r = httpx.post(col.url + "/v1/traces", content=_request(span).SerializeToString(), headers=PROTOBUF, timeout=10)
+    assert r.status_code == 200, r.text
+    [row] = col.collector.spool.query("SELECT payload FROM spans WHERE name = 'llm call'")
+    stored = row["payload"].decode() if isinstance(row["payload"], bytes) else row["payload"]
+    for secret in ("sk-STATUS1", "sk-LINK1", "sk-LINK2", "sk-NESTED1", "sk-EVENT1", "sk-EVENT2"):
+        assert secret not in stored, secret
+    otel = orjson.loads(stored)["attributes"]["otel"]
+    assert otel["links"][0]["attributes"]["llm.api_key"] == "REDACTED"
+    assert otel["status"]["message"] == "401 for api_key=REDACTED"
+    assert otel["events"][0]["attributes"]["exception.type"] == "HTTPError"  # the rest stays readable

@@ -180,7 +180,8 @@ def test_a_bad_run_id_is_ignored_with_a_warning_not_the_batch(start_collector) -
     r = httpx.post(col.url + "/v1/spans", json={"v": 1, "worker": "w", "wandb_run_id": "two words", "spans": [span]})
     body = r.json()
     assert r.status_code == 200 and body["accepted"] == 1, body
-    assert body["warnings"]["s1"] == ["wandb_run_id: ignored, expected a W&B run id or entity/project/run_id, got 'two words'"]
+    assert body["warnings"]["s1"] == ["wandb_run_id: ignored, expected a W&B run id or entity/project/run_id "
+                                      "(at most 256 characters, no spaces), got a string of 9 characters"]
     assert 'tracecar_span_warnings_total{kind="wandb_run_id"} 1.0' in httpx.get(col.url + "/metrics").text
     stored = httpx.get(col.url + "/v1/trajectories/s1").json()["root"]
     assert "wandb_run_id" not in stored

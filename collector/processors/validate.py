@@ -118,11 +118,19 @@ class SpanIn(BaseModel):
         return self
 
 
+def _described(value: Any) -> str:
+    """A refused value in an error: a number as itself, anything else by its type only (error
+    bodies are stored and logged by clients, and a misplaced value may hold a secret)."""
+    return f"{value!r:.40}" if type(value) in (int, float, bool) else f"a {type(value).__name__}"
+
+
 def _check_trainer_attributes(attrs: dict[str, Any]) -> None:
     """What the trainer did (client.annotate): typed, because the store filters and indexes them."""
     advantage = attrs.get("advantage")
     if advantage is not None and (type(advantage) not in (int, float) or not math.isfinite(advantage)):
-        raise ValueError(f"attributes.advantage must be a finite number, got {advantage!r:.40}")
+        raise ValueError(f"attributes.advantage must be a finite number, got {_described(advantage)}")
+    if type(advantage) is int and not _INT64[0] <= advantage <= _INT64[1]:
+        raise ValueError(f"attributes.advantage must fit in a signed 64-bit integer, got {_described(advantage)}")
     if "trained" in attrs and attrs["trained"] is not None and type(attrs["trained"]) is not bool:
         raise ValueError(f"attributes.trained must be a boolean, got {type(attrs['trained']).__name__}")
     filtered_by = attrs.get("filtered_by")
@@ -131,7 +139,7 @@ def _check_trainer_attributes(attrs: dict[str, Any]) -> None:
     for key in ("policy_version", "trained_on_version"):
         value = attrs.get(key)
         if value is not None and (type(value) is not int or not _INT64[0] <= value <= _INT64[1]):
-            raise ValueError(f"attributes.{key} must be a signed 64-bit integer, got {value!r:.40}")
+            raise ValueError(f"attributes.{key} must be a signed 64-bit integer, got {_described(value)}")
 
 
 class BatchIn(BaseModel):
@@ -266,7 +274,10 @@ def _run_id(value: Any) -> tuple[str | None, str | None]:
         return None, None
     if isinstance(value, str) and 0 < len(value) <= 256 and not any(c.isspace() for c in value) and value.count("/") <= 2:
         return value, None
-    return None, f"wandb_run_id: ignored, expected a W&B run id or entity/project/run_id, got {str(value)[:80]!r}"
+    # what was sent is described, never echoed: the answer and every span's warnings are stored and
+    # served, and a misplaced value may be a secret (a dict holding an api_key, a token in a string)
+    got = f"a string of {len(value)} characters" if isinstance(value, str) else f"a {type(value).__name__}"
+    return None, f"wandb_run_id: ignored, expected a W&B run id or entity/project/run_id (at most 256 characters, no spaces), got {got}"
 
 
 def _describe_error(index: int, err: Mapping[str, Any]) -> tuple[str, str]:

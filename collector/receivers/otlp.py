@@ -238,21 +238,40 @@ def place_in_weave_tree(span: Span) -> None:
     span["attributes"][MARK] = mark
 
 
-def redact_dotted(attrs: Any, redact: RedactKeys, depth: int = 0) -> None:
+def redact_dotted(attrs: Any, redact: RedactKeys) -> None:
     """OpenTelemetry names attributes with dots (``http.request.header.authorization``,
-    ``llm.api_key``): a name whose last segment is a redact key has its value replaced, in the
-    span's attributes and in the resource, scope and event attributes kept under ``otel``."""
-    if not isinstance(attrs, dict) or depth > 4:
+    ``llm.api_key``): a name whose last segment is a redact key has its value replaced, at any
+    depth of the span's attributes, and so of everything kept under ``otel`` (resource, scope,
+    events, links, set-aside and the span's own ``otel`` attribute, nested key-value lists).
+    Free text a producer may have formatted a secret into (the status message, an ``exception``
+    event's message and stack trace) is scrubbed as an exception's text is."""
+    _redact_dotted(attrs, redact, 0)
+    otel = attrs.get("otel") if isinstance(attrs, dict) else None
+    if not isinstance(otel, dict):
         return
-    for key in list(attrs):
-        if isinstance(key, str) and key.rsplit(".", 1)[-1] in redact:
-            attrs[key] = REDACTED
-    otel = attrs.get("otel") if depth == 0 else None
-    if isinstance(otel, dict):
-        redact_dotted(otel.get("resource"), redact, depth + 1)
-        scope = otel.get("scope")
-        if isinstance(scope, dict):
-            redact_dotted(scope.get("attributes"), redact, depth + 1)
-        for event in otel.get("events") or ():
-            if isinstance(event, dict):
-                redact_dotted(event.get("attributes"), redact, depth + 1)
+    status = otel.get("status")
+    if isinstance(status, dict) and isinstance(status.get("message"), str):
+        status["message"] = redact.scrub_text(status["message"])
+    for event in otel.get("events") or ():
+        event_attrs = event.get("attributes") if isinstance(event, dict) else None
+        if isinstance(event_attrs, dict):
+            for key in ("exception.message", "exception.stacktrace"):
+                if isinstance(event_attrs.get(key), str):
+                    event_attrs[key] = redact.scrub_text(event_attrs[key])
+
+
+def _redact_dotted(value: Any, redact: RedactKeys, depth: int) -> None:
+    if depth > _MAX_REDACT_DEPTH:  # deeper values are refused by validation (the store keeps 254 levels)
+        return
+    if isinstance(value, dict):
+        for key in list(value):
+            if isinstance(key, str) and key.rsplit(".", 1)[-1] in redact:
+                value[key] = REDACTED
+            else:
+                _redact_dotted(value[key], redact, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _redact_dotted(item, redact, depth + 1)
+
+
+_MAX_REDACT_DEPTH = 256

@@ -101,6 +101,26 @@ def test_a_bad_wandb_run_id_is_a_warning_not_a_rejection() -> None:
     assert good.spans[0]["wandb_run_id"] == "team/rl/run1"
 
 
+def test_a_bad_wandb_run_id_is_described_never_echoed() -> None:
+    # the warning goes into the answer and every stored span: a misplaced secret must not
+    for value, got in (({"entity": "me", "api_key": "sk-WANDB-SECRET-42"}, "a dict"),
+                       ("Bearer sk-TOKEN-SECRET-43", "a string of 25 characters")):
+        out = validate_batch(batch(span("a"), wandb_run_id=value), 10)
+        (warning,) = out.warnings["a"]
+        assert "SECRET" not in warning and warning.endswith(f"got {got}"), warning
+
+
+def test_an_advantage_past_64_bits_is_refused_by_name() -> None:
+    # the store's trajectory index binds it as an SQLite INTEGER: 2**63 there made every list a 500
+    out = validate_batch(batch(span("r"), span("n", trace_id="r", parent_id=None, kind="annotation",
+                                                attributes={"advantage": 2**63})), 10)
+    assert [s["span_id"] for s in out.spans] == ["r"]
+    (rejection,) = out.rejected
+    assert rejection.field == "spans[1].attributes.advantage" and "64-bit" in rejection.reason
+    ok = validate_batch(batch(span("n", trace_id="r", parent_id=None, kind="annotation", attributes={"advantage": 2**63 - 1})), 10)
+    assert [s["span_id"] for s in ok.spans] == ["n"]
+
+
 def test_a_child_whose_trace_differs_from_its_known_parents_is_refused() -> None:
     out = validate_batch(batch(span("root"), span("child", parent="root", trace="elsewhere"), span("orphan", parent="gone")), 10)
     assert parents_to_look_up(out) == ["gone"]

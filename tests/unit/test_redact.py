@@ -1,0 +1,60 @@
+"""client/redact.py: secrets a free text (an exception message, a repr, a traceback frame) carries,
+and secrets nested past the client's depth bound, never leave in clear."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from tracecar.client.redact import REDACTED, RedactKeys, scrub_exception
+from tracecar.client.wire import WireEncoder, pack_span
+
+KEYS = RedactKeys()
+
+
+@pytest.mark.parametrize(("text", "scrubbed"), [
+    # an authorization scheme with its credential (the scheme alone was replaced before)
+    ("headers Authorization: Bearer sk-A1 ; retry", "headers Authorization: REDACTED ; retry"),
+    ("authorization=Basic dXNlcjpwYXNz==", "authorization=REDACTED"),
+    ("Authorization: Bearer", "Authorization: REDACTED"),
+    # JSON held in a string: escaped quotes around the key and the value
+    ('{\\"api_key\\": \\"sk-A2\\", \\"x\\": 1}', '{\\"api_key\\": REDACTED, \\"x\\": 1}'),
+    # a repr whose value is a list, a dict or a tuple, up to the matching bracket
+    ("Cfg(api_key=['pk', 'sk-A3'], other=1)", "Cfg(api_key=REDACTED, other=1)"),
+    ("Cfg(api_key={'primary': ('sk-A4', 'x]')}, b=2)", "Cfg(api_key=REDACTED, b=2)"),
+    ("cut repr api_key=(1, 'sk-A5'", "cut repr api_key=REDACTED"),
+    # the shapes that held before
+    ("{'Authorization': 'Bearer sk-A6'}", "{'Authorization': REDACTED}"),
+    ("API_KEY = sk-A7, next", "API_KEY = REDACTED, next"),
+    ("api_key='it\\'s sk-A8' then", "api_key=REDACTED then"),
+    # not a secret: no separator after the key, or the key inside a longer name
+    ("authorization failed for user 7", "authorization failed for user 7"),
+    ("my_api_key=not-ours", "my_api_key=not-ours"),
+    ("api_key=", "api_key="),
+])
+def test_free_text_secrets_are_replaced_whatever_their_shape(text: str, scrubbed: str) -> None:
+    assert KEYS.scrub_text(text) == scrubbed
+
+
+def test_a_traceback_frames_file_and_function_names_are_scrubbed_too() -> None:
+    span = {"exception": "E: api_key=sk-B1", "exception_info": {"message": "token Authorization: Bearer sk-B2", "traceback": [
+        {"filename": "/srv/app.py?api_key=sk-B3", "function_name": "call[api_key=sk-B4]", "line_number": 3,
+         "text": "post(api_key='sk-B5')"}]}}
+    scrub_exception(span, KEYS)
+    assert "sk-B" not in orjson.dumps(span).decode()
+    assert span["exception_info"]["traceback"][0]["filename"] == "/srv/app.py?api_key=REDACTED"
+
+
+def test_secrets_nested_past_the_depth_bound_are_redacted_before_the_repr() -> None:
+    # past TRACECAR_MAX_DEPTH a value is written as its repr: weave walks every level, so the
+    # keys below are redacted first (a list, a dict, a tuple under the key)
+    deep: object = {"api_key": ["pk-public", "sk-C1"], "auth": {"Authorization": {"primary": "sk-C2"}},
+                    "t": ({"API_KEY": ("sk-C3",)},)}
+    for _ in range(6):
+        deep = {"d": deep}
+    encoder = WireEncoder(max_depth=4, redact=KEYS)
+    wire = {"span_id": "s", "trace_id": "s", "name": "op", "kind": "op", "start_time": 1.0, "end_time": 2.0,
+            "attributes": {}, "inputs": {"config": deep}, "output": None, "exception": None}
+    packed = pack_span(wire, encoder, 10**6).decode()
+    assert "sk-C" not in packed and REDACTED in packed
+    assert "pk-public" not in packed  # the whole value under the key, as weave replaces it
