@@ -159,6 +159,14 @@ def stored_too(build: Callable[[Any], tuple[list[Any], dict[str, str], list[str]
     return wrapped
 
 
+def wide_number(kit: Any) -> tuple[bytes, dict[str, str], list[str]]:
+    """[good child, a span whose output holds 1e400 (valid JSON; no double holds it), good root]."""
+    spans, headers, good_ids = stored_too(with_bad(setting("output", {"score": "WIDE-NUMBER", "ok": 1})))(kit)
+    body, enc_headers = kit.encode(spans, "json")
+    assert body.count(b'"WIDE-NUMBER"') == 1
+    return body.replace(b'"WIDE-NUMBER"', b"1e400"), {**enc_headers, **headers}, good_ids
+
+
 CASES = [
     # ---- span level: that span is rejected by field, its neighbours stored ----------------
     Case("step is a string", with_bad(setting("attributes.step", "3")), 200, ["spans[1].attributes.step"]),
@@ -224,6 +232,10 @@ CASES = [
     Case("unknown msgpack ext type and bytes",
          stored_too(with_bad(setting("inputs", {"ext": msgpack.ExtType(5, b"\x00\x01"), "raw": b"\xff\xfe"}))), 200, fmt="msgpack"),
     Case("a child whose parent never arrives", orphan, 200),
+    # one span's malformed value costs only that value, not the body (both were a 400 for the batch)
+    Case("msgpack packed ids of odd length",
+         stored_too(with_bad(setting("inputs", {"prompt_ids": msgpack.ExtType(1, b"\x01\x02\x03")}))), 200, fmt="msgpack"),
+    Case("a JSON number past a double's range", wide_number, 200),
     # ---- body level: the request is refused, the field named ------------------------------
     Case("invalid JSON", raw(b'{"worker": "w", "spans": [}'), 400, ["body"]),
     Case("invalid msgpack", raw(b"\xc1\xc1\xc1", "application/msgpack"), 400, ["body"]),
@@ -231,8 +243,6 @@ CASES = [
     Case("lone surrogate in JSON", raw(b'{"worker": "\\ud800", "spans": []}'), 400, ["body"]),
     Case("JSON nested 5000 deep", raw(b"[" * 5000 + b"]" * 5000), 400, ["body"]),
     Case("msgpack nested 5000 deep", raw(b"\x91" * 5000 + b"\xc0", "application/msgpack"), 400, ["body"]),
-    Case("msgpack packed ids of odd length",
-         raw(msgpack.packb({"worker": "w", "spans": [msgpack.ExtType(1, b"\x01\x02\x03")]}), "application/msgpack"), 400, ["body"]),
     Case("msgpack map with a list key", raw(b"\x81\x91\x01\x01", "application/msgpack"), 400, ["body"]),
     Case("a JSON array, not an object", raw(b"[1, 2, 3]"), 400, ["body"]),
     Case("envelope without worker", envelope(worker=_DELETE), 400, ["worker"]),

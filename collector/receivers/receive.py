@@ -7,6 +7,8 @@ and parsed with msgpack or orjson by its content type.
 
 from __future__ import annotations
 
+import json
+import math
 import sys
 import zlib
 from array import array
@@ -24,16 +26,41 @@ EXT_INT32_ARRAY = 1  # msgpack ext type: packed little-endian int32 token ids
 
 
 def unpack_ext(code: int, data: bytes) -> Any:
-    """msgpack ext_hook: packed int32 ids (ext type 1) back to a list of ints."""
+    """msgpack ext_hook: packed int32 ids (ext type 1) back to a list of ints.
+
+    A packed array whose length is not a multiple of 4 stays an ext value, as an unknown ext
+    type does: one span's bad value never costs the batch (it is stored as sent, base64).
+    """
     if code == EXT_INT32_ARRAY:
         if len(data) % 4:
-            raise ValueError("packed int32 array length is not a multiple of 4")
+            return msgpack.ExtType(code, data)
         values = array("i")
         values.frombytes(data)
         if sys.byteorder != "little":
             values.byteswap()
         return values.tolist()
     return msgpack.ExtType(code, data)
+
+
+_OUT_OF_RANGE = "number is infinity when parsed as double"  # orjson's refusal of 1e400
+
+
+def _parse_wide_numbers(body: bytes | bytearray, first_error: Exception) -> Any:
+    """Valid JSON with a number past a double's range (``1e400``): orjson refuses the whole body,
+    which would cost every span in it. The standard parser takes it, the number kept as its
+    text (a string), so only that value changes and the span says what it held. Only on that
+    error: the slow parser never runs on a good body."""
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    def number(text: str) -> float | str:
+        value = float(text)
+        return value if math.isfinite(value) else text
+
+    try:
+        return json.loads(body, parse_float=number, parse_constant=no_constants)
+    except (ValueError, RecursionError):
+        raise BodyError(400, "body", f"invalid JSON: {first_error}") from None
 
 
 @dataclass
@@ -122,6 +149,8 @@ def parse(body: bytes | bytearray, content_type: str | None) -> Any:
         try:
             return orjson.loads(body)
         except orjson.JSONDecodeError as exc:
+            if _OUT_OF_RANGE in str(exc):
+                return _parse_wide_numbers(body, exc)
             raise BodyError(400, "body", f"invalid JSON: {exc}") from None
     if media in ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack"):
         try:
