@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tracecar.client.redact import REDACTED, RedactKeys, scrub_exception
 from tracecar.client.wire import WireEncoder, pack_span
@@ -58,3 +60,16 @@ def test_secrets_nested_past_the_depth_bound_are_redacted_before_the_repr() -> N
     packed = pack_span(wire, encoder, 10**6).decode()
     assert "sk-C" not in packed and REDACTED in packed
     assert "pk-public" not in packed  # the whole value under the key, as weave replaces it
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([b'"api_key"', b'"API_Key"', b'"auth_headers"', b'"AUTHORIZATION"', b'api_key', b'"apikey"',
+                                 b'"x"', b"1234,", b":", b"\\", b"\xc3\xa9", b'"authorization', b"{", b"}"]), max_size=12),
+       st.sampled_from([(), ("X-Secret",), ("token[0]",)]))
+def test_the_byte_search_finds_exactly_what_a_search_of_the_lower_cased_body_finds(pieces: list[bytes], extra: tuple[str, ...]) -> None:
+    keys = RedactKeys(extra)
+    body = b"".join(pieces)
+    expected_json = any(b'"' + k.encode() + b'"' in body.lower() for k in keys.keys) or (
+        (not body.isascii() or b"\\" in body) and keys._odd_key(body))
+    assert keys.might_hold(body) == (expected_json or keys._always_walk)
+    assert keys.might_hold(body, is_json=False) == (any(k.encode() in body.lower() for k in keys.keys) or keys._always_walk)
