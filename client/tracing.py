@@ -160,7 +160,7 @@ def rollout_trace_attr(
         return
     parent = current.get()
     attributes: dict[str, Any] = dict(parent.attributes or {}) if parent is not None else {}
-    for key, value in (("sample_index", sample_index), ("step", step), ("rollout_n", rollout_n)):
+    for key, value in (("sample_index", _index(sample_index)), ("step", step), ("rollout_n", rollout_n)):
         if value is not None:
             attributes[key] = value
     attributes["validate"] = validate
@@ -188,6 +188,15 @@ def rollout_trace_attr(
         tracer.emit(record)
 
 
+def _index(sample_index: Any) -> Any:
+    """A sample index the collector can budget by (an int or a string): a float one (pandas reads
+    an integer column with gaps as float64, and VERL passes ``extra_info.index`` on) would cost
+    the whole trajectory, refused by name; a whole number becomes that int, any other its text."""
+    if isinstance(sample_index, float):
+        return int(sample_index) if sample_index.is_integer() else str(sample_index)
+    return sample_index
+
+
 def announce_step(step: int, sample_indices: Any, *, validate: bool = False, **extra_attributes: Any) -> None:
     """Tells the collector every sample index one rollout call of ``step`` will trace.
 
@@ -201,7 +210,7 @@ def announce_step(step: int, sample_indices: Any, *, validate: bool = False, **e
     if tracer is None:
         return
     attributes: dict[str, Any] = {"step": step, "validate": bool(validate),
-                                  "sample_indices": list(dict.fromkeys(sample_indices))}
+                                  "sample_indices": list(dict.fromkeys(map(_index, sample_indices)))}
     if tracer.config.experiment is not None:
         attributes["experiment_name"] = tracer.config.experiment
     attributes.update({k: v for k, v in extra_attributes.items() if v is not None})

@@ -77,7 +77,7 @@ class WireEncoder:
             keys = self.redact
             return {str(k): REDACTED if k in keys else self.encode(v, depth + 1) for k, v in value.items()}
         if kind is bytes or kind is bytearray:
-            return self._cut(bytes(value).decode("utf-8", "replace"))
+            return self.stringify(value)  # weave has no serializer for bytes: their repr
         return self.encode(self.flatten(value), depth + 1)
 
     def _cut(self, text: str) -> str:
@@ -87,6 +87,8 @@ class WireEncoder:
 
     def flatten(self, value: Any) -> Any:
         """One level of conversion for a non-builtin value (never recursive itself)."""
+        if isinstance(value, float):  # np.float64 and other float subclasses: weave keeps them numbers
+            return float(value)
         shape = value_shape(type(value))
         if shape is not None:
             try:
@@ -101,13 +103,11 @@ class WireEncoder:
                 return tolist()
             except Exception:  # noqa: BLE001
                 return self.stringify(value)
-        if isinstance(value, (set, frozenset, tuple, list)):
+        if isinstance(value, (tuple, list)):  # sets are no container to weave: their repr, below
             return list(value)
         if isinstance(value, dict):
             return dict(value)
-        if isinstance(value, (bytes, bytearray)):
-            return bytes(value).decode("utf-8", "replace")
-        if not isinstance(value, (type, BaseException)):
+        if not isinstance(value, (type, BaseException, bytes, bytearray)):
             to_dict = getattr(value, "to_dict", None)  # weave's Dictifiable protocol
             if callable(to_dict):
                 try:

@@ -139,3 +139,23 @@ def test_trace_false_and_no_url_cost_nothing(start_collector, tracer_to):
 
     tracer_module.shutdown(5)
     assert tracer_module.get_tracer() is None and work(4) == 8
+
+
+def test_a_float_sample_index_keeps_its_trajectory(start_collector, tracer_to):
+    """pandas reads an integer column with gaps as float64, and VERL passes extra_info.index on:
+    the trajectory must not be refused (the collector budgets by int or string indices)."""
+    col = start_collector()
+    tracer = tracer_to(col.url, experiment="exp-float-index")
+
+    @rollout_trace_op
+    def work(x: int) -> int:
+        return x * 2
+
+    for index in (12.0, 12.5, float("nan")):
+        with rollout_trace_attr(sample_index=index, step=3, rollout_n=0):
+            assert work(1) == 2
+    assert tracer.flush(10)
+    stats = tracer.stats()
+    assert stats["sent"] == 6 and stats["dropped_total"] == 0, stats
+    listing = httpx.get(col.url + "/v1/trajectories", params={"experiment": "exp-float-index", "limit": 10}).json()
+    assert sorted(str(t["sample_index"]) for t in listing["trajectories"]) == ["12", "12.5", "nan"]

@@ -144,6 +144,11 @@ VERL_VALUES = {
     # a VERL dataset row: its index is a numpy scalar, its raw_prompt an object array (weave: reprs)
     "numpy dataset values": {"index": np.int64(3), "raw_prompt": np.array([{"role": "user", "content": "hi"}], dtype=object),
                              "scores": np.zeros(3), "flag": np.bool_(True)},
+    # np.float64 is a float subclass: weave keeps it a number, in a list or a dict too (rewards, metrics)
+    "numpy floats in containers": {"rewards": [np.float64(2.5), np.float64(-1.0)], "metrics": {"acc": np.float64(0.75)},
+                                   "f32": np.float32(0.5), "top": np.float64(1.5)},
+    # weave has no serializer for these: their repr
+    "bytes, bytearray and sets": {"raw": b"\x00\xffab", "buf": bytearray(b"xyz"), "ids": {3, 1, 2}, "frozen": frozenset({"a"})},
 }
 
 
