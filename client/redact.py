@@ -124,17 +124,20 @@ class RedactKeys:
 _SCHEME = re.compile(r"(?i)(?:bearer|basic|token|digest|negotiate|bot|apikey|api-key|aws4-hmac-sha256)\s+(?=\S)")
 _BARE = re.compile(r"[^\s,;)}\]]+")
 _CLOSE = {"[": "]", "(": ")", "{": "}"}
+# a quoted value up to its closing quote (backslash escapes skipped), within its line
+_QUOTED = {q: re.compile(rf"{q}(?:[^{q}\\\n]|\\.)*{q}") for q in ("'", '"')}
 
 
 def value_end(text: str, start: int) -> int:
-    """Where the value that begins at ``start`` ends (see :meth:`RedactKeys.scrub_text`); a value
-    cut short (an unclosed quote or bracket, as in a truncated repr) runs to the end of the text."""
+    """Where the value that begins at ``start`` ends (see :meth:`RedactKeys.scrub_text`). A value
+    cut short (an unclosed quote or bracket, as in a truncated repr) runs to the end of its line:
+    a repr or a message holds no raw newline, so the lines after it (a traceback) stay readable."""
     first = text[start]
-    if first in "'\"":
-        return _quoted_end(text, start + 1, first)
+    if first in _QUOTED:
+        closed = _QUOTED[first].match(text, start)
+        return closed.end() if closed else _line_end(text, start)
     if first == "\\" and text[start + 1:start + 2] in ("'", '"'):  # \"sk-…\" inside JSON held in a string
-        closing = text.find("\\" + text[start + 1], start + 2)
-        return len(text) if closing < 0 else closing + 2
+        return _escaped_quoted_end(text, start + 2, text[start + 1])
     if first in _CLOSE:
         return _bracketed_end(text, start)
     scheme = _SCHEME.match(text, start)
@@ -142,26 +145,43 @@ def value_end(text: str, start: int) -> int:
     return bare.end() if bare else start
 
 
-def _quoted_end(text: str, i: int, quote: str) -> int:
-    n = len(text)
-    while i < n:
+def _line_end(text: str, i: int) -> int:
+    end = text.find("\n", i)
+    return len(text) if end < 0 else end
+
+
+def _escaped_quoted_end(text: str, i: int, quote: str) -> int:
+    """The end of a string written inside another string: read through the outer escapes
+    (``\\\\`` is a backslash, ``\\"`` a quote of the inner text) and stop at the inner string's
+    own closing quote, one not escaped in the inner text."""
+    n, line_end = len(text), _line_end(text, i)
+    inner_escape = False
+    while i < line_end:
         c = text[i]
-        if c == "\\":
+        if c == "\\" and i + 1 < n:  # an outer escape: the character it stands for
+            c = text[i + 1]
             i += 2
-            continue
-        if c == quote:
-            return i + 1
-        i += 1
-    return n
+        else:
+            i += 1
+        if inner_escape:
+            inner_escape = False
+        elif c == "\\":
+            inner_escape = True
+        elif c == quote:
+            return i
+    return line_end
 
 
 def _bracketed_end(text: str, i: int) -> int:
     stack: list[str] = []
-    n = len(text)
-    while i < n:
+    line_end = _line_end(text, i)
+    while i < line_end:
         c = text[i]
-        if c in "'\"":
-            i = _quoted_end(text, i + 1, c)
+        if c in _QUOTED:
+            closed = _QUOTED[c].match(text, i)
+            if closed is None:
+                return line_end
+            i = closed.end()
             continue
         if c in _CLOSE:
             stack.append(_CLOSE[c])
@@ -170,7 +190,7 @@ def _bracketed_end(text: str, i: int) -> int:
             if not stack:
                 return i + 1
         i += 1
-    return n
+    return line_end
 
 
 def parse_keys(raw: str | None) -> tuple[str, ...]:

@@ -23,7 +23,7 @@ import orjson
 from .config import ClientConfig, client_info, default_worker_id
 from .loud import FailureReporter
 from .prompt_delta import UNRESOLVED_REASON, PromptDeltas
-from .redact import RedactKeys, scrub_frame
+from .redact import RedactKeys, scrub_exception
 from .retry_after import parse_retry_after
 from .short_ids import PREFIX_KEY, WIRE_VERSION_IDS, expand, shorten_record, shorten_wire
 from .spans import SpanRecord, ids
@@ -222,8 +222,8 @@ class Sender:
             self._pending_body = None
             self._ref_records = {}
             if len(self.queue) < self._body_spans and not self._flush_wanted.is_set():
-                # the rest waits for a whole body or the next interval: a post costs ~300 µs of this
-                # process's CPU whatever its size, so fewer, fuller posts (bench/hot_path.py)
+                # the rest waits for a whole body or the next interval: a post costs most of a
+                # millisecond of this process's CPU whatever its size (bench/sender_posts.py)
                 break
         self._idle.set()
 
@@ -293,13 +293,7 @@ class Sender:
         """The span's wire dict, exception text scrubbed (key-based redaction is in pack_span)."""
         wire = record.to_wire(self.config.max_traceback_frames)
         if wire["exception"] is not None:
-            scrub = self.encoder.redact.scrub_text
-            wire["exception"] = scrub(wire["exception"])
-            info = wire.get("exception_info")
-            if info is not None:
-                info["message"] = scrub(info["message"])
-                for frame in info.get("traceback") or ():
-                    scrub_frame(frame, self.encoder.redact)  # a key hard-coded in the source line, or in a file name
+            scrub_exception(wire, self.encoder.redact)  # its message, and each frame's line, file and function
         return wire
 
     def _v2(self) -> bool:

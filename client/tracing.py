@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import numbers
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -189,12 +190,24 @@ def rollout_trace_attr(
 
 
 def _index(sample_index: Any) -> Any:
-    """A sample index the collector can budget by (an int or a string): a float one (pandas reads
-    an integer column with gaps as float64, and VERL passes ``extra_info.index`` on) would cost
-    the whole trajectory, refused by name; a whole number becomes that int, any other its text."""
-    if isinstance(sample_index, float):
-        return int(sample_index) if sample_index.is_integer() else str(sample_index)
+    """A sample index the collector can budget by (an int within 64 bits, or a string): a float one
+    (pandas reads an integer column with gaps as float64, and VERL passes ``extra_info.index`` on)
+    or a numpy integer would cost the whole trajectory, refused by name; a whole number becomes
+    that int, anything else numeric its text."""
+    if isinstance(sample_index, (str, bool)) or sample_index is None:
+        return sample_index
+    if isinstance(sample_index, numbers.Integral):  # np.int64 included
+        whole = int(sample_index)
+        return whole if _INT64_MIN <= whole <= _INT64_MAX else str(whole)
+    if isinstance(sample_index, numbers.Real):  # float, np.float64
+        real = float(sample_index)
+        if real.is_integer() and _INT64_MIN <= real <= _INT64_MAX:
+            return int(real)
+        return str(sample_index)
     return sample_index
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def announce_step(step: int, sample_indices: Any, *, validate: bool = False, **extra_attributes: Any) -> None:

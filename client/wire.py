@@ -187,7 +187,8 @@ def value_shape(cls: type) -> ValueShape | None:
 def _has_non_finite(values: Any) -> bool:
     if not isinstance(values, dict):
         return False
-    return any(type(v) is float and not math.isfinite(v) for v in values.values())
+    # isinstance: np.float64 too, which orjson (through ``default``) would also write as null
+    return any(isinstance(v, float) and not math.isfinite(v) for v in values.values())
 
 
 def ids_as_lists(values: dict[str, Any]) -> dict[str, Any]:

@@ -159,12 +159,21 @@ def stored_too(build: Callable[[Any], tuple[list[Any], dict[str, str], list[str]
     return wrapped
 
 
-def wide_number(kit: Any) -> tuple[bytes, dict[str, str], list[str]]:
-    """[good child, a span whose output holds 1e400 (valid JSON; no double holds it), good root]."""
-    spans, headers, good_ids = stored_too(with_bad(setting("output", {"score": "WIDE-NUMBER", "ok": 1})))(kit)
-    body, enc_headers = kit.encode(spans, "json")
-    assert body.count(b'"WIDE-NUMBER"') == 1
-    return body.replace(b'"WIDE-NUMBER"', b"1e400"), {**enc_headers, **headers}, good_ids
+def with_literal(build: Callable[[Any], tuple[list[Any], dict[str, str], list[str]]],
+                 literal: bytes) -> Callable[[Any], tuple[bytes, dict[str, str], list[str]]]:
+    """``build``'s batch as JSON, its one ``"WIDE-NUMBER"`` string written as ``literal`` (a number
+    that valid JSON may hold and no double does: Python cannot make one to encode)."""
+
+    def raw_body(kit: Any) -> tuple[bytes, dict[str, str], list[str]]:
+        spans, headers, good_ids = build(kit)
+        body, enc_headers = kit.encode(spans, "json")
+        assert body.count(b'"WIDE-NUMBER"') == 1
+        return body.replace(b'"WIDE-NUMBER"', literal), {**enc_headers, **headers}, good_ids
+
+    return raw_body
+
+
+WIDE_INT = b"1" + b"0" * 400
 
 
 CASES = [
@@ -235,7 +244,15 @@ CASES = [
     # one span's malformed value costs only that value, not the body (both were a 400 for the batch)
     Case("msgpack packed ids of odd length",
          stored_too(with_bad(setting("inputs", {"prompt_ids": msgpack.ExtType(1, b"\x01\x02\x03")}))), 200, fmt="msgpack"),
-    Case("a JSON number past a double's range", wide_number, 200),
+    Case("a JSON number past a double's range",
+         with_literal(stored_too(with_bad(setting("output", {"score": "WIDE-NUMBER", "ok": 1}))), b"1e400"), 200),
+    Case("a 401-digit JSON integer in per-token log-probabilities",
+         with_literal(stored_too(with_bad(setting("output", {"response_ids": [1, 2], "response_logprobs": ["WIDE-NUMBER", -0.5]}))),
+                      WIDE_INT), 200, warnings=["output.response_logprobs: not a list of numbers"]),
+    Case("a 401-digit JSON integer as an annotation's advantage",
+         with_literal(with_bad(annotation_with(advantage="WIDE-NUMBER")), WIDE_INT), 200, ["spans[1].attributes.advantage"]),
+    Case("a 401-digit JSON integer as a reward (kept as its text)",
+         with_literal(stored_too(with_bad(setting("attributes.reward", "WIDE-NUMBER"))), WIDE_INT), 200),
     # ---- body level: the request is refused, the field named ------------------------------
     Case("invalid JSON", raw(b'{"worker": "w", "spans": [}'), 400, ["body"]),
     Case("invalid msgpack", raw(b"\xc1\xc1\xc1", "application/msgpack"), 400, ["body"]),

@@ -87,11 +87,14 @@ _MASK_VALUES = frozenset({0, 1})
 
 def _floats(values: list[Any]) -> list[float] | None:
     types = set(map(type, values))
-    if types <= _NUMBER_TYPES:
-        return list(map(float, values))
     if not types <= _NUMBER_TYPES | {type(None)}:
         return None
-    return [math.nan if v is None else float(v) for v in values]  # a missing log-probability
+    try:
+        if types <= _NUMBER_TYPES:
+            return list(map(float, values))
+        return [math.nan if v is None else float(v) for v in values]  # a missing log-probability
+    except OverflowError:  # an integer past a double (msgpack or JSON can carry one): not packed, named
+        return None
 
 
 def _mask(values: list[Any]) -> list[int] | None:

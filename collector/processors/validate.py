@@ -75,7 +75,7 @@ class SpanIn(BaseModel):
             if value is not None and (type(value) is not int):
                 raise ValueError(f"attributes.{key} must be an integer, got {type(value).__name__}")
             if value is not None and not _INT64[0] <= value <= _INT64[1]:
-                raise ValueError(f"attributes.{key} must fit in a signed 64-bit integer, got {value}")
+                raise ValueError(f"attributes.{key} must fit in a signed 64-bit integer, got {_described(value)}")
         index = attrs.get("sample_index")
         if index is not None:
             if type(index) is str:
@@ -84,7 +84,7 @@ class SpanIn(BaseModel):
             elif type(index) is not int:
                 raise ValueError(f"attributes.sample_index must be an integer or a string, got {type(index).__name__}")
             elif not _INT64[0] <= index <= _INT64[1]:
-                raise ValueError(f"attributes.sample_index must fit in a signed 64-bit integer, got {index}")
+                raise ValueError(f"attributes.sample_index must fit in a signed 64-bit integer, got {_described(index)}")
         members = attrs.get("sample_indices")
         if members is not None:
             if not isinstance(members, list) or any(type(i) not in (int, str) for i in members):
@@ -98,7 +98,7 @@ class SpanIn(BaseModel):
                     raise ValueError("attributes.sample_indices: each integer must fit in a signed 64-bit integer")
         reward = attrs.get("reward")
         if type(reward) is int and not _INT64[0] <= reward <= _INT64[1]:
-            raise ValueError(f"attributes.reward must fit in a signed 64-bit integer, got {reward}")
+            raise ValueError(f"attributes.reward must fit in a signed 64-bit integer, got {_described(reward)}")
         if "validate" in attrs and type(attrs["validate"]) is not bool:
             raise ValueError("attributes.validate must be a boolean")
         if "experiment_name" in attrs and attrs["experiment_name"] is not None and not isinstance(attrs["experiment_name"], str):
@@ -121,16 +121,20 @@ class SpanIn(BaseModel):
 def _described(value: Any) -> str:
     """A refused value in an error: a number as itself, anything else by its type only (error
     bodies are stored and logged by clients, and a misplaced value may hold a secret)."""
-    return f"{value!r:.40}" if type(value) in (int, float, bool) else f"a {type(value).__name__}"
+    if type(value) in (int, float, bool):
+        text = repr(value)
+        return text if len(text) <= 40 else f"a number of {len(text)} characters"
+    return f"a {type(value).__name__}"
 
 
 def _check_trainer_attributes(attrs: dict[str, Any]) -> None:
     """What the trainer did (client.annotate): typed, because the store filters and indexes them."""
     advantage = attrs.get("advantage")
-    if advantage is not None and (type(advantage) not in (int, float) or not math.isfinite(advantage)):
+    if type(advantage) is int:  # its range first: math.isfinite of a huge int raises
+        if not _INT64[0] <= advantage <= _INT64[1]:
+            raise ValueError(f"attributes.advantage must fit in a signed 64-bit integer, got {_described(advantage)}")
+    elif advantage is not None and (type(advantage) is not float or not math.isfinite(advantage)):
         raise ValueError(f"attributes.advantage must be a finite number, got {_described(advantage)}")
-    if type(advantage) is int and not _INT64[0] <= advantage <= _INT64[1]:
-        raise ValueError(f"attributes.advantage must fit in a signed 64-bit integer, got {_described(advantage)}")
     if "trained" in attrs and attrs["trained"] is not None and type(attrs["trained"]) is not bool:
         raise ValueError(f"attributes.trained must be a boolean, got {type(attrs['trained']).__name__}")
     filtered_by = attrs.get("filtered_by")

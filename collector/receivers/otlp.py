@@ -178,7 +178,11 @@ def build_router(collector: Any, auth: Callable[..., Any], read_body: Callable[[
     async def otlp_traces(request: Request) -> Response:
         """OTLP/HTTP trace export (protobuf or JSON)."""
         started = time.perf_counter()
-        response = await _export(request, collector, read_body)
+        try:
+            response = await _export(request, collector, read_body)
+        except Exception:
+            collector.metrics.requests.labels(status="500").inc()  # a bug answered 500 by the server: counted too
+            raise
         collector.metrics.requests.labels(status=str(response.status_code)).inc()
         collector.metrics.ingest_seconds.observe(time.perf_counter() - started)
         return response

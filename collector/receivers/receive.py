@@ -46,10 +46,12 @@ _OUT_OF_RANGE = "number is infinity when parsed as double"  # orjson's refusal o
 
 
 def _parse_wide_numbers(body: bytes | bytearray, first_error: Exception) -> Any:
-    """Valid JSON with a number past a double's range (``1e400``): orjson refuses the whole body,
-    which would cost every span in it. The standard parser takes it, the number kept as its
-    text (a string), so only that value changes and the span says what it held. Only on that
-    error: the slow parser never runs on a good body."""
+    """Valid JSON with a number past a double's range (``1e400``, or an integer of 309 digits or
+    more): orjson refuses the whole body, which would cost every span in it. The standard parser
+    takes it with orjson's own rules for every other number (an integer within 64 bits stays an
+    int, a larger one becomes a float), and the number no double holds kept as its text (a
+    string), so only that value changes. Runs only after orjson refused a body for that reason,
+    bounded like any body by TRACECAR_MAX_DECOMPRESSED_BYTES."""
     def no_constants(name: str) -> Any:
         raise ValueError(f"{name} is not JSON")
 
@@ -57,10 +59,17 @@ def _parse_wide_numbers(body: bytes | bytearray, first_error: Exception) -> Any:
         value = float(text)
         return value if math.isfinite(value) else text
 
+    def integer(text: str) -> int | float | str:
+        if len(text) <= 20:  # as orjson: a 64-bit integer (signed or not) stays an int
+            value = int(text)
+            if -(2**63) <= value < 2**64:
+                return value
+        return number(text)
+
     try:
-        return json.loads(body, parse_float=number, parse_constant=no_constants)
-    except (ValueError, RecursionError):
-        raise BodyError(400, "body", f"invalid JSON: {first_error}") from None
+        return json.loads(body, parse_float=number, parse_int=integer, parse_constant=no_constants)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise BodyError(400, "body", f"invalid JSON: {exc}") from None
 
 
 @dataclass

@@ -208,7 +208,11 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         """Accepts a span batch (JSON or msgpack, optionally gzip/zstd)."""
         started = time.perf_counter()
         m = collector.metrics
-        status, payload, headers = await _ingest(request, collector)
+        try:
+            status, payload, headers = await _ingest(request, collector)
+        except Exception:
+            m.requests.labels(status="500").inc()  # a bug answered 500 by the server: counted like any answer
+            raise
         m.requests.labels(status=str(status)).inc()
         m.ingest_seconds.observe(time.perf_counter() - started)
         return _json(payload, status_code=status, headers=headers)

@@ -107,6 +107,19 @@ def test_a_json_number_past_a_doubles_range_keeps_its_text_and_costs_nothing_els
         with pytest.raises(BodyError) as e:
             parse(bad, "application/json")
         assert e.value.status == 400
+    # the syntax error is the one reported, not orjson's refusal of the number
+    with pytest.raises(BodyError) as e:
+        parse(b'{"x": 1e400,', "application/json")
+    assert "infinity" not in e.value.reason and "line 1" in e.value.reason
+
+
+def test_beside_a_wide_number_every_other_number_reads_as_orjson_reads_it() -> None:
+    # one span's 1e400 must not change how another span's numbers are read
+    others = b'"u64": 18446744073709551615, "i64": -9223372036854775808, "past": 18446744073709551616, "f": 0.25, "e": 1e300'
+    alone = orjson.loads(b"{" + others + b"}")
+    beside = parse(b'{"wide": 1e400, "huge": 1' + b"0" * 400 + b", " + others + b"}", "application/json")
+    assert beside.pop("wide") == "1e400" and beside.pop("huge") == "1" + "0" * 400
+    assert beside == alone and [type(v) for v in beside.values()] == [type(v) for v in alone.values()]
 
 
 @pytest.mark.parametrize("body, media, status, field", [

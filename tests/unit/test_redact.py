@@ -29,6 +29,11 @@ KEYS = RedactKeys()
     ("{'Authorization': 'Bearer sk-A6'}", "{'Authorization': REDACTED}"),
     ("API_KEY = sk-A7, next", "API_KEY = REDACTED, next"),
     ("api_key='it\\'s sk-A8' then", "api_key=REDACTED then"),
+    # an inner string's escaped quote is part of the value, and the value ends at its closing quote
+    ('{\\"api_key\\": \\"sk\\\\\\"A9\\", \\"x\\": 1}', '{\\"api_key\\": REDACTED, \\"x\\": 1}'),
+    # a value cut short stops at the end of its line: the traceback after it stays readable
+    ('api_key="sk-A10\nTraceback (most recent call last):', 'api_key=REDACTED\nTraceback (most recent call last):'),
+    ("Cfg(api_key=['sk-A11'\n  File \"x.py\"", 'Cfg(api_key=REDACTED\n  File "x.py"'),
     # not a secret: no separator after the key, or the key inside a longer name
     ("authorization failed for user 7", "authorization failed for user 7"),
     ("my_api_key=not-ours", "my_api_key=not-ours"),
@@ -73,3 +78,13 @@ def test_the_byte_search_finds_exactly_what_a_search_of_the_lower_cased_body_fin
         (not body.isascii() or b"\\" in body) and keys._odd_key(body))
     assert keys.might_hold(body) == (expected_json or keys._always_walk)
     assert keys.might_hold(body, is_json=False) == (any(k.encode() in body.lower() for k in keys.keys) or keys._always_walk)
+
+
+def test_a_non_finite_numpy_reward_travels_as_a_string_like_a_float_one() -> None:
+    # np.float64 is a float: a NaN reward must keep its warning at the collector, not become null
+    np = pytest.importorskip("numpy")
+    wire = {"span_id": "s", "trace_id": "s", "name": "op", "kind": "op", "start_time": 1.0, "end_time": 2.0,
+            "attributes": {"reward": np.float64("nan")}, "inputs": {}, "output": {"score": np.float64("inf"), "ok": np.float64(0.5)},
+            "exception": None}
+    sent = orjson.loads(pack_span(wire, WireEncoder(), 10**6))
+    assert sent["attributes"]["reward"] == "nan" and sent["output"] == {"score": "inf", "ok": 0.5}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -53,8 +54,20 @@ def test_the_checks_match_a_per_value_reading_of_the_rules(values: list[Any]) ->
     assert token_arrays._int32_ids(values) == _reference_ids(values)
 
 
-def test_a_generate_output_without_per_token_arrays_is_not_packed_and_its_ids_not_read() -> None:
-    assert extract({"output": {"token_ids": [1, 2, "not an id"], "stop_reason": "stop"}}, []) is None
+def test_a_generate_output_without_per_token_arrays_is_not_packed_and_its_ids_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    def read(ids: list[Any]) -> bool:
+        raise AssertionError("the ids of an output without per-token arrays were read")
+
+    monkeypatch.setattr(token_arrays, "_int32_ids", read)
+    assert extract({"output": {"token_ids": list(range(500)), "stop_reason": "stop"}}, []) is None
+    with pytest.raises(AssertionError):  # and with an array beside them they are
+        extract({"output": {"token_ids": [1, 2], "response_mask": [1, 1]}}, [])
+
+
+def test_a_log_probability_past_a_double_is_not_packed_and_named() -> None:
+    warnings: list[str] = []
+    assert extract({"output": {"response_ids": [1, 2], "response_logprobs": [10**400, -0.5]}}, warnings) is None
+    assert warnings == ["output.response_logprobs: not a list of numbers; not packed"]
 
 
 def test_arrays_are_packed_only_with_valid_ids_and_mismatches_are_named() -> None:
