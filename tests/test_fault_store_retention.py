@@ -137,7 +137,11 @@ def test_a_full_disk_in_weave_mode_evicts_forwarded_trajectories_and_ingest_goes
     assert evicted > 0
     assert set(_trace_sizes(spool).values()) <= {5}
     assert len(faulty_weave_stub.delivered()) == acked  # forwarded once each, no resend loop
+    # a delivery the full disk kept from being recorded is recorded by a retry ("retrying the record,
+    # not the send"): the spool owes nothing once those land, and nothing was sent twice meanwhile
+    assert kit.wait_for(lambda: spool.pending_count == 0, 30), spool.pending_count
     assert spool.pending_count == 0 == spool.query("SELECT COUNT(*) AS n FROM spans WHERE state = 0")[0]["n"]
+    assert len(faulty_weave_stub.delivered()) == acked
 
 
 def test_counters_stay_exact_and_nothing_is_resent_when_the_disk_is_too_full_to_record_a_forward(tmpfs, start_collector, faulty_weave_stub, kit):

@@ -115,7 +115,8 @@ class Retention:
         """
         if not self.evict_on_disk_full:
             return False
-        if self._release_reserve():
+        released_now = self._release_reserve()
+        if released_now:
             self.reserve_out = True
         self.spool.checkpoint()
         freed = 0
@@ -134,7 +135,10 @@ class Retention:
             self.spool.shrink()
             log.warning("disk full: evicted %d bytes of forwarded trajectories to make room", freed,
                         extra={"event": "store_evicted", "reason": "disk_full", "bytes": freed})
-        if self.reserve_out and self.take_reserve():
+        # taken back on a later tick, not in the call that released it: the forwarder needs that
+        # space to record what the backend took (only then are those trajectories evictable), and
+        # retaking it at once left it no moment to do so (a full disk could stay full for good)
+        if self.reserve_out and not released_now and self.take_reserve():
             self.reserve_out = False
         return not self.reserve_out if self.reserve_bytes > 0 else freed > 0
 
