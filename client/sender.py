@@ -68,23 +68,17 @@ class SenderStats:
 OPEN_ATTRIBUTES = ("experiment_name", "step", "sample_index", "rollout_n", "validate")
 
 
-class OpenMarker:
-    """A call that has started: sent only if it is still running when the sender gets to it,
-    so the collector's live view can name a call that hangs (``kind: open``, never stored)."""
-
-    __slots__ = ("record",)
-
-    def __init__(self, record: SpanRecord) -> None:
-        self.record = record
-
-    def to_wire(self) -> dict[str, Any]:
-        r = self.record
-        attrs = r.attributes or {}
-        return {"span_id": r.span_id + ".open", "trace_id": r.trace.span_id,
-                "parent_id": r.parent.span_id if r.parent is not None else None, "name": r.name, "kind": "open",
-                "start_time": r.start, "end_time": None,
-                "attributes": {k: attrs[k] for k in OPEN_ATTRIBUTES if k in attrs}, "inputs": {}, "output": None,
-                "exception": None}
+def open_marker_wire(record: SpanRecord) -> dict[str, Any]:
+    """A call that has started, as the collector's live view reads it (``kind: open``, never
+    stored): sent only if the call is still running when the sender gets to it, so a call that
+    hangs has a name. The caller queues the record itself; the marker is built here."""
+    attrs = record.attributes or {}
+    parent = record.parent
+    return {"span_id": record.span_id + ".open", "trace_id": record.trace.span_id,
+            "parent_id": parent.span_id if parent is not None else None, "name": record.name, "kind": "open",
+            "start_time": record.start, "end_time": None,
+            "attributes": {k: attrs[k] for k in OPEN_ATTRIBUTES if k in attrs}, "inputs": {}, "output": None,
+            "exception": None}
 
 
 class Sender:
@@ -100,7 +94,7 @@ class Sender:
     def _init_state(self) -> None:
         """Fresh queue, lock, thread and connection pool (also in a forked child)."""
         self.queue: deque[SpanRecord] = deque()
-        self.opens: deque[OpenMarker] = deque(maxlen=self.config.queue_max_spans)  # live-view markers
+        self.opens: deque[SpanRecord] = deque(maxlen=self.config.queue_max_spans)  # live-view markers
         self.stats = SenderStats()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -152,7 +146,7 @@ class Sender:
         opens = self.opens
         if len(opens) == opens.maxlen:
             self.stats.open_markers_skipped += 1  # not a span: no span is lost
-        opens.append(OpenMarker(record))
+        opens.append(record)
         if self._thread is None:
             self._start()
 
@@ -241,9 +235,9 @@ class Sender:
         # point, so the collector always sees a call open before it sees it end
         opens, markers, marker_ids = self.opens, 0, set()
         while opens and markers < cfg.batch_max_spans and self._markers_ok is not False:
-            marker = opens.popleft()
-            if marker.record.end is None:  # ended already: its span says more
-                wire = marker.to_wire()
+            started = opens.popleft()
+            if started.end is None:  # ended already: its span says more
+                wire = open_marker_wire(started)
                 marker_ids.add(wire["span_id"])
                 if self._short_ids is True and self._v2():  # by the strings: its span_id is the call's + ".open"
                     shorten_wire(wire, ids.prefix)

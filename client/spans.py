@@ -81,7 +81,23 @@ class SpanRecord:
         self.signature = signature
         self.args = args
         self.kwargs = kwargs
-        self.list_lens = _list_lengths(args, kwargs) if signature is not None else None
+        # list arguments' lengths in order (positional, then keyword): inline, as this runs on every call
+        lens: list[int] | None = None
+        if signature is not None:
+            for value in args:
+                if type(value) is list:
+                    if lens is None:
+                        lens = [len(value)]
+                    else:
+                        lens.append(len(value))
+            if kwargs:
+                for value in kwargs.values():
+                    if type(value) is list:
+                        if lens is None:
+                            lens = [len(value)]
+                        else:
+                            lens.append(len(value))
+        self.list_lens = lens
         self.output: Any = None
         self.exception: BaseException | str | None = None
         self.exc_stack: tuple[tuple[Any, int | None], ...] | None = None
@@ -261,31 +277,28 @@ def _safe_str(exc: BaseException) -> str:
         return f"<unprintable {type(exc).__name__}>"
 
 
-def _list_lengths(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> tuple[Any, ...] | None:
-    lens: tuple[Any, ...] | None = None
-    for i, a in enumerate(args):
-        if type(a) is list:
-            lens = (lens or ()) + ((i, len(a)),)
-    if kwargs:
-        for k, v in kwargs.items():
-            if type(v) is list:
-                lens = (lens or ()) + ((k, len(v)),)
-    return lens
-
-
 def _restore_lists(
-    args: tuple[Any, ...], kwargs: dict[str, Any], lens: tuple[Any, ...] | None
+    args: tuple[Any, ...], kwargs: dict[str, Any], lens: list[int] | None
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The list arguments as the call saw them: ``lens`` holds each list argument's length at the
+    call, in order (positional, then keyword; the args tuple and the kwargs dict are the call's own,
+    so the order is the same here); one grown since is sliced back."""
     if not lens:
         return args, kwargs
-    args_list, kwargs = list(args), dict(kwargs)
-    for key, n in lens:
-        if isinstance(key, int):
-            if len(args_list[key]) != n:  # grown since the call: slice back to what it saw
-                args_list[key] = args_list[key][:n]
-        elif len(kwargs[key]) != n:
-            kwargs[key] = kwargs[key][:n]
-    return tuple(args_list), kwargs
+    lengths = iter(lens)
+    restored = list(args)
+    for i, value in enumerate(restored):
+        if type(value) is list:
+            n = next(lengths)
+            if len(value) != n:
+                restored[i] = value[:n]
+    kwargs = dict(kwargs)
+    for key, value in kwargs.items():
+        if type(value) is list:
+            n = next(lengths)
+            if len(value) != n:
+                kwargs[key] = value[:n]
+    return tuple(restored), kwargs
 
 
 class _LazySignature:

@@ -65,11 +65,13 @@ def rollout_trace_op(func: F) -> F:
             try:
                 result = await func(*args, **kwargs)
             except BaseException as exc:
-                _close(tracer, record, None, exc)
+                _failed(tracer, record, exc)
                 raise
             finally:
                 current.reset(token)
-            _close(tracer, record, result, None)
+            record.output = snapshot(result)  # weave records the output as it was at finish
+            record.end = _now()
+            tracer.emit(record)
             return result
 
         return async_wrapper  # type: ignore[return-value]
@@ -91,24 +93,24 @@ def rollout_trace_op(func: F) -> F:
         try:
             result = func(*args, **kwargs)
         except BaseException as exc:
-            _close(tracer, record, None, exc)
+            _failed(tracer, record, exc)
             raise
         finally:
             current.reset(token)
-        _close(tracer, record, result, None)
+        record.output = snapshot(result)  # weave records the output as it was at finish
+        record.end = _now()
+        tracer.emit(record)
         return result
 
     return wrapper  # type: ignore[return-value]
 
 
-def _close(tracer: _tracer.Tracer, record: SpanRecord, output: Any, exception: BaseException | None) -> None:
-    """Ends a call's span and queues it: a shallow snapshot of the output (weave records the
-    value at finish), the exception by reference; everything else is the sender's job."""
-    if exception is None:
-        record.output = snapshot(output)
-    else:
-        record.exception = exception
-        record.exc_stack = outer_stack(exception)
+def _failed(tracer: _tracer.Tracer, record: SpanRecord, exception: BaseException) -> None:
+    """Ends a call that raised and queues it: the exception by reference and the (code, line) pairs
+    of the frames above; weave's traceback shape is built on the sender thread. (A call that
+    returns is ended inline in the wrappers: a shallow snapshot of the output, the end time.)"""
+    record.exception = exception
+    record.exc_stack = outer_stack(exception)
     record.end = _now()
     tracer.emit(record)
 

@@ -228,12 +228,12 @@ def test_shortening_a_record_equals_shortening_its_ids() -> None:
 def test_an_open_marker_keeps_its_own_id_when_short() -> None:
     """A marker's span_id is the call's + ".open": shortened by the strings it stays distinct from
     the call's own span (the same batch may carry both when the call ends meanwhile)."""
-    from tracecar.client.sender import OpenMarker
+    from tracecar.client.sender import open_marker_wire
     from tracecar.client.spans import SpanRecord, ids
 
     root = SpanRecord("agent_loop", "trajectory", 1.0, None, {"step": 1})
     call = SpanRecord("generate", "op", 1.0, root, {"step": 1})
-    marker = OpenMarker(call).to_wire()
+    marker = open_marker_wire(call)
     shorten_wire(marker, ids.prefix)
     expand_wire(marker, ids.prefix)
     assert marker["span_id"] == call.span_id + ".open" and marker["trace_id"] == root.span_id
@@ -241,7 +241,7 @@ def test_an_open_marker_keeps_its_own_id_when_short() -> None:
 
 def test_the_sender_writes_a_markers_short_id_with_its_suffix() -> None:
     from tracecar.client.config import ClientConfig
-    from tracecar.client.sender import OpenMarker, Sender
+    from tracecar.client.sender import Sender
     from tracecar.client.spans import SpanRecord
 
     s = Sender(ClientConfig(url="http://127.0.0.1:9", worker_id="w-unit"))
@@ -250,7 +250,7 @@ def test_the_sender_writes_a_markers_short_id_with_its_suffix() -> None:
     root = SpanRecord("agent_loop", "trajectory", 1.0, None, {"step": 1})
     running, done = SpanRecord("generate", "op", 1.0, root, {"step": 1}), SpanRecord("tool", "op", 1.0, root, {"step": 1})
     done.end = 2.0
-    s.opens.append(OpenMarker(running))
+    s.opens.append(running)
     s.queue.append(done)  # not enqueue(): no thread, this test builds the body itself
     built = s._build_body()
     assert built is not None

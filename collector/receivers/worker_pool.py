@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import sys
 import threading
@@ -363,6 +364,7 @@ class WorkerPool:
 
     LOG_EVERY_S = 60.0
     MAX_START_FAILURES = 3
+    LIVENESS_CHECK_S = 1.0
 
     def __init__(self, processes: int, config: WorkerConfig, metrics: Any) -> None:
         self.processes = processes
@@ -426,12 +428,26 @@ class WorkerPool:
         return await self.call(work, order)
 
     async def call(self, fn: Any, order: Any) -> Any:
-        """``fn(order)`` in a worker, or None when the pool cannot (not warm, broken, a bug)."""
+        """``fn(order)`` in a worker, or None when the pool cannot (not warm, broken, a bug).
+
+        While it waits it checks, every ``LIVENESS_CHECK_S``, that the pool's processes are alive:
+        a worker killed while it wrote a result into the pipe (the OOM killer's usual moment: the
+        result is the batch's payloads) leaves ``ProcessPoolExecutor`` reading the rest of that
+        message for ever, so neither this batch nor any later one would ever finish or fail.
+        """
         pool = self._pool
         if pool is None or not self.ready:
             return None
         try:
-            return await asyncio.wrap_future(pool.submit(fn, order))
+            waiting = asyncio.wrap_future(pool.submit(fn, order))
+            while True:
+                done, _ = await asyncio.wait((waiting,), timeout=self.LIVENESS_CHECK_S)
+                if done:
+                    return waiting.result()
+                if _has_dead_process(pool):
+                    waiting.cancel()  # abandoned: the batch is redone in-process
+                    self._failed(pool, "died")
+                    return None
         except BrokenProcessPool:
             self._failed(pool, "died")
         except Exception as exc:  # noqa: BLE001 - a bug in the worker must not cost the batch
@@ -447,7 +463,10 @@ class WorkerPool:
                 return  # another batch on the same pool already replaced it
             self.metrics.worker_failures.labels(kind=kind).inc()
             self._ready = False
+            stuck = _release_stuck(pool) if kind == "died" else None
             pool.shutdown(wait=False, cancel_futures=True)
+            if stuck is not None:
+                stuck()
             self._start_failures += kind == "start"
             if self._start_failures >= self.MAX_START_FAILURES:  # e.g. workers cannot even start here
                 self._pool = None
@@ -475,3 +494,40 @@ class WorkerPool:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+# ---- a pool whose worker died mid-write -------------------------------------------------------
+def _has_dead_process(pool: ProcessPoolExecutor) -> bool:
+    """Whether one of the pool's processes has exited (its sentinel is readable: no reaping, no race
+    with the executor's own thread)."""
+    processes = getattr(pool, "_processes", None) or {}
+    try:
+        sentinels = [p.sentinel for p in list(processes.values())]
+    except (ValueError, AttributeError):  # a process object already closed: the executor handles it
+        return False
+    return bool(sentinels) and bool(multiprocessing.connection.wait(sentinels, timeout=0))
+
+
+def _release_stuck(pool: ProcessPoolExecutor) -> Any:
+    """What unblocks a pool whose executor thread may be stuck reading a dead worker's half-written
+    result: kill its other workers (one may wait for ever on the result pipe's lock the dead one
+    held), then close this process's end of that pipe, so the read ends (EOF) and the executor
+    fails what it still holds and cleans up. Read before ``shutdown`` drops the references."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    results = getattr(pool, "_result_queue", None)
+
+    def release() -> None:
+        for process in processes:
+            try:
+                process.kill()
+            except (OSError, ValueError, AttributeError):  # gone already
+                pass
+        writer = getattr(results, "_writer", None)
+        if writer is not None:
+            try:
+                writer.close()
+            except OSError:
+                pass
+
+    return release
+

@@ -1,0 +1,74 @@
+"""collector/receivers/worker_pool.py: a worker killed in the middle of writing its result.
+
+The OOM killer's usual moment is when a worker holds the most memory: a batch's payloads, being
+written back. ``ProcessPoolExecutor`` then reads the rest of that message for ever: without the
+pool's own liveness check, the batch, and every later one, would never finish nor fail (a real
+spawned pool; the half-written message is written by the worker itself, then it is SIGKILLed, so
+the pipe holds exactly what a kill mid-write leaves).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import struct
+import sys
+from typing import Any
+
+import pytest
+
+from tracecar.collector.metrics import Metrics
+from tracecar.collector.processors.decoding import TokenizerPolicy
+from tracecar.collector.receivers.worker_pool import WorkerConfig, WorkerPool
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def die_mid_result(_: Any) -> None:
+    """In a worker: the header of a 64 MiB result and its first KiB, then SIGKILL (lock held, as in a real send)."""
+    result_queue = sys._getframe(1).f_locals["result_queue"]  # concurrent.futures.process._process_worker's
+    result_queue._wlock.acquire()
+    result_queue._writer._send(struct.pack("!i", 64 * 2**20) + b"x" * 1024)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def pid_of(_: Any) -> int:
+    return os.getpid()
+
+
+def _died(metrics: Metrics) -> float:
+    return metrics.worker_failures.labels(kind="died")._value.get()
+
+
+async def _until_ready(pool: WorkerPool, timeout_s: float = 90) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not pool.ready:
+        assert loop.time() < deadline, "the worker pool did not warm up"
+        await asyncio.sleep(0.05)
+
+
+def test_a_worker_killed_while_writing_its_result_costs_one_redo_not_the_pool() -> None:
+    metrics = Metrics()
+    config = WorkerConfig(policy=TokenizerPolicy(), redact_keys=["api_key"], max_batch_spans=100,
+                          max_decompressed_bytes=2**20, max_span_bytes=2**20, local_only=True)
+    pool = WorkerPool(2, config, metrics)
+    pool.LIVENESS_CHECK_S = 0.2
+
+    async def scenario() -> None:
+        pool.start()
+        await _until_ready(pool)
+        first = set(pool.pids)
+        # answered None (the caller redoes the batch in-process), soon, instead of never
+        assert await asyncio.wait_for(pool.call(die_mid_result, None), timeout=30) is None
+        assert _died(metrics) == 1
+        await _until_ready(pool)  # a new pool, whose workers answer
+        assert not first & set(pool.pids)
+        assert await asyncio.wait_for(pool.call(pid_of, None), timeout=30) in pool.pids
+        assert _died(metrics) == 1
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pool.close()
