@@ -365,6 +365,7 @@ class WorkerPool:
     LOG_EVERY_S = 60.0
     MAX_START_FAILURES = 3
     LIVENESS_CHECK_S = 1.0
+    CLOSE_POLL_S = 0.2
 
     def __init__(self, processes: int, config: WorkerConfig, metrics: Any) -> None:
         self.processes = processes
@@ -444,6 +445,9 @@ class WorkerPool:
                 done, _ = await asyncio.wait((waiting,), timeout=self.LIVENESS_CHECK_S)
                 if done:
                     return waiting.result()
+                if self._pool is not pool:  # replaced meanwhile (another batch saw it die): redo in-process
+                    waiting.cancel()
+                    return None
                 if _has_dead_process(pool):
                     waiting.cancel()  # abandoned: the batch is redone in-process
                     self._failed(pool, "died")
@@ -463,10 +467,10 @@ class WorkerPool:
                 return  # another batch on the same pool already replaced it
             self.metrics.worker_failures.labels(kind=kind).inc()
             self._ready = False
-            stuck = _release_stuck(pool) if kind == "died" else None
+            handles = _PoolHandles(pool) if kind == "died" else None
             pool.shutdown(wait=False, cancel_futures=True)
-            if stuck is not None:
-                stuck()
+            if handles is not None:
+                handles.release()
             self._start_failures += kind == "start"
             if self._start_failures >= self.MAX_START_FAILURES:  # e.g. workers cannot even start here
                 self._pool = None
@@ -493,41 +497,56 @@ class WorkerPool:
             self._closed = True
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            handles = _PoolHandles(pool)
+            pool.shutdown(wait=False, cancel_futures=True)
+            handles.wait_stopped(self.CLOSE_POLL_S)  # shutdown(wait=True), but not for ever (see _PoolHandles)
 
 
 # ---- a pool whose worker died mid-write -------------------------------------------------------
-def _has_dead_process(pool: ProcessPoolExecutor) -> bool:
-    """Whether one of the pool's processes has exited (its sentinel is readable: no reaping, no race
-    with the executor's own thread)."""
-    processes = getattr(pool, "_processes", None) or {}
-    try:
-        sentinels = [p.sentinel for p in list(processes.values())]
-    except (ValueError, AttributeError):  # a process object already closed: the executor handles it
-        return False
-    return bool(sentinels) and bool(multiprocessing.connection.wait(sentinels, timeout=0))
+class _PoolHandles:
+    """A pool's processes, result pipe and executor thread, read before ``shutdown`` drops them.
 
+    A worker killed while it writes a result (the OOM killer's likely moment: the result is the
+    batch's payloads) leaves the executor's thread reading the rest of that message for ever, and
+    another worker waiting for ever on the pipe's lock the dead one held. :meth:`release` ends
+    that: the pool's other workers are killed and this process's end of the result pipe closed,
+    so the read ends (EOF) and the executor fails what it still holds and cleans up.
+    """
 
-def _release_stuck(pool: ProcessPoolExecutor) -> Any:
-    """What unblocks a pool whose executor thread may be stuck reading a dead worker's half-written
-    result: kill its other workers (one may wait for ever on the result pipe's lock the dead one
-    held), then close this process's end of that pipe, so the read ends (EOF) and the executor
-    fails what it still holds and cleans up. Read before ``shutdown`` drops the references."""
-    processes = list((getattr(pool, "_processes", None) or {}).values())
-    results = getattr(pool, "_result_queue", None)
+    def __init__(self, pool: ProcessPoolExecutor) -> None:
+        self.processes = list((getattr(pool, "_processes", None) or {}).values())
+        self.results = getattr(pool, "_result_queue", None)
+        self.manager: threading.Thread | None = getattr(pool, "_executor_manager_thread", None)
 
-    def release() -> None:
-        for process in processes:
+    def any_dead(self) -> bool:
+        """Whether a process has exited (its sentinel is readable: no reaping, no race with the executor)."""
+        try:
+            sentinels = [p.sentinel for p in self.processes]
+        except (ValueError, AttributeError):  # a process object already closed: the executor handles it
+            return False
+        return bool(sentinels) and bool(multiprocessing.connection.wait(sentinels, timeout=0))
+
+    def release(self) -> None:
+        for process in self.processes:
             try:
                 process.kill()
             except (OSError, ValueError, AttributeError):  # gone already
                 pass
-        writer = getattr(results, "_writer", None)
+        writer = getattr(self.results, "_writer", None)
         if writer is not None:
             try:
                 writer.close()
             except OSError:
                 pass
 
-    return release
+    def wait_stopped(self, poll_s: float) -> None:
+        """Waits for the executor's thread (after ``shutdown(wait=False)``), releasing it if a worker died."""
+        manager = self.manager
+        while manager is not None and manager.is_alive():
+            manager.join(poll_s)
+            if manager.is_alive() and self.any_dead():
+                self.release()
 
+
+def _has_dead_process(pool: ProcessPoolExecutor) -> bool:
+    return _PoolHandles(pool).any_dead()

@@ -14,6 +14,7 @@ import os
 import signal
 import struct
 import sys
+import threading
 from typing import Any
 
 import pytest
@@ -72,3 +73,39 @@ def test_a_worker_killed_while_writing_its_result_costs_one_redo_not_the_pool() 
         asyncio.run(scenario())
     finally:
         pool.close()
+
+
+def test_closing_a_pool_whose_worker_died_writing_its_result_does_not_hang() -> None:
+    """The drain's last step joins the executor: it must end even if a worker died mid-write
+    after the last liveness check (here the batch's own check is an hour away)."""
+    metrics = Metrics()
+    config = WorkerConfig(policy=TokenizerPolicy(), redact_keys=[], max_batch_spans=100,
+                          max_decompressed_bytes=2**20, max_span_bytes=2**20, local_only=True)
+    pool = WorkerPool(1, config, metrics)
+    pool.LIVENESS_CHECK_S = 3600
+
+    async def scenario() -> None:
+        pool.start()
+        await _until_ready(pool)
+        [pid] = pool.pids
+        batch = asyncio.ensure_future(pool.call(die_mid_result, None))
+        deadline = asyncio.get_running_loop().time() + 30
+        while not _exited(pid):  # the worker wrote half its result and is gone; the batch still waits
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.05)
+        assert not batch.done()
+        closing = threading.Thread(target=pool.close, daemon=True)
+        closing.start()
+        await asyncio.get_running_loop().run_in_executor(None, closing.join, 30)
+        assert not closing.is_alive(), "close() hung on the stuck executor"
+        batch.cancel()
+
+    asyncio.run(scenario())
+
+
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1].startswith(("Z", "X"))
+    except FileNotFoundError:
+        return True
