@@ -50,12 +50,18 @@ async def _until_ready(pool: WorkerPool, timeout_s: float = 90) -> None:
         await asyncio.sleep(0.05)
 
 
-def test_a_worker_killed_while_writing_its_result_costs_one_redo_not_the_pool() -> None:
+def _pool(processes: int, liveness_check_s: float) -> tuple[WorkerPool, Metrics]:
+    """A real spawned pool (no tokenizer: these tasks decode nothing), not started yet."""
     metrics = Metrics()
     config = WorkerConfig(policy=TokenizerPolicy(), redact_keys=["api_key"], max_batch_spans=100,
                           max_decompressed_bytes=2**20, max_span_bytes=2**20, local_only=True)
-    pool = WorkerPool(2, config, metrics)
-    pool.LIVENESS_CHECK_S = 0.2
+    pool = WorkerPool(processes, config, metrics)
+    pool.LIVENESS_CHECK_S = liveness_check_s
+    return pool, metrics
+
+
+def test_a_worker_killed_while_writing_its_result_costs_one_redo_not_the_pool() -> None:
+    pool, metrics = _pool(2, liveness_check_s=0.2)
 
     async def scenario() -> None:
         pool.start()
@@ -78,11 +84,7 @@ def test_a_worker_killed_while_writing_its_result_costs_one_redo_not_the_pool() 
 def test_closing_a_pool_whose_worker_died_writing_its_result_does_not_hang() -> None:
     """The drain's last step joins the executor: it must end even if a worker died mid-write
     after the last liveness check (here the batch's own check is an hour away)."""
-    metrics = Metrics()
-    config = WorkerConfig(policy=TokenizerPolicy(), redact_keys=[], max_batch_spans=100,
-                          max_decompressed_bytes=2**20, max_span_bytes=2**20, local_only=True)
-    pool = WorkerPool(1, config, metrics)
-    pool.LIVENESS_CHECK_S = 3600
+    pool, _ = _pool(1, liveness_check_s=3600)
 
     async def scenario() -> None:
         pool.start()
