@@ -34,7 +34,7 @@ VOCAB = 100_000  # below the deepseek tokenizer's 129k vocabulary
 # ---- processes -------------------------------------------------------------------------
 # One implementation of ports, waiting and terminate-wait-kill for tests and benches: tests/support.
 sys.path.insert(0, str(REPO))
-from tests.support.collector import collector_env, launch_collector  # noqa: E402
+from tests.support.collector import collector_env, launch_collector, scrape_metric  # noqa: E402, F401  (scrape_metric: for bench scripts)
 from tests.support.processes import Service, free_port, pool_pids, start_service  # noqa: E402, F401  (bench scripts import them from here)
 from tests.support.processes import clean_env as _clean_env  # noqa: E402
 

@@ -36,6 +36,7 @@ from tracecar.client import rollout_trace_attr, rollout_trace_op  # noqa: E402
 from tracecar.client import sender as sender_module  # noqa: E402
 from tracecar.client import tracer as tracer_module  # noqa: E402
 
+from common import scrape_metric as metric  # noqa: E402
 from common import services, start_collector  # noqa: E402
 
 WORDS = ("the model calls the tool with arguments and reads the answer step reward rollout policy gradient "
@@ -98,17 +99,6 @@ class Agent:
         if self.full_output:
             return {"prompt_ids": prompt_ids[:first], "response_ids": prompt_ids[first:], "num_turns": len(trajectory["turns"])}
         return {"num_turns": len(trajectory["turns"])}
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0.0
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 def spool_size(data: Path) -> int:

@@ -204,6 +204,16 @@ def ids_as_lists(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _fast_path_fits(wire: dict[str, Any]) -> bool:
+    """Unwraps packed id arrays in inputs/output back to lists (in place); False when a top-level
+    non-finite number (which orjson would write as null) sends the span through the walk."""
+    for part in ("output", "inputs"):
+        value = wire.get(part)
+        if type(value) is dict:
+            wire[part] = ids_as_lists(value)
+    return not (_has_non_finite(wire.get("output")) or _has_non_finite(wire.get("attributes")))
+
+
 def pack_span(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> bytes:
     """Packs one span as JSON: the fast path when it can, the bounded Python walk when it must.
 
@@ -217,11 +227,7 @@ def pack_span(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> by
     (orjson would turn a NaN reward into null), or a result larger than the string bound goes
     through the bounded walk, which replaces those values, so a secret never leaves the worker.
     """
-    for part in ("output", "inputs"):
-        value = wire.get(part)
-        if type(value) is dict:
-            wire[part] = ids_as_lists(value)
-    if not (_has_non_finite(wire.get("output")) or _has_non_finite(wire.get("attributes"))):
+    if _fast_path_fits(wire):
         try:
             packed = _pack_spliced(wire, encoder, size_limit) if _Fragment is not None and encoder.redact.spliceable \
                 else _pack_whole(wire, encoder, size_limit)
@@ -235,11 +241,7 @@ def pack_span(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> by
 def pack_span_legacy(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> bytes:
     """The previous packing (one dump, the byte search over all of it, default fields sent):
     kept so a benchmark can run it beside :func:`pack_span` in one run (``TRACECAR_PACKING=legacy``)."""
-    for part in ("output", "inputs"):
-        value = wire.get(part)
-        if type(value) is dict:
-            wire[part] = ids_as_lists(value)
-    if not (_has_non_finite(wire.get("output")) or _has_non_finite(wire.get("attributes"))):
+    if _fast_path_fits(wire):
         try:
             packed = orjson.dumps(wire, default=encoder.flatten, option=_OPTIONS)
             if len(packed) <= size_limit and not _legacy_might_hold(encoder.redact, packed, max(0, packed.find(b'"attributes":'))):

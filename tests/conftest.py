@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.support import ProcessCollector, ThreadCollector, collector_env, free_port, serve_in_thread, stop_process
+from tests.support.collector import metric_value, scrape_metric
 from tests.support.weave_stub import WeaveStub
 
 os.environ.setdefault("WEAVE_DISABLED", "true")
@@ -162,20 +163,10 @@ class FaultKit:
         poster = client.post if client is not None else httpx.post
         return poster(url + "/v1/spans", content=body, headers=headers, timeout=timeout)
 
-    @staticmethod
-    def metric(text: str, name: str, **labels: str) -> float:
-        """Sum of the samples of ``name`` whose labels include ``labels`` (0.0 when absent)."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        total = 0.0
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    total += sample.value
-        return total
+    metric = staticmethod(metric_value)
 
     def metrics(self, url: str, name: str, **labels: str) -> float:
-        return self.metric(httpx.get(url + "/metrics", timeout=10).text, name, **labels)
+        return scrape_metric(url, name, **labels)
 
     @staticmethod
     def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05) -> Any:

@@ -23,6 +23,7 @@ import psutil
 import pytest
 from tokenizers import Tokenizer
 
+from tests.support.collector import scrape_metric
 from tests.support.processes import pool_pids
 
 pytestmark = pytest.mark.timeout(240)
@@ -43,20 +44,9 @@ def _start(collector_process: Any, tokenizer: str, workers: int, **env: Any) -> 
     return col
 
 
-def _metric(url: str, name: str, **labels: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0.0
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
-
-
 def _wait_metric(url: str, name: str, value: float, timeout: float, **labels: str) -> None:
     deadline = time.monotonic() + timeout
-    while (got := _metric(url, name, **labels)) < value:
+    while (got := scrape_metric(url, name, **labels)) < value:
         assert time.monotonic() < deadline, f"{name}{labels} = {got}, waited {timeout} s for {value}"
         time.sleep(0.1)
 
@@ -115,15 +105,15 @@ def test_two_workers_store_exactly_what_one_process_stores(collector_process, ki
             answer = kit.post(col.url, spans, v=v).json()
             assert answer["accepted"] == len(spans) and answer["rejected"] == [], answer
         path = "worker" if workers > 1 else "in_process"
-        assert _metric(col.url, "tracecar_worker_batches_total", path=path) == len(bodies)
-        assert _metric(col.url, "tracecar_worker_batches_total") == len(bodies)
+        assert scrape_metric(col.url, "tracecar_worker_batches_total", path=path) == len(bodies)
+        assert scrape_metric(col.url, "tracecar_worker_batches_total") == len(bodies)
         # worker-first: with a pool, no body is parsed by the ingest process (it read span heads)
-        assert _metric(col.url, "tracecar_batches_parsed_total", where="worker" if workers > 1 else "ingest") == len(bodies)
-        assert _metric(col.url, "tracecar_batches_parsed_total") == len(bodies)
-        counted[workers] = {name: {outcome: _metric(col.url, name, **{label: outcome}) for outcome in outcomes}
+        assert scrape_metric(col.url, "tracecar_batches_parsed_total", where="worker" if workers > 1 else "ingest") == len(bodies)
+        assert scrape_metric(col.url, "tracecar_batches_parsed_total") == len(bodies)
+        counted[workers] = {name: {outcome: scrape_metric(col.url, name, **{label: outcome}) for outcome in outcomes}
                             for name, label, outcomes in COUNTERS}
-        counted[workers]["tokens"] = {"": _metric(col.url, "tracecar_decoded_tokens_total")}
-        assert _metric(col.url, "tracecar_prompt_text_joins_total", outcome="reused") >= 2
+        counted[workers]["tokens"] = {"": scrape_metric(col.url, "tracecar_decoded_tokens_total")}
+        assert scrape_metric(col.url, "tracecar_prompt_text_joins_total", outcome="reused") >= 2
         assert col.terminate() in (0, -signal.SIGTERM)  # drains, then uvicorn re-raises the signal
         stored[workers] = _rows(Path(col.env["TRACECAR_DATA_DIR"]))
         os.rename(col.env["TRACECAR_DATA_DIR"], col.env["TRACECAR_DATA_DIR"] + f"-{workers}")  # the next one starts empty
@@ -177,8 +167,8 @@ def test_refusals_and_warnings_answer_the_same_with_workers(collector_process, k
             else:
                 got = kit.post(col.url, spans, **envelope)
             answers.append((got.status_code, got.json()))
-        counters = {name: {o: _metric(col.url, name, **{label: o}) for o in outcomes} for name, label, outcomes in COUNTERS}
-        parsed = {w: _metric(col.url, "tracecar_batches_parsed_total", where=w) for w in ("worker", "ingest")}
+        counters = {name: {o: scrape_metric(col.url, name, **{label: o}) for o in outcomes} for name, label, outcomes in COUNTERS}
+        parsed = {w: scrape_metric(col.url, "tracecar_batches_parsed_total", where=w) for w in ("worker", "ingest")}
         assert col.terminate() in (0, -signal.SIGTERM)
         seen[workers] = (answers, counters, _rows(Path(col.env["TRACECAR_DATA_DIR"])))
         os.rename(col.env["TRACECAR_DATA_DIR"], col.env["TRACECAR_DATA_DIR"] + f"-{workers}")
@@ -213,7 +203,7 @@ def test_budgets_are_decided_once_across_the_pool(collector_process, kit, tok, d
         t.start()
     for t in threads:
         t.join(60)
-    assert _metric(col.url, "tracecar_worker_batches_total", path="worker") > 0
+    assert scrape_metric(col.url, "tracecar_worker_batches_total", path="worker") > 0
     assert col.terminate() in (0, -signal.SIGTERM)  # drains, then uvicorn re-raises the signal
     indices = {orjson.loads(row[0])["attributes"]["sample_index"] for row in _rows(Path(col.env["TRACECAR_DATA_DIR"])).values()}
     assert len(indices) == 2, indices
@@ -300,12 +290,12 @@ def test_a_worker_killed_mid_load_loses_nothing_acknowledged(collector_process, 
     [victim, _] = pool_pids(col.proc.pid)
     with Load(kit, tok, col.url) as load:
         load.wait_acked(150)
-        before = _metric(col.url, "tracecar_worker_batches_total", path="worker")
+        before = scrape_metric(col.url, "tracecar_worker_batches_total", path="worker")
         assert before > 0
         os.kill(victim, signal.SIGKILL)
         _wait_metric(col.url, "tracecar_worker_failures_total", 1, timeout=30, kind="died")
         _wait_metric(col.url, "tracecar_workers", 2, timeout=90)  # the pool is back
-        after_restart = _metric(col.url, "tracecar_worker_batches_total", path="worker")
+        after_restart = scrape_metric(col.url, "tracecar_worker_batches_total", path="worker")
         _wait_metric(col.url, "tracecar_worker_batches_total", after_restart + 3, timeout=60, path="worker")
         load.wait_acked(len(load.acked) + 100)
     assert victim not in pool_pids(col.proc.pid)

@@ -422,14 +422,22 @@ class IngestPipeline:
             order = await loop.run_in_executor(self.cpu, self._work_order, validated, spans, body, content_type, content_encoding)
         if pool is not None and order is not None:
             pool.start()  # no-op once started
-            result = await pool.run(order)
-            if result is not None and result.redo is None:
-                self.metrics.worker_batches.labels(path="worker").inc()
-                return self._apply(validated, spans, order.worker, order.tokenizer, result)
-            if result is not None:
-                self.metrics.worker_failures.labels(kind=result.redo or "redo").inc()
+            done_there = await self._in_worker(pool, order, validated, spans)
+            if done_there is not None:
+                return done_there
         self.metrics.worker_batches.labels(path="in_process").inc()
         return await loop.run_in_executor(self.cpu, self._decode_and_serialize, validated, spans)
+
+    async def _in_worker(self, pool: WorkerPool, order: WorkOrder, validated: Validated,
+                         spans: list[Span]) -> tuple[list[SpoolRow], int, list[Rejection]] | None:
+        """The batch done by a worker, or None (counted) when it must be done in the ingest process."""
+        result = await pool.run(order)
+        if result is not None and result.redo is None:
+            self.metrics.worker_batches.labels(path="worker").inc()
+            return self._apply(validated, spans, order.worker, order.tokenizer, result)
+        if result is not None:
+            self.metrics.worker_failures.labels(kind=result.redo or "redo").inc()
+        return None
 
     async def _decode_heads(self, validated: Validated, spans: list[Span], body: bytes | bytearray, content_type: str | None,
                             content_encoding: str | None, pool: WorkerPool) -> tuple[list[SpoolRow], int, list[Rejection]]:
@@ -439,12 +447,9 @@ class IngestPipeline:
         order = await loop.run_in_executor(self.cpu, self._work_order, validated, spans, body, content_type,
                                            content_encoding, True)
         if order is not None:
-            result = await pool.run(order)
-            if result is not None and result.redo is None:
-                self.metrics.worker_batches.labels(path="worker").inc()
-                return self._apply(validated, spans, order.worker, order.tokenizer, result)
-            if result is not None:
-                self.metrics.worker_failures.labels(kind=result.redo or "redo").inc()
+            done_there = await self._in_worker(pool, order, validated, spans)
+            if done_there is not None:
+                return done_there
         validated.warnings.clear()
         validated.warnings.update(before)
         self.metrics.worker_batches.labels(path="in_process").inc()

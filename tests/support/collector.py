@@ -10,10 +10,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from tests.support.processes import Service, clean_env, start_service, wait_http
 
 #: How every test and bench starts a collector process (the launcher `tracecar serve` also runs).
 COLLECTOR_ARGV = (sys.executable, "-m", "tracecar.collector")
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` in a /metrics text whose labels include ``labels`` (0.0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def scrape_metric(url: str, name: str, **labels: str) -> float:
+    """:func:`metric_value` of the collector at ``url``, scraped now."""
+    return metric_value(httpx.get(url + "/metrics", timeout=10).text, name, **labels)
 
 
 def wait_ready(url: str, timeout: float = 30.0, proc: subprocess.Popen[Any] | None = None) -> None:
