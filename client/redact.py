@@ -106,6 +106,8 @@ class RedactKeys:
         scheme with its credential, or else a bare token.
         """
         low = text.lower()
+        if "bearer" in low:  # a bearer credential is one whatever precedes it ("authorization -> Bearer …")
+            text = _BEARER_CREDENTIAL.sub(_redact_credential, text)
         if not any(k in low for k in self.keys):
             return text
         out: list[str] = []
@@ -119,6 +121,15 @@ class RedactKeys:
                 out += (text[done:start], REDACTED)
                 done = end
         return "".join(out) + text[done:] if out else text
+
+
+# RFC 6750's token68 after "Bearer", at least 8 characters with a digit or a symbol in them (so
+# "a bearer of news" is left alone)
+_BEARER_CREDENTIAL = re.compile(r"(?i)(\bbearer\s+)(?=[A-Za-z0-9\-._~+/]*[0-9\-._~+/])[A-Za-z0-9\-._~+/]{8,}=*")
+
+
+def _redact_credential(match: re.Match[str]) -> str:
+    return match.group(1) + REDACTED
 
 
 _SCHEME = re.compile(r"(?i)(?:bearer|basic|token|digest|negotiate|bot|apikey|api-key|aws4-hmac-sha256)\s+(?=\S)")
@@ -241,8 +252,9 @@ def scrub_exception(span: dict[str, Any], keys: RedactKeys = DEFAULT) -> None:
     info = span.get("exception_info")
     if type(info) is dict:
         info = redact_value(info, keys)
-        if type(info.get("message")) is str:
-            info["message"] = keys.scrub_text(info["message"])
+        for field in ("message", "type"):  # a type name is text a hostile client may fill too
+            if type(info.get(field)) is str:
+                info[field] = keys.scrub_text(info[field])
         for frame in info.get("traceback") or ():
             if type(frame) is dict:
                 scrub_frame(frame, keys)

@@ -20,7 +20,7 @@ class Metrics:
         self.spans_accepted = Counter("tracecar_spans_accepted", "Spans committed to the spool (acknowledged).", registry=r)
         self.spans_rejected = Counter("tracecar_spans_rejected", "Spans refused, by reason.", ["reason"], registry=r)
         self.batches_rejected = Counter("tracecar_batches_rejected", "Whole requests refused (body, encoding, envelope), by reason.", ["reason"], registry=r)
-        self.spans_duplicate = Counter("tracecar_spans_duplicate", "Spans already in the spool (client retries), dropped.", registry=r)
+        self.spans_duplicate = Counter("tracecar_spans_duplicate", "Spans already in the spool, or deleted from it after forwarding, eviction or sampling (client retries), dropped.", registry=r)
         self.spans_sampled_out = Counter("tracecar_spans_sampled_out", "Spans dropped by a sampling budget.", ["budget"], registry=r)
         self.span_warnings = Counter("tracecar_span_warnings", "Spans stored with a recorded warning, by kind.", ["kind"], registry=r)
         self.client_dropped = Counter("tracecar_client_dropped_spans", "Spans workers dropped before sending (as their batch headers report), by reason (queue_full, span_too_large, ...).", ["reason"], registry=r)

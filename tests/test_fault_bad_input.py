@@ -393,6 +393,17 @@ def test_stored_warnings_and_orphans_are_visible_in_the_store(hostile_collector,
     tree = httpx.get(f"{col.url}/v1/trajectories/{root['span_id']}").json()
     assert tree["root"]["children"][0]["name"] == "Agent.\ufffd\ufffdXX"
 
+    # a lone surrogate escape reaches the standard parser (a number past a double sends the body
+    # there; orjson refuses it): in the informational run id or client map it is ignored with a
+    # warning, as any unusable run id is, and costs no span
+    for name, value in (("wandb_run_id", b'"run\\ud800"'), ("client", b'{"version": "1\\ud800"}')):
+        child, root = good(kit)
+        batch = orjson.dumps({"v": 1, "worker": "w", "spans": [child, root], name: "SURROGATE"})
+        body = batch.replace(b'"SURROGATE"', value).replace(b'{"v":1,', b'{"wide":1e400,"v":1,')
+        r = httpx.post(col.url + "/v1/spans", content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 200 and r.json()["accepted"] == 2, (name, r.text)
+        assert any(w.startswith(f"{name}: ignored") for w in r.json()["warnings"][child["span_id"]]), r.text
+
 
 # ---- property-based fuzz ------------------------------------------------------------------
 _scalars = st.one_of(

@@ -80,11 +80,13 @@ def test_store_max_bytes_evicts_the_oldest_forwarded_trajectories_whole(start_co
     col = _weave(start_collector, faulty_weave_stub, kit, store_max_bytes=2 * MiB)
     spool = col.collector.spool
     posted: list[str] = []
+    batches: list[list[dict[str, Any]]] = []
     with httpx.Client() as client:
         for _ in range(80):  # ~8 MiB of span bytes through a 2 MiB store
             batch = kit.trajectory(children=4, payload_bytes=20_000)
             _post_until_taken(col, kit, batch, client)
             posted.append(batch[-1]["trace_id"])
+            batches.append(batch)
             time.sleep(0.02)
     assert kit.wait_for(lambda: len(faulty_weave_stub.delivered()) == 80 * 5, 30)
     assert kit.wait_for(lambda: spool.used_bytes() <= 2 * MiB, 10), spool.used_bytes()
@@ -98,6 +100,28 @@ def test_store_max_bytes_evicts_the_oldest_forwarded_trajectories_whole(start_co
     assert set(sizes.values()) == {5}  # whole trajectories only
     assert set(sizes) == set(posted[-len(sizes):])  # the oldest went first
     assert len(faulty_weave_stub.delivered()) == len(set(faulty_weave_stub.delivered()))  # each forwarded once
+    # a client resending an evicted trajectory (its answer was lost) gets duplicates: not stored nor forwarded again
+    resent = kit.post(col.url, batches[0])
+    assert resent.status_code == 200 and (resent.json()["accepted"], resent.json()["duplicates"]) == (0, 5), resent.text
+    time.sleep(0.5)
+    assert len(faulty_weave_stub.delivered()) == 80 * 5 and posted[0] not in _trace_sizes(spool)
+
+
+def test_a_resend_after_forwarded_spans_were_deleted_is_still_a_duplicate(start_collector, faulty_weave_stub, kit):
+    """TRACECAR_KEEP_FORWARDED=false deletes what the backend has; the ids stay known, so a client's
+    retry of a batch whose answer it lost is never forwarded twice."""
+    col = _weave(start_collector, faulty_weave_stub, kit, keep_forwarded=False)
+    batch = kit.trajectory(children=2)
+    first = kit.post(col.url, batch)
+    assert first.status_code == 200 and first.json()["accepted"] == 3, first.text
+    assert kit.wait_for(lambda: len(faulty_weave_stub.delivered()) == 3, 30)
+    spool = col.collector.spool
+    assert kit.wait_for(lambda: not spool.query("SELECT 1 FROM spans"), 10)  # deleted once forwarded
+    again = kit.post(col.url, batch)
+    assert again.status_code == 200 and (again.json()["accepted"], again.json()["duplicates"]) == (0, 3), again.text
+    time.sleep(0.5)
+    assert len(faulty_weave_stub.delivered()) == 3
+    assert kit.metrics(col.url, "tracecar_spans_duplicate_total") == 3
 
 
 def test_store_max_age_evicts_forwarded_trajectories_but_never_unforwarded_ones(start_collector, faulty_weave_stub, kit):

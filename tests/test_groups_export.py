@@ -178,6 +178,22 @@ def test_groups_sort_filter_page_and_are_the_viewers_too(fed):
         assert response.status_code == 422, (bad, response.text)
 
 
+def test_a_huge_finite_reward_costs_no_500_and_its_stats_stay_exact(start_collector):
+    """Any finite reward is accepted; its square may not be (1e200² overflows a double): the group
+    statistics go exact instead of answering 500 for the whole step."""
+    col = start_collector()
+    spans = []
+    for n, reward in enumerate((0.0, 1e200, -1.7e308, 1.7e308)):
+        spans += trajectory(f"h-n{n}", 6, n // 2, n, WIN, reward=reward, t0=5000.0 + n)
+    post(col.url, spans)
+    for path in ("/v1/groups", "/ui/api/groups"):
+        for sort in ("spread", "zero_spread", "mean", "sample_index"):
+            groups = {g["sample_index"]: g for g in get(col.url, path, step=6, sort=sort)["groups"]}
+            assert groups[0]["mean"] == 5e199 and groups[0]["std"] == pytest.approx(7.0710678118654755e199)
+            assert groups[1]["mean"] == 0.0 and groups[1]["std"] is None  # past a double: no number to give
+    assert GroupStats.of(2, [0.0, 1e200]).spread == 1e200
+
+
 def test_group_keys_are_opaque_ints_or_strings():
     rows = [{"trace_id": f"t{i}", "sample_index": key, "reward": reward, "rollout_n": i}
             for i, (key, reward) in enumerate([("q-b", 1.0), (3, 0.0), ("q-b", 0.0), (3, 0.0), ("q-a", None)])]

@@ -275,6 +275,23 @@ def test_the_wire_format_over_http_refs_in_batch_across_batches_and_refused(star
     assert payloads[third["span_id"]]["inputs"]["prompt_ids"] == list(range(50)) + [4]
 
 
+def test_a_resend_with_other_ids_changes_no_later_rebuild(start_collector, kit):
+    """A span resent with other ids is dropped as a duplicate; a later reference to it rebuilds
+    from what the store holds (its context is not replaced), or is refused when it is gone."""
+    col = start_collector()
+    root = kit.new_id()
+    base = _span(kit, root, [1, 2, 3])
+    assert kit.post(col.url, [base], v=2).json()["accepted"] == 1
+    same_batch = _span(kit, root, {"$ref": base["span_id"], "n": 3, "add": [9]})
+    answer = kit.post(col.url, [dict(base, inputs={"request_id": "r", "prompt_ids": [7, 7, 7]}), same_batch], v=2).json()
+    assert (answer["accepted"], answer["duplicates"]) == (1, 1), answer
+    later = _span(kit, root, {"$ref": base["span_id"], "n": 3, "add": [8]})
+    assert kit.post(col.url, [later], v=2).json()["accepted"] == 1
+    stored = {row["span_id"]: orjson.loads(row["payload"])["inputs"]["prompt_ids"] for row in col.collector.pipeline.spool.query(
+        "SELECT span_id, payload FROM spans WHERE trace_id = ?", [root])}
+    assert stored == {base["span_id"]: [1, 2, 3], same_batch["span_id"]: [1, 2, 3, 9], later["span_id"]: [1, 2, 3, 8]}
+
+
 def test_references_cannot_inflate_a_small_body_without_bound(start_collector, kit):
     """References rebuild at most TRACECAR_MAX_DECOMPRESSED_BYTES / 2 ids per batch; the rest is
     refused as unresolved (the client resends them whole, where the body bounds apply)."""

@@ -102,3 +102,26 @@ def test_budget_zero_keeps_nothing_and_unset_keeps_all(start_collector, tracer_t
         else:
             page = httpx.get(col.url + "/v1/trajectories", params={"experiment": "b0"}).json()
             assert page["total"] == 0
+
+
+def test_a_dropped_trajectorys_late_reward_stays_dropped_after_a_restart(start_collector, kit, tmp_path):
+    """The trajectory's head decision is persisted with the per-sample ones: a reward the trainer
+    sends after a collector restart (or after the in-memory map forgot it) follows its trajectory."""
+    data_dir = tmp_path / "budget-restart"
+    col = start_collector(max_samples_per_step_per_worker=1, data_dir=data_dir)
+    kept, dropped = (kit.trajectory(children=1, step=7, sample_index=i, rollout_n=0) for i in (0, 1))
+    assert kit.post(col.url, kept).json()["accepted"] == 2
+    assert kit.post(col.url, dropped).json()["sampled_out"] == 2
+
+    def reward(trajectory: list[dict[str, object]]) -> list[dict[str, object]]:
+        root = trajectory[-1]
+        return [{"span_id": kit.new_id(), "trace_id": root["trace_id"], "parent_id": None, "name": "annotation",
+                 "kind": "annotation", "start_time": 9.0, "end_time": 9.0, "attributes": {"reward": 1.0},
+                 "inputs": {}, "output": None, "exception": None}]
+
+    col.stop()
+    col = start_collector(max_samples_per_step_per_worker=1, data_dir=data_dir)
+    late = kit.post(col.url, reward(dropped)).json()
+    assert (late["accepted"], late["sampled_out"]) == (0, 1), late
+    assert kit.post(col.url, reward(kept)).json()["accepted"] == 1
+    assert httpx.get(f"{col.url}/v1/trajectories/{dropped[-1]['trace_id']}").status_code == 404

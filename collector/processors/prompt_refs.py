@@ -212,7 +212,8 @@ def _whole_context(slices: dict[str, Any]) -> tuple[str, Context, int] | None:
     return ref, entry, n_prompt
 
 
-def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int) -> tuple[dict[Any, Base], int]:
+def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int,
+                 stored: set[str] | frozenset[str] = frozenset()) -> tuple[dict[Any, Base], int]:
     """Rebuilds every referenced ``inputs.prompt_ids`` in place and remembers each span's context.
 
     Also rebuilds output ``prompt_ids`` / ``response_ids`` sent as slices of a context
@@ -223,6 +224,8 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int) -
     name (``spans[i].inputs.prompt_ids``, ``spans[i].output.response_ids``). ``max_ids`` bounds
     the ids one batch may rebuild (a small body must not grow without bound in memory); the spans
     past it are refused as unresolved, so the client resends them whole, where the body bounds apply.
+    ``stored``: spans of the batch the store holds already (resends, dropped as duplicates when
+    written): their context is not remembered, so a later reference rebuilds what the store holds.
     """
     worker = validated.batch.worker
     contexts.release_ended()
@@ -268,7 +271,9 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int) -
         if whole is not None:
             bases[(span["span_id"], "output")] = Base(worker, whole[0], whole[1].prompt_len, True, whole[2])
         ids = as_ids(prompt)
-        if ids is not None:
+        # a resend of a known span keeps the first context: the store keeps the first copy (the
+        # resend is dropped as a duplicate), and later references must rebuild what it holds
+        if ids is not None and span["span_id"] not in stored and contexts.get(worker, span["span_id"]) is None:
             contexts.remember(worker, span["span_id"], Context.of(ids, output), span.get("trace_id"))
     for span in kept:
         if span.get("kind") == "trajectory":

@@ -223,9 +223,15 @@ def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT
             expand_wire(item, batch.id_prefix)
     out = Validated(batch=batch)
     walk = body is None or redact.might_hold(body, body_is_json)
+    envelope_warnings: list[str] = []
+    if batch.client and not all(_storable(k) and _storable(v) for k, v in batch.client.items()):
+        batch.client = None  # what the client says of itself: informational, never worth the batch
+        envelope_warnings.append("client: ignored, a key or value holds a lone surrogate (not UTF-8)")
     if walk and batch.client:
         batch.client = {k: (REDACTED if k in redact else v) for k, v in batch.client.items()}
     run_id, run_warning = _run_id(batch.wandb_run_id)
+    if run_warning:
+        envelope_warnings.append(run_warning)
     seen: dict[str, int] = {}
     for index, item in enumerate(batch.spans):
         span_id = item.get("span_id") if isinstance(item, dict) else None
@@ -254,9 +260,7 @@ def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT
             redact_span(plain, redact)
         else:  # no key anywhere in the body, but an error may have formatted a secret into its text
             scrub_exception(plain, redact)
-        warnings = _sanitize_non_finite(plain)
-        if run_warning:
-            warnings.append(run_warning)
+        warnings = _sanitize_non_finite(plain) + envelope_warnings
         if warnings:
             out.warnings[span["span_id"]] = warnings
         span["worker"] = batch.worker
@@ -272,11 +276,24 @@ def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT
     return out
 
 
+def _storable(text: str) -> bool:
+    """Whether a string can be stored (UTF-8): the standard JSON parser, used for bodies with numbers
+    past a double, lets a lone surrogate escape (``"\\ud800"``) through, which orjson refuses."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _run_id(value: Any) -> tuple[str | None, str | None]:
     """The batch's W&B run id (a run id or entity/project/run_id), or why it is ignored."""
     if value is None:
         return None, None
-    if isinstance(value, str) and 0 < len(value) <= 256 and not any(c.isspace() for c in value) and value.count("/") <= 2:
+    if (isinstance(value, str) and 0 < len(value) <= 256 and not any(c.isspace() for c in value) and value.count("/") <= 2
+            and _storable(value)):
         return value, None
     # what was sent is described, never echoed: the answer and every span's warnings are stored and
     # served, and a misplaced value may be a secret (a dict holding an api_key, a token in a string)
@@ -343,9 +360,9 @@ def _reject_cycles(out: Validated, index_of: dict[str, int]) -> None:
 
 
 def parents_to_look_up(out: Validated) -> list[str]:
-    """Parent ids the batch names but does not hold: their trace_id is asked of the store."""
-    here = {s["span_id"] for s in out.spans}
-    return sorted({s["parent_id"] for s in out.spans if s["parent_id"] is not None and s["parent_id"] not in here})
+    """Parent ids the batch names: their trace_id is asked of the store, those the batch holds too
+    (a stored span wins over a batch copy of it, see :func:`reject_foreign_children`)."""
+    return sorted({s["parent_id"] for s in out.spans if s["parent_id"] is not None})
 
 
 def reject_foreign_children(out: Validated, stored_traces: dict[str, str]) -> None:
@@ -357,8 +374,10 @@ def reject_foreign_children(out: Validated, stored_traces: dict[str, str]) -> No
     of the batch, its parent included, is stored. A parent that is not known (not in this batch
     nor in the store, e.g. not arrived yet or already forwarded and deleted) cannot be checked.
     """
-    traces = {**stored_traces, **{s["span_id"]: s["trace_id"] for s in out.spans}}
-    where = {s["span_id"]: out.index_of.get(s["span_id"]) for s in out.spans}
+    # a stored span wins over a batch copy of it: the copy is dropped as a duplicate at write time,
+    # so it must not decide its children's trajectory either
+    traces = {**{s["span_id"]: s["trace_id"] for s in out.spans}, **stored_traces}
+    where = {s["span_id"]: out.index_of.get(s["span_id"]) for s in out.spans if s["span_id"] not in stored_traces}
     kept = []
     for span in out.spans:
         parent = span["parent_id"]

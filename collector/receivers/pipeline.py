@@ -31,7 +31,7 @@ from ..processors.decoding import TokenizerNotFound, TokenizerPolicy, TokenizerR
 from ..processors.open_calls import OPEN_KIND, OpenCalls
 from ..processors.prompt_refs import PromptContexts, is_ref, resolve_refs
 from ..processors.sampling import Policies, TailSelector
-from ..processors.sampling.head import MEMBERSHIP, StepBudgetSampler
+from ..processors.sampling.head import MEMBERSHIP, TRACE_DECISIONS, StepBudgetSampler
 from ..processors.span_work import ContextView, PayloadError, decode_v2, pack_payload, serialize_spans
 from ..processors.validate import Rejection, Validated, parents_to_look_up, reject_foreign_children
 from ..settings import CollectorSettings
@@ -107,16 +107,19 @@ class IngestPipeline:
             metrics.bind_selection(lambda: spool.held_count, lambda: spool.held_bytes,
                                    lambda: self.selection.held_trajectories if self.selection else 0,
                                    lambda: len(self.selection.open) if self.selection else 0)
+        def load_trace(trace_id: str) -> bool | None:
+            return spool.load_decision(TRACE_DECISIONS, trace_id)
+
         if self.selection is None and not settings.budgets and settings.validation_budget is None:
             self.sampler = StepBudgetSampler(settings.max_samples_per_step_per_worker, spool.load_decisions,
-                                             seed=settings.sampling_seed)
+                                             seed=settings.sampling_seed, load_trace=load_trace)
         else:  # per-experiment overrides: the head sampler applies only where the mode is head
             def head_limit(experiment: Any, validate: Any) -> int | None:
                 budget = self.policies.get(experiment, validate)
                 return budget.max_samples_per_step_per_worker if budget.mode == "head" else None
 
             self.sampler = StepBudgetSampler(None, spool.load_decisions, limit_for=head_limit, seed=settings.sampling_seed,
-                                             seed_for=lambda e, v: self.policies.get(e, v).sampling_seed)
+                                             seed_for=lambda e, v: self.policies.get(e, v).sampling_seed, load_trace=load_trace)
         self.cpu = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="tracecar-cpu")
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracecar-spool")
         # TRACECAR_WORKERS > 1: decoding and serialising in worker processes (started by the first
@@ -272,12 +275,17 @@ class IngestPipeline:
     def _after_validate(self, validated: Validated) -> None:
         """What validation needs of this process's state: the store (a parent's trace), prompt
         contexts (v2 references), the OTLP joins. Reads span heads only (worker_pool.head_of)."""
-        reject_foreign_children(validated, self._stored_traces(parents_to_look_up(validated)))
-        if validated.batch.v >= 2:  # prompt references: rebuilt before sampling, so every stage sees full lists
+        v2 = validated.batch.v >= 2
+        # one lookup: the parents' traces, and (v2) which of the batch's spans are stored already
+        batch_ids = [s["span_id"] for s in validated.spans] if v2 else []
+        stored = self._stored_traces(sorted(set(parents_to_look_up(validated)) | set(batch_ids)))
+        reject_foreign_children(validated, stored)
+        if v2:  # prompt references: rebuilt before sampling, so every stage sees full lists
             validated.rebuilt = _ref_paths(validated.spans)  # what a worker process is sent rebuilt (it re-parses the body)
             before = len(validated.rejected)
             validated.prompt_bases, resolved = resolve_refs(validated, self.prompt_contexts,
-                                                            max_ids=self.settings.max_decompressed_bytes // 2)
+                                                            max_ids=self.settings.max_decompressed_bytes // 2,
+                                                            stored={sid for sid in batch_ids if sid in stored})
             self.metrics.prompt_refs.labels(outcome="resolved").inc(resolved)
             self.metrics.prompt_refs.labels(outcome="unresolved").inc(len(validated.rejected) - before)
         self.contexts.remember(validated.spans)  # for engine spans that join these trajectories over OTLP

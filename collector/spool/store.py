@@ -103,6 +103,13 @@ CREATE TABLE IF NOT EXISTS sample_decisions (
     keep INTEGER NOT NULL,
     PRIMARY KEY (budget_key, sample_index)
 );
+-- ids of spans deleted (forwarded with TRACECAR_KEEP_FORWARDED=false, evicted, sampled out): a
+-- client's resend of one (its answer was lost) is still a duplicate, never forwarded again;
+-- bounded with the decision tables (TRACECAR_DECISIONS_MAX_ROWS, oldest first)
+CREATE TABLE IF NOT EXISTS forgotten_spans (span_id TEXT PRIMARY KEY);
+CREATE TRIGGER IF NOT EXISTS spans_forgotten AFTER DELETE ON spans BEGIN
+    INSERT OR IGNORE INTO forgotten_spans (span_id) VALUES (OLD.span_id);
+END;
 """
 
 
@@ -297,11 +304,13 @@ class Spool:
     @staticmethod
     def _existing_ids(conn: sqlite3.Connection, ids: list[str]) -> set[str]:
         found: set[str] = set()
-        for i in range(0, len(ids), 500):
-            chunk = ids[i:i + 500]
+        for i in range(0, len(ids), 400):  # twice the ids in one statement: within SQLite's 999 variables
+            chunk = ids[i:i + 400]
+            marks = ",".join("?" * len(chunk))
             found.update(
                 sid for (sid,) in conn.execute(
-                    f"SELECT span_id FROM spans WHERE span_id IN ({','.join('?' * len(chunk))})", chunk
+                    f"SELECT span_id FROM spans WHERE span_id IN ({marks})"
+                    f" UNION ALL SELECT span_id FROM forgotten_spans WHERE span_id IN ({marks})", chunk + chunk
                 )
             )
         return found
@@ -313,6 +322,13 @@ class Spool:
                     "SELECT sample_index, keep FROM sample_decisions WHERE budget_key = ?", (budget_key,)
                 )
             }
+
+    def load_decision(self, budget_key: str, sample_index: Any) -> bool | None:
+        """One persisted decision (e.g. a trajectory's, under sampling.head.TRACE_DECISIONS), or None."""
+        with self._read_lock:
+            row = self._read.execute("SELECT keep FROM sample_decisions WHERE budget_key = ? AND sample_index = ?",
+                                     (budget_key, sample_index)).fetchone()
+        return None if row is None else bool(row[0])
 
     # ---- held spans and tail-based decisions (tracecar.collector.processors.sampling) ---------------
     def release(self, kept: Sequence[str], dropped: Sequence[str], decisions: Sequence[tuple[Any, ...]] = (),
@@ -621,12 +637,12 @@ class Spool:
         """Deletes the oldest sampling-decision rows above ``max_rows`` per table (5 % more, so
         trimming is rare); returns the rows deleted per table.
 
-        Both tables only grow (one row per sampled index or decided trajectory); the oldest rows
-        are of steps long closed, whose late spans no longer come.
+        These tables only grow (one row per sampled index, decided trajectory, or deleted span id);
+        the oldest rows are of steps long closed, whose late spans and resends no longer come.
         """
         deleted: dict[str, int] = {}
         with self._write_lock:
-            for table in ("sample_decisions", "trajectory_decisions"):
+            for table in ("sample_decisions", "trajectory_decisions", "forgotten_spans"):
                 (count,) = self._write.execute(f"SELECT COUNT(*) FROM {table}").fetchone()
                 excess = count - max_rows
                 if excess <= 0:

@@ -14,6 +14,7 @@ without arithmetic.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,9 @@ def same_key(value: Any, wanted: str) -> bool:
     return value is not None and str(value) == wanted
 
 
+_FLOAT_SAFE = 1e150  # rewards below this in size: their squares and sums stay finite
+
+
 @dataclass
 class GroupStats:
     n: int
@@ -57,8 +61,15 @@ class GroupStats:
         """``std`` is the sample std (Bessel-corrected, as GRPO's ``torch.std``); None below 2 rewards."""
         if not rewards:
             return cls(n, 0, None, None, None, None, None, False)
-        mean = sum(rewards) / len(rewards)
-        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1)) if len(rewards) > 1 else None
+        if max(map(abs, rewards)) < _FLOAT_SAFE:
+            mean = sum(rewards) / len(rewards)
+            std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1)) if len(rewards) > 1 else None
+        else:  # any finite reward is accepted; squares past ~1e154 overflow: exact arithmetic
+            mean = statistics.mean(rewards)
+            try:
+                std = statistics.stdev(rewards) if len(rewards) > 1 else None
+            except OverflowError:  # the std itself is past a double
+                std = math.inf
         low, high = min(rewards), max(rewards)
         return cls(n, len(rewards), mean, std, low, high, high - low, high - low <= EQUAL_TOLERANCE)
 

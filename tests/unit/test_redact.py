@@ -38,6 +38,10 @@ KEYS = RedactKeys()
     ("authorization failed for user 7", "authorization failed for user 7"),
     ("my_api_key=not-ours", "my_api_key=not-ours"),
     ("api_key=", "api_key="),
+    # a bearer credential whatever precedes it; the word alone, or before a short word, is no secret
+    ("authorization -> Bearer sk-A12.def==", "authorization -> Bearer REDACTED"),
+    ("retrying with bearer eyJhbGciOiJIUzI1NiJ9.e30.sig", "retrying with bearer REDACTED"),
+    ("a bearer of news; Bearer bonds", "a bearer of news; Bearer bonds"),
 ])
 def test_free_text_secrets_are_replaced_whatever_their_shape(text: str, scrubbed: str) -> None:
     assert KEYS.scrub_text(text) == scrubbed
@@ -47,6 +51,7 @@ def test_a_traceback_frames_file_and_function_names_are_scrubbed_too() -> None:
     span = {"exception": "E: api_key=sk-B1", "exception_info": {"message": "token Authorization: Bearer sk-B2", "traceback": [
         {"filename": "/srv/app.py?api_key=sk-B3", "function_name": "call[api_key=sk-B4]", "line_number": 3,
          "text": "post(api_key='sk-B5')"}]}}
+    span["exception_info"]["type"] = "Err[api_key=sk-B6]"  # a hostile client's type name is text too
     scrub_exception(span, KEYS)
     assert "sk-B" not in orjson.dumps(span).decode()
     assert span["exception_info"]["traceback"][0]["filename"] == "/srv/app.py?api_key=REDACTED"

@@ -123,9 +123,16 @@ def test_an_advantage_past_64_bits_is_refused_by_name() -> None:
 
 def test_a_child_whose_trace_differs_from_its_known_parents_is_refused() -> None:
     out = validate_batch(batch(span("root"), span("child", parent="root", trace="elsewhere"), span("orphan", parent="gone")), 10)
-    assert parents_to_look_up(out) == ["gone"]
+    assert parents_to_look_up(out) == ["gone", "root"]  # the batch's own too: a stored copy would win
     reject_foreign_children(out, {"gone": "another-root"})
     assert [s["span_id"] for s in out.spans] == ["root"]
     fields = sorted(r.field for r in out.rejected)
     assert fields == ["spans[1].trace_id", "spans[2].trace_id"]
     assert any("a span already stored" in r.reason for r in out.rejected)
+
+
+def test_a_batch_copy_of_a_stored_span_does_not_decide_its_childrens_trajectory() -> None:
+    """The copy is dropped as a duplicate when written: a good child of the stored span is kept."""
+    out = validate_batch(batch(span("P", trace="other", parent="other"), span("child", parent="P", trace="T")), 10)
+    reject_foreign_children(out, {"P": "T", "other": "other"})
+    assert [s["span_id"] for s in out.spans] == ["P", "child"] and out.rejected == []

@@ -73,6 +73,11 @@ def choose(indices: list[SampleIndex], decided: dict[SampleIndex, bool], limit: 
     return {index: rank < free for rank, index in enumerate(todo)}
 
 
+#: the budget key under which a trajectory's head decision is persisted beside the per-sample ones
+#: (``sample_decisions``: budget_key, sample_index = the trace id, keep), one row per trajectory
+TRACE_DECISIONS = "\x00trace"
+
+
 @dataclass
 class SampleOutcome:
     kept: list[Span] = field(default_factory=list)
@@ -92,6 +97,7 @@ class StepBudgetSampler:
         seed: int = 0,
         max_traces: int = 65536,
         seed_for: Callable[[Any, Any], int] | None = None,
+        load_trace: Callable[[str], bool | None] | None = None,
     ) -> None:
         self.limit = max_samples_per_step_per_worker
         self._limit_for = limit_for  # per (experiment, validate) limit, when overrides exist
@@ -100,9 +106,12 @@ class StepBudgetSampler:
         self._max_cached_keys = max_cached_keys
         self.seed = seed
         self._seed_for = seed_for  # per (experiment, validate) seed, when overrides exist
-        # trace_id -> kept, so a trajectory's reward annotation (no step attributes) follows it
+        # trace_id -> kept, so a trajectory's reward annotation (no step attributes) follows it; also
+        # persisted (TRACE_DECISIONS rows) and read back by ``load_trace`` for one this cache lost
+        # (a restart, or 65,536 trajectories since: the trainer's annotations come late)
         self._traces: OrderedDict[str, bool] = OrderedDict()
         self._max_traces = max_traces
+        self._load_trace = load_trace
 
     def _limit(self, attrs: dict[str, Any], job_limit: int | None) -> int | None:
         limit = self.limit if self._limit_for is None else self._limit_for(attrs.get("experiment_name"), attrs.get("validate"))
@@ -165,28 +174,37 @@ class StepBudgetSampler:
                 keep = sum(decisions.values()) < limit
                 decisions[index] = keep
                 out.new_decisions.append((key, index, keep))
-            self._remember(span["trace_id"], keep)
+            if self._remember(span["trace_id"], keep):
+                out.new_decisions.append((TRACE_DECISIONS, span["trace_id"], keep))
             (out.kept if keep else out.dropped).append(span)
         for span in annotations:
-            keep = self._traces.get(span["trace_id"], True)  # unknown: its trajectory was never budgeted
+            known = self._traces.get(span["trace_id"])
+            if known is None and self._load_trace is not None:
+                known = self._load_trace(span["trace_id"])
+            keep = True if known is None else known  # unknown: its trajectory was never budgeted
             (out.kept if keep else out.dropped).append(span)
         return out
 
     def forget(self, decisions: list[Decision]) -> None:
         """Undoes decisions whose spans were never committed (the write failed)."""
         for key, index, _ in decisions:
+            if key == TRACE_DECISIONS:
+                self._traces.pop(str(index), None)
+                continue
             cached = self._cache.get(key)
             if cached is not None:
                 cached.pop(index, None)
 
-    def _remember(self, trace_id: str, keep: bool) -> None:
+    def _remember(self, trace_id: str, keep: bool) -> bool:
+        """True when the trajectory was not in the cache (its decision is then persisted too)."""
         traces = self._traces
         if trace_id in traces:
             traces.move_to_end(trace_id)
-            return
+            return False
         traces[trace_id] = keep
         if len(traces) > self._max_traces:
             traces.popitem(last=False)
+        return True
 
     def _decisions(self, key: str) -> dict[SampleIndex, bool]:
         decisions = self._cache.get(key)
