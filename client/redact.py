@@ -123,9 +123,11 @@ class RedactKeys:
         return "".join(out) + text[done:] if out else text
 
 
-# RFC 6750's token68 after "Bearer", at least 8 characters with a digit or a symbol in them (so
-# "a bearer of news" is left alone)
-_BEARER_CREDENTIAL = re.compile(r"(?i)(\bbearer\s+)(?=[A-Za-z0-9\-._~+/]*[0-9\-._~+/])[A-Za-z0-9\-._~+/]{8,}=*")
+# RFC 6750's token68 after "Bearer" on the same line: at least 16 characters, a letter and a digit
+# among them (API keys, JWTs, opaque tokens), so "the ring bearer walked-through-the-door" or
+# "bearer 2024-01-01T00:00:00" is left alone
+_BEARER_CREDENTIAL = re.compile(
+    r"(?i)(\bbearer[ \t]+)(?=[A-Za-z0-9\-._~+/]*[0-9])(?=[A-Za-z0-9\-._~+/]*[A-Za-z])[A-Za-z0-9\-._~+/]{16,}=*")
 
 
 def _redact_credential(match: re.Match[str]) -> str:

@@ -31,7 +31,7 @@ from ..processors.decoding import TokenizerNotFound, TokenizerPolicy, TokenizerR
 from ..processors.open_calls import OPEN_KIND, OpenCalls
 from ..processors.prompt_refs import PromptContexts, is_ref, resolve_refs
 from ..processors.sampling import Policies, TailSelector
-from ..processors.sampling.head import MEMBERSHIP, TRACE_DECISIONS, StepBudgetSampler
+from ..processors.sampling.head import MEMBERSHIP, StepBudgetSampler
 from ..processors.span_work import ContextView, PayloadError, decode_v2, pack_payload, serialize_spans
 from ..processors.validate import Rejection, Validated, parents_to_look_up, reject_foreign_children
 from ..settings import CollectorSettings
@@ -107,19 +107,17 @@ class IngestPipeline:
             metrics.bind_selection(lambda: spool.held_count, lambda: spool.held_bytes,
                                    lambda: self.selection.held_trajectories if self.selection else 0,
                                    lambda: len(self.selection.open) if self.selection else 0)
-        def load_trace(trace_id: str) -> bool | None:
-            return spool.load_decision(TRACE_DECISIONS, trace_id)
-
         if self.selection is None and not settings.budgets and settings.validation_budget is None:
             self.sampler = StepBudgetSampler(settings.max_samples_per_step_per_worker, spool.load_decisions,
-                                             seed=settings.sampling_seed, load_trace=load_trace)
+                                             seed=settings.sampling_seed, load_trace=spool.load_trace_decision)
         else:  # per-experiment overrides: the head sampler applies only where the mode is head
             def head_limit(experiment: Any, validate: Any) -> int | None:
                 budget = self.policies.get(experiment, validate)
                 return budget.max_samples_per_step_per_worker if budget.mode == "head" else None
 
             self.sampler = StepBudgetSampler(None, spool.load_decisions, limit_for=head_limit, seed=settings.sampling_seed,
-                                             seed_for=lambda e, v: self.policies.get(e, v).sampling_seed, load_trace=load_trace)
+                                             seed_for=lambda e, v: self.policies.get(e, v).sampling_seed,
+                                             load_trace=spool.load_trace_decision)
         self.cpu = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="tracecar-cpu")
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracecar-spool")
         # TRACECAR_WORKERS > 1: decoding and serialising in worker processes (started by the first

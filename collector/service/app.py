@@ -96,6 +96,7 @@ class Collector:
         self.retention = Retention(self.spool, self.metrics, max_bytes=settings.store_max_bytes,
                                    max_age_s=settings.store_max_age_s, evict_on_disk_full=not self.spool.local_only,
                                    decisions_max_rows=settings.decisions_max_rows,
+                                   forgotten_ids_max=settings.forgotten_ids_max,
                                    reserve_bytes=settings.store_reserve_bytes)
         self.pipeline.make_room = self.retention.make_room
         self.pipeline.disk_short = lambda: self.retention.reserve_out

@@ -36,7 +36,7 @@ _AGE_CHECK_S = 10.0  # the age rule scans the store; the size rule is three PRAG
 class Retention:
     def __init__(self, spool: Spool, metrics: Metrics, *, max_bytes: int | None, max_age_s: float | None,
                  evict_on_disk_full: bool, reserve_bytes: int = 0, tick_s: float = 1.0,
-                 decisions_max_rows: int | None = None) -> None:
+                 decisions_max_rows: int | None = None, forgotten_ids_max: int | None = None) -> None:
         self.spool = spool
         # disk space held back (a preallocated file): SQLite cannot even delete on a full disk
         # (a delete writes the WAL, a checkpoint may grow the main file), so a full disk first
@@ -50,6 +50,7 @@ class Retention:
         self.evict_on_disk_full = evict_on_disk_full
         self.tick_s = tick_s
         self.decisions_max_rows = decisions_max_rows
+        self.forgotten_ids_max = forgotten_ids_max
         self._age_checked = 0.0
         self._decisions_checked = 0.0
         self._disk_full_seen: float | None = None
@@ -97,6 +98,8 @@ class Retention:
             self._decisions_checked = time.monotonic()  # a COUNT(*) per table: not every tick
             for table, rows in self.spool.trim_decisions(self.decisions_max_rows).items():
                 self.metrics.decisions_evicted.labels(table=table).inc(rows)
+            if self.forgotten_ids_max is not None:
+                self.metrics.decisions_evicted.labels(table="forgotten_spans").inc(self.spool.trim_forgotten(self.forgotten_ids_max))
         now = time.time()
         if self.max_age_s is not None and time.monotonic() - self._age_checked >= min(_AGE_CHECK_S, self.max_age_s):
             self._age_checked = time.monotonic()

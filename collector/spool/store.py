@@ -105,12 +105,20 @@ CREATE TABLE IF NOT EXISTS sample_decisions (
 );
 -- ids of spans deleted (forwarded with TRACECAR_KEEP_FORWARDED=false, evicted, sampled out): a
 -- client's resend of one (its answer was lost) is still a duplicate, never forwarded again;
--- bounded with the decision tables (TRACECAR_DECISIONS_MAX_ROWS, oldest first)
+-- bounded by TRACECAR_FORGOTTEN_IDS_MAX (oldest first)
 CREATE TABLE IF NOT EXISTS forgotten_spans (span_id TEXT PRIMARY KEY);
+-- each trajectory's head-budget decision (sampling.head): its late annotations follow it, also
+-- after a restart; bounded with the decision tables (TRACECAR_DECISIONS_MAX_ROWS)
+CREATE TABLE IF NOT EXISTS trace_decisions (trace_id TEXT PRIMARY KEY, keep INTEGER NOT NULL);
 CREATE TRIGGER IF NOT EXISTS spans_forgotten AFTER DELETE ON spans BEGIN
     INSERT OR IGNORE INTO forgotten_spans (span_id) VALUES (OLD.span_id);
 END;
 """
+
+
+#: decisions under this budget key are a trajectory's head decision (sampling.head), kept in
+#: ``trace_decisions`` (index = its trace id), not ``sample_decisions``
+TRACE_DECISIONS = "\x00trace"
 
 
 _COUNTS_SQL = (
@@ -226,6 +234,8 @@ class Spool:
         self.on_stored: Callable[[int], None] | None = None
         self._write_lock = threading.RLock()
         self._read_lock = threading.Lock()
+        self._decision_read: sqlite3.Connection | None = None
+        self._decision_lock = threading.Lock()
         self.pending_count = self.pending_bytes = self.stored_bytes = self.held_count = self.held_bytes = 0
         self.disk_full_at: float | None = None  # monotonic time of the last write refused for a full disk
         self.recount()
@@ -277,10 +287,16 @@ class Spool:
                     [_row_params(r, state, now) for r in fresh],
                 )
                 owed = deliveries.owe_new(conn, self.exporters, last_seq) if self.multi and fresh else 0
-                conn.executemany(
-                    "INSERT OR IGNORE INTO sample_decisions (budget_key, sample_index, keep) VALUES (?,?,?)",
-                    [(k, i, int(keep)) for k, i, keep in decisions],
-                )
+                per_sample: list[tuple[str, Any, int]] = []
+                per_trace: list[tuple[Any, int]] = []
+                for k, i, keep in decisions:
+                    if k == TRACE_DECISIONS:
+                        per_trace.append((i, int(keep)))
+                    else:
+                        per_sample.append((k, i, int(keep)))
+                conn.executemany("INSERT OR IGNORE INTO sample_decisions (budget_key, sample_index, keep) VALUES (?,?,?)",
+                                 per_sample)
+                conn.executemany("INSERT OR IGNORE INTO trace_decisions (trace_id, keep) VALUES (?,?)", per_trace)
                 if late:
                     conn.executemany(
                         "UPDATE trajectory_decisions SET nbytes = nbytes + ?, tokens = tokens + ? WHERE trace_id = ?",
@@ -323,11 +339,14 @@ class Spool:
                 )
             }
 
-    def load_decision(self, budget_key: str, sample_index: Any) -> bool | None:
-        """One persisted decision (e.g. a trajectory's, under sampling.head.TRACE_DECISIONS), or None."""
-        with self._read_lock:
-            row = self._read.execute("SELECT keep FROM sample_decisions WHERE budget_key = ? AND sample_index = ?",
-                                     (budget_key, sample_index)).fetchone()
+    def load_trace_decision(self, trace_id: str) -> bool | None:
+        """A trajectory's persisted head-budget decision, or None. On a connection of its own: the
+        sampler asks from the event loop, and the shared read connection may be held by a long
+        viewer query."""
+        with self._decision_lock:
+            if self._decision_read is None:
+                self._decision_read = _connect(self.path, "normal")
+            row = self._decision_read.execute("SELECT keep FROM trace_decisions WHERE trace_id = ?", (trace_id,)).fetchone()
         return None if row is None else bool(row[0])
 
     # ---- held spans and tail-based decisions (tracecar.collector.processors.sampling) ---------------
@@ -637,12 +656,19 @@ class Spool:
         """Deletes the oldest sampling-decision rows above ``max_rows`` per table (5 % more, so
         trimming is rare); returns the rows deleted per table.
 
-        These tables only grow (one row per sampled index, decided trajectory, or deleted span id);
-        the oldest rows are of steps long closed, whose late spans and resends no longer come.
+        These tables only grow (one row per sampled index or decided trajectory); the oldest rows
+        are of steps long closed, whose late spans no longer come.
         """
+        return self._trim(("sample_decisions", "trajectory_decisions", "trace_decisions"), max_rows)
+
+    def trim_forgotten(self, max_rows: int) -> int:
+        """Deletes the oldest ids of deleted spans above ``max_rows`` (see ``forgotten_spans``)."""
+        return self._trim(("forgotten_spans",), max_rows).get("forgotten_spans", 0)
+
+    def _trim(self, tables: tuple[str, ...], max_rows: int) -> dict[str, int]:
         deleted: dict[str, int] = {}
         with self._write_lock:
-            for table in ("sample_decisions", "trajectory_decisions", "forgotten_spans"):
+            for table in tables:
                 (count,) = self._write.execute(f"SELECT COUNT(*) FROM {table}").fetchone()
                 excess = count - max_rows
                 if excess <= 0:
@@ -709,6 +735,10 @@ class Spool:
             self._write.close()
         with self._read_lock:
             self._read.close()
+        with self._decision_lock:
+            if self._decision_read is not None:
+                self._decision_read.close()
+                self._decision_read = None
 
 
 def _apply_to_held(conn: sqlite3.Connection, trace_ids: Sequence[str], statement: str,

@@ -39,9 +39,10 @@ KEYS = RedactKeys()
     ("my_api_key=not-ours", "my_api_key=not-ours"),
     ("api_key=", "api_key="),
     # a bearer credential whatever precedes it; the word alone, or before a short word, is no secret
-    ("authorization -> Bearer sk-A12.def==", "authorization -> Bearer REDACTED"),
+    ("authorization -> Bearer sk-A12.def0123456789==", "authorization -> Bearer REDACTED"),
     ("retrying with bearer eyJhbGciOiJIUzI1NiJ9.e30.sig", "retrying with bearer REDACTED"),
-    ("a bearer of news; Bearer bonds", "a bearer of news; Bearer bonds"),
+    ("a bearer of news; Bearer bonds; the ring bearer walked-through-the-door", "a bearer of news; Bearer bonds; the ring bearer walked-through-the-door"),
+    ("bearer 2024-01-01T00:00:00 expired; bearer 12345678 90", "bearer 2024-01-01T00:00:00 expired; bearer 12345678 90"),
 ])
 def test_free_text_secrets_are_replaced_whatever_their_shape(text: str, scrubbed: str) -> None:
     assert KEYS.scrub_text(text) == scrubbed

@@ -73,3 +73,25 @@ def test_the_local_store_stores_done_and_counts_survive_a_reopen(tmp_path: Path)
     forwarding.close()
     reopened = Spool(tmp_path / "fwd.db", local_only=False)
     assert (reopened.pending_count, reopened.pending_bytes) == counts and counts[0] == 2
+
+
+def test_a_deleted_span_stays_a_duplicate_within_the_forgotten_ids_bound(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "s.db", local_only=False)
+    spool.write([row(s) for s in ("a", "b", "c")])
+    spool.mark_forwarded([seq for seq, *_ in spool.next_pending(10)], keep=False)  # forwarded, then deleted
+    assert states(spool) == {}
+    again = spool.write([row("a"), row("d")])
+    assert (again.inserted, again.duplicate_ids) == (1, ["a"])  # a resend is no new span
+    assert spool.trim_forgotten(2) == 1  # above the bound the oldest id goes (5 % of the bound more, here none)
+    assert spool.write([row("a")]).inserted == 1 and spool.write([row("c")]).duplicates == 1
+
+
+def test_a_trajectorys_head_decision_is_kept_apart_from_the_per_sample_ones(tmp_path: Path) -> None:
+    from tracecar.collector.spool.store import TRACE_DECISIONS
+
+    spool = Spool(tmp_path / "s.db", local_only=False)
+    spool.write([row("a")], [("exp\x1f1\x1fw0", 0, True), (TRACE_DECISIONS, "t-kept", True), (TRACE_DECISIONS, "t-dropped", False)])
+    assert spool.load_decisions("exp\x1f1\x1fw0") == {0: True} and spool.load_decisions(TRACE_DECISIONS) == {}
+    assert (spool.load_trace_decision("t-kept"), spool.load_trace_decision("t-dropped"), spool.load_trace_decision("t-new")) == (
+        True, False, None)
+    spool.close()

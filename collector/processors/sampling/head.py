@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
+from ...spool.store import TRACE_DECISIONS
 from ...types import Span
 from .decide import index_order, sample_hash
 
@@ -73,11 +74,6 @@ def choose(indices: list[SampleIndex], decided: dict[SampleIndex, bool], limit: 
     return {index: rank < free for rank, index in enumerate(todo)}
 
 
-#: the budget key under which a trajectory's head decision is persisted beside the per-sample ones
-#: (``sample_decisions``: budget_key, sample_index = the trace id, keep), one row per trajectory
-TRACE_DECISIONS = "\x00trace"
-
-
 @dataclass
 class SampleOutcome:
     kept: list[Span] = field(default_factory=list)
@@ -107,7 +103,7 @@ class StepBudgetSampler:
         self.seed = seed
         self._seed_for = seed_for  # per (experiment, validate) seed, when overrides exist
         # trace_id -> kept, so a trajectory's reward annotation (no step attributes) follows it; also
-        # persisted (TRACE_DECISIONS rows) and read back by ``load_trace`` for one this cache lost
+        # persisted (decisions under TRACE_DECISIONS) and read back by ``load_trace`` for one this cache lost
         # (a restart, or 65,536 trajectories since: the trainer's annotations come late)
         self._traces: OrderedDict[str, bool] = OrderedDict()
         self._max_traces = max_traces
@@ -181,6 +177,7 @@ class StepBudgetSampler:
             known = self._traces.get(span["trace_id"])
             if known is None and self._load_trace is not None:
                 known = self._load_trace(span["trace_id"])
+                self._remember(span["trace_id"], True if known is None else known)  # asked once per trajectory
             keep = True if known is None else known  # unknown: its trajectory was never budgeted
             (out.kept if keep else out.dropped).append(span)
         return out
