@@ -149,6 +149,7 @@ class StepBudgetSampler:
             out.kept = spans
             return out
         annotations = []
+        persisted: set[str] = set()
         for span in spans:
             if span["kind"] == "annotation":
                 annotations.append(span)
@@ -170,7 +171,9 @@ class StepBudgetSampler:
                 keep = sum(decisions.values()) < limit
                 decisions[index] = keep
                 out.new_decisions.append((key, index, keep))
-            if self._remember(span["trace_id"], keep):
+            self._remember(span["trace_id"], keep)
+            if span["trace_id"] not in persisted:  # each batch persists its trajectories' decisions (INSERT OR
+                persisted.add(span["trace_id"])  # IGNORE): a concurrent batch's failed write cannot lose one
                 out.new_decisions.append((TRACE_DECISIONS, span["trace_id"], keep))
             (out.kept if keep else out.dropped).append(span)
         for span in annotations:
@@ -192,16 +195,14 @@ class StepBudgetSampler:
             if cached is not None:
                 cached.pop(index, None)
 
-    def _remember(self, trace_id: str, keep: bool) -> bool:
-        """True when the trajectory was not in the cache (its decision is then persisted too)."""
+    def _remember(self, trace_id: str, keep: bool) -> None:
         traces = self._traces
         if trace_id in traces:
             traces.move_to_end(trace_id)
-            return False
+            return
         traces[trace_id] = keep
         if len(traces) > self._max_traces:
             traces.popitem(last=False)
-        return True
 
     def _decisions(self, key: str) -> dict[SampleIndex, bool]:
         decisions = self._cache.get(key)
