@@ -84,19 +84,12 @@ class SpanRecord:
         # list arguments' lengths in order (positional, then keyword): inline, as this runs on every call
         lens: list[int] | None = None
         if signature is not None:
-            for value in args:
+            for value in (*args, *kwargs.values()) if kwargs else args:
                 if type(value) is list:
                     if lens is None:
                         lens = [len(value)]
                     else:
                         lens.append(len(value))
-            if kwargs:
-                for value in kwargs.values():
-                    if type(value) is list:
-                        if lens is None:
-                            lens = [len(value)]
-                        else:
-                            lens.append(len(value))
         self.list_lens = lens
         self.output: Any = None
         self.exception: BaseException | str | None = None

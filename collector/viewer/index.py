@@ -33,6 +33,7 @@ from typing import Any
 
 import orjson
 
+from ..query_params import INT64_MAX, INT64_MIN
 from ..shape import is_engine_payload, is_tool, token_counts, token_output
 from ..trajectory_filter import TrajectoryFilter
 from . import search
@@ -106,7 +107,6 @@ NOT_NULL = {"turns", "tool_calls", "response_tokens", "span_count"}
 COLUMNS = ("trace_id, name, experiment, step, sample_index, rollout_n, validate, worker, start_time, end_time, duration,"
            " kept_because, reward, span_count, has_error, turns, tool_calls, tool_errors, prompt_tokens, response_tokens,"
            " advantage, trained, filtered_by, policy_version, trained_on_version")
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # what SQLite binds as an INTEGER
 TRAINER_KEYS = ("advantage", "trained", "filtered_by", "policy_version", "trained_on_version")
 _TRAINER_TYPES = {"advantage": (int, float), "trained": (bool,), "filtered_by": (str,), "policy_version": (int,),
                   "trained_on_version": (int,)}
@@ -195,7 +195,7 @@ def _trainer_values(payload: bytes | None) -> dict[str, Any]:
     for key in TRAINER_KEYS:
         value = attrs.get(key)
         if value is not None and type(value) in _TRAINER_TYPES[key] and not (key != "trained" and type(value) is bool):
-            if type(value) is int and not _INT64_MIN <= value <= _INT64_MAX:
+            if type(value) is int and not INT64_MIN <= value <= INT64_MAX:
                 continue  # refused at ingest (validate.py); a spool from before that must not stop the index
             out[key] = int(value) if key == "trained" else value
     return out
