@@ -120,14 +120,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# Runs in the child between fork and exec of the collector: it is single-threaded there (a
-# preexec_fn in the multi-threaded Ray worker could deadlock).  PR_SET_PDEATHSIG=1, SIGTERM.
+# Runs in the child before it execs the collector: it is single-threaded there (a preexec_fn in
+# the multi-threaded Ray worker could deadlock).  SIGTERM when the actor dies (the collector
+# drains), through the helper every process tracecar starts uses (tracecar.client.lifeline).
 _LAUNCH = (
-    "import ctypes, os, sys\n"
-    "try:\n"
-    "    ctypes.CDLL(None, use_errno=True).prctl(1, 15, 0, 0, 0)\n"
-    "except Exception:\n"
-    "    pass\n"
+    "import os, signal, sys\n"
+    "from tracecar.client.lifeline import set_parent_death_signal\n"
+    "set_parent_death_signal(signal.SIGTERM)\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    sys.exit('tracecar: the collector actor exited before its collector started')\n"
     "os.execv(sys.executable, [sys.executable, '-m', 'tracecar.collector'])\n"
