@@ -76,15 +76,20 @@ def cmd_serve(args: argparse.Namespace) -> None:
         tokenizer=args.tokenizer, token2text=args.token2text,
         max_samples_per_step_per_worker=args.max_samples_per_step_per_worker,
     )
-    from .quickstart import port_in_use
+    from tracecar.collector.data_dir_lock import DataDirInUse
+
+    from .quickstart import data_dir_hint, port_in_use
 
     if settings.port and port_in_use(settings.port, settings.host):
         _fail(f"port {settings.port} on {settings.host} is already in use (another collector?): stop it, or set "
-              "--port N / TRACECAR_PORT=N (0 picks a free one)")
+              f"--port N / TRACECAR_PORT=N (0 picks a free one){data_dir_hint(settings.data_dir)}")
     setup_logging(settings.log_level)
     for line in warnings:
         logging.getLogger("tracecar.collector").warning(line, extra={"event": "config_warning"})
-    serve(settings)
+    try:
+        serve(settings)
+    except DataDirInUse as exc:
+        _fail(str(exc))
 
 
 def cmd_config(args: argparse.Namespace) -> None:
