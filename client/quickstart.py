@@ -125,7 +125,8 @@ def run_quickstart(args: argparse.Namespace) -> None:
     # ignored, and Python then leaves it ignored, so Ctrl-C-style stops would do nothing.
     previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     with open(log_path, "ab") as log_file:  # the collector's JSON logs, out of the newcomer's way
-        server = subprocess.Popen([sys.executable, "-m", "tracecar.collector"], env=env, stderr=log_file,
+        server = subprocess.Popen([sys.executable, "-m", "tracecar.collector", "--parent-pid", str(os.getpid())],
+                                  env=env, stderr=log_file,
                                   preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     try:
         deadline = time.monotonic() + 60

