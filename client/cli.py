@@ -76,7 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         tokenizer=args.tokenizer, token2text=args.token2text,
         max_samples_per_step_per_worker=args.max_samples_per_step_per_worker,
     )
-    from tracecar.collector.data_dir_lock import DataDirInUse
+    from tracecar.collector.data_dir_lock import DataDirError
 
     from .quickstart import data_dir_hint, port_in_use
 
@@ -90,7 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         logging.getLogger("tracecar.collector").warning(line, extra={"event": "config_warning"})
     try:
         serve(settings)
-    except DataDirInUse as exc:
+    except DataDirError as exc:  # in use by another collector, or cannot be locked at all
         _fail(str(exc))
 
 

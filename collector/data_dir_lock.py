@@ -22,7 +22,11 @@ LOCK_NAME = "collector.lock"
 NOTE_BYTES = 255
 
 
-class DataDirInUse(RuntimeError):
+class DataDirError(RuntimeError):
+    """The data dir cannot be taken: the message says why, in one line."""
+
+
+class DataDirInUse(DataDirError):
     """Another live process holds the data dir; the message names it (one line)."""
 
     def __init__(self, data_dir: Path | str, holder: dict[str, Any], options: str = "--data-dir / TRACECAR_DATA_DIR") -> None:
@@ -70,20 +74,24 @@ class DataDirLock:
 
 
 def hold(data_dir: Path | str, role: str = "collector") -> DataDirLock:
-    """Takes the data dir's lock for this process, or raises :class:`DataDirInUse` naming the holder."""
+    """Takes the data dir's lock for this process, or raises :class:`DataDirInUse` naming the holder
+    (:class:`DataDirError` when the dir or its lock file cannot be made or locked at all)."""
     directory = Path(data_dir)
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise DataDirError(f"data dir {data_dir}: cannot open {path}: {exc.strerror or exc}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = _read(fd)
         os.close(fd)
         raise DataDirInUse(data_dir, holder) from None
-    except BaseException:
+    except OSError as exc:  # e.g. a file system without locks
         os.close(fd)
-        raise
+        raise DataDirError(f"data dir {data_dir}: cannot lock {path}: {exc.strerror or exc}") from None
     lock = DataDirLock(path, fd, {})
     lock.note(pid=os.getpid(), role=role)
     return lock

@@ -121,3 +121,11 @@ def test_the_quickstarts_hints_never_lead_into_a_held_data_dir(tmp_path: Path) -
         assert "\n1 trajectories (showing 1" in elsewhere.stdout, elsewhere.stdout
     finally:
         stop_process(first.proc)
+
+
+def test_a_data_dir_that_cannot_be_locked_is_one_line_too(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    done = _refused(collector_env(free_port(), tmp_path / "a-file" / "data"))
+    assert done.returncode == 1
+    assert done.stderr.strip() == (f"tracecar: data dir {tmp_path}/a-file/data: cannot open "
+                                   f"{tmp_path}/a-file/data/collector.lock: Not a directory"), done.stderr

@@ -110,7 +110,8 @@ def return_large_buffers_to_the_os() -> bool:
 
 def serve(settings: CollectorSettings) -> None:
     """Runs the collector until a signal; raises :class:`~..data_dir_lock.DataDirInUse` (before it
-    touches the store) when another process holds ``settings.data_dir``."""
+    touches the store) when another process holds ``settings.data_dir``, ``DataDirError`` when
+    it cannot be locked."""
     setup_logging(settings.log_level)
     lock = data_dir_lock.hold(settings.data_dir)
     return_large_buffers_to_the_os()
