@@ -15,8 +15,9 @@ SQLite spool under a per-node data dir), so the actor only starts, watches and s
 
 Actors are named ``tracecar-collector-<node_id>`` in the ``tracecar`` namespace, so a second
 driver (or a worker, through :func:`node_local_url`) finds them.  The collector is also tied to
-its actor's process by ``PR_SET_PDEATHSIG`` (Linux): if the actor dies without ``shutdown``
-(driver exit, ``ray.kill``), the collector still gets SIGTERM and drains.
+its actor's process by ``PR_SET_PDEATHSIG`` (Linux) and ``--parent-pid`` (a thread watching it,
+everywhere; :mod:`tracecar.client.lifeline`): if the actor dies without ``shutdown`` (driver
+exit, ``ray.kill``), the collector still gets SIGTERM and drains.
 
 ``ray`` is imported inside functions only: importing this module needs no ray.
 """
@@ -120,17 +121,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# Runs in the child between fork and exec of the collector: it is single-threaded there (a
-# preexec_fn in the multi-threaded Ray worker could deadlock).  PR_SET_PDEATHSIG=1, SIGTERM.
+# Runs in the child before it execs the collector: it is single-threaded there (a preexec_fn in
+# the multi-threaded Ray worker could deadlock).  SIGTERM when the actor dies (the collector
+# drains), through the helper every process tracecar starts uses (tracecar.client.lifeline).
 _LAUNCH = (
-    "import ctypes, os, sys\n"
-    "try:\n"
-    "    ctypes.CDLL(None, use_errno=True).prctl(1, 15, 0, 0, 0)\n"
-    "except Exception:\n"
-    "    pass\n"
+    "import os, signal, sys\n"
+    "from tracecar.client.lifeline import set_parent_death_signal\n"
+    "set_parent_death_signal(signal.SIGTERM)\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    sys.exit('tracecar: the collector actor exited before its collector started')\n"
-    "os.execv(sys.executable, [sys.executable, '-m', 'tracecar.collector'])\n"
+    "os.execv(sys.executable, [sys.executable, '-m', 'tracecar.collector', '--parent-pid', sys.argv[1]])\n"
 )
 
 
@@ -191,7 +191,7 @@ class CollectorActor:
         if sys.platform.startswith("linux"):
             argv = [sys.executable, "-c", _LAUNCH, str(os.getpid())]
         else:
-            argv = [sys.executable, "-m", "tracecar.collector"]
+            argv = [sys.executable, "-m", "tracecar.collector", "--parent-pid", str(os.getpid())]
         with self.log_path.open("ab") as log_file:
             # Own session: a signal to the Ray worker's process group does not skip the drain.
             self.proc = subprocess.Popen(argv, env=child_env, stdin=subprocess.DEVNULL, stdout=log_file,

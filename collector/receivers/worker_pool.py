@@ -14,7 +14,8 @@ process more than serialising them (measured in docs/performance.md).
 Processes are started with ``spawn`` (the collector has threads; a forked threaded process can
 deadlock). A worker that dies breaks the pool: the batches in flight are redone in the ingest
 process (nothing acknowledged is lost: a batch is acknowledged only after its rows are
-committed), the pool is replaced, and the failure is logged (rate-limited) and counted.
+committed), the pool is replaced, and the failure is logged (rate-limited) and counted. A worker
+never outlives the collector, however the collector ends (:mod:`tracecar.client.lifeline`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
+
+from tracecar.client.lifeline import die_with_parent
 
 from ..processors.validate import Rejection
 from ..types import Span
@@ -125,8 +128,15 @@ class _State:
 _state = _State()
 
 
-def _init(config: WorkerConfig, barrier: Any) -> None:
-    """Runs once per worker: one tokenizer registry, the default tokenizer loaded up front."""
+def _init(config: WorkerConfig, barrier: Any, parent_pid: int) -> None:
+    """Runs once per worker: tied to the collector's life first, then one tokenizer registry, the
+    default tokenizer loaded up front.
+
+    A worker whose collector is gone (SIGKILL, the OOM killer) exits at once with ``os._exit``:
+    it owns nothing (the spool is the ingest process's), and an orphan would hold its memory, and
+    multiprocessing's resource tracker (which exits when every holder of its pipe has), for ever.
+    """
+    die_with_parent(parent_pid)
     _state.barrier = barrier
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one batch per process at a time: no thread pool inside
     from tracecar.client.redact import RedactKeys
@@ -399,7 +409,8 @@ class WorkerPool:
 
     def _start_locked(self) -> None:
         barrier = self._ctx.Barrier(self.processes)
-        pool = ProcessPoolExecutor(self.processes, mp_context=self._ctx, initializer=_init, initargs=(self.config, barrier))
+        pool = ProcessPoolExecutor(self.processes, mp_context=self._ctx, initializer=_init,
+                                   initargs=(self.config, barrier, os.getpid()))
         self._pool, self._ready, self.pids = pool, False, []
         warm = [pool.submit(_ready) for _ in range(self.processes)]
         pending = [len(warm)]
