@@ -581,7 +581,8 @@ class WeaveSink:
                                          kept_because=kept.get(s["trace_id"]), wb_run_id=self.wb_run_id)
                     items.append((sid, encode_call(call)))
                 except Exception as e:  # noqa: BLE001 - pure data work on this span alone: whatever it raises, it would again
-                    result.rejected[sid] = f"unencodable span: {e if isinstance(e, SpanError) else f'{type(e).__name__}: {e}'}"[:MAX_REASON_CHARS]
+                    why = str(e) if isinstance(e, SpanError) else f"{type(e).__name__}: {e}"
+                    result.rejected[sid] = f"unencodable span: {why}"[:MAX_REASON_CHARS]
             entity, project = pid.split("/", 1)
             url = f"/v2/{entity}/{project}/calls/complete"
             for a, b in pack([len(e) for _, e in items], self.max_request_bytes):

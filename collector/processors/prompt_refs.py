@@ -29,6 +29,15 @@ from .validate import Rejection, Validated
 
 _ENTRY_OVERHEAD = 200  # bytes of the entry's own objects, on top of ids and text
 _BYTES_PER_ID = 36  # a list slot and an int object (ids parsed from JSON are objects of their own)
+#: what one rebuilt id costs a batch on its way to the store: its slot in the rebuilt list (the int
+#: objects are the context's) and its text in the stored row (tracecar.collector.receivers.pipeline
+#: bounds a batch's rebuilt ids to TRACECAR_MAX_DECOMPRESSED_BYTES / REBUILT_ID_BYTES: one body's worth)
+REBUILT_ID_BYTES = 16
+
+
+def max_rebuilt_ids(max_decompressed_bytes: int) -> int:
+    """The ids the references of one batch may rebuild: as much memory as one decompressed body."""
+    return max_decompressed_bytes // REBUILT_ID_BYTES
 
 
 @dataclass
@@ -246,7 +255,7 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int,
                 rebuilt_ids += len(rebuilt[0])
                 if rebuilt_ids > max_ids:
                     rebuilt = (f"{UNRESOLVED_REASON}: the references of this batch rebuild more than {max_ids} ids "
-                               "(TRACECAR_MAX_DECOMPRESSED_BYTES / 2); send the full list")
+                               f"(TRACECAR_MAX_DECOMPRESSED_BYTES / {REBUILT_ID_BYTES}); send the full list")
             if isinstance(rebuilt, str):
                 failed = (f"{part}.{key}", rebuilt)
                 break
@@ -275,6 +284,7 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int,
         # resend is dropped as a duplicate), and later references must rebuild what it holds
         if ids is not None and span["span_id"] not in stored and contexts.get(worker, span["span_id"]) is None:
             contexts.remember(worker, span["span_id"], Context.of(ids, output), span.get("trace_id"))
+            validated.remembered.add(span["span_id"])
     for span in kept:
         if span.get("kind") == "trajectory":
             contexts.trajectory_ended(worker, span["trace_id"])

@@ -202,6 +202,9 @@ class Validated:
     prompt_bases: dict[Any, Any] = field(default_factory=dict)  # span_id, or (span_id, "output") -> prompt_refs.Base
     # v2: per span, the (part, key) of each list that arrived as a reference (a worker process re-parses the body)
     rebuilt: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    # v2: spans whose prompt context this batch remembered: only their decoded texts are kept for later
+    # references (a resend of a known span, stored or in flight, must not change what they rebuild)
+    remembered: set[str] = field(default_factory=set)
 
 
 class EnvelopeError(Exception):
