@@ -22,6 +22,7 @@ from . import StoreOwner
 from .export import FORMATS, MEDIA_TYPES, IndexBehind, export_chunks, parquet_available, settle
 from .groups import GROUP_SORTS, build_groups
 from .index import ListFilter, TrajectoryIndex
+from .list_api import read_index
 from .search import QUERY_MAX_CHARS
 
 GROUP_SORT_PATTERN = "^(" + "|".join(GROUP_SORTS) + ")$"
@@ -70,7 +71,7 @@ def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[
                      diff: bool = True, limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0, le=INT64_MAX)) -> Any:
         """Per sample index of one step: rollouts ranked by reward, group stats, diffs against the best."""
         state = await asyncio.to_thread(fresh)
-        result = await asyncio.to_thread(groups_of_step, collector, index, experiment, step, validate, sort=sort,
+        result = await asyncio.to_thread(read_index, groups_of_step, collector, index, experiment, step, validate, sort=sort,
                                          sample_index=sample_index or None, limit=limit, offset=offset, diff=diff)
         return _json({**result, "index": state})
 
@@ -96,7 +97,7 @@ def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[
         if format == "parquet" and not parquet_available():
             raise HTTPException(501, detail={"field": "format", "reason": "parquet needs pyarrow: pip install 'tracecar[export]'"})
         try:
-            await asyncio.to_thread(settle, index)
+            await asyncio.to_thread(read_index, settle, index)
         except IndexBehind as exc:
             raise HTTPException(503, detail={"field": None, "reason": str(exc)}, headers={"Retry-After": "10"}) from exc
         flt = ListFilter(experiment=experiment, step=step, step_min=step_min, step_max=step_max,
