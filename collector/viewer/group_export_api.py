@@ -8,6 +8,7 @@ the one summary table of the store, so there is no second query layer to keep in
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ import orjson
 from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.responses import Response, StreamingResponse
 
+from ..loudness import RateLimited
 from ..query_params import INT64_MAX, Int64, OptionalInt64, sample_index_filter
 from ..spool.query import get_trajectory
 from ..spool.store import Spool
@@ -25,6 +27,8 @@ from .index import ListFilter, TrajectoryIndex
 from .list_api import read_index
 from .search import QUERY_MAX_CHARS
 
+log = logging.getLogger("tracecar.export")
+_skips = RateLimited(10.0)  # rows left out of exports: logged at once, then at most every 10 s with the count
 GROUP_SORT_PATTERN = "^(" + "|".join(GROUP_SORTS) + ")$"
 FORMAT_PATTERN = "^(" + "|".join(FORMATS) + ")$"
 MAX_STEP_TRAJECTORIES = 200_000  # one step's summaries are grouped in memory: bounded
@@ -104,7 +108,16 @@ def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[
                          sample_index=sample_index_filter(sample_index), rollout_n=rollout_n, validate=validate,
                          kept_because=kept_because, reward_min=reward_min, reward_max=reward_max, has_error=has_error,
                          worker=worker, trained=trained, filtered_by=filtered_by, q=q)
-        chunks = export_chunks(collector.spool, index, flt, format, token_ids=token_ids, limit=limit)
+        skipped = collector.metrics.export_rows_skipped.labels(format=format)
+
+        def on_skip(trace_id: str, reason: str) -> None:  # the 200 is sent: the row is named in the log and counted
+            skipped.inc()
+            count = _skips.hit()
+            if count is not None:
+                log.warning("export: trajectory %s left out of a %s export (%d since the last such line): %s",
+                            trace_id, format, count, reason, extra={"event": "export_row_skipped", "trace_id": trace_id})
+
+        chunks = export_chunks(collector.spool, index, flt, format, token_ids=token_ids, limit=limit, on_skip=on_skip)
         filename = f"tracecar-export.{format}"
         return StreamingResponse(chunks, media_type=MEDIA_TYPES[format],
                                  headers={"Content-Disposition": f'attachment; filename="{filename}"',
