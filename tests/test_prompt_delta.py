@@ -481,3 +481,27 @@ def _walk(node: Any) -> list[dict[str, Any]]:
         elif isinstance(item, list):
             stack.extend(item)
     return out
+
+
+def test_a_reference_resolves_only_within_its_worker_and_its_trajectory(start_collector, kit):
+    """Issue 28, item 10: a worker name is no credential (any token holder may send any), so a
+    reference's scope is a guard, not a secret: it rebuilds only from the sender's own worker and
+    its own trajectory; naming another's span is refused by name and rebuilds nothing."""
+    col = start_collector()
+    mine, other = kit.new_id(), kit.new_id()
+    base = _span(kit, mine, list(range(100, 200)))
+    assert kit.post(col.url, [base], v=2, worker="w-a").json()["accepted"] == 1
+    ref = {"$ref": base["span_id"], "n": 100, "add": [7]}
+    cross_trajectory = _span(kit, other, dict(ref))
+    cross_worker = _span(kit, mine, dict(ref))
+    same = _span(kit, mine, dict(ref))
+    a = kit.post(col.url, [cross_trajectory], v=2, worker="w-a").json()
+    b = kit.post(col.url, [cross_worker], v=2, worker="w-b").json()
+    c = kit.post(col.url, [same], v=2, worker="w-a").json()
+    assert a["accepted"] == 0 and a["rejected"][0]["field"] == "spans[0].inputs.prompt_ids"
+    assert "belongs to another trajectory" in a["rejected"][0]["reason"], a
+    assert b["accepted"] == 0 and "not known to this collector" in b["rejected"][0]["reason"], b
+    assert c["accepted"] == 1 and not c["rejected"], c
+    stored = orjson.loads(col.collector.pipeline.spool.query("SELECT payload FROM spans WHERE span_id = ?",
+                                                             [same["span_id"]])[0]["payload"])
+    assert stored["inputs"]["prompt_ids"] == list(range(100, 200)) + [7]

@@ -135,6 +135,11 @@ class PromptContexts:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def trace_of(self, worker: str, span_id: str) -> str | None:
+        """The trajectory of a remembered context (None: not known)."""
+        with self._lock:
+            return self._trace_of.get((worker, span_id))
+
     def get(self, worker: str, span_id: str) -> Context | None:
         with self._lock:
             entry = self._entries.get((worker, span_id))
@@ -194,8 +199,13 @@ def _is_ref(value: Any) -> bool:
 is_ref = _is_ref  # for the pipeline: which lists a worker process must be sent rebuilt
 
 
-def _rebuild(value: dict[str, Any], worker: str, contexts: PromptContexts) -> tuple[list[Any], str, Context, int] | str:
-    """(the full list, ref, its context, n), or why it cannot be rebuilt (the rejection's reason)."""
+def _rebuild(value: dict[str, Any], worker: str, contexts: PromptContexts,
+             trace_id: str | None = None) -> tuple[list[Any], str, Context, int] | str:
+    """(the full list, ref, its context, n), or why it cannot be rebuilt (the rejection's reason).
+
+    A reference resolves within its sender's worker and its own trajectory only (the client
+    refers to earlier turns of the same trajectory): naming another worker's or another
+    trajectory's span rebuilds nothing (docs/guarantees.md, *Access*: a scope, not a secret)."""
     parsed = _parse_ref(value)
     if isinstance(parsed, str):
         return f"malformed prompt reference: {parsed}"
@@ -204,6 +214,10 @@ def _rebuild(value: dict[str, Any], worker: str, contexts: PromptContexts) -> tu
     if entry is None:
         return (f"{UNRESOLVED_REASON}: span {ref!r} is not known to this collector (restarted, or evicted under "
                 "TRACECAR_PROMPT_REFS_MAX_BYTES); send the full list")
+    known_trace = contexts.trace_of(worker, ref)
+    if trace_id is not None and known_trace is not None and known_trace != trace_id:
+        return (f"{UNRESOLVED_REASON}: span {ref!r} belongs to another trajectory; a reference resolves within its own "
+                "trajectory; send the full list")
     if n > len(entry.ids):
         return f"{UNRESOLVED_REASON}: n={n} exceeds the {len(entry.ids)} ids of span {ref!r}"
     return entry.ids[start:n] + add, ref, entry, n
@@ -250,7 +264,7 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int,
             targets += [("output", output, key) for key in OUTPUT_REF_KEYS if _is_ref(output.get(key))]
         failed, slices = None, {}
         for part, holder, key in targets:
-            rebuilt = _rebuild(holder[key], worker, contexts)
+            rebuilt = _rebuild(holder[key], worker, contexts, span.get("trace_id"))
             if type(rebuilt) is not str:
                 rebuilt_ids += len(rebuilt[0])
                 if rebuilt_ids > max_ids:
