@@ -53,6 +53,7 @@ class Metrics:
         self.http_closed = Counter("tracecar_http_closed", "Connections the collector closed on a client, by reason (header_timeout, body_timeout, idle_timeout, header_too_large).", ["reason"], registry=r)
         self.tokenizer_refused = Counter("tracecar_tokenizer_refused", "Tokenizer loads refused or failed, by reason (not_allowed, too_large, not_found, load_failed).", ["reason"], registry=r)
         self.backpressure = Counter("tracecar_backpressure", "Requests answered 503 because a bound was hit, by bound.", ["bound"], registry=r)
+        self.export_rows_skipped = Counter("tracecar_export_rows_skipped", "Trajectories left out of a dataset export (GET /v1/export) because a stored value did not fit the format (each logged with its trace id and why), by format.", ["format"], registry=r)
         self.otlp_spans = Counter("tracecar_otlp_spans", "Valid OTLP spans received, by what they joined: a tracecar trajectory found in memory or in the store, or none (a trace of their own).", ["joined"], registry=r)
         self.ingest_seconds = Histogram(
             "tracecar_ingest_seconds", "Time from request read to acknowledgement.",

@@ -19,6 +19,9 @@ from tracecar.client.redact import parse_keys
 MiB = 2**20
 
 
+MIN_STORE_RESERVE_BYTES = 8 * MiB  # the WAL (~4 MiB between checkpoints) plus room for the checkpoint's and evictions' writes
+
+
 class BudgetSettings(BaseModel):
     """The budget settings, declared once: CollectorSettings has them, BudgetOverride overrides them."""
 
@@ -105,7 +108,7 @@ class CollectorSettings(BudgetSettings, BaseSettings):
     forward_retry_max_s: float = Field(30.0, gt=0, description="Backoff cap for forwarding retries.")
     forward_probe_s: float = Field(1.0, gt=0, description="While the spool is at its bound and the backend fails, probe it with a one-span batch this often instead of waiting out the backoff.")
     store_max_bytes: int | None = Field(4096 * MiB, ge=MiB, description="Bound on the store file (used SQLite pages): above it the oldest forwarded trajectories are evicted whole; unset: no bound (a full disk still evicts forwarded ones when forwarding to a backend).")
-    store_reserve_bytes: int = Field(64 * MiB, ge=0, description="When forwarding (any backend but local): disk space held back in a preallocated file (data_dir/reserve), released on a full disk so forwarded trajectories can be evicted, then taken again; 0: none.")
+    store_reserve_bytes: int = Field(64 * MiB, ge=0, description="When forwarding (any backend but local): disk space held back in a preallocated file (data_dir/reserve), released on a full disk so forwarded trajectories can be evicted, then taken again; 0: none; else at least 8 MiB (less cannot let SQLite checkpoint its WAL on a full disk: refused at start).")
     store_max_age_s: float | None = Field(None, gt=0, description="Forwarded trajectories older than this (by arrival of their last span) are evicted whole; unset keeps them.")
     decisions_max_rows: int = Field(1_000_000, ge=1000, description="Bound on each table of sampling decisions (head budgets' per-sample rows, tail budgets' per-trajectory rows): above it the oldest rows are deleted.")
     forgotten_ids_max: int = Field(200_000, ge=0, description="Ids of deleted spans (forwarded with keep_forwarded=false, evicted, sampled out) kept so a client's resend stays a duplicate and is never forwarded twice; above it the oldest go (about 90 bytes each, counted in the store's size).")
@@ -142,6 +145,18 @@ class CollectorSettings(BudgetSettings, BaseSettings):
         """A name twice would mean two cursors under one key. (Unknown names: config_check, which knows the registry.)"""
         if value is not None and len(set(value)) != len(value):
             raise ValueError("names an exporter twice")
+        return value
+
+    @field_validator("store_reserve_bytes")
+    @classmethod
+    def _reserve_that_can_work(cls, value: int) -> int:
+        """A reserve too small to let SQLite checkpoint its WAL on a full disk cannot free anything:
+        ingest would answer 503 for good (issue 28, item 7). Refused at start instead."""
+        if 0 < value < MIN_STORE_RESERVE_BYTES:
+            raise ValueError(f"must be 0 (no reserve) or at least {MIN_STORE_RESERVE_BYTES} (8 MiB): on a full "
+                             "disk the released reserve must let SQLite checkpoint its write-ahead log (up to about 4 MiB "
+                             "between checkpoints) into the main file before forwarded trajectories can be evicted; a "
+                             "smaller one leaves ingest answering 503 with nothing evicted")
         return value
 
     @field_validator("token", mode="before")

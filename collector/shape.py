@@ -28,8 +28,13 @@ RESPONSE_ID_KEYS = ("response_ids", "token_ids")
 TOOL_METHODS = frozenset({"execute", "call_tool", "run_tool", "invoke_tool"})
 
 
+_JUST_INT = frozenset({int})
+
+
 def int_list(value: Any) -> list[int] | None:
-    if isinstance(value, list) and value and type(value[0]) is int and type(value[-1]) is int:
+    """``value`` when it is a non-empty list of plain ints (every element checked: what is built
+    from it, a token count or a typed column, depends on each of them; a bool is not one), else None."""
+    if isinstance(value, list) and value and type(value[0]) is int and _JUST_INT.issuperset(map(type, value)):
         return value
     return None
 

@@ -29,7 +29,7 @@ import orjson
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
 from ..shape import is_tool, token_output
-from .forward import RawJSON, SendResult
+from .forward import RawJSON, SendResult, translating
 from .otlp_translate import to_otlp_request
 
 log = logging.getLogger("tracecar.collector.otlp_sink")
@@ -100,7 +100,8 @@ class OtlpSink:
     async def _post(self, spans: Sequence[Mapping[str, Any]], headers: Mapping[str, str] | None = None) -> SendResult:
         """One export request for ``spans``; the answer classified per span id."""
         ids = [s["span_id"] for s in spans]
-        body = self.encode(spans)
+        with translating():  # a span it cannot take is isolated and dead-lettered by the forwarder
+            body = self.encode(spans)
         try:
             response = await self.client.post(self.endpoint, content=body, headers=headers)
         except httpx.HTTPError as exc:

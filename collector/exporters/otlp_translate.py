@@ -48,6 +48,19 @@ SCOPE_NAME = "tracecar"
 _MAX_DEPTH = 16
 
 
+_UINT64_MAX = 2**64 - 1
+
+
+def unix_nano(seconds: Any) -> int:
+    """Seconds since the epoch as OTLP's uint64 nanoseconds, clamped to that range (validation keeps
+    span times well inside it; an event's time from a stored ``attributes.otel`` may be anything)."""
+    try:
+        ns = int(float(seconds) * 1e9)
+    except (TypeError, ValueError, OverflowError):  # not a number, NaN, inf
+        return 0
+    return min(max(ns, 0), _UINT64_MAX)
+
+
 def trace_id_bytes(trace_id: str) -> bytes:
     """A tracecar trace id as an OTLP trace id (16 bytes)."""
     return bytes.fromhex(trace_id) if _HEX32.match(trace_id) else _hash(trace_id, 16)
@@ -174,10 +187,10 @@ def to_otlp_span(span: Mapping[str, Any], *, aggregates: bool = False, content: 
     trace_id, span_id, parent = span["trace_id"], span["span_id"], span.get("parent_id")
     attrs = dict(span.get("attributes") or {})
     otel = attrs.pop("otel", None)
-    start_ns = int(span["start_time"] * 1e9)
+    start_ns = unix_nano(span["start_time"])
     end = span.get("end_time")
     out = trace_pb2.Span(trace_id=trace_id_bytes(trace_id), name=span["name"], start_time_unix_nano=start_ns,
-                         end_time_unix_nano=int(end * 1e9) if isinstance(end, (int, float)) else start_ns)
+                         end_time_unix_nano=unix_nano(end) if isinstance(end, (int, float)) else start_ns)
     if isinstance(otel, dict):  # came in over OTLP: its own ids, kind and status go back out
         out.span_id = _otel_id(otel.get("span_id")) or span_id_bytes(span_id, trace_id)
         out.parent_span_id = _otel_id(otel.get("parent_span_id")) or (span_id_bytes(parent, trace_id) if parent else b"")
@@ -193,7 +206,7 @@ def to_otlp_span(span: Mapping[str, Any], *, aggregates: bool = False, content: 
         for event in otel.get("events") or ():
             if isinstance(event, dict):
                 out.events.append(trace_pb2.Span.Event(name=str(event.get("name", "")),
-                                                       time_unix_nano=int(float(event.get("time") or 0) * 1e9),
+                                                       time_unix_nano=unix_nano(event.get("time") or 0),
                                                        attributes=_key_values(event.get("attributes") or {})))
         out.attributes.extend(_key_values({**attrs, "gen_ai.conversation.id": trace_id} if genai else attrs))
         return out

@@ -39,6 +39,7 @@ from ..types import Span
 from . import receive
 from .joins import OTLP_WORKER_PREFIX, TrajectoryContext, TrajectoryContexts
 from .otlp_translate import OtlpSpanIn, Translated, hex_ids_to_base64, translate
+from .otlp_wire import WireError, count_spans
 from .pipeline import Backpressure, IngestResult
 from .receive import BodyError
 
@@ -57,17 +58,37 @@ def media_type(content_type: str | None) -> str:
     return (content_type or "").split(";")[0].strip().lower()
 
 
-def parse_request(body: bytes | bytearray, content_type: str | None) -> Any:
-    """The body as an ``ExportTraceServiceRequest``; 415 for another type, 400 when unparsable."""
+def too_many_spans(count: int | str, max_batch_spans: int) -> BodyError:
+    """More spans than TRACECAR_MAX_BATCH_SPANS: a size bound, 413 (as on /v1/spans), so an exporter splits."""
+    return BodyError(413, "resourceSpans", f"{count} spans exceed TRACECAR_MAX_BATCH_SPANS={max_batch_spans}; split the batch")
+
+
+def parse_request(body: bytes | bytearray, content_type: str | None, max_batch_spans: int | None = None,
+                  containers: int | None = None) -> Any:
+    """The body as an ``ExportTraceServiceRequest``; 415 for another type, 400 when unparsable.
+
+    With ``max_batch_spans``, a protobuf body's spans are counted on the wire before it is parsed
+    (:mod:`.otlp_wire`) and more than that many are a 413; with ``containers``, an OTLP/JSON body
+    is refused (413) before parsing when it may hold more objects and arrays (receive.parse's rule).
+    """
     media = media_type(content_type)
     request = ExportTraceServiceRequest()
     if media in _PROTOBUF_TYPES:
+        if max_batch_spans is not None:
+            try:
+                count = count_spans(body, max_batch_spans)
+            except WireError as exc:
+                raise BodyError(400, "body", f"invalid OTLP protobuf: {exc}") from None
+            if count > max_batch_spans:
+                raise too_many_spans(f"more than {max_batch_spans}", max_batch_spans)
         try:
             request.ParseFromString(body)  # type: ignore[arg-type]  # any buffer; the stubs say bytes
         except (DecodeError, ValueError) as exc:
             raise BodyError(400, "body", f"invalid OTLP protobuf: {exc}") from None
         return request
     if media in _JSON_TYPES:
+        if containers is not None:
+            receive.check_json_containers(body, containers)
         try:
             data = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
@@ -100,9 +121,11 @@ class OtlpRequest:
 
     def __call__(self, body: bytes, content_type: str | None, content_encoding: str | None) -> Validated:
         data = receive.decompress(body, content_encoding, self.max_decompressed_bytes)
-        self.translated = translated = translate(parse_request(data, content_type))
-        if translated.total > self.max_batch_spans:
-            raise EnvelopeError("resourceSpans", f"{translated.total} spans exceed TRACECAR_MAX_BATCH_SPANS={self.max_batch_spans}")
+        request = parse_request(data, content_type, self.max_batch_spans, receive.max_containers(self.max_decompressed_bytes))
+        spans = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+        if spans > self.max_batch_spans:  # OTLP/JSON (protobuf was counted on the wire): still before translating
+            raise too_many_spans(spans, self.max_batch_spans)
+        self.translated = translated = translate(request)
         for raw_span in translated.spans:
             redact_dotted(raw_span.get("attributes"), self.redact)
         validated = validate_batch({"worker": OTLP_WORKER_PREFIX.rstrip(":"), "spans": translated.spans},
@@ -200,10 +223,12 @@ async def _export(request: Request, collector: Any, read_body: Callable[[Request
                        collector.pipeline.redact_keys)
     try:
         collector.pipeline.check_capacity()
-        body = await read_body(request, settings.max_body_bytes)
-        if not body:
-            return encode(ExportTraceServiceResponse(), content_type, 200)
-        result = await collector.pipeline.ingest(body, content_type, request.headers.get("content-encoding"), receiver=otlp)
+        async with collector.pipeline.permit():  # before the body is read, as on /v1/spans: that is what bounds memory
+            body = await read_body(request, settings.max_body_bytes)
+            if not body:
+                return encode(ExportTraceServiceResponse(), content_type, 200)
+            result = await collector.pipeline.ingest(body, content_type, request.headers.get("content-encoding"),
+                                                     receiver=otlp)
     except Backpressure as exc:
         metrics.backpressure.labels(bound=exc.bound).inc()
         return status_response(503, str(exc), content_type, retry)

@@ -29,7 +29,7 @@ from ..loudness import TokenizerFailures
 from ..metrics import Metrics
 from ..processors.decoding import TokenizerNotFound, TokenizerPolicy, TokenizerRegistry, decode_spans
 from ..processors.open_calls import OPEN_KIND, OpenCalls
-from ..processors.prompt_refs import PromptContexts, is_ref, resolve_refs
+from ..processors.prompt_refs import PromptContexts, is_ref, max_rebuilt_ids, resolve_refs
 from ..processors.sampling import Policies, TailSelector
 from ..processors.sampling.head import MEMBERSHIP, StepBudgetSampler
 from ..processors.span_work import ContextView, PayloadError, decode_v2, pack_payload, serialize_spans
@@ -282,7 +282,7 @@ class IngestPipeline:
             validated.rebuilt = _ref_paths(validated.spans)  # what a worker process is sent rebuilt (it re-parses the body)
             before = len(validated.rejected)
             validated.prompt_bases, resolved = resolve_refs(validated, self.prompt_contexts,
-                                                            max_ids=self.settings.max_decompressed_bytes // 2,
+                                                            max_ids=max_rebuilt_ids(self.settings.max_decompressed_bytes),
                                                             stored={sid for sid in batch_ids if sid in stored})
             self.metrics.prompt_refs.labels(outcome="resolved").inc(resolved)
             self.metrics.prompt_refs.labels(outcome="unresolved").inc(len(validated.rejected) - before)
@@ -371,8 +371,14 @@ class IngestPipeline:
         if validated.batch.v < 2:
             return decode_spans(spans, tokenizer, validated.warnings, pieces=ends)
         outcomes: dict[str, int] = {}
+        remembered, set_texts = validated.remembered, self.prompt_contexts.set_texts
+
+        def own_texts(worker: str, span_id: str, text: str | None, response: str | None, tokenizer_name: str) -> None:
+            if span_id in remembered:  # a resend's texts are not those of the context the first copy left
+                set_texts(worker, span_id, text, response, tokenizer_name)
+
         tokens = decode_v2(spans, validated.batch.worker, validated.prompt_bases, tokenizer, name, validated.warnings, ends,
-                           self.prompt_contexts.get, self.prompt_contexts.set_texts, outcomes)
+                           self.prompt_contexts.get, own_texts, outcomes)
         for outcome, n in outcomes.items():
             self.metrics.prompt_text_joins.labels(outcome=outcome).inc(n)
         return tokens
@@ -515,6 +521,7 @@ class IngestPipeline:
                           {sid: validated.index_of[sid] for sid in ids}, name, v=batch.v, worker=batch.worker,
                           count_tokens=self.selection is not None)
         if batch.v >= 2:
+            order.remembered = {sid for sid in ids if sid in validated.remembered}
             for span in spans:
                 sid = span["span_id"]
                 for part, key in validated.rebuilt.get(sid, ()):
@@ -537,7 +544,8 @@ class IngestPipeline:
         by_id = {s["span_id"]: s for s in spans}
         validated.warnings.update(result.warnings)
         for sid, text, response in result.texts:
-            self.prompt_contexts.set_texts(worker, sid, text, response, tokenizer or "")
+            if sid in validated.remembered:  # only the contexts this batch's copies left (not a resend's)
+                self.prompt_contexts.set_texts(worker, sid, text, response, tokenizer or "")
         for outcome, n in result.outcomes.items():
             self.metrics.prompt_text_joins.labels(outcome=outcome).inc(n)
         rows = [SpoolRow(by_id[r.span_id], r.payload, r.warnings, tokens=r.tokens, inputs_at=r.inputs_at, output_at=r.output_at,

@@ -38,7 +38,7 @@ from ..trajectory_filter import TrajectoryFilter
 from ..viewer.group_export_api import build_router as build_group_export_router
 from ..viewer.index import SORTS
 from ..viewer.list_api import caught_up as viewer_list_caught_up
-from ..viewer.list_api import list_page
+from ..viewer.list_api import list_page, read_index
 from ..viewer.live_api import build_router as build_live_router
 from ..viewer.routes import build_router as build_viewer_router
 from ..viewer.search import QUERY_MAX_CHARS
@@ -243,11 +243,11 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
             index = viewer.trajectory_index
             await asyncio.to_thread(viewer_list_caught_up, index, settings.list_catch_up_s, collector.metrics.list_index_behind.inc)
             if experiment is None:
-                experiment = await asyncio.to_thread(latest_experiment, index)
+                experiment = await asyncio.to_thread(read_index, latest_experiment, index)
             decided = await collector.pipeline.decisions(experiment or None, step, validate)
             now = time.time()
             answer["step"] = await asyncio.to_thread(
-                step_health, collector.spool, index, experiment, step, validate, window_s=settings.live_window_s,
+                read_index, step_health, collector.spool, index, experiment, step, validate, window_s=settings.live_window_s,
                 max_scan_spans=settings.live_max_scan_spans, decisions=decided,
                 open_calls=lambda: collector.pipeline.open_calls.snapshot(now - settings.live_window_s))
         return _json(answer)
