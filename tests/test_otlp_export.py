@@ -23,6 +23,7 @@ from tests.support import free_port
 from tests.test_otlp_receiver import VllmEngine, _walk
 from tracecar.client import rollout_trace_attr, rollout_trace_op, trace_headers
 from tracecar.collector.exporters.otlp_sink import MlflowSink, OtlpSink, parse_headers
+from tracecar.collector.exporters.otlp_translate import span_id_bytes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -280,7 +281,7 @@ def test_mlflow_attributes_of_a_failed_op_and_of_a_pydantic_output():
     returned = {**op, "output": [model, 1.0, {"_type": "not an envelope"}]}
     request = ExportTraceServiceRequest.FromString(gzip.decompress(MlflowSink("http://127.0.0.1:1", "1").encode([root, returned, failed])))
     sent = {s.span_id.hex(): s for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans}
-    ok, bad = sent[returned["span_id"][16:]], sent[failed["span_id"][16:]]
+    ok, bad = (sent[span_id_bytes(s["span_id"], s["trace_id"]).hex()] for s in (returned, failed))
     attrs = {a.key: a.value for a in bad.attributes}
     assert "mlflow.spanOutputs" not in attrs and attrs["mlflow.spanLogLevel"].int_value == 40
     assert bad.status.code == bad.status.STATUS_CODE_ERROR and bad.status.message == "RuntimeError: boom"

@@ -43,12 +43,19 @@ def _trajectory() -> list[dict[str, Any]]:
     ]
 
 
-def test_ids_are_the_receivers_inverse():
+def test_span_ids_are_unique_across_processes_and_stable_across_resends():
     assert trace_id_bytes(TRACE) == bytes.fromhex(TRACE)
-    assert span_id_bytes(TRACE[:16] + "00000000000000a1", TRACE) == bytes.fromhex("00000000000000a1")
-    other = span_id_bytes("ffeeddccbbaa9988" + "0000000000000001", TRACE)  # another process's prefix: hashed
-    assert len(other) == 8 and other == span_id_bytes("ffeeddccbbaa9988" + "0000000000000001", TRACE)
-    assert other != bytes.fromhex("0000000000000001")
+    # two worker processes: the same counter under different random prefixes, each its own trajectory
+    other_trace = "ffeeddccbbaa9988" + "0000000000000001"
+    ours = [span_id_bytes(TRACE[:16] + f"{n:016x}", TRACE) for n in range(1, 2001)]
+    theirs = [span_id_bytes(other_trace[:16] + f"{n:016x}", other_trace) for n in range(1, 2001)]
+    assert len(set(ours) | set(theirs)) == 4000  # the counter alone repeated in every process
+    assert all(len(i) == 8 and any(i) for i in ours + theirs)  # W3C: 8 bytes, not all zero
+    assert bytes.fromhex("0000000000000001") not in ours
+    # deterministic: a resend (or another collector) maps the same span to the same id
+    assert span_id_bytes(TRACE[:16] + "00000000000000a1", TRACE) == span_id_bytes(TRACE[:16] + "00000000000000a1", TRACE)
+    # a free-form id (another client) is unique per trace too
+    assert span_id_bytes("s1", "trace-a") != span_id_bytes("s1", "trace-b")
     assert len(trace_id_bytes("free-form:id")) == 16 and len(span_id_bytes("free-form:id", "t")) == 8
 
 
@@ -59,7 +66,7 @@ def test_trajectory_becomes_genai_spans_without_content():
     spans = {s.name: s for s in rs.scope_spans[0].spans}
     assert set(spans) == {"agent_loop", "ToolAgentLoop.run", "LLMServerClient.generate", "CalculatorTool.execute"}
     root, run, gen, tool = (spans[n] for n in ("agent_loop", "ToolAgentLoop.run", "LLMServerClient.generate", "CalculatorTool.execute"))
-    assert root.trace_id == bytes.fromhex(TRACE) and root.span_id == bytes.fromhex(TRACE[16:]) and root.parent_span_id == b""
+    assert root.trace_id == bytes.fromhex(TRACE) and root.span_id == span_id_bytes(TRACE, TRACE) and root.parent_span_id == b""
     assert run.parent_span_id == root.span_id and gen.parent_span_id == run.span_id and tool.parent_span_id == run.span_id
     assert (root.start_time_unix_nano, root.end_time_unix_nano) == (10_000_000_000, 12_000_000_000)
     a = _attrs(root)
@@ -90,7 +97,7 @@ def test_content_is_sent_only_when_asked():
     assert a["tracecar.output"].startswith('{"token_ids":[3,4],"') and "truncated by tracecar" in a["tracecar.output"]
 
 
-def test_a_span_received_over_otlp_goes_back_out_as_it_came():
+def test_a_span_received_over_otlp_goes_back_out_as_it_came_under_its_parents_exported_id():
     received = ExportTraceServiceRequest()
     rs = received.resource_spans.add()
     rs.resource.attributes.add(key="service.name").value.string_value = "vllm"
@@ -107,12 +114,15 @@ def test_a_span_received_over_otlp_goes_back_out_as_it_came():
     [out_rs] = again.resource_spans
     assert out_rs.resource == rs.resource and out_rs.scope_spans[0].scope == ss.scope
     [out] = out_rs.scope_spans[0].spans
-    assert (out.trace_id, out.span_id, out.parent_span_id, out.kind, out.status.code) == (
-        span.trace_id, span.span_id, span.parent_span_id, 2, 2)
+    # its parent (the tracecar span its traceparent named) leaves under the id that span leaves with
+    assert (out.trace_id, out.parent_span_id, out.kind, out.status.code) == (span.trace_id, span_id_bytes(TRACE, TRACE), 2, 2)
+    assert out.span_id == span_id_bytes(TRACE[:16] + "a2c4e6f8a2c4e6f8", TRACE) != span.span_id
     assert _attrs(out)["gen_ai.usage.prompt_tokens"] == 7 and "otel" not in _attrs(out)
 
 
-def test_round_trip_through_a_collector_keeps_every_id(start_collector, tracer_to):
+def test_round_trip_through_a_collector_keeps_the_tree(start_collector, tracer_to):
+    """A collector exporting to another collector's /v1/traces: the trace id and every parent link
+    survive (span ids are the exported ones, derived the same way wherever they are computed)."""
     source = start_collector()
     tracer = tracer_to(source.url)
 
@@ -137,7 +147,8 @@ def test_round_trip_through_a_collector_keeps_every_id(start_collector, tracer_t
                    headers={"Content-Type": "application/x-protobuf"}, timeout=10)
     assert r.status_code == 200 and ExportTraceServiceResponse.FromString(r.content).partial_success.rejected_spans == 0
     back = {r["span_id"]: r for r in sink.collector.spool.query("SELECT span_id, trace_id, parent_id, name FROM spans")}
-    assert {(s["span_id"], s["trace_id"], s["parent_id"], s["name"]) for s in spans} == \
+    exported = {s["span_id"]: root.span_id[:16] + span_id_bytes(s["span_id"], s["trace_id"]).hex() for s in spans}
+    assert {(exported[s["span_id"]], s["trace_id"], exported.get(s["parent_id"]), s["name"]) for s in spans} == \
         {(b["span_id"], b["trace_id"], b["parent_id"], b["name"]) for b in back.values()}
     tree = httpx.get(f"{sink.url}/v1/trajectories/{root.span_id}", timeout=10).json()
-    assert tree["root"]["span_id"] == root.span_id and tree["span_count"] == 4
+    assert tree["root"]["span_id"] == exported[root.span_id] and tree["span_count"] == 4

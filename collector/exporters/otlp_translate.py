@@ -5,12 +5,18 @@ the OpenTelemetry Collector's exporterhelper keeps senders apart from the transl
 module is pure data work so any OTLP destination (Phoenix, Langfuse, Tempo, MLflow, Weave's
 ``/otel/v1/traces``) can share it and tests can read what it makes.
 
-Ids are the inverse of :mod:`tracecar.collector.receivers.otlp_translate`: the trace id is
-the 32-hex tracecar trace id as 16 bytes; a span id that shares the trace's 16-hex prefix is
-sent as its 16-hex counter (the same value ``tracecar.client.traceparent()`` hands to vLLM),
-so a span the receiver stored reads back with the ids it came in with; any other id (another
-process's prefix, a free-form id from another client) is hashed to 8 bytes (BLAKE2b). Spans
-that came in over OTLP go back out with their own ids, kind, status, resource and scope.
+Ids. The trace id is the 32-hex tracecar trace id as 16 bytes (a trajectory's root span id: the
+worker process's 64-bit random prefix and a counter). Every span id that leaves, tracecar's
+own and an OTLP span's alike, is ``BLAKE2b-64(trace id, full tracecar span id)``
+(:func:`span_id_bytes`): the full id holds the process's random prefix (a v3 short id is
+expanded before anything reads it), so ids from different worker processes, hosts and
+collectors never collide, as W3C asks and as backends that keep one span per span id
+(Phoenix, Tempo, ClickHouse schemas) need; and it is a pure function of the stored ids, so a
+resend, a restart or another collector maps the same span to the same id (no table anywhere).
+A parent goes through the same function, so an engine span whose ``traceparent`` named its
+``generate`` (stored as that span's full id by the receiver) points at the ``generate`` that
+left. An OTLP span's own OTel span id therefore does not leave as it came (its kind, status,
+resource and scope do); a counter alone, as sent before, repeats in every process.
 
 GenAI conventions (``gen_ai.*``, the names of semantic-conventions 1.37):
 
@@ -41,7 +47,6 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from ..shape import is_tool, token_counts, token_output
 
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
-_HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _KINDS = frozenset({"UNSPECIFIED", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER"})  # SpanKind names minus SPAN_KIND_
 _STATUS = frozenset({"UNSET", "OK", "ERROR"})  # StatusCode names minus STATUS_CODE_
 SCOPE_NAME = "tracecar"
@@ -54,12 +59,10 @@ def trace_id_bytes(trace_id: str) -> bytes:
 
 
 def span_id_bytes(span_id: str, trace_id: str) -> bytes:
-    """A tracecar span id as an OTLP span id (8 bytes): the counter when it shares the trace's prefix."""
-    if _HEX32.match(span_id) and span_id[:16] == trace_id[:16]:
-        counter = bytes.fromhex(span_id[16:])
-        if any(counter):  # an all-zero span id is invalid in OTLP
-            return counter
-    return _hash(span_id, 8)
+    """A tracecar span id as an OTLP span id: 8 non-zero bytes of BLAKE2b over the trace id and
+    the full span id (globally unique because the full id carries the worker process's random
+    prefix; deterministic, so a resend maps to the same id)."""
+    return _hash(f"{trace_id}/{span_id}", 8)
 
 
 def _hash(value: str, size: int) -> bytes:
@@ -179,8 +182,8 @@ def to_otlp_span(span: Mapping[str, Any], *, aggregates: bool = False, content: 
     out = trace_pb2.Span(trace_id=trace_id_bytes(trace_id), name=span["name"], start_time_unix_nano=start_ns,
                          end_time_unix_nano=int(end * 1e9) if isinstance(end, (int, float)) else start_ns)
     if isinstance(otel, dict):  # came in over OTLP: its own ids, kind and status go back out
-        out.span_id = _otel_id(otel.get("span_id")) or span_id_bytes(span_id, trace_id)
-        out.parent_span_id = _otel_id(otel.get("parent_span_id")) or (span_id_bytes(parent, trace_id) if parent else b"")
+        out.span_id = span_id_bytes(span_id, trace_id)  # the same derivation as tracecar's own: parents resolve
+        out.parent_span_id = span_id_bytes(parent, trace_id) if parent else b""
         out.kind = trace_pb2.Span.SpanKind.Value("SPAN_KIND_" + str(otel.get("kind"))) if str(otel.get("kind")) in _KINDS \
             else trace_pb2.Span.SPAN_KIND_INTERNAL
         status = otel.get("status") or {}
@@ -218,10 +221,6 @@ def to_otlp_span(span: Mapping[str, Any], *, aggregates: bool = False, content: 
         values["tracecar.output"] = _json(span.get("output"), max_content_chars)
     out.attributes.extend(_key_values(values))
     return out
-
-
-def _otel_id(value: Any) -> bytes | None:
-    return bytes.fromhex(value) if isinstance(value, str) and _HEX16.match(value) and value.strip("0") else None
 
 
 def to_otlp_request(spans: Iterable[Mapping[str, Any]], *, service_name: str = "tracecar", content: bool = False,
