@@ -190,6 +190,10 @@ class Validated:
     prompt_bases: dict[Any, Any] = field(default_factory=dict)  # span_id, or (span_id, "output") -> prompt_refs.Base
     # v2: per span, the (part, key) of each list that arrived as a reference (a worker process re-parses the body)
     rebuilt: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    # OTLP: engine spans stored AWAITING their trajectory, and traces whose own root this request brought
+    # (tracecar.collector.receivers.engine_hold)
+    awaiting: set[str] = field(default_factory=set)
+    foreign_roots: set[str] = field(default_factory=set)
 
 
 class EnvelopeError(Exception):
