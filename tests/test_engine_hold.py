@@ -55,7 +55,7 @@ def _wait(check: Any, timeout: float = 20) -> None:
         time.sleep(0.05)
 
 
-def engine_first_rollout(engine: VllmEngine, gate: Any = None) -> str:
+def engine_first_rollout(engine: VllmEngine, gate: Any = None, sample_index: int = 1) -> str:
     """A trajectory whose two engine spans are exported (and answered) while their generate runs."""
 
     class Server:
@@ -68,7 +68,7 @@ def engine_first_rollout(engine: VllmEngine, gate: Any = None) -> str:
             return {"prompt_ids": prompt_ids, "response_ids": [7, 8, 9]}
 
     async def trajectory() -> str:
-        with rollout_trace_attr(sample_index=1, step=2, rollout_n=0, name="agent_loop") as root:
+        with rollout_trace_attr(sample_index=sample_index, step=2, rollout_n=0, name="agent_loop") as root:
             await Server().generate("r-1", [1, 2])
             await Server().generate("r-2", [1, 2, 7, 8, 9, 4])
         return root.span_id
@@ -165,3 +165,41 @@ def test_waiting_engine_spans_survive_a_restart_and_join_their_trajectory_after_
     _wait(lambda: len([s for s in sink.spans if s["trace_id"] == trace_id]) == 5)
     assert {s["project"] for s in sink.spans if s["trace_id"] == trace_id} == {"proj-r"}
     assert _metric(second.url, "tracecar_otlp_held_spans_total", '{outcome="joined"}') == 2
+
+
+def test_engine_spans_of_a_trajectory_a_head_budget_drops_are_dropped_with_it(start_collector, tracer_to):
+    sink = RecordingSink()
+    col = start_collector(sink=sink, max_samples_per_step_per_worker=1)
+    tracer = tracer_to(col.url, project="p", open_markers=False, flush_interval_s=30)
+    engine = VllmEngine(col.url + "/v1/traces")
+    kept = engine_first_rollout(engine)
+    assert tracer.flush(10)
+    dropped = engine_first_rollout(engine, sample_index=2)  # the same step and worker: over the budget of 1
+    assert tracer.flush(10)
+    engine.close()
+    _wait(lambda: _metric(col.url, "tracecar_otlp_held_spans_total", '{outcome="dropped"}') == 2)
+    _wait(lambda: len(sink.spans) == 5)
+    assert {s["trace_id"] for s in sink.spans} == {kept}
+    assert col.collector.spool.query("SELECT COUNT(*) AS n FROM spans WHERE trace_id = ?", [dropped])[0]["n"] == 0
+    assert _metric(col.url, "tracecar_otlp_held_spans_total", '{outcome="joined"}') == 2
+
+
+def test_engine_spans_first_share_a_tail_budgets_decision_with_their_trajectory(start_collector, tracer_to, kit):
+    sink = RecordingSink()
+    col = start_collector(sink=sink, max_trajectories_per_step=1, trajectories_per_step=2, reward_wait_s=0,
+                          keep_errors_share=0, keep_reward_extremes=0, keep_spread_groups=0)
+    tracer = tracer_to(col.url, project="p", open_markers=False, flush_interval_s=30)
+    engine = VllmEngine(col.url + "/v1/traces")
+    both = [engine_first_rollout(engine, sample_index=i) for i in (0, 1)]
+    assert _metric(col.url, "tracecar_otlp_held_spans_waiting") == 4
+    assert tracer.flush(10)
+    engine.close()
+    decided = kit.wait_for(lambda: (d := httpx.get(col.url + "/v1/decisions", params={"step": 2}, timeout=10).json())
+                           ["kept"] + d["dropped"] == 2 and d, 30)
+    [kept] = [row["trace_id"] for row in decided["decisions"] if row["keep"]]
+    assert kept in both
+    _wait(lambda: len(sink.spans) == 5)
+    time.sleep(0.5)
+    assert {s["trace_id"] for s in sink.spans} == {kept} and len(sink.spans) == 5  # its 2 engine spans with it
+    assert {s["project"] for s in sink.spans} == {"p"}
+    assert col.collector.spool.query("SELECT COUNT(*) AS n FROM spans WHERE state IN (3, 4)")[0]["n"] == 0
