@@ -55,6 +55,8 @@ class Metrics:
         self.backpressure = Counter("tracecar_backpressure", "Requests answered 503 because a bound was hit, by bound.", ["bound"], registry=r)
         self.export_rows_skipped = Counter("tracecar_export_rows_skipped", "Trajectories left out of a dataset export (GET /v1/export) because a stored value did not fit the format (each logged with its trace id and why), by format.", ["format"], registry=r)
         self.otlp_spans = Counter("tracecar_otlp_spans", "Valid OTLP spans received, by what they joined: a tracecar trajectory found in memory or in the store, or none (a trace of their own).", ["joined"], registry=r)
+        self.otlp_held = Counter("tracecar_otlp_held_spans", "OTLP engine spans that arrived before their trajectory, by outcome: held (stored, sent nowhere yet), then joined (took its project and left with it), dropped (with its trajectory, by a budget), foreign (another producer's root came: sent as it is), expired or overflow (TRACECAR_OTLP_HOLD_MAX_AGE_S / _MAX_SPANS: sent as it is).", ["outcome"], registry=r)
+        self.otlp_held_spans = Gauge("tracecar_otlp_held_spans_waiting", "OTLP engine spans waiting now for their trajectory (stored, sent to no exporter yet).", registry=r)
         self.ingest_seconds = Histogram(
             "tracecar_ingest_seconds", "Time from request read to acknowledgement.",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r,

@@ -205,6 +205,10 @@ class Validated:
     # v2: spans whose prompt context this batch remembered: only their decoded texts are kept for later
     # references (a resend of a known span, stored or in flight, must not change what they rebuild)
     remembered: set[str] = field(default_factory=set)
+    # OTLP: engine spans stored AWAITING their trajectory, and traces whose own root this request brought
+    # (tracecar.collector.receivers.engine_hold)
+    awaiting: set[str] = field(default_factory=set)
+    foreign_roots: set[str] = field(default_factory=set)
 
 
 class EnvelopeError(Exception):

@@ -37,6 +37,7 @@ from ..metrics import Metrics
 from ..processors.validate import EnvelopeError, Rejection, Validated, validate_batch
 from ..types import Span
 from . import receive
+from .engine_hold import EngineHold
 from .joins import OTLP_WORKER_PREFIX, TrajectoryContext, TrajectoryContexts
 from .otlp_translate import OtlpSpanIn, Translated, hex_ids_to_base64, translate
 from .otlp_wire import WireError, count_spans
@@ -111,8 +112,9 @@ class OtlpRequest:
     """
 
     def __init__(self, contexts: TrajectoryContexts, metrics: Metrics, max_decompressed_bytes: int, max_batch_spans: int,
-                 redact: RedactKeys) -> None:
+                 redact: RedactKeys, hold: EngineHold | None = None) -> None:
         self.contexts = contexts
+        self.hold = hold
         self.redact = redact  # the collector's redact keys: OTLP attributes may carry secrets too
         self.metrics = metrics
         self.max_decompressed_bytes = max_decompressed_bytes
@@ -146,9 +148,11 @@ class OtlpRequest:
         return validated
 
     def _join(self, validated: Validated) -> None:
-        """Spans of a tracecar trajectory take its worker, project and budget attributes."""
+        """Spans of a tracecar trajectory take its worker, project and budget attributes; a span
+        whose trajectory is not known yet waits for it (:mod:`.engine_hold`)."""
         found: dict[str, tuple[TrajectoryContext | None, str]] = {}
         joined: dict[str, int] = {}
+        validated.foreign_roots = {s["trace_id"] for s in validated.spans if s.get("parent_id") is None}
         for span in validated.spans:
             trace_id = span["trace_id"]
             if trace_id not in found:
@@ -157,6 +161,8 @@ class OtlpRequest:
             joined[source] = joined.get(source, 0) + 1
             if context is not None:
                 context.apply(span)
+            elif self.hold is not None and self.hold.should_hold(span, False, validated.foreign_roots):
+                validated.awaiting.add(span["span_id"])
             place_in_weave_tree(span)  # the trace state says where it goes, even before its trajectory is seen
         for source, count in joined.items():
             self.metrics.otlp_spans.labels(joined=source).inc(count)
@@ -220,7 +226,7 @@ async def _export(request: Request, collector: Any, read_body: Callable[[Request
     if not collector.ready:
         return status_response(503, "collector is not ready (starting or draining)", content_type, retry)
     otlp = OtlpRequest(collector.pipeline.contexts, metrics, settings.max_decompressed_bytes, settings.max_batch_spans,
-                       collector.pipeline.redact_keys)
+                       collector.pipeline.redact_keys, collector.pipeline.hold)
     try:
         collector.pipeline.check_capacity()
         async with collector.pipeline.permit():  # before the body is read, as on /v1/spans: that is what bounds memory

@@ -38,6 +38,7 @@ from ..settings import CollectorSettings
 from ..spool.store import Spool, SpoolFull, SpoolRow
 from ..types import Span
 from .client_drops import ClientDrops, parse_dropped
+from .engine_hold import EngineHold
 from .joins import TrajectoryContexts
 from .worker_pool import (
     PrepareOrder,
@@ -96,6 +97,8 @@ class IngestPipeline:
             on_failure=self._tokenizer_failed,
         )
         self.contexts = TrajectoryContexts(spool, settings.otlp_join_traces)
+        self.hold = EngineHold(spool, self.contexts, metrics, max_spans=settings.otlp_hold_max_spans,
+                               max_age_s=settings.otlp_hold_max_age_s)
         self.prompt_contexts = PromptContexts(settings.prompt_refs_max_bytes, on_evict=metrics.prompt_refs_evicted.inc)
         metrics.prompt_refs_bytes.set_function(lambda: self.prompt_contexts.bytes)
         self.tokenizer_failures = TokenizerFailures()  # each unloadable name logged once
@@ -219,6 +222,9 @@ class IngestPipeline:
         for rejection in too_big:  # over the size bound ("spans[i]"), or a part that cannot be stored
             m.spans_rejected.labels(reason="span_too_large" if "." not in rejection.field else _reason_label(rejection)).inc()
         m.decoded_tokens.inc(tokens)
+        if validated.awaiting:  # engine spans whose trajectory is not known yet: stored, owed to no exporter
+            for row in rows:
+                row.awaiting = row.span["span_id"] in validated.awaiting
         tail_dropped = 0
         try:
             try:
@@ -235,6 +241,8 @@ class IngestPipeline:
         except BaseException:
             self.sampler.forget(sampled.new_decisions)
             raise
+        if self.hold.enabled and (validated.awaiting or validated.foreign_roots or self.hold.traces):
+            await loop.run_in_executor(self.writer, self._settle_held, validated, rows, written.duplicate_ids)
         m.spans_accepted.inc(written.inserted)
         m.spans_duplicate.inc(written.duplicates)
         for warnings in validated.warnings.values():
@@ -247,6 +255,33 @@ class IngestPipeline:
             rejected=validated.rejected + too_big,
             warnings={k: v for k, v in validated.warnings.items()},
         )
+
+    def _settle_held(self, validated: Validated, rows: list[SpoolRow], duplicates: list[str]) -> None:
+        """After a write, on the writer thread: engine spans waiting for a trajectory this batch
+        brought are joined to it (or released, :mod:`.engine_hold`). The batch is committed
+        already: a failure here leaves them waiting (the age bound still applies)."""
+        again = set(duplicates)
+        held = [r.span["trace_id"] for r in rows if r.awaiting and r.span["span_id"] not in again]
+        try:
+            self.hold.after_write(validated.spans, held, validated.foreign_roots)
+        except Exception:  # noqa: BLE001 - never fails an acknowledged batch
+            log.exception("engine hold: settling waiting engine spans failed; they keep waiting")
+
+    async def run_hold(self) -> None:
+        """Releases engine spans that waited past TRACECAR_OTLP_HOLD_MAX_AGE_S, until cancelled."""
+        if not self.hold.enabled:
+            return
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(1.0, self.settings.otlp_hold_max_age_s / 4))
+            try:
+                released = await loop.run_in_executor(self.writer, self.hold.expire)
+            except Exception:  # noqa: BLE001 - e.g. a full disk: retried next tick
+                log.exception("engine hold: releasing expired engine spans failed; retrying")
+                continue
+            if released:
+                for callback in self.on_committed:
+                    callback()
 
     def _write(self, rows: list[SpoolRow], sampled: Any, selection: TailSelector | None) -> tuple[Any, int]:
         if selection is None:

@@ -108,6 +108,7 @@ class Collector:
         self._forward_tasks: list[asyncio.Task[None]] = []
         self._select_task: asyncio.Task[None] | None = None
         self._retention_task: asyncio.Task[None] | None = None
+        self._hold_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         if self.pipeline.pool is not None and self.settings.token2text:  # spawned now, warm in the background
@@ -115,6 +116,7 @@ class Collector:
         self._forward_tasks = [asyncio.create_task(f.run(), name=f"tracecar-forwarder-{f.name}") for f in self.forwarders]
         await asyncio.to_thread(self.retention.take_reserve)
         self._retention_task = asyncio.create_task(self.retention.run(), name="tracecar-retention")
+        self._hold_task = asyncio.create_task(self.pipeline.run_hold(), name="tracecar-engine-hold")
         if self.pipeline.selection is not None:  # tail-based budgets: decide held steps
             self._select_task = asyncio.create_task(self.pipeline.run_selection(), name="tracecar-selection")
         self.ready = True
@@ -131,6 +133,10 @@ class Collector:
             self._retention_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._retention_task
+        if self._hold_task is not None:
+            self._hold_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._hold_task
         if self._select_task is not None:
             self._select_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
