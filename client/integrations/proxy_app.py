@@ -27,20 +27,20 @@ from collections import Counter
 from typing import Any
 from urllib.parse import unquote
 
-import httpx
 import orjson
 
 from ..tracer import Tracer
 from .proxy_config import ProxyConfig
 from .proxy_record import RECORDED_ENDPOINTS, ExchangeRecord
 from .proxy_rollouts import ATTEMPT_HEADER, MAX_ID_CHARS, META_HEADERS, ROLLOUT_HEADER, MetaError, Rollouts, header_meta
+from .upstream_http import UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("tracecar.proxy")
 
 #: hop-by-hop headers (RFC 9110 7.6.1) and what the HTTP layers set for themselves; never forwarded either way
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
                         b"te", b"trailer", b"transfer-encoding", b"upgrade"})
-_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length"}
+_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect"}  # the body is read whole: no 100-continue
 _OWN_PREFIX = b"x-tracecar-"
 ROLLOUT_PREFIX = "/rollout/"
 WARN_INTERVAL_S = 60.0
@@ -55,17 +55,14 @@ class ProxyApp:
         self.base = config.upstream_base
         self.rollouts = Rollouts(tracer.emit, tracer.config.experiment, config.rollout_idle_s, config.max_rollouts)
         self.stats: Counter[str] = Counter()
-        self.http: httpx.AsyncClient | None = None
+        self.http: UpstreamPool | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._warned_at: dict[str, float] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def startup(self) -> None:
         cfg = self.config
-        self.http = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=cfg.connect_timeout_s, read=cfg.read_timeout_s, write=cfg.read_timeout_s, pool=None),
-            limits=httpx.Limits(max_connections=cfg.max_connections or None, max_keepalive_connections=256),
-            follow_redirects=False, trust_env=False)
+        self.http = UpstreamPool(self.base, cfg.connect_timeout_s, cfg.read_timeout_s, cfg.max_connections)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
 
     async def shutdown(self) -> None:
@@ -139,41 +136,39 @@ class ProxyApp:
             elif name not in _NOT_FORWARDED:
                 headers.append((name, value))
         query = scope.get("query_string") or b""
-        url = self.base + path + ("?" + query.decode("latin-1") if query else "")
+        target = path + ("?" + query.decode("latin-1") if query else "")
         record = None
         if rollout_id is not None and scope["method"] == "POST" and path in RECORDED_ENDPOINTS:
             record = self._start_record(path, body, rollout_id, attempt, meta_headers)
         assert self.http is not None, "the proxy serves requests only after its startup"
-        request = httpx.Request(scope["method"], url, headers=headers, content=body)
         try:
-            response = await self.http.send(request, stream=True)
-        except httpx.TimeoutException as exc:
-            await self._no_answer(send, record, 504, f"upstream {self.base} did not answer within the proxy's timeout "
-                                                     f"({type(exc).__name__}; TRACECAR_PROXY_READ_TIMEOUT_S / _CONNECT_TIMEOUT_S)")
-            return
-        except httpx.HTTPError as exc:
-            await self._no_answer(send, record, 502, f"upstream {self.base} unreachable ({type(exc).__name__}: {exc})")
+            response = await self.http.request(scope["method"], target, headers, body)
+        except UpstreamError as exc:
+            if exc.kind == "timeout":
+                await self._no_answer(send, record, 504, f"upstream {self.base} did not answer: {exc} "
+                                                         "(TRACECAR_PROXY_READ_TIMEOUT_S / TRACECAR_PROXY_CONNECT_TIMEOUT_S)")
+            else:
+                await self._no_answer(send, record, 502, f"upstream {self.base} unreachable: {exc}")
             return
         try:
-            await self._pass_through(response, scope, receive, send, record)
+            await self._pass_through(response, receive, send, record)
         finally:
-            await response.aclose()
+            response.close()
             self._answered(record)
 
-    async def _pass_through(self, response: httpx.Response, scope: dict[str, Any], receive: Any, send: Any,
-                            record: ExchangeRecord | None) -> None:
+    async def _pass_through(self, response: UpstreamResponse, receive: Any, send: Any, record: ExchangeRecord | None) -> None:
         """The upstream's status, headers and body bytes, chunk by chunk as they arrive."""
-        await send({"type": "http.response.start", "status": response.status_code,
-                    "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]})
+        await send({"type": "http.response.start", "status": response.status,
+                    "headers": [(k, v) for k, v in response.headers if k.lower() not in HOP_BY_HOP]})
         self.stats["forwarded"] += 1
-        if response.status_code >= 500:
+        if response.status >= 500:
             self.stats["upstream_5xx"] += 1
-        streaming = response.headers.get("content-type", "").startswith("text/event-stream")
+        streaming = (response.header(b"content-type") or b"").startswith(b"text/event-stream")
         watcher = asyncio.ensure_future(receive()) if streaming else None  # a client that leaves ends the upstream's stream
         keep = record is not None
         kept = 0
         try:
-            async for chunk in response.aiter_raw():
+            async for chunk in response.chunks():
                 if keep:
                     assert record is not None
                     if record.first_byte is None:
@@ -188,9 +183,9 @@ class ProxyApp:
                     self.stats["client_disconnects"] += 1
                     self._finish(record, response, "ClientDisconnected: the client left before the answer ended")
                     return
-        except httpx.HTTPError as exc:  # the upstream broke off mid-answer: the client sees it end there, as it would
+        except UpstreamError as exc:  # the upstream broke off mid-answer: the client sees it end there, as it would
             self.stats["upstream_broke_off"] += 1
-            self._finish(record, response, f"UpstreamError: the answer broke off ({type(exc).__name__}: {exc})")
+            self._finish(record, response, f"UpstreamError: the answer broke off ({exc})")
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         finally:
@@ -218,14 +213,15 @@ class ProxyApp:
             record.truncated = True
         return record
 
-    def _finish(self, record: ExchangeRecord | None, response: httpx.Response | None, failure: str | None) -> None:
+    def _finish(self, record: ExchangeRecord | None, response: UpstreamResponse | None, failure: str | None) -> None:
         if record is None:
             return
         record.end = time.time()
         record.failure = failure
         if response is not None:
-            record.status = response.status_code
-            record.content_encoding = response.headers.get("content-encoding")
+            record.status = response.status
+            encoding = response.header(b"content-encoding")
+            record.content_encoding = encoding.decode("latin-1") if encoding else None
         self.tracer.emit(record)
         self.stats["recorded"] += 1
 

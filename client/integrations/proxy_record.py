@@ -276,6 +276,8 @@ def _finish_choice(acc: dict[str, Any]) -> dict[str, Any]:
             message[key] = "".join(acc[f"{key}_parts"])
     if acc.get("tool_calls"):
         message["tool_calls"] = [acc["tool_calls"][i] for i in sorted(acc["tool_calls"])]
+        if message["content"] == "":  # the empty first/last deltas around a call: no content, as unstreamed
+            message["content"] = None
     choice["message"] = message
     return choice
 

