@@ -61,7 +61,7 @@ def serve_proxy(config: Any, tracer: Any) -> None:
     sys.setswitchinterval(0.0005)
     app = ProxyApp(config, tracer)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, lifespan="on", access_log=False,
-                                           server_header=False, date_header=False, log_level="warning"))
+                                           proxy_headers=False, server_header=False, date_header=False, log_level="warning"))
     print(f"tracecar proxy: http://{config.host}:{server.config.port} -> {config.upstream}, recording to {tracer.config.url} "
           f"(agents: base URL http://{config.host}:{config.port}/rollout/ROLLOUT_ID/v1)", file=sys.stderr, flush=True)
     server.run()

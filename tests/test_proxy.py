@@ -209,6 +209,25 @@ def test_the_answer_passes_through_byte_for_byte_streamed_or_not(start_collector
     assert stats["forwarded"] == 3 and stats["recorded"] == 2
 
 
+def test_a_keep_alive_connection_the_upstream_closed_while_idle_is_replaced_without_an_error(start_collector, start_proxy,
+                                                                                            tokenizer):
+    upstream = ServedApp(OpenAIUpstream(tokenizer), free_port(), timeout_keep_alive=0.2)  # closes idle connections fast
+    try:
+        proxy = start_proxy(upstream.url + "/v1", start_collector().url)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+        for _ in range(3):
+            answer = httpx.post(proxy.url + "/rollout/idle/v1/chat/completions", json=body, timeout=10)
+            assert answer.status_code == 200, answer.text
+            time.sleep(0.6)  # the upstream drops the pooled connection meanwhile
+        stats = httpx.get(proxy.url + "/tracecar/stats", timeout=10).json()
+        assert stats["forwarded"] == 3 and "upstream_unreachable" not in stats
+        for _ in range(5):  # back to back: one connection, kept alive and reused
+            assert httpx.post(proxy.url + "/rollout/idle/v1/chat/completions", json=body, timeout=10).status_code == 200
+        assert len({port for port in upstream.app.client_ports[-5:]}) == 1
+    finally:
+        upstream.stop()
+
+
 def test_upstream_errors_pass_through_and_no_answer_is_a_clear_502_or_504(start_collector, start_proxy, upstream):
     collector = start_collector()
     proxy = start_proxy(upstream.url + "/v1", collector.url, read_timeout_s=0.5)

@@ -56,6 +56,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.more = asyncio.Event()  # a chunk, the end or a failure waits in ``chunks``
         self.got_bytes = False
         self.complete = False
+        self.keep_alive = False
         self.paused = False
         self.timer: asyncio.TimerHandle | None = None
         self.error: UpstreamError | None = None
@@ -98,6 +99,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def on_message_complete(self) -> None:
+        self.keep_alive = self.parser.should_keep_alive()  # read here: after the callback the parser has moved on
         self.complete = True
         self._cancel_timer()
         self.chunks.append(_END)
@@ -204,7 +206,7 @@ class UpstreamResponse:
         if self.pool.limit is not None:
             self.pool.limit.release()
         conn = self.conn
-        if self.done and conn.complete and not self.head_only and conn.parser.should_keep_alive() and not conn.closed:
+        if self.done and conn.complete and not self.head_only and conn.keep_alive and not conn.closed:
             self.pool.release(conn)
         else:
             conn.close()

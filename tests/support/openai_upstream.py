@@ -37,6 +37,7 @@ class OpenAIUpstream:
         self.tokenizer = tokenizer
         self.chunk_delay_s = chunk_delay_s
         self.requests: list[tuple[str, dict[str, str], bytes]] = []
+        self.client_ports: list[int] = []  # the connection each request came on (its client port)
         self.record_requests = True
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -55,6 +56,7 @@ class OpenAIUpstream:
         path = scope["path"]
         if self.record_requests:
             self.requests.append((path, {k.decode(): v.decode() for k, v in scope["headers"]}, body))
+            self.client_ports.append((scope.get("client") or ("", 0))[1])
         if path == "/v1/models" and scope["method"] == "GET":
             await _send(send, 200, orjson.dumps({"object": "list", "data": [{"id": "tiny", "object": "model"}]}))
             return
@@ -209,12 +211,13 @@ async def _send(send: Any, status: int, body: bytes, extra: list[tuple[bytes, by
 class ServedApp:
     """An ASGI app under uvicorn on 127.0.0.1 in a daemon thread (stopped with :meth:`stop`)."""
 
-    def __init__(self, app: Any, port: int) -> None:
+    def __init__(self, app: Any, port: int, **config: Any) -> None:
         import uvicorn
 
         self.app = app
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", access_log=False,
-                                                    log_level="error", server_header=False, date_header=False))
+                                                    log_level="error", server_header=False, date_header=False,
+                                                    proxy_headers=False, **config))
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
