@@ -146,6 +146,46 @@ def test_grpo_trainer_completions_are_trajectories_with_rewards_advantages_and_g
     assert {e["advantage"] is not None for e in exported} == {True}
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def test_conversational_prompts_arrive_as_messages(start_collector, tracer_to, tmp_path):
+    """A conversational dataset (prompts as chat messages, the tokenizer's chat template): the prompt
+    is the span's ``messages`` (what the export's ``messages`` start with), the completion a message."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tracecar.client.integrations.trl import TracecarCallback
+
+    tokenizer = tiny_tokenizer(tmp_path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    collector = start_collector()
+    tracer_to(collector.url, experiment="trl-chat")
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, max_completion_length=6,
+                      max_steps=1, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=1,
+                      dataloader_num_workers=0, disable_tqdm=True)
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+    trainer = GRPOTrainer(model=tiny_model(tokenizer), reward_funcs=[length_reward], args=args,
+                          train_dataset=Dataset.from_dict({"prompt": chats}), processing_class=tokenizer)
+    callback = TracecarCallback(trainer)
+    trainer.add_callback(callback)
+    trainer.train()
+    assert callback.sent == 4 and callback.failures == 0
+    rows = wait_for(lambda: (r := httpx.get(collector.url + "/v1/trajectories", params={"experiment": "trl-chat"},
+                                            timeout=10).json()["trajectories"]) and len(r) == 4 and r)
+    for row in rows:
+        tree = httpx.get(f"{collector.url}/v1/trajectories/{row['trace_id']}", timeout=10).json()
+        [call] = tree["root"]["children"]
+        assert call["inputs"]["messages"] in chats
+        [message] = call["output"]["completion"]
+        assert message["role"] == "assistant" and call["output"]["response_text"] == message["content"]
+        assert tokenizer.decode(call["output"]["response_ids"], skip_special_tokens=True) == message["content"]
+        assert row["reward"] == pytest.approx(length_reward([call["output"]["completion"]])[0])  # TRL passes the messages
+    export = httpx.get(collector.url + "/v1/export", params={"format": "jsonl", "experiment": "trl-chat"}, timeout=30)
+    assert all(json.loads(line)["messages"][0]["role"] == "user" for line in export.text.splitlines())
+
+
 def test_a_trainer_that_is_not_trls_grpo_trainer_is_refused_in_one_line():
     from tracecar.client.integrations.trl import TracecarCallback
 
