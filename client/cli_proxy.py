@@ -52,9 +52,10 @@ def build_proxy(args: argparse.Namespace) -> tuple[Any, Any]:
 def serve_proxy(config: Any, tracer: Any) -> None:
     try:
         import uvicorn
-    except ImportError:
-        _fail("needs uvicorn: pip install 'tracecar[proxy]'")
-    from .integrations.proxy_app import ProxyApp
+
+        from .integrations.proxy_app import ProxyApp  # httptools: its upstream client's parser
+    except ImportError as exc:
+        _fail(f"needs uvicorn and httptools ({exc}): pip install 'tracecar[proxy]'")
 
     # the sender thread packs spans in this process: hand the GIL back to the event loop (the requests) within
     # 0.5 ms rather than Python's default 5 ms (bench/proxy.py)

@@ -228,6 +228,22 @@ def test_a_keep_alive_connection_the_upstream_closed_while_idle_is_replaced_with
         upstream.stop()
 
 
+def test_an_answer_past_the_recording_bound_is_forwarded_whole_and_recorded_as_truncated(start_collector, start_proxy, upstream):
+    collector = start_collector()
+    proxy = start_proxy(upstream.url + "/v1", collector.url, max_record_bytes=1500)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "tell the rollout reward story"}], "stream": True,
+            "logprobs": True, **VLLM_EXTRA}
+    direct = httpx.post(upstream.url + "/v1/chat/completions", json=body, timeout=10).content
+    through = httpx.post(proxy.url + "/rollout/big/v1/chat/completions", json=body, timeout=10).content
+    assert through == direct and len(direct) > 1500
+    httpx.post(f"{proxy.url}/rollout/big/reward", json={"reward": 1}, timeout=10)
+    [row] = wait_for(lambda: listed(collector.url, experiment="proxy-test"))
+    [span] = _generates(httpx.get(f"{collector.url}/v1/trajectories/{row['trace_id']}", timeout=10).json())
+    assert span["output"]["recording_truncated"] is True and span["inputs"]["messages"] == body["messages"]
+    assert span["output"]["chunks"] >= 1  # the events kept before the bound are still read
+    assert httpx.get(proxy.url + "/tracecar/stats", timeout=10).json()["recordings_truncated"] == 1
+
+
 def test_upstream_errors_pass_through_and_no_answer_is_a_clear_502_or_504(start_collector, start_proxy, upstream):
     collector = start_collector()
     proxy = start_proxy(upstream.url + "/v1", collector.url, read_timeout_s=0.5)

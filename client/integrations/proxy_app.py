@@ -178,6 +178,7 @@ class ProxyApp:
                         record.response_chunks.append(chunk)
                     else:
                         keep, record.truncated = False, True
+                        self.stats["recordings_truncated"] += 1
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 if watcher is not None and watcher.done():
                     self.stats["client_disconnects"] += 1
@@ -211,6 +212,7 @@ class ProxyApp:
                                 body if len(body) <= self.config.max_record_bytes else b"")
         if len(body) > self.config.max_record_bytes:
             record.truncated = True
+            self.stats["recordings_truncated"] += 1
         return record
 
     def _finish(self, record: ExchangeRecord | None, response: UpstreamResponse | None, failure: str | None) -> None:
