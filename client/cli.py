@@ -455,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_live import add_parsers as add_live_parsers
 
     add_live_parsers(sub)  # live, health
+    from .cli_proxy import add_parsers as add_proxy_parsers
+
+    add_proxy_parsers(sub)  # proxy
     return parser
 
 
