@@ -74,7 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     settings, warnings = _checked_settings(
         args.config, host=args.host, port=args.port, data_dir=args.data_dir, backend=args.backend,
         tokenizer=args.tokenizer, token2text=args.token2text,
-        max_samples_per_step_per_worker=args.max_samples_per_step_per_worker,
+        max_samples_per_step_per_worker=args.max_samples_per_step_per_worker, role=args.role, gateway_url=args.gateway,
     )
     from .quickstart import port_in_use
 
@@ -340,6 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode prompt_ids/response_ids to text (VERL's token2text)")
     p.add_argument("--max-samples-per-step-per-worker", type=int,
                    help="VERL's budget: distinct sample indices kept per (experiment, step, worker)")
+    p.add_argument("--role", choices=["node", "gateway"],
+                   help="node (default: the collector beside the workers; with --gateway it forwards to that gateway) or "
+                        "gateway (global budgets, store and viewer of a job's node collectors); docs/cluster.md")
+    p.add_argument("--gateway", metavar="URL", help="role node: the gateway's http(s)://HOST:PORT (TRACECAR_GATEWAY_URL)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("config", help="print the effective collector configuration (secrets masked)")

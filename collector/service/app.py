@@ -46,6 +46,7 @@ from ..viewer.tokens import trajectory_tokens
 from .auth import BearerAuth
 from .health import health_snapshot
 from .health_step import latest_experiment, step_health
+from .roles import NODE_HEADER, GatewayIntake, wire_gateway_sinks
 
 log = logging.getLogger("tracecar.collector")
 LIST_SORT_PATTERN = "^(" + "|".join(SORTS) + ")$"  # the viewer list's sorts
@@ -70,6 +71,8 @@ class Collector:
             if hasattr(s, "trajectories") and s.trajectories is None:
                 s.trajectories = SpoolTrajectories(self.spool, s.name)  # kept_because, feedback targets
         self.pipeline = IngestPipeline(settings, self.spool, self.metrics)
+        wire_gateway_sinks(self.sinks, self.spool)  # a node's gateway sink reads its token offsets here
+        self.intake = GatewayIntake(settings, self.pipeline.redact_keys, self.metrics.gateway_spans_received)
         self.auth_failures = AuthFailures(self.metrics.auth_failures)
         # one forwarder per exporter (fan-out), each sending through a watcher that logs its
         # outages (rate-limited) and feeds /readyz
@@ -374,13 +377,17 @@ async def _ingest(request: Request, collector: Collector) -> tuple[int, Any, dic
     if not collector.ready:
         return (503, {"error": {"field": None, "reason": "collector is not ready (starting or draining)"}},
                 {"Retry-After": str(settings.retry_after_s)})
+    receiver, refusal = collector.intake.receiver(request.headers.get(NODE_HEADER))  # a node's batch: a gateway's only
+    if refusal is not None:
+        return refusal[0], refusal[1], None
     try:
         collector.pipeline.check_capacity()
         async with collector.pipeline.permit():  # before the body is read: that is what bounds memory
             body = await _read_body(request, settings.max_body_bytes)
             if not body:
                 return 200, {"accepted": 0, "duplicates": 0, "sampled_out": 0, "rejected_count": 0, "rejected": [], "warnings": {}}, None
-            result = await collector.pipeline.ingest(body, request.headers.get("content-type"), request.headers.get("content-encoding"))
+            result = await collector.pipeline.ingest(body, request.headers.get("content-type"), request.headers.get("content-encoding"),
+                                                     receiver)
     except ClientDisconnect:  # the client went away (or a body read timed out): nothing was stored
         collector.metrics.batches_rejected.labels(reason="client_disconnect").inc()
         return 400, {"error": {"field": "body", "reason": "client disconnected before the body was read"}}, None
