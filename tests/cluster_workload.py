@@ -124,9 +124,19 @@ def node_of(worker: str, nodes: int) -> int:
     return int(worker[1:]) * nodes // WORKERS
 
 
-def batches(trajectories: list[Trajectory]) -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    """(worker, spans) batches in sending order: per step and worker, its trajectories, then its rewards."""
+def batches(trajectories: list[Trajectory], per_trajectory: bool = False) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """(worker, spans) batches in sending order: per step and worker, its trajectories, then its rewards
+    (``per_trajectory``: one batch per trajectory and one per reward, workers interleaved, as a
+    sender thread posting as the agent loops finish would)."""
     for step in STEPS:
+        if per_trajectory:
+            mine = [t for t in trajectories if t.step == step]
+            order = sorted(mine, key=lambda t: (int(t.worker[1:]) * 7 + t.sample_index * 3 + t.rollout) % 11)
+            for t in order:
+                yield t.worker, t.spans
+            for t in order:
+                yield t.worker, [t.reward]
+            continue
         for w in range(WORKERS):
             mine = [t for t in trajectories if t.step == step and t.worker == f"w{w}"]
             if mine:
