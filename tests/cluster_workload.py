@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -151,8 +153,6 @@ def post(client: httpx.Client, url: str, worker: str, spans: list[dict[str, Any]
         r = client.post(url + "/v1/spans", json=body, timeout=30)
         if r.status_code != 503:
             break
-        import time
-
         time.sleep(float(r.headers.get("retry-after", "1")))
     assert r.status_code == 200, r.text
     answer = r.json()
@@ -160,7 +160,46 @@ def post(client: httpx.Client, url: str, worker: str, spans: list[dict[str, Any]
     return answer
 
 
-def kept_set(url: str, experiment: str, step: int) -> dict[str, tuple[bool, str]]:
+def kept_set(url: str, experiment: str, step: int, headers: dict[str, str] | None = None) -> dict[str, tuple[bool, str]]:
     """trace_id -> (kept, rule or reason) of one step's tail decisions (``/v1/decisions``)."""
-    answer = httpx.get(url + "/v1/decisions", params={"experiment": experiment, "step": step}, timeout=30).json()
+    answer = httpx.get(url + "/v1/decisions", params={"experiment": experiment, "step": step}, headers=headers,
+                       timeout=30).json()
     return {d["trace_id"]: (d["keep"], d["rule"] if d["keep"] else d["reason"]) for d in answer["decisions"]}
+
+
+class Feeder(threading.Thread):
+    """Posts each batch to its worker's node until acknowledged (2xx), in order; counts what it did."""
+
+    def __init__(self, node_urls: list[str], plan: list[tuple[str, list[dict[str, Any]]]], pace_s: float,
+                 headers: dict[str, str] | None = None, timeout_s: float = 10.0) -> None:
+        super().__init__(daemon=True)
+        self.node_urls, self.plan, self.pace_s = node_urls, plan, pace_s
+        self.headers, self.timeout_s = headers or {}, timeout_s
+        self.acked: list[str] = []  # span ids, in acknowledgement order
+        self.done_batches = 0
+        self.failed_posts = 0
+        self.errors: list[str] = []  # answers that refused spans (none expected)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(headers=self.headers) as client:
+            for worker, spans in self.plan:
+                url = self.node_urls[node_of(worker, len(self.node_urls))]
+                while not self.stop.is_set():
+                    try:
+                        r = client.post(url + "/v1/spans", json={"v": 1, "worker": worker, "project": "cluster-proj",
+                                                                 "spans": spans}, timeout=self.timeout_s)
+                    except httpx.HTTPError:
+                        r = None
+                    if r is not None and r.status_code == 200:
+                        if r.json()["rejected_count"]:
+                            self.errors.append(r.text[:500])
+                        self.acked.extend(s["span_id"] for s in spans)
+                        break
+                    self.failed_posts += 1
+                    time.sleep(0.05)
+                self.done_batches += 1
+                time.sleep(self.pace_s)
+
+    def progress(self) -> float:
+        return self.done_batches / len(self.plan)

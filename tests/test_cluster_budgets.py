@@ -23,11 +23,12 @@ pytestmark = pytest.mark.timeout(300)
 NODES = 4
 
 
-def decided(url: str) -> bool:
+def decided(url: str, headers: dict[str, str] | None = None) -> bool:
     """Every step of every experiment decided (all its trajectories have a decision, no round open)."""
     for experiment in EXPERIMENTS:
         for step in STEPS:
-            answer = httpx.get(url + "/v1/decisions", params={"experiment": experiment, "step": step}, timeout=30).json()
+            answer = httpx.get(url + "/v1/decisions", params={"experiment": experiment, "step": step}, headers=headers,
+                               timeout=30).json()
             if len(answer["decisions"]) != PER_STEP or answer["open"]:
                 return False
     return True

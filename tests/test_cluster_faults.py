@@ -14,56 +14,48 @@ workload without faults.
 
 from __future__ import annotations
 
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.cluster_workload import EXPERIMENTS, STEPS, TAIL_BUDGETS, batches, kept_set, node_of, workload
+from tests.cluster_workload import EXPERIMENTS, STEPS, TAIL_BUDGETS, Feeder, batches, kept_set, workload
 from tests.conftest import FAKE_WANDB_KEY
 from tests.support.cluster import process_collector, start_cluster, wait_until
-from tests.support.collector import scrape_metric
+from tests.support.collector import metric_value
 from tests.test_cluster_budgets import NODES, decided, feed
 
 pytestmark = pytest.mark.timeout(300)
 OUTAGE_S = 12.0
 
 
-class Feeder(threading.Thread):
-    """Posts each batch to its worker's node until acknowledged (2xx), in order; counts what it did."""
-
-    def __init__(self, nodes: list[Any], plan: list[tuple[str, list[dict[str, Any]]]], pace_s: float) -> None:
-        super().__init__(daemon=True)
-        self.nodes, self.plan, self.pace_s = nodes, plan, pace_s
-        self.acked: list[str] = []  # span ids, in acknowledgement order
-        self.done_batches = 0
-        self.failed_posts = 0
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        with httpx.Client() as client:
-            for worker, spans in self.plan:
-                url = self.nodes[node_of(worker, NODES)].url
-                while not self.stop.is_set():
-                    try:
-                        r = client.post(url + "/v1/spans", json={"v": 1, "worker": worker, "project": "cluster-proj",
-                                                                 "spans": spans}, timeout=10)
-                    except httpx.HTTPError:
-                        r = None
-                    if r is not None and r.status_code == 200:
-                        assert r.json()["rejected_count"] == 0, r.text
-                        self.acked.extend(s["span_id"] for s in spans)
-                        break
-                    self.failed_posts += 1
-                    time.sleep(0.05)
-                self.done_batches += 1
-                time.sleep(self.pace_s)
-
-    def progress(self) -> float:
-        return self.done_batches / len(self.plan)
+def assert_exact_and_once(single_url: str, gateway_url: str, feeder: Feeder, weave_calls: Callable[[], list[str]],
+                          headers: dict[str, str] | None = None) -> tuple[set[str], list[str]]:
+    """Decisions equal the fault-free single collector's; every acknowledged span of a kept trajectory is at
+    the gateway; each kept call reached Weave exactly once. Returns (kept trace ids, Weave's call span ids)."""
+    assert feeder.errors == []
+    kept: set[str] = set()
+    for experiment in EXPERIMENTS:
+        for step in STEPS:
+            want = kept_set(single_url, experiment, step)
+            assert kept_set(gateway_url, experiment, step, headers) == want, (experiment, step)
+            kept |= {t for t, (keep, _) in want.items() if keep}
+    acked = set(feeder.acked)
+    wanted = {s["span_id"]: t.trace_id for t in workload() if t.trace_id in kept for s in [*t.spans, t.reward]}
+    assert set(wanted) <= acked
+    for trace_id in kept:
+        tree = httpx.get(f"{gateway_url}/v1/trajectories/{trace_id}", headers=headers, timeout=30).json()
+        assert tree["span_count"] == sum(1 for s, t in wanted.items() if t == trace_id and not s.endswith("-r")), trace_id
+    wait_until(lambda: metric_value(httpx.get(gateway_url + "/metrics", timeout=10).text, "tracecar_spool_depth") == 0,
+               120, "the gateway drained to Weave")
+    delivered = weave_calls()
+    assert len(delivered) == len(set(delivered)), "a call reached Weave twice"
+    assert set(delivered) == {s for s in wanted if not s.endswith("-r")}
+    assert metric_value(httpx.get(gateway_url + "/metrics", timeout=10).text, "tracecar_dead_letters") == 0
+    return kept, delivered
 
 
 def test_nodes_and_gateway_killed_and_down_lose_nothing_and_deliver_once(tmp_path: Path, faulty_weave_stub: Any) -> None:
@@ -77,7 +69,7 @@ def test_nodes_and_gateway_killed_and_down_lose_nothing_and_deliver_once(tmp_pat
     try:
         feed(single.url, None)  # the reference: one collector, no faults
         plan = list(batches(workload(), per_trajectory=True))
-        feeder = Feeder(cluster.nodes, plan, pace_s=0.03)
+        feeder = Feeder([n.url for n in cluster.nodes], plan, pace_s=0.03)
         feeder.start()
         gateway, victim = cluster.gateway, cluster.nodes[1]
 
@@ -105,27 +97,7 @@ def test_nodes_and_gateway_killed_and_down_lose_nothing_and_deliver_once(tmp_pat
         cluster.wait_drained(120)
         wait_until(lambda: decided(gateway.url), 120, "the gateway decided every step")
 
-        # budgets exact: the same decisions as one collector that saw everything, without faults
-        kept: set[str] = set()
-        for experiment in EXPERIMENTS:
-            for step in STEPS:
-                want = kept_set(single.url, experiment, step)
-                assert kept_set(gateway.url, experiment, step) == want, (experiment, step)
-                kept |= {t for t, (keep, _) in want.items() if keep}
-        # nothing acknowledged lost: every acknowledged span of a kept trajectory is at the gateway
-        acked = set(feeder.acked)
-        wanted = {s["span_id"]: t.trace_id for t in workload() if t.trace_id in kept for s in [*t.spans, t.reward]}
-        assert set(wanted) <= acked
-        for trace_id in kept:
-            tree = httpx.get(f"{gateway.url}/v1/trajectories/{trace_id}", timeout=30).json()
-            assert tree["span_count"] == sum(1 for s, t in wanted.items() if t == trace_id and not s.endswith("-r")), trace_id
-        # nothing delivered twice beyond the gateway: each kept call reached Weave once
-        wait_until(lambda: scrape_metric(gateway.url, "tracecar_spool_depth") == 0, 120, "the gateway drained to Weave")
-        delivered = stub.delivered()
-        calls = {s for s in wanted if not s.endswith("-r")}
-        assert len(delivered) == len(set(delivered)), "a call reached Weave twice"
-        assert set(delivered) == calls
-        assert scrape_metric(gateway.url, "tracecar_dead_letters") == 0
+        kept, delivered = assert_exact_and_once(single.url, gateway.url, feeder, stub.delivered)
         print(f"\ncluster faults: batches={len(plan)} failed_posts={feeder.failed_posts} outage={outage_s:.1f}s "
               f"acked_while_down={acked_while_down} owed_while_down={owed_while_down:.0f} kept={len(kept)} "
               f"weave_calls={len(delivered)}")
