@@ -92,6 +92,12 @@ def test_four_nodes_and_a_gateway_keep_exactly_what_one_collector_keeps(tmp_path
         node_groups = [g for n in cluster.nodes for g in groups(n.url, experiment, step)["groups"]
                        if str(g["sample_index"]) == str(sample)]
         assert len(node_groups) > 1 and all(g["n"] < ROLLOUT_N for g in node_groups)
+        # ... and says so: its scope names the gateway, groups list the rollouts that ran elsewhere
+        answer = groups(cluster.nodes[1].url, experiment, step)
+        assert answer["scope"]["gateway"] == cluster.gateway.url and answer["scope"]["node"] == "node1"
+        assert answer["scope"]["partial_groups_on_page"] >= 1
+        assert any(g["rollouts_missing"] for g in answer["groups"])
+        assert "scope" not in groups(cluster.gateway.url, experiment, step)
     finally:
         cluster.stop()
         single.terminate()

@@ -120,3 +120,29 @@ def test_a_forwarded_batch_to_a_collector_that_is_not_a_gateway_is_retried_never
     finally:
         node.terminate()
         plain.terminate()
+
+
+def test_a_nodes_groups_page_says_its_groups_may_be_partial(start_collector, tmp_path: Path) -> None:
+    """A node's own groups view (API and page, in Chromium) names the gateway and the rollouts that ran elsewhere."""
+    from tests.test_viewer import Page, _browser, expect
+
+    gateway_url = f"http://127.0.0.1:{free_port()}"  # nobody there: the node keeps its spans pending, its views work
+    node = start_collector(role="node", gateway_url=gateway_url, node_name="node-a", forward_retry_max_s=1)
+    mine = [t for t in workload() if t.experiment == "exp-traj" and t.step == 1 and t.worker == "w2"]  # part of groups 2 and 3
+    with httpx.Client() as client:
+        post(client, node.url, "w2", [s for t in mine for s in t.spans] + [t.reward for t in mine])
+    answer = httpx.get(node.url + "/v1/groups", params={"experiment": "exp-traj", "step": 1}).json()
+    assert answer["scope"]["gateway"] == gateway_url and answer["scope"]["node"] == "node-a"
+    missing = {g["sample_index"]: g["rollouts_missing"] for g in answer["groups"]}
+    assert missing == {2: [0, 1], 3: []}  # w2 ran rollouts 2-3 of prompt 2 and 0-2 of prompt 3
+    with _browser() as pw:
+        b = Page(pw, tmp_path, node.url)
+        try:
+            b.page.goto(node.url + "/ui/#/groups?experiment=exp-traj&step=1")
+            scope = b.page.locator("[data-testid=groups-scope]")
+            expect(scope).to_contain_text("node-a")
+            expect(scope).to_contain_text(gateway_url)
+            expect(scope).to_contain_text("1 group(s) on this page miss rollouts")
+            b.check_clean()
+        finally:
+            b.close()
