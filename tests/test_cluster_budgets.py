@@ -68,6 +68,8 @@ def assert_same_as_single(single_url: str, gateway_url: str) -> None:
             assert groups(gateway_url, experiment, step) == groups(single_url, experiment, step)
     rules = {rule for e in EXPERIMENTS for s in STEPS for keep, rule in kept_set(single_url, e, s).values() if keep}
     assert {"error", "reward_max", "reward_min", "reward_spread", "fill"} <= rules  # every rule took part
+    reasons = {reason for e in EXPERIMENTS for s in STEPS for keep, reason in kept_set(single_url, e, s).values() if not keep}
+    assert {"max_trajectories_per_step", "max_bytes_per_step", "max_tokens_per_step"} <= reasons
     for step in STEPS:  # exp-group keeps whole groups, whole at the gateway though split over nodes
         answer = groups(gateway_url, "exp-group", step)
         assert answer["groups"] and all(g["n"] == ROLLOUT_N for g in answer["groups"])
