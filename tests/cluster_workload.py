@@ -9,8 +9,8 @@ node), a tool call (some fail), then the reward and advantage as a trainer annot
 are seeded: some groups all equal (GRPO learns nothing from them), some with ties.
 
 ``TAIL_BUDGETS``: the tail rules under test, one experiment each (N per step with errors,
-best/worst and spread quotas; whole groups per step, under a byte limit; a uniform choice: the
-seeded hash fill only, under a token limit).
+best/worst and spread quotas, under a token limit; whole groups per step, under a byte limit; a
+uniform choice: the seeded hash fill alone, 10 of 40, each kept one stamped with its chance).
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ TAIL_BUDGETS: dict[str, Any] = {
     "step_idle_s": 300,
     "decision_wait_s": 600,
     "budgets": json.dumps({
+        "exp-traj": {"max_tokens_per_step": 1100},
         "exp-group": {"max_trajectories_per_step": None, "max_groups_per_step": 3, "max_bytes_per_step": 40000},
-        "exp-uniform": {"max_trajectories_per_step": 10, "max_tokens_per_step": 600, "keep_errors_share": 0,
-                        "keep_reward_extremes": 0, "keep_spread_groups": 0},
+        "exp-uniform": {"max_trajectories_per_step": 10, "keep_errors_share": 0, "keep_reward_extremes": 0,
+                        "keep_spread_groups": 0},
     }),
 }
 

@@ -70,6 +70,15 @@ def assert_same_as_single(single_url: str, gateway_url: str) -> None:
     assert {"error", "reward_max", "reward_min", "reward_spread", "fill"} <= rules  # every rule took part
     reasons = {reason for e in EXPERIMENTS for s in STEPS for keep, reason in kept_set(single_url, e, s).values() if not keep}
     assert {"max_trajectories_per_step", "max_bytes_per_step", "max_tokens_per_step"} <= reasons
+    for step in STEPS:  # the uniform choice: each kept trajectory stamped with its chance (10 of 40), the same at the gateway
+        for trace_id, (keep, _) in kept_set(single_url, "exp-uniform", step).items():
+            if keep:
+                roots = [httpx.get(f"{url}/v1/trajectories/{trace_id}", timeout=30).json()["root"]["attributes"]
+                         for url in (single_url, gateway_url)]
+                assert roots[0]["inclusion_probability"] == roots[1]["inclusion_probability"] == 0.25
+        kept_traj = [t for t, (keep, _) in kept_set(single_url, "exp-traj", step).items() if keep]
+        root = httpx.get(f"{gateway_url}/v1/trajectories/{kept_traj[0]}", timeout=30).json()["root"]["attributes"]
+        assert "inclusion_probability" not in root  # under a token limit the fill is not a uniform draw
     for step in STEPS:  # exp-group keeps whole groups, whole at the gateway though split over nodes
         answer = groups(gateway_url, "exp-group", step)
         assert answer["groups"] and all(g["n"] == ROLLOUT_N for g in answer["groups"])
