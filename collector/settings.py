@@ -128,6 +128,9 @@ class CollectorSettings(BudgetSettings, BaseSettings):
     node_name: str | None = Field(None, max_length=256, description="role=node: this node's name at the gateway (its metrics' node label, the forwarded batches' envelope); unset: <hostname>:<port>.")
     gateway_timeout_s: float = Field(30.0, gt=0, description="role=node: timeout of one forward request to the gateway.")
     gateway_batch_bytes: int = Field(8 * MiB, ge=64 * 1024, description="role=node: most JSON bytes of spans in one forward request to the gateway (sent zstd-compressed; keep it under the gateway's TRACECAR_MAX_DECOMPRESSED_BYTES); a larger single span goes alone.")
+    gateway_heartbeat_s: float = Field(1.0, gt=0, description="role=node: how often the node tells the gateway how far it has acknowledged and delivered (also between batches), so the gateway's steps wait for a node that is behind.")
+    node_silent_s: float = Field(3.0, gt=0, description="role=gateway: a node collector not heard from for this long counts as behind: steps it may still hold trajectories of do not close on next_step, idle or shutdown until it has delivered what it had acknowledged (count and TRACECAR_DECISION_WAIT_S still close them).")
+    node_lost_s: float = Field(300.0, gt=0, description="role=gateway: a node collector not heard from for this long is no longer waited for (it left the job); its late trajectories open later rounds of their steps.")
 
     # --- the list API over the viewer's trajectory index (issue 15, helper "lists") ---
     list_catch_up_s: float = Field(5.0, gt=0, description="GET /v1/trajectories: how long a request lets the trajectory index catch up with the store before answering (so a list right after an ingest shows it); past it the answer says index.caught_up=false and the rest is indexed in the background.")

@@ -15,12 +15,15 @@ Each rule below is one line for the user and exit 2 (``tracecar serve``, ``trace
 from __future__ import annotations
 
 import functools
+import threading
 import urllib.parse
 from typing import Any
 
-from ..exporters.gateway_sink import NODE_HEADER
+from ..exporters.gateway_sink import NODE_HEADER, PROGRESS_HEADER
 
-__all__ = ["NODE_HEADER", "RoleError", "check_role", "gateway_url_problem", "read_token_ends", "wire_gateway_sinks", "GatewayIntake"]
+__all__ = ["NODE_HEADER", "PROGRESS_HEADER", "RoleError", "check_role", "gateway_url_problem", "read_token_ends",
+           "wire_gateway_sinks", "GatewayIntake", "NodeMarks", "heartbeat_loop", "gateway_sinks", "read_progress",
+           "parse_progress"]
 
 
 class RoleError(ValueError):
@@ -103,14 +106,17 @@ def read_token_ends(spool: Any, span_ids: list[str]) -> dict[str, list[int]]:
     return out
 
 
-def wire_gateway_sinks(sinks: list[Any], spool: Any) -> None:
-    """A node's gateway sink reads its token offsets from this node's spool."""
+def gateway_sinks(sinks: list[Any]) -> list[Any]:
     from ..exporters.gateway_sink import GatewaySink
 
-    for sink in sinks:
-        inner = getattr(sink, "sink", sink)  # a WatchedSink wraps it
-        if isinstance(inner, GatewaySink):
-            inner.token_ends = functools.partial(read_token_ends, spool)
+    return [s for s in sinks if isinstance(s, GatewaySink)]
+
+
+def wire_gateway_sinks(sinks: list[Any], spool: Any) -> None:
+    """A node's gateway sink reads its token offsets and its progress from this node's spool."""
+    for sink in gateway_sinks(sinks):
+        sink.token_ends = functools.partial(read_token_ends, spool)
+        sink.progress = functools.partial(read_progress, spool)
 
 
 class GatewayIntake:
@@ -125,6 +131,14 @@ class GatewayIntake:
         self.redact = redact
         self.received = received  # Counter tracecar_gateway_spans_received{node}
         self._labels: set[str] = set()
+        self.marks: NodeMarks | None = None
+        if settings.role == "gateway":
+            self.marks = NodeMarks(settings.data_dir / "cluster-nodes.json", settings.node_silent_s, settings.node_lost_s)
+
+    def delivered(self, node: str | None, progress: str | None) -> None:
+        """A node's batch (or heartbeat) was committed: how far it has now delivered."""
+        if node is not None and self.marks is not None and 0 < len(node) <= 256:
+            self.marks.heard(node, parse_progress(progress))
 
     def receiver(self, node: str | None) -> tuple[Any, tuple[int, dict[str, Any]] | None]:
         """(receiver or None for a worker's batch, or the refusal to answer)."""
@@ -143,3 +157,119 @@ class GatewayIntake:
         counter = self.received.labels(node=label)
         s = self.settings
         return ForwardedRequest(node, s.max_decompressed_bytes, s.max_batch_spans, self.redact, on_spans=counter.inc), None
+
+
+# ---- how far each node has delivered: a gateway's steps wait for a node that is behind ----------------
+def read_progress(spool: Any, delivered: int) -> tuple[int, int]:
+    """(acknowledged through, delivered through) of a node's spool, as sequence numbers: the highest seq it
+    ever committed, and the highest seq below which nothing is owed once the oldest ``delivered`` pending
+    spans are delivered (the forwarder sends oldest first)."""
+    row = spool.query("SELECT (SELECT seq FROM sqlite_sequence WHERE name = 'spans') AS acked, "
+                      "(SELECT seq FROM spans WHERE state = 0 ORDER BY seq LIMIT 1 OFFSET ?) AS next_owed",
+                      [max(0, delivered)])[0]
+    acked = int(row["acked"] or 0)
+    return acked, (int(row["next_owed"]) - 1 if row["next_owed"] is not None else acked)
+
+
+def parse_progress(value: str | None) -> tuple[int, int] | None:
+    if not value:
+        return None
+    try:
+        acked, delivered = (int(part) for part in value.split(","))
+    except ValueError:
+        return None
+    return (acked, delivered) if 0 <= delivered <= acked else None
+
+
+class NodeMarks:
+    """Per node collector: how far it has acknowledged (A) and delivered (D), and when it was last heard.
+
+    The gateway's tail selector asks :meth:`may_close` before deciding a step on ``next_step``,
+    ``idle`` or ``shutdown`` (the rules that depend on what has arrived by now): the first time it
+    asks about a step, the barrier is each live node's A; the step may close once every live node
+    has reported D at or past its barrier, and was heard within ``silent_s`` (a silent node may have
+    acknowledged more since). So a step never closes while a node still holds trajectories it
+    acknowledged before the gateway wanted to close — what one collector that saw the workers
+    directly would already have had. A node not heard from for ``lost_s`` is no longer waited for.
+    ``count`` and ``decision_wait`` close steps whatever the nodes do. The nodes' names and marks are
+    kept in ``cluster-nodes.json`` in the data dir, so a restarted gateway waits for the nodes it
+    knew until they report again.
+    """
+
+    def __init__(self, path: Any, silent_s: float, lost_s: float, clock: Any = None) -> None:
+        import json
+        import time
+
+        self.path = path
+        self.silent_s = silent_s
+        self.lost_s = lost_s
+        self.clock = clock or time.monotonic
+        self.marks: dict[str, list[float]] = {}  # node -> [acked, delivered, last heard (clock)]
+        self._lock = threading.Lock()  # heard() on the event loop, may_close() on the spool's writer thread
+        self.barriers: dict[tuple[Any, int], dict[str, int]] = {}
+        self._saved: set[str] = set()
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        now = self.clock()
+        for node, (acked, delivered) in known.items() if isinstance(known, dict) else ():
+            self.marks[str(node)] = [int(acked), int(delivered), now]  # waited for until it reports again
+        self._saved = set(self.marks)
+
+    def heard(self, node: str, progress: tuple[int, int] | None) -> None:
+        with self._lock:
+            mark = self.marks.get(node)
+            now = self.clock()
+            if mark is None:
+                mark = self.marks[node] = [0, 0, now]
+            if progress is not None:
+                mark[0], mark[1] = max(mark[0], progress[0]), max(mark[1], progress[1])
+            mark[2] = now
+            new = node not in self._saved
+        if new:
+            self._save()
+
+    def _save(self) -> None:
+        import json
+
+        with self._lock:
+            known = {n: [int(m[0]), int(m[1])] for n, m in self.marks.items()}
+        try:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(known))
+            tmp.replace(self.path)
+            self._saved = set(known)
+        except OSError:
+            pass
+
+    def may_close(self, step: Any) -> bool:
+        now = self.clock()
+        with self._lock:
+            live = {n: list(m) for n, m in self.marks.items() if now - m[2] < self.lost_s}
+        key = (step.key, step.round)
+        barrier = self.barriers.get(key)
+        if barrier is None:
+            barrier = self.barriers[key] = {n: int(m[0]) for n, m in live.items()}
+            if len(self.barriers) > 100_000:  # steps decided by count/decision_wait leave theirs: bounded
+                self.barriers.pop(next(iter(self.barriers)))
+        for node, mark in live.items():
+            if now - mark[2] >= self.silent_s or mark[1] < barrier.get(node, 0):
+                return False
+        self.barriers.pop(key, None)
+        return True
+
+    def snapshot(self) -> dict[str, Any]:
+        now = self.clock()
+        with self._lock:
+            return {n: {"acknowledged_through": int(m[0]), "delivered_through": int(m[1]),
+                        "heard_s_ago": round(now - m[2], 3)} for n, m in self.marks.items()}
+
+
+async def heartbeat_loop(sink: Any, every_s: float) -> None:
+    """A node's progress to its gateway every ``every_s`` (the batches carry it too)."""
+    import asyncio
+
+    while True:
+        await sink.heartbeat()
+        await asyncio.sleep(every_s)

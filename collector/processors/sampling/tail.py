@@ -89,6 +89,10 @@ class TailSelector:
         self.metrics = metrics
         self.clock = clock
         self.waits = Waits(settings.reward_wait_s, settings.step_idle_s, settings.decision_wait_s)
+        # a gateway's guard (service/roles.py NodeMarks): may a step close on next_step / idle / shutdown
+        # now, or is a node collector still delivering what it acknowledged? (count, decision_wait and
+        # held_limit never wait for it)
+        self.may_close: Callable[[OpenStep], bool] = lambda step: True
         self.max_held = settings.max_held_trajectories
         self.open: dict[StepKey, OpenStep] = {}
         self.trace_step: dict[str, OpenStep] = {}
@@ -302,6 +306,8 @@ class TailSelector:
                     why = "shutdown" if step.all_complete(now, self.waits) else None
                 else:
                     why = step.ready(now, self.waits, self.latest)
+                if why in ("next_step", "idle", "shutdown") and not self.may_close(step):
+                    why = None
                 if why is not None:
                     ready.append((step, why))
             held = len(self.trace_step) + len(self.loose)
