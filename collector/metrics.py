@@ -75,6 +75,8 @@ class Metrics:
         self.held_bytes = Gauge("tracecar_held_bytes", "Bytes of spans awaiting their step's decision.", registry=r)
         self.held_trajectories = Gauge("tracecar_held_trajectories", "Trajectories awaiting their step's decision (summaries in memory).", registry=r)
         self.open_steps = Gauge("tracecar_open_steps", "Steps (rounds) held open awaiting a decision.", registry=r)
+        # the cluster tier (service/roles.py): what a gateway took from each node collector
+        self.gateway_spans_received = Counter("tracecar_gateway_spans_received", "Gateway: valid spans node collectors forwarded, by node (TRACECAR_NODE_NAME; past 1,024 names, other).", ["node"], registry=r)
         # the list API (GET /v1/trajectories) over the viewer's trajectory index
         self.list_index_behind = Counter("tracecar_list_index_behind", "GET /v1/trajectories answers given before the trajectory index caught up (TRACECAR_LIST_CATCH_UP_S hit; index.caught_up=false).", registry=r)
 

@@ -126,6 +126,17 @@ class CollectorSettings(BudgetSettings, BaseSettings):
     redact_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Keys whose values are replaced by REDACTED at ingest, on top of weave's api_key, auth_headers, authorization (case-insensitive, any depth; comma-separated in the environment).")
     log_level: str = Field("info", description="Log level (JSON lines on stderr).")
 
+    # --- the cluster tier (issue 26): node collectors feed a gateway (collector/service/roles.py) ---
+    role: Literal["node", "gateway"] = Field("node", description="node: the collector beside the workers (today's collector; with TRACECAR_GATEWAY_URL it forwards its decoded trajectories to that gateway); gateway: takes node collectors' trajectories, decides the global (tail) budgets, stores, serves the viewer and read APIs for the whole job and fans out to the exporters.")
+    gateway_url: str | None = Field(None, description="role=node: the gateway's base URL (http(s)://HOST:PORT); the node then forwards everything its head budget keeps to it (exporter gateway) and the gateway decides the tail budgets.")
+    gateway_token: SecretStr | None = Field(None, description="role=node: the bearer token the gateway requires (its TRACECAR_TOKEN); unset: this node's own TRACECAR_TOKEN.")
+    node_name: str | None = Field(None, max_length=256, description="role=node: this node's name at the gateway (its metrics' node label, the forwarded batches' envelope); unset: <hostname>:<port>.")
+    gateway_timeout_s: float = Field(30.0, gt=0, description="role=node: timeout of one forward request to the gateway.")
+    gateway_batch_bytes: int = Field(8 * MiB, ge=64 * 1024, description="role=node: most JSON bytes of spans in one forward request to the gateway (sent zstd-compressed; keep it under the gateway's TRACECAR_MAX_DECOMPRESSED_BYTES); a larger single span goes alone.")
+    gateway_heartbeat_s: float = Field(1.0, gt=0, description="role=node: how often the node tells the gateway how far it has acknowledged and delivered (also between batches), so the gateway's steps wait for a node that is behind.")
+    node_silent_s: float = Field(3.0, gt=0, description="role=gateway: a node collector not heard from for this long counts as behind: steps it may still hold trajectories of do not close on next_step, idle or shutdown until it has delivered what it had acknowledged (count and TRACECAR_DECISION_WAIT_S still close them).")
+    node_lost_s: float = Field(300.0, gt=0, description="role=gateway: a node collector not heard from for this long is no longer waited for (it left the job); its late trajectories open later rounds of their steps.")
+
     # --- the list API over the viewer's trajectory index (issue 15, helper "lists") ---
     list_catch_up_s: float = Field(5.0, gt=0, description="GET /v1/trajectories: how long a request lets the trajectory index catch up with the store before answering (so a list right after an ingest shows it); past it the answer says index.caught_up=false and the rest is indexed in the background.")
 
@@ -213,6 +224,13 @@ class CollectorSettings(BudgetSettings, BaseSettings):
         return default_workers()
 
     @property
+    def effective_node_name(self) -> str:
+        """This node's name at its gateway: TRACECAR_NODE_NAME, else <hostname>:<port>."""
+        import socket
+
+        return self.node_name or f"{socket.gethostname()}:{self.port}"
+
+    @property
     def effective_backend(self) -> Literal["local", "weave", "otlp", "mlflow"]:
         if self.backend == "auto":
             return "weave" if self.wandb_api_key is not None else "local"
@@ -221,6 +239,8 @@ class CollectorSettings(BudgetSettings, BaseSettings):
     @property
     def effective_exporters(self) -> list[str]:
         """The exporters forwarded to: TRACECAR_EXPORTERS, else the one the backend setting names."""
+        if self.role == "node" and self.gateway_url:  # a node forwards to its gateway only (service/roles.py checks the rest)
+            return ["gateway"]
         if self.exporters is not None:
             return list(self.exporters)
         backend = self.effective_backend

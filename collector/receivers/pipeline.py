@@ -381,7 +381,8 @@ class IngestPipeline:
     def _decode_and_serialize(self, validated: Validated, spans: list[Span]) -> tuple[list[SpoolRow], int, list[Rejection]]:
         batch = validated.batch
         tokens = 0
-        ends: dict[str, list[int]] = {}  # span id -> each response token's end offset (token view)
+        # span id -> each response token's end offset (token view); a node's, when it forwarded the batch (receivers/forwarded.py)
+        ends: dict[str, list[int]] = dict(getattr(validated, "carried_ends", None) or {})
         token2text = self.settings.token2text if batch.token2text is None else batch.token2text
         name = batch.tokenizer or self.settings.tokenizer
         if token2text and spans:

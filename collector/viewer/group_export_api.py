@@ -25,6 +25,7 @@ from .export import FORMATS, MEDIA_TYPES, IndexBehind, export_chunks, parquet_av
 from .groups import GROUP_SORTS, build_groups
 from .index import ListFilter, TrajectoryIndex
 from .list_api import read_index
+from .node_scope import mark_partial_groups, node_scope
 from .search import QUERY_MAX_CHARS
 
 log = logging.getLogger("tracecar.export")
@@ -77,6 +78,10 @@ def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[
         state = await asyncio.to_thread(fresh)
         result = await asyncio.to_thread(read_index, groups_of_step, collector, index, experiment, step, validate, sort=sort,
                                          sample_index=sample_index or None, limit=limit, offset=offset, diff=diff)
+        scope = node_scope(collector.settings)  # a node with a gateway: its groups may be partial
+        if scope is not None:
+            scope["partial_groups_on_page"] = mark_partial_groups(result["groups"])
+            result["scope"] = scope
         return _json({**result, "index": state})
 
     router.add_api_route("/v1/groups", groups, methods=["GET"], dependencies=[Depends(api_auth)])
