@@ -28,6 +28,7 @@ from typing import Any
 
 import orjson
 
+from ..chat import chat_in, parse_template, strip_end
 from ..shape import RESPONSE_ID_KEYS, TOOL_METHODS, dict_or_empty, int_list, shape
 from ..spool.query import get_trajectory
 from ..spool.store import Spool
@@ -41,7 +42,6 @@ ROW_GROUP_ROWS = 500  # Parquet rows per row group (bounded by bytes too)
 ROW_GROUP_BYTES = 16 << 20
 JSONL_CHUNK_BYTES = 256 << 10
 SETTLE_TIMEOUT_S = 300.0  # how long an export waits for the trajectory index to catch up
-PROMPT_KEYS = ("raw_prompt", "messages")  # VERL's agent loops get the chat as kwargs["raw_prompt"]
 
 
 log = logging.getLogger("tracecar.export")
@@ -115,16 +115,19 @@ def _tool_name(span: dict[str, Any]) -> str:
 
 
 def _initial_messages(root: dict[str, Any], first_prompt: str | None) -> list[dict[str, Any]]:
-    """The chat the agent loop was given, when a span carries it; else the decoded first prompt."""
+    """The chat the agent loop was given, when a span recorded it (VERL: ``inputs.kwargs.raw_prompt``,
+    see :mod:`..chat`); else the decoded first prompt, its chat template undone where it is a known
+    one, else as one user message."""
     for span in _walk(root):
-        inputs = span.get("inputs")
-        if not isinstance(inputs, dict):
-            continue
-        for key in PROMPT_KEYS:
-            chat = inputs.get(key)
-            if isinstance(chat, list) and chat and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in chat):
-                return [_message(str(m["role"]), _json_text(m.get("content"))) for m in chat]
-    return [_message("user", first_prompt)] if first_prompt is not None else []
+        chat = chat_in(span.get("inputs"))
+        if chat is not None:
+            return [_message(str(m["role"]), _json_text(m.get("content"))) for m in chat]
+    if first_prompt is None:
+        return []
+    parsed = parse_template(first_prompt)
+    if parsed is None:
+        return [_message("user", first_prompt)]
+    return [_message(m["role"], m["content"]) for m in parsed]
 
 
 def _message(role: str, content: str | None, *, tool_calls: list[dict[str, Any]] | None = None,
@@ -164,7 +167,7 @@ def record(tree: dict[str, Any], summary: dict[str, Any], *, token_ids: bool = F
         calls = [{"id": e["span_id"], "type": "function",
                   "function": {"name": _tool_name(spans.get(e["span_id"]) or {}), "arguments": _json_text(e.get("arguments")) or "{}"}}
                  for e in tools]
-        assistant = _message("assistant", turn.get("response_text"), tool_calls=calls)
+        assistant = _message("assistant", strip_end(turn.get("response_text")), tool_calls=calls)
         if token_ids:
             output = (spans.get(turn["span_id"]) or {}).get("output") or {}
             assistant["token_ids"] = next((_ids(output.get(k)) for k in RESPONSE_ID_KEYS if _ids(output.get(k))), None)
