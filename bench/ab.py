@@ -381,7 +381,7 @@ def main() -> None:
     sides = (this, other)
     work = Path(tempfile.mkdtemp(prefix="tracecar-bench-ab-"))
     rows: list[list[Any]] = []
-    t0 = time.perf_counter()
+    started = time.perf_counter()
     try:
         steps: dict[str, Callable[[], None]] = {
             "collector": lambda: [rows.append(summary(f"collector CPU per span, token2text {'on' if t2t else 'off'}", "µs",
@@ -397,7 +397,7 @@ def main() -> None:
         if not args.keep:
             remove_build(where)
     print(machine_note())
-    header(f"RATIOS this / {other.label}, median and spread (min–max) over alternating rounds ({time.perf_counter() - t0:.0f} s)")
+    header(f"RATIOS this / {other.label}, median and spread (min–max) over alternating rounds ({time.perf_counter() - started:.0f} s)")
     print(table(rows, ["figure", this.label, other.label, "ratio", "spread", "rounds"]))
 
 
