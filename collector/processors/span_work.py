@@ -145,7 +145,7 @@ class ContextView:
 
     @classmethod
     def of(cls, entry: Any) -> ContextView:
-        return cls(entry.prompt_len, len(entry.ids), entry.response_source, entry.text, entry.response_text, entry.tokenizer)
+        return cls(entry.prompt_len, entry.n_ids, entry.response_source, entry.text, entry.response_text, entry.tokenizer)
 
 
 # (worker, span_id) -> the context remembered for that span, or None
@@ -155,7 +155,7 @@ SetTexts = Callable[[str, str, "str | None", "str | None", str], None]
 
 
 def _n_ids(entry: Any) -> int:
-    return entry.n_ids if isinstance(entry, ContextView) else len(entry.ids)
+    return int(entry.n_ids)
 
 
 def decode_v2(spans: list[Span], worker: str, bases: dict[Any, Any], tokenizer: Any, name: str,

@@ -219,6 +219,8 @@ class IngestPipeline:
             m.spans_sampled_out.labels(budget="max_samples_per_step_per_worker").inc(len(sampled.dropped))
         rows, tokens, too_big = await self._decode_and_serialize_somewhere(validated, spans, body, content_type,
                                                                            content_encoding, receiver, heads, done)
+        if self.prompt_contexts.ended:  # decoded in a worker process: this batch's finished trajectories go now
+            await loop.run_in_executor(self.cpu, self.prompt_contexts.release_ended)
         for rejection in too_big:  # over the size bound ("spans[i]"), or a part that cannot be stored
             m.spans_rejected.labels(reason="span_too_large" if "." not in rejection.field else _reason_label(rejection)).inc()
         m.decoded_tokens.inc(tokens)
@@ -399,6 +401,7 @@ class IngestPipeline:
                     self.tokenizer_failures.failed(name, exc, configured=batch.tokenizer is None, worker=batch.worker)
                     tokens = self._decode_with_default(validated, spans, name, exc, ends)
         rows, too_big = self._serialize(validated, spans, ends)
+        self.prompt_contexts.release_ended()  # this batch's finished trajectories: decoded, no later turn reads them
         return rows, tokens, too_big
 
     def _decode(self, validated: Validated, spans: list[Span], tokenizer: Any, name: str,

@@ -44,3 +44,19 @@ def test_eviction_by_the_bound_leaves_no_trajectory_bookkeeping_behind() -> None
     assert len(contexts._of_trace) == 4 and len(contexts._trace_of) == 4  # bounded with the entries
     contexts.trajectory_ended("w", "trace-0")  # long evicted: nothing to release, nothing queued
     assert contexts._ended == [] and contexts.release_ended() == 0
+
+
+def test_a_context_references_the_span_s_lists_and_slices_across_prompt_and_response() -> None:
+    """The context is the span's own prompt and response lists (no copy of every id per span);
+    every slice a reference can ask for is what slicing prompt + response gives."""
+    prompt, response = list(range(100, 107)), list(range(200, 204))
+    context = Context.of(prompt, {"response_ids": response})
+    assert context.ids is prompt and context.response is response
+    assert context.n_ids == 11 and context.prompt_len == 7 and context.response_source == "output.response_ids"
+    whole = prompt + response
+    for start in range(len(whole) + 1):
+        for stop in range(start, len(whole) + 1):
+            assert context.slice(start, stop) == whole[start:stop], (start, stop)
+    assert context.slice(0, 11) is not prompt  # a new list: the rebuilt prompt may be extended in place
+    assert Context.of(prompt, {"response_ids": []}).response is None
+    assert Context(list(range(5)), 5).size == _context(5).size
