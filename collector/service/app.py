@@ -343,13 +343,37 @@ def check_tokenizer_name(collector: Collector, name: str | None) -> dict[str, An
     chosen = name or settings.tokenizer
     answer: dict[str, Any] = {"name": chosen, "token2text": settings.token2text, "default_tokenizer": settings.tokenizer}
     if not chosen:
-        return {**answer, "ok": False, "error": "no tokenizer named and TRACECAR_TOKENIZER is unset"}
+        return {**answer, **_tokenizers_under_root(collector), "ok": False,
+                "error": "no tokenizer named and TRACECAR_TOKENIZER is unset"}
     try:
         tokenizer = collector.pipeline.tokenizers.get(chosen)
     except TokenizerNotFound as exc:
         refused = getattr(exc, "reason", "") in REFUSALS  # the policy said no: the path was not looked at
         return {**answer, "ok": False, "error": str(exc), "tried": None if refused else describe_tokenizer_attempts(chosen)}
     return {**answer, "ok": True, "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True)}
+
+
+def _tokenizers_under_root(collector: Collector) -> dict[str, Any]:
+    """With TRACECAR_TOKENIZER_ROOT and no name: whether the root exists, and the tokenizers the
+    workers have named (or, before any, the model directories found under it) and whether each loads."""
+    from ..processors.decoding import TokenizerNotFound, tokenizers_under
+
+    root = collector.settings.tokenizer_root
+    if root is None:
+        return {}
+    if not root.is_dir():
+        return {"root": str(root), "root_exists": False, "found": []}
+    named = collector.pipeline.tokenizers.loaded_names()
+    candidates = named or [str(path) for path in tokenizers_under(root)]
+    found: list[dict[str, Any]] = []
+    for candidate in candidates[:4]:
+        try:
+            tokenizer = collector.pipeline.tokenizers.get(candidate)
+        except TokenizerNotFound as exc:
+            found.append({"name": candidate, "ok": False, "error": str(exc)})
+        else:
+            found.append({"name": candidate, "ok": True, "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True)})
+    return {"root": str(root), "root_exists": True, "found": found, "named_by_workers": bool(named)}
 
 
 def _json(payload: Any, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
