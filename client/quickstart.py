@@ -180,9 +180,10 @@ def wait_for_decisions(url: str, experiment: str, last_step: int, timeout_s: flo
 def describe_sampling(got: dict[str, Any], budget: int) -> str:
     """One line on what the budget did to the last step (the viewer's sampling panel has the rest)."""
     if not got.get("decisions"):
-        return f"sampling: budget {budget} trajectories per step; the last step is not decided yet (see the viewer's sampling panel)"
+        return (f"sampling: budget {budget} trajectories per step, GRPO groups kept whole; the last step is not decided yet "
+                "(see the viewer's sampling panel)")
     rules = ", ".join(f"{rule} {n}" for rule, n in sorted(got.get("kept_by_rule", {}).items()))
-    return (f"sampling: budget {budget} trajectories per step; step {got.get('step')} kept {got.get('kept', 0)} "
+    return (f"sampling: budget {budget} trajectories per step, GRPO groups kept whole; step {got.get('step')} kept {got.get('kept', 0)} "
             f"({rules}), dropped {got.get('dropped', 0)}")
 
 

@@ -209,5 +209,6 @@ def test_the_demo_runs_with_a_budget_so_sampling_decisions_show(tmp_path: Path) 
                        "--samples", "4", "--rollout-n", "2", "--budget", "3"], clean_env(), tmp_path)
     assert done.returncode == 0, done.stderr
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("sampling:")), "")
-    assert re.search(r"budget 3 trajectories per step; step 1 kept 3 \(.+\), dropped 5$", line), done.stdout
-    assert "\n3 trajectories" in done.stdout, done.stdout
+    # groups of 2 kept whole (issue 31, item 2): one group fits a budget of 3, never a group cut to its survivor
+    assert re.search(r"budget 3 trajectories per step, GRPO groups kept whole; step 1 kept 2 \(.+\), dropped 6$", line), done.stdout
+    assert "\n2 trajectories" in done.stdout, done.stdout

@@ -45,6 +45,15 @@ def root_and_annotations(spool: Spool, trace_id: str) -> dict[str, Any] | None:
     return {"trace_id": trace_id, "root": root, "annotations": [s for r, s in zip(rows, spans) if r["kind"] == "annotation"]}
 
 
+def sampled_out_of_step(spool: Spool, experiment: str | None, step: int, validate: bool) -> dict[str, int]:
+    """Rollouts of each sample index a tail budget dropped in this step (any reason), by the index as text:
+    the groups they belonged to are partial."""
+    rows = spool.query("SELECT sample_index, COUNT(*) AS n FROM trajectory_decisions WHERE step = ? AND experiment IS ? "
+                       "AND validate = ? AND keep = 0 AND sample_index IS NOT NULL GROUP BY sample_index",
+                       [step, experiment, int(validate)])
+    return {str(r["sample_index"]): r["n"] for r in rows}
+
+
 def groups_of_step(collector: StoreOwner, index: TrajectoryIndex, experiment: str | None, step: int,
                    validate: bool, **options: Any) -> dict[str, Any]:
     """Blocking: the step's summaries from the index, grouped; trajectories read for the page only."""
@@ -56,7 +65,7 @@ def groups_of_step(collector: StoreOwner, index: TrajectoryIndex, experiment: st
     spool = collector.spool
     load = ((lambda trace_id: get_trajectory(spool, trace_id)) if options.get("diff", True)
             else (lambda trace_id: root_and_annotations(spool, trace_id)))
-    result = build_groups(page["trajectories"], load, **options)
+    result = build_groups(page["trajectories"], load, sampled_out=sampled_out_of_step(spool, experiment, step, validate), **options)
     return {"experiment": experiment, "step": step, "validate": validate,
             "truncated": page["total"] > len(page["trajectories"]), **result}
 

@@ -55,10 +55,27 @@ class GroupStats:
     max: float | None
     spread: float | None
     all_equal: bool
+    sampled_out: int = 0  # rollouts of this group a budget dropped (the step's decision records)
+    total: int = 0  # rollouts the group had: n kept + sampled_out
+    partial: bool = False  # some rollouts sampled out: not flagged all-equal, no std (nor advantage)
 
     @classmethod
-    def of(cls, n: int, rewards: list[float]) -> GroupStats:
-        """``std`` is the sample std (Bessel-corrected, as GRPO's ``torch.std``); None below 2 rewards."""
+    def of(cls, n: int, rewards: list[float], sampled_out: int = 0) -> GroupStats:
+        """``std`` is the sample std (Bessel-corrected, as GRPO's ``torch.std``); None below 2 rewards.
+
+        A partial group (``sampled_out`` > 0) keeps its mean, min and max of what was kept, but is
+        never flagged all-equal nor given a std: GRPO scored it on rollouts that are not here.
+        """
+        whole = cls._of(n, rewards)
+        if sampled_out <= 0:
+            whole.total = n
+            return whole
+        whole.std, whole.all_equal = None, False
+        whole.sampled_out, whole.total, whole.partial = sampled_out, n + sampled_out, True
+        return whole
+
+    @classmethod
+    def _of(cls, n: int, rewards: list[float]) -> GroupStats:
         if not rewards:
             return cls(n, 0, None, None, None, None, None, False)
         if max(map(abs, rewards)) < _FLOAT_SAFE:
@@ -197,16 +214,20 @@ def diff_turns(rollout: list[dict[str, Any]], best: list[dict[str, Any]]) -> dic
 
 
 def build_groups(rows: list[dict[str, Any]], load: Callable[[str], dict[str, Any] | None], *, sort: str = "sample_index",
-                 sample_index: str | None = None, limit: int = 50, offset: int = 0, diff: bool = True) -> dict[str, Any]:
+                 sample_index: str | None = None, limit: int = 50, offset: int = 0, diff: bool = True,
+                 sampled_out: dict[str, int] | None = None) -> dict[str, Any]:
     """Groups of one step from its trajectory summaries; ``load`` reads one stored trajectory.
 
     Statistics and order come from the summaries (every group of the step); trajectories are
     loaded only for the groups of the page asked for, so a page costs its groups, not the step.
+    ``sampled_out``: rollouts a budget dropped, by sample index as text (those groups are partial).
     """
     grouped = group_rows(rows)
     if sample_index is not None:
         grouped = {k: v for k, v in grouped.items() if same_key(k, sample_index)}
-    stats = {k: GroupStats.of(len(v), [r["reward"] for r in v if r.get("reward") is not None]) for k, v in grouped.items()}
+    dropped = sampled_out or {}
+    stats = {k: GroupStats.of(len(v), [r["reward"] for r in v if r.get("reward") is not None],
+                              dropped.get(str(k), 0) if k is not None else 0) for k, v in grouped.items()}
     keys = order_groups(stats, sort)
     page = []
     for key in keys[offset:offset + limit]:
@@ -215,6 +236,7 @@ def build_groups(rows: list[dict[str, Any]], load: Callable[[str], dict[str, Any
         "sort": sort, "total_groups": len(keys), "limit": limit, "offset": offset,
         "all_equal_groups": sum(1 for s in stats.values() if s.all_equal),
         "unscored_groups": sum(1 for s in stats.values() if s.scored == 0),
+        "partial_groups": sum(1 for s in stats.values() if s.partial),
         "trajectories": sum(s.n for s in stats.values()),
         "groups": page,
     }
