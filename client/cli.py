@@ -200,7 +200,15 @@ def print_trajectories(page: dict[str, Any]) -> None:
         for role in ("prompt", "response"):  # a search's answer carries the texts it matched
             text = t.get(f"{role}_preview")
             if text:
-                print(f"    {role:8} {' '.join(text.split())[-100:]}")
+                print(f"    {role:8} {one_line(text, 100)}")
+
+
+def one_line(text: str, chars: int) -> str:
+    """A preview on one line: its beginning (the last user message), or its end when it is already an end ("…")."""
+    line = " ".join(text.split())
+    if len(line) <= chars:
+        return line
+    return "…" + line[-(chars - 1):] if line.startswith("…") else line[:chars - 1] + "…"
 
 
 def trainer_status(t: dict[str, Any]) -> str:

@@ -449,7 +449,7 @@
         h("td", { class: "num" }, fmt.dur(t.duration)),
         h("td", { class: "num" + (t.has_error ? " bad" : "") }, t.has_error ? "error" : ""),
         h("td", { class: "num", "data-testid": "reward" }, fmt.reward(t.reward)),
-        h("td", null, trainerBadge(t, null) || ""));
+        h("td", { class: "trainer" }, trainerBadge(t, null) || ""));
       tr.addEventListener("click", (e) => { if (!e.target.closest("a, input")) go("/t/" + encodeURIComponent(t.trace_id)); });
       return tr;
     });
@@ -465,12 +465,14 @@
       h("div", { class: "row" }, compareButton, clearButton, h("span", { class: "muted" }, "tick two or more rows to compare them side by side"),
         exportLinks(query, page.total)),
       pager,
-      h("table", { "data-testid": "list-table" },
-        h("thead", null, h("tr", null, h("th", null, ""), h("th", null, "trajectory"), h("th", { class: "preview" }, "prompt → last response"), h("th", null, "experiment"), head("step", "step", "num"),
+      h("div", { class: "table-scroll" }, h("table", { "data-testid": "list-table" },
+        h("thead", null, h("tr", null, h("th", null, ""), h("th", null, "trajectory"),
+          h("th", { class: "preview", title: "the first prompt's last user message (system prompt and template tokens left out) and the last response" },
+            h("span", { "data-testid": "preview-header" }, "last user message → last response")), h("th", null, "experiment"), head("step", "step", "num"),
           h("th", { class: "num" }, "sample"), h("th", { class: "num" }, "rollout"), h("th", null, ""), h("th", null, "kept because"),
           head("turns", "turns", "num"), head("tools", "tools", "num"), head("tokens", "resp. tokens", "num"), head("duration", "duration", "num"),
           h("th", null, ""), head("reward", "reward", "num"), head("advantage", "trainer"))),
-        h("tbody", null, rows)));
+        h("tbody", null, rows))));
   }
 
   // The list's selection as a dataset file (GET /ui/api/export = /v1/export, same filters; issue 15 §6)
