@@ -250,14 +250,45 @@ def cmd_show(args: argparse.Namespace) -> None:
 
 def cmd_decisions(args: argparse.Namespace) -> None:
     params = {k: v for k, v in {"step": args.step, "experiment": args.experiment, "validate": args.validate}.items() if v is not None}
-    _show(args, _get(args, "/v1/decisions", params), print_decisions)
+    page = _get(args, "/v1/decisions", params)
+    if args.experiment is None:
+        page = _default_experiment(args, params, page)
+    _show(args, page, print_decisions)
+
+
+def _has_decisions(page: dict[str, Any]) -> bool:
+    return bool(page.get("decisions") or page.get("open") or page.get("head"))
+
+
+def _default_experiment(args: argparse.Namespace, params: dict[str, Any], page: dict[str, Any]) -> dict[str, Any]:
+    """No --experiment: the trajectories sent without one if they have decisions at this step, else the
+    newest experiment that has (said on stderr, with the others); when none has, say that."""
+    others = [e for e in page.get("experiments_at_step") or [] if e is not None]
+    if _has_decisions(page):
+        if others:
+            print(f"tracecar: showing trajectories sent without an experiment name; step {args.step} also has decisions "
+                  f"in {', '.join(repr(e) for e in others)} (--experiment NAME)", file=sys.stderr)
+        return page
+    if not others:
+        print(f"tracecar: no experiment has sampling decisions at step {args.step} (sampling off, the step not decided "
+              "yet, or another step: see `tracecar trajectories --step N` and the viewer's steps overview)", file=sys.stderr)
+        return page
+    chosen = others[0]
+    rest = f"; also: {', '.join(repr(e) for e in others[1:])}" if others[1:] else ""
+    print(f"tracecar: no --experiment given: showing {chosen!r}, the newest experiment with decisions at step "
+          f"{args.step}{rest} (--experiment NAME for another)", file=sys.stderr)
+    return dict(_get(args, "/v1/decisions", {**params, "experiment": chosen}))
+
+
+def _experiment_label(experiment: str | None) -> str:
+    return "(sent without an experiment name)" if experiment is None else repr(experiment)
 
 
 def print_decisions(page: dict[str, Any]) -> None:
     head = page.get("head") or []
     if head and not page["decisions"]:
         kept, dropped = sum(len(h["kept"]) for h in head), sum(len(h["dropped"]) for h in head)
-        print(f"step {page['step']} of experiment {page['experiment']!r} uses the head-based budget "
+        print(f"step {page['step']} of experiment {_experiment_label(page['experiment'])} uses the head-based budget "
               f"(max_samples_per_step_per_worker, {page['budget'] or 'the job' + chr(39) + 's own'}): "
               f"kept {kept} sample indices, dropped {dropped}; all rollouts of a kept sample are kept")
         for h in head:
@@ -267,18 +298,18 @@ def print_decisions(page: dict[str, Any]) -> None:
         return
     if not page["decisions"] and not page.get("open"):
         if page["mode"] == "pass":
-            print(f"sampling is off for experiment {page['experiment']!r}: no budget is set, so every trajectory of "
+            print(f"sampling is off for experiment {_experiment_label(page['experiment'])}: no budget is set, so every trajectory of "
                   f"step {page['step']} is kept and there are no decisions to show (set a budget, README 'Sampling budgets')")
             return
         if page["mode"] == "head":
-            print(f"step {page['step']} of experiment {page['experiment']!r} uses the head-based budget "
+            print(f"step {page['step']} of experiment {_experiment_label(page['experiment'])} uses the head-based budget "
                   f"{page['budget'] or {}}: the first sample indices per worker are kept as they arrive; no per-trajectory "
                   "decisions are recorded (set tail_sampling: true to see them)")
             return
     rules = ", ".join(f"{k} {v}" for k, v in sorted(page["kept_by_rule"].items())) or "-"
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(page["dropped_by_reason"].items())) or "-"
-    print(f"step {page['step']} of experiment {page['experiment']!r} (mode {page['mode']}, budget {page['budget'] or 'none'}): "
-          f"kept {page['kept']} ({rules}); dropped {page['dropped']} ({reasons})")
+    print(f"step {page['step']} of experiment {_experiment_label(page['experiment'])} (mode {page['mode']}, "
+          f"budget {page['budget'] or 'none'}): kept {page['kept']} ({rules}); dropped {page['dropped']} ({reasons})")
     for o in page.get("open", []):
         version = f", policy version {o['policy_version']}" if o.get("policy_version") is not None else ""
         where = f"round {o['round']}{', validation' if o['validate'] else ''}{version}"
