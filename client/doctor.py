@@ -97,7 +97,7 @@ class Doctor:
             return False
         self.url = url
         if warning:
-            self.report.fail("TRACECAR_URL", f"{self.raw_url!r} has no scheme; the client uses {url}, but write it as {url}")
+            self.report.fail("TRACECAR_URL", warning.removeprefix("tracecar: "))
         else:
             self.report.ok("TRACECAR_URL", url)
         return True
