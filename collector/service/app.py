@@ -8,11 +8,11 @@ import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -34,6 +34,7 @@ from ..settings import CollectorSettings
 from ..spool.query import get_trajectory
 from ..spool.retention import Retention
 from ..spool.store import Spool
+from ..spool.trace_ids import resolve as resolve_trace_id
 from ..trajectory_filter import TrajectoryFilter
 from ..viewer.group_export_api import build_router as build_group_export_router
 from ..viewer.index import SORTS
@@ -282,20 +283,33 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
                                        on_behind=collector.metrics.list_index_behind.inc)
         return _json(page)
 
-    @app.get("/v1/trajectories/{trace_id}", dependencies=[Depends(auth)])
-    async def trajectory(trace_id: str) -> Any:
-        """One trajectory with all its spans as a tree."""
-        found = await asyncio.to_thread(get_trajectory, collector.spool, trace_id, settings.max_tree_depth)
+    def read_by_id(trace_id: str, read: Callable[[str], Any]) -> Any:
+        """``read`` the trajectory ``trace_id`` names: the id, its viewer form (…000000e7) or a unique prefix;
+        a 404 says which trajectories match, or the sampling decision that dropped it."""
+        found = read(trace_id)
+        if found is not None:
+            return found
+        resolution = resolve_trace_id(collector.spool, trace_id)
+        found = read(resolution.trace_id) if resolution.trace_id is not None else None
         if found is None:
-            raise HTTPException(404, detail={"field": "trace_id", "reason": f"no trajectory {trace_id!r} in the store"})
+            detail: dict[str, Any] = {"field": "trace_id", "reason": resolution.reason or f"no trajectory {trace_id!r} in the store"}
+            if resolution.decision is not None:
+                detail["sampling_decision"] = resolution.decision
+            if resolution.candidates:
+                detail["candidates"] = resolution.candidates
+            raise HTTPException(404, detail=detail)
+        return found
+
+    @app.get("/v1/trajectories/{trace_id}", dependencies=[Depends(auth)])
+    async def trajectory(trace_id: str = Path(max_length=1024)) -> Any:
+        """One trajectory with all its spans as a tree (``trace_id``: the id, its viewer form or a unique prefix)."""
+        found = await asyncio.to_thread(read_by_id, trace_id, lambda t: get_trajectory(collector.spool, t, settings.max_tree_depth))
         return Response(await asyncio.to_thread(dumps_deep, found), media_type="application/json")
 
     @app.get("/v1/trajectories/{trace_id}/tokens", dependencies=[Depends(auth)])
-    async def tokens(trace_id: str, lowest: int = Query(10, ge=0, le=1000)) -> Any:
+    async def tokens(trace_id: str = Path(max_length=1024), lowest: int = Query(10, ge=0, le=1000)) -> Any:
         """The token view: per span with per-token data, each token's text, log-probability, mask, entropy."""
-        found = await asyncio.to_thread(trajectory_tokens, collector.spool, trace_id, lowest)
-        if found is None:
-            raise HTTPException(404, detail={"field": "trace_id", "reason": f"no trajectory {trace_id!r} in the store"})
+        found = await asyncio.to_thread(read_by_id, trace_id, lambda t: trajectory_tokens(collector.spool, t, lowest))
         return Response(await asyncio.to_thread(orjson.dumps, found), media_type="application/json")
 
     @app.get("/v1/decisions", dependencies=[Depends(auth)])
