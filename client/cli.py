@@ -224,28 +224,15 @@ def trainer_status(t: dict[str, Any]) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> None:
+    from .cli_show import limit_of, print_tree
+
+    if args.max_chars < 0:
+        _fail("--max-chars must be 0 (no cut) or more", 2)
     tree = _get(args, f"/v1/trajectories/{args.trace_id}")
     if args.json:
         print(json.dumps(tree, indent=2))
         return
-
-    def walk(span: dict[str, Any], depth: int) -> None:
-        duration = (span.get("end_time") or 0) - (span.get("start_time") or 0)
-        flag = " !" + span["exception"] if span.get("exception") else ""
-        print(f"{'  ' * depth}- {span['name']} [{span.get('kind')}] {duration * 1000:.1f} ms{flag}")
-        output = span.get("output")
-        if isinstance(output, dict):
-            for key in ("prompt_text", "response_text"):
-                if key in output:
-                    print(f"{'  ' * depth}    {key}: {str(output[key])[:200]!r}")
-        for child in span.get("children", []):
-            walk(child, depth + 1)
-
-    print(f"trajectory {tree['trace_id']} ({tree['span_count']} spans) attributes: {tree['root'].get('attributes')}")
-    walk(tree["root"], 0)
-    for note in tree.get("annotations", []):  # annotate() sends its values (the reward) as attributes
-        values = {**(note.get("inputs") or {}), **(note.get("attributes") or {})}
-        print("  annotation: " + (", ".join(f"{k}={v}" for k, v in values.items()) or "(empty)"))
+    print_tree(tree, limit_of(args))
 
 
 def cmd_decisions(args: argparse.Namespace) -> None:
@@ -434,10 +421,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_trajectories)
 
-    p = sub.add_parser("show", help="show one trajectory as a tree")
-    p.add_argument("trace_id")
+    p = sub.add_parser("show", help="show one trajectory as a tree (its attributes, texts cut at --max-chars, or --full)")
+    p.add_argument("trace_id", help="the id, its viewer form (…000000e7) or a unique prefix")
     p.add_argument("--url")
     p.add_argument("--json", action="store_true")
+    from .cli_show import add_arguments as add_show_arguments
+
+    add_show_arguments(p)
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("decisions", help="show the tail-based sampling decisions of one step (kept because / dropped why)")
