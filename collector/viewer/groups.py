@@ -21,10 +21,12 @@ from typing import Any
 
 import orjson
 
+from ..chat_preview import last_user_message
 from ..shape import RESPONSE_ID_KEYS, int_list, numeric, shape
 
 GROUP_SORTS = ("sample_index", "spread", "zero_spread", "mean")
-PREVIEW_CHARS = 300  # of the group's prompt, as decoded
+PREVIEW_CHARS = 4000  # of the group's prompt, as decoded (what the rollouts are compared against)
+QUESTION_CHARS = 2000  # of its last user message (chat_preview), what the rollouts answer
 EQUAL_TOLERANCE = 1e-9  # rewards closer than this count as equal (float noise from reward functions)
 
 
@@ -244,14 +246,15 @@ def build_groups(rows: list[dict[str, Any]], load: Callable[[str], dict[str, Any
 
 def _group(key: Any, rows: list[dict[str, Any]], stats: GroupStats, load: Callable[[str], dict[str, Any] | None],
            diff: bool) -> dict[str, Any]:
-    rollouts, facts, prompt = [], {}, None
+    rollouts, facts, prompt, question = [], {}, None, None
     for row in rows:
         tree = load(row["trace_id"])
         advantage = advantage_of(tree) if tree is not None else None
         if tree is not None and diff:
             facts[row["trace_id"]], view = turn_facts(tree)
             if prompt is None and view["turns"] and view["turns"][0].get("prompt_text"):
-                prompt = view["turns"][0]["prompt_text"][:PREVIEW_CHARS]
+                full = view["turns"][0]["prompt_text"]
+                prompt, question = full[:PREVIEW_CHARS], last_user_message(full)
         rollouts.append({
             "trace_id": row["trace_id"], "rollout_n": row.get("rollout_n"), "reward": row.get("reward"),
             "advantage": advantage, "turns": row.get("turns"), "tool_calls": row.get("tool_calls"),
@@ -270,4 +273,5 @@ def _group(key: Any, rows: list[dict[str, Any]], stats: GroupStats, load: Callab
         if diff and best is not None and rollout["trace_id"] in facts and best["trace_id"] in facts:
             rollout["diff"] = None if rollout["is_best"] else diff_turns(facts[rollout["trace_id"]], facts[best["trace_id"]])
     return {"sample_index": key, **stats.as_dict(), "best": best["trace_id"] if best else None,
-            "prompt_preview": prompt, "rollouts": ordered}
+            "prompt_preview": prompt, "prompt_question": None if question is None else question[:QUESTION_CHARS],
+            "rollouts": ordered}

@@ -218,8 +218,9 @@
 
   // ---- #/ : steps overview -------------------------------------------------------------------
   // ---- tracing health (issue 15 §5): the numbers traces are trusted by, and the chosen step's ----------
-  const LOSSES = [["client_dropped", "dropped by the workers"], ["sampled_out", "sampled out"], ["rejected", "rejected"],
-    ["decode_failures", "decode failures"], ["forward_failures", "forward failures"]];
+  // [key, label, a failure?]: sampled out is a budget working as configured, never red
+  const LOSSES = [["client_dropped", "dropped by the workers", true], ["sampled_out", "sampled out", false], ["rejected", "rejected", true],
+    ["decode_failures", "decode failures", true], ["forward_failures", "forward failures", true]];
 
   function healthCard(experiment, split) {
     const totals = h("div", { class: "health-totals", "data-testid": "health-totals" }, h("span", { class: "muted" }, "reading /v1/health…"));
@@ -227,7 +228,8 @@
     const card = h("div", { class: "card health", "data-testid": "health" }, h("h3", null, "Tracing health"), totals, stepLine);
     const validate = split === "all" ? undefined : String(split === "validation");
     let seq = 0;
-    const count = (n, label, detail, testid) => h("span", { class: "health-item" + (n ? " bad" : ""), title: detail || "", "data-testid": testid }, fmt.int(n) + " " + label);
+    const count = (n, label, detail, testid, failure = true) => h("span", { class: "health-item" + (n && failure ? " bad" : ""),
+      title: (detail || "") + (failure ? "" : (detail ? "; " : "") + "by the sampling budgets, as configured"), "data-testid": testid }, fmt.int(n) + " " + label);
     const detail = (by) => Object.entries(by || {}).map(([k, v]) => (k || "-") + " " + v).join(", ");
     async function show(step) {
       const mine = ++seq;
@@ -239,7 +241,7 @@
         return;
       }
       if (mine !== seq) return;
-      totals.replaceChildren(...[...LOSSES.map(([key, label]) => count(got[key + "_total"], label, detail(got[key]), "health-" + key)),
+      totals.replaceChildren(...[...LOSSES.map(([key, label, failure]) => count(got[key + "_total"], label, detail(got[key]), "health-" + key, failure)),
         h("span", { class: "health-item" }, "spool depth " + fmt.int(got.spool_depth)),
         h("span", { class: "health-item" }, fmt.int(got.held_spans) + " held"),
         got.backend_unreachable ? h("span", { class: "health-item bad" }, "backend unreachable") : null,

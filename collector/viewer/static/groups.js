@@ -48,7 +48,9 @@ window.tracecarGroups = (() => {
         stat("mean", fmt.reward(g.mean)), stat("std", fmt.reward(g.std)),
         stat("min–max", fmt.reward(g.min) + " – " + fmt.reward(g.max)), stat("spread", fmt.reward(g.spread)),
         ids.length > 1 ? h("a", { class: "button", href: href("/compare", { ids: ids.join(",") }) }, "Compare all " + ids.length) : null),
-      g.prompt_preview ? h("details", { class: "prompt" }, h("summary", { class: "muted" }, "prompt"), h("pre", { class: "text" }, g.prompt_preview)) : null,
+      g.prompt_question ? h("div", { class: "prompt-question", "data-testid": "group-question" }, h("span", { class: "muted" }, "asked: "), g.prompt_question) : null,
+      g.prompt_preview ? h("details", { class: "prompt", open: !g.prompt_question, "data-testid": "group-prompt" },
+        h("summary", { class: "muted" }, g.prompt_question ? "the whole prompt (system prompt and chat template)" : "prompt"), h("pre", { class: "text" }, g.prompt_preview)) : null,
       h("table", null,
         h("thead", null, h("tr", null, ["rank", "rollout", "reward", "advantage", "turns", "tools", "", "turns vs best", ""].map((c, i) =>
           h("th", { class: i <= 5 ? "num" : "" }, c)))),
