@@ -818,6 +818,9 @@
       tokenPanel(tokenView),
       h("h2", null, "Reward and metrics"),
       h("div", { class: "cards" }, h("div", { class: "card" }, h("h3", null, "Annotations"), annotations), h("div", { class: "card" }, h("h3", null, "Metrics"), metrics)),
+      h("h2", null, "Timeline"),
+      h("p", { class: "muted" }, "Where the time went: each span on the trajectory's clock; generation (LLM calls), tools, and the rest (waiting, the loop's own work)."),
+      window.tracecarTimeline ? window.tracecarTimeline.view(t, kit) : null,
       h("h2", null, "Span tree"),
       h("p", { class: "muted" }, "Every span as stored; open one to see its attributes, inputs and output."),
       h("ul", { class: "tree top", "data-testid": "span-tree" }, spanTree(t.tree)));
