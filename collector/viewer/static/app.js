@@ -131,7 +131,7 @@
     const { path, params } = parseHash();
     for (const link of document.querySelectorAll("[data-nav]")) {
       const nav = link.getAttribute("data-nav");
-      link.classList.toggle("active", (nav === "overview" && path === "/") || (nav === "list" && path === "/list") || (nav === "live" && path === "/live"));
+      link.classList.toggle("active", (nav === "overview" && path === "/") || (nav === "list" && path === "/list") || (nav === "live" && path === "/live") || (nav === "runs" && path === "/runs"));
     }
     const mount = [];
     try {
@@ -141,6 +141,7 @@
       else if (path.startsWith("/t/")) view = await trajectoryView(decodeURIComponent(path.slice(3)));
       else if (path === "/groups" && window.tracecarGroups) view = await window.tracecarGroups.view(params, kit);
       else if (path === "/live" && window.tracecarLive) view = await window.tracecarLive.view(params, kit);
+      else if (path === "/runs" && window.tracecarRuns) view = await window.tracecarRuns.view(params, kit);
       else if (path === "/compare" && window.tracecarCompare) view = await window.tracecarCompare.view((params.ids || "").split(",").filter(Boolean), kit);
       else view = h("p", null, "No such page. ", h("a", { href: "#/" }, "Back to the steps"));
       if (path === "/list" && params.step !== undefined && window.tracecarLive) view.prepend(window.tracecarLive.panel(params, kit, { hideEmpty: true, onFinished: render }));
