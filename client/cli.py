@@ -184,7 +184,7 @@ def cmd_trajectories(args: argparse.Namespace) -> None:
         "kept_because": args.kept_because, "worker": args.worker, "has_error": args.has_error,
         "reward_min": args.reward_min, "reward_max": args.reward_max, "sort": args.sort, "order": args.order,
         "limit": args.limit, "offset": args.offset, "trained": args.trained, "filtered_by": args.filtered_by,
-        "q": args.search,
+        "q": args.search, "attr": args.attr,
     }.items() if v is not None}
     _show(args, _get(args, "/v1/trajectories", params), print_trajectories)
 
@@ -418,6 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--search", metavar="WORDS", help="only trajectories whose first prompt or last response has all these words")
+    p.add_argument("--attr", action="append", metavar="KEY=VALUE",
+                   help="only trajectories whose root attribute KEY equals VALUE (repeatable; attributes.KEY works too)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_trajectories)
 

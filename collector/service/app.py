@@ -26,7 +26,17 @@ from ..json_out import dumps_deep
 from ..loudness import AuthFailures, WatchedSink
 from ..metrics import Metrics
 from ..processors.validate import EnvelopeError
-from ..query_params import INT64_MAX, Int64, OptionalInt64, SampleIndexError, check_bounded_ints, sample_index_filter, validation_error_body
+from ..query_params import (
+    ATTR_QUERY,
+    INT64_MAX,
+    Int64,
+    OptionalInt64,
+    SampleIndexError,
+    attribute_filters,
+    check_bounded_ints,
+    sample_index_filter,
+    validation_error_body,
+)
 from ..receivers.otlp import build_router as build_otlp_router
 from ..receivers.pipeline import Backpressure, IngestPipeline
 from ..receivers.receive import BodyError
@@ -268,6 +278,7 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         sort: str = Query("start", pattern=LIST_SORT_PATTERN), order: str = Query("desc", pattern="^(asc|desc)$"),
         limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0, le=INT64_MAX),
         q: str | None = Query(None, max_length=QUERY_MAX_CHARS),
+        attr: list[str] | None = ATTR_QUERY,
     ) -> Any:
         """Trajectories in the embedded store, filtered, sorted and paginated; ``q`` searches their text.
 
@@ -277,7 +288,8 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         flt = TrajectoryFilter(experiment=experiment, step=step, step_min=step_min, step_max=step_max,
                                sample_index=sample_index_filter(sample_index), rollout_n=rollout_n, validate=validate,
                                kept_because=kept_because, reward_min=reward_min, reward_max=reward_max, has_error=has_error,
-                               worker=worker, trained=trained, filtered_by=filtered_by, q=q)
+                               worker=worker, trained=trained, filtered_by=filtered_by, q=q,
+                               attributes=attribute_filters(attr))
         page = await asyncio.to_thread(list_page, viewer.trajectory_index, flt, sort=sort, descending=order == "desc",
                                        limit=limit, offset=offset, budget_s=settings.list_catch_up_s,
                                        on_behind=collector.metrics.list_index_behind.inc)

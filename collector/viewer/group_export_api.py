@@ -15,7 +15,7 @@ import orjson
 from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.responses import Response, StreamingResponse
 
-from ..query_params import INT64_MAX, Int64, OptionalInt64, sample_index_filter
+from ..query_params import ATTR_QUERY, INT64_MAX, Int64, OptionalInt64, attribute_filters, sample_index_filter
 from ..spool.query import get_trajectory
 from ..spool.store import Spool
 from . import StoreOwner
@@ -96,6 +96,7 @@ def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[
         worker: str | None = None, trained: bool | None = None, filtered_by: str | None = Query(None, max_length=256),
         q: str | None = Query(None, max_length=QUERY_MAX_CHARS),
         token_ids: bool = False, limit: int | None = Query(None, ge=1, le=INT64_MAX),
+        attr: list[str] | None = ATTR_QUERY,
     ) -> Any:
         """Selected trajectories as a dataset file (JSONL or Parquet), streamed.
 
@@ -111,7 +112,7 @@ def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[
         flt = ListFilter(experiment=experiment, step=step, step_min=step_min, step_max=step_max,
                          sample_index=sample_index_filter(sample_index), rollout_n=rollout_n, validate=validate,
                          kept_because=kept_because, reward_min=reward_min, reward_max=reward_max, has_error=has_error,
-                         worker=worker, trained=trained, filtered_by=filtered_by, q=q)
+                         worker=worker, trained=trained, filtered_by=filtered_by, q=q, attributes=attribute_filters(attr))
         chunks = export_chunks(collector.spool, index, flt, format, token_ids=token_ids, limit=limit)
         filename = f"tracecar-export.{format}"
         return StreamingResponse(chunks, media_type=MEDIA_TYPES[format],
