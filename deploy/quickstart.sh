@@ -3,8 +3,9 @@
 # local store, fed by a demo rollout; it lists what landed and keeps serving until Ctrl-C.
 # Options are `tracecar quickstart`'s (deploy/quickstart.sh --help): --port N (or TRACECAR_PORT;
 # a busy port is an error, 0 picks a free one), --data-dir, --experiment, --exit.
-# `exec` hands this process to the quickstart, so SIGTERM/SIGINT reach it directly and it stops
-# its collector on any signal or exit (and, on Linux, the collector dies with it even on SIGKILL).
+# `exec` hands this process to the quickstart, so SIGTERM/SIGINT reach it directly (SIGINT also when
+# this script runs as a background job) and it stops its collector on any signal or exit (the
+# collector, its worker processes included, drains and stops with it even on SIGKILL).
 set -euo pipefail
 export TRACECAR_HINT_CWD="$PWD"  # the printed hints are runnable from where you started
 cd "$(dirname "$0")/.."

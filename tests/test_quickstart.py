@@ -17,9 +17,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.support import free_port, processes, stop_process
+from tests.support.processes import pool_pids
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -171,13 +173,24 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _as_a_background_job() -> None:
+    """What a non-interactive shell does to a job started with ``&`` (POSIX: SIGINT and SIGQUIT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP,
                                  pytest.param(signal.SIGKILL, marks=pytest.mark.skipif(not sys.platform.startswith("linux"),
                                                                                       reason="PR_SET_PDEATHSIG is Linux's"))])
 def test_other_signals_stop_the_child_too(sig: int, tmp_path: Path) -> None:
+    """Started as a background job is (issue 28, item 9): ``cmd &`` in a shell, or by a supervisor
+    that ignores SIGINT, starts it with SIGINT ignored, which Python then leaves ignored.
+    SIGKILL: with a worker pool, the collector's whole tree ends too (issue 33)."""
+    workers = {"TRACECAR_WORKERS": "2"} if sig == signal.SIGKILL else {}
     proc = subprocess.Popen([sys.executable, "-m", "tracecar.client.cli", "quickstart", "--port", "0",
                              "--data-dir", str(tmp_path / "d"), *SMALL],
-                            env=clean_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=clean_env(**workers), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=_as_a_background_job)
     child_pid = None
     try:
         deadline = time.monotonic() + 120
@@ -191,12 +204,19 @@ def test_other_signals_stop_the_child_too(sig: int, tmp_path: Path) -> None:
             if "Ctrl-C to stop" in line:
                 break
         assert child_pid is not None and _alive(child_pid)
+        tree = [child_pid]
+        if workers:
+            deadline = time.monotonic() + 90
+            while len(pool_pids(child_pid)) < 2:
+                assert time.monotonic() < deadline, "the collector's worker pool did not start"
+                time.sleep(0.2)
+            tree += [p.pid for p in psutil.Process(child_pid).children(recursive=True)]
         proc.send_signal(sig)  # to the quickstart alone, not its process group
         proc.wait(timeout=60)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and _alive(child_pid):
+        while time.monotonic() < deadline and any(_alive(pid) for pid in tree):
             time.sleep(0.1)
-        assert not _alive(child_pid)
+        assert not [pid for pid in tree if _alive(pid)], tree
     finally:
         stop_process(proc, grace_s=0)
         if child_pid is not None and _alive(child_pid):

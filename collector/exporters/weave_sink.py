@@ -580,8 +580,9 @@ class WeaveSink:
                     call = to_weave_call(s, self.entity, self.project, op_name=op, counts=counts[sid], project_id=pid,
                                          kept_because=kept.get(s["trace_id"]), wb_run_id=self.wb_run_id)
                     items.append((sid, encode_call(call)))
-                except (SpanError, TypeError, ValueError, OverflowError, OSError) as e:
-                    result.rejected[sid] = f"unencodable span: {e}"[:MAX_REASON_CHARS]
+                except Exception as e:  # noqa: BLE001 - pure data work on this span alone: whatever it raises, it would again
+                    why = str(e) if isinstance(e, SpanError) else f"{type(e).__name__}: {e}"
+                    result.rejected[sid] = f"unencodable span: {why}"[:MAX_REASON_CHARS]
             entity, project = pid.split("/", 1)
             url = f"/v2/{entity}/{project}/calls/complete"
             for a, b in pack([len(e) for _, e in items], self.max_request_bytes):
@@ -600,7 +601,10 @@ class WeaveSink:
                         "(not received, or forwarded before a restart with TRACECAR_KEEP_FORWARDED=false)")[:MAX_REASON_CHARS]
                     continue
                 # one request item per annotation: the span is delivered only if all its feedback is
-                items.append((s["span_id"], b",".join(encode_call(f) for f in to_weave_feedback(s, pid, found))))
+                try:
+                    items.append((s["span_id"], b",".join(encode_call(f) for f in to_weave_feedback(s, pid, found))))
+                except Exception as e:  # noqa: BLE001 - this annotation's payload alone: it would raise again
+                    result.rejected[s["span_id"]] = f"unencodable annotation: {type(e).__name__}: {e}"[:MAX_REASON_CHARS]
             for a, b in pack([len(e) for _, e in items], self.max_request_bytes):
                 if stop is not None:
                     self._mark(result, [sid for sid, _ in items[a:b]], stop)

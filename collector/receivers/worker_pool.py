@@ -14,7 +14,8 @@ process more than serialising them (measured in docs/performance.md).
 Processes are started with ``spawn`` (the collector has threads; a forked threaded process can
 deadlock). A worker that dies breaks the pool: the batches in flight are redone in the ingest
 process (nothing acknowledged is lost: a batch is acknowledged only after its rows are
-committed), the pool is replaced, and the failure is logged (rate-limited) and counted.
+committed), the pool is replaced, and the failure is logged (rate-limited) and counted. A worker
+never outlives the collector, however the collector ends (:mod:`tracecar.client.lifeline`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
+
+from tracecar.client.lifeline import die_with_parent
 
 from ..processors.validate import Rejection
 from ..types import Span
@@ -67,6 +70,7 @@ class WorkOrder:
     rebuilt: dict[str, list[tuple[str, str, bytes]]] = field(default_factory=dict)  # span -> (part, key, int64s)
     bases: dict[Any, Any] = field(default_factory=dict)  # prompt_refs.Base by span (v2)
     contexts: dict[str, Any] = field(default_factory=dict)  # span_id -> span_work.ContextView (v2)
+    remembered: set[str] = field(default_factory=set)  # spans whose texts may update their contexts (v2)
 
 
 @dataclass
@@ -125,8 +129,15 @@ class _State:
 _state = _State()
 
 
-def _init(config: WorkerConfig, barrier: Any) -> None:
-    """Runs once per worker: one tokenizer registry, the default tokenizer loaded up front."""
+def _init(config: WorkerConfig, barrier: Any, parent_pid: int) -> None:
+    """Runs once per worker: tied to the collector's life first, then one tokenizer registry, the
+    default tokenizer loaded up front.
+
+    A worker whose collector is gone (SIGKILL, the OOM killer) exits at once with ``os._exit``:
+    it owns nothing (the spool is the ingest process's), and an orphan would hold its memory, and
+    multiprocessing's resource tracker (which exits when every holder of its pipe has), for ever.
+    """
+    die_with_parent(parent_pid)
     _state.barrier = barrier
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one batch per process at a time: no thread pool inside
     from tracecar.client.redact import RedactKeys
@@ -174,7 +185,7 @@ def parse_batch(body: bytes | bytearray, content_type: str | None, content_encod
     from . import receive
 
     plain = receive.decompress(body, content_encoding, max_decompressed_bytes)
-    raw = receive.parse(plain, content_type)
+    raw = receive.parse(plain, content_type, receive.max_containers(max_decompressed_bytes))
     spans = raw.get("spans") if isinstance(raw, dict) else None
     if isinstance(spans, list) and len(spans) > max_batch_spans:  # a size bound, like the body's: 413, so clients split
         raise receive.BodyError(413, "spans", f"{len(spans)} spans exceed TRACECAR_MAX_BATCH_SPANS={max_batch_spans}; split the batch")
@@ -340,6 +351,8 @@ def work(order: WorkOrder) -> WorkResult:
             views = order.contexts
 
             def set_texts(worker: str, span_id: str, text: str | None, response: str | None, name: str) -> None:
+                if span_id not in order.remembered:  # a resend: its context is the first copy's
+                    return
                 view = views.get(span_id)
                 if view is not None:  # later rounds of this batch join onto it
                     view.text, view.response_text, view.tokenizer = text, response, name
@@ -399,7 +412,8 @@ class WorkerPool:
 
     def _start_locked(self) -> None:
         barrier = self._ctx.Barrier(self.processes)
-        pool = ProcessPoolExecutor(self.processes, mp_context=self._ctx, initializer=_init, initargs=(self.config, barrier))
+        pool = ProcessPoolExecutor(self.processes, mp_context=self._ctx, initializer=_init,
+                                   initargs=(self.config, barrier, os.getpid()))
         self._pool, self._ready, self.pids = pool, False, []
         warm = [pool.submit(_ready) for _ in range(self.processes)]
         pending = [len(warm)]

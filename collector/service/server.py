@@ -16,6 +16,7 @@ import uvicorn
 
 from tracecar.client import __version__
 
+from .. import data_dir_lock
 from ..logs import setup_logging
 from ..settings import CollectorSettings
 from .app import create_app
@@ -46,6 +47,13 @@ class _DrainingServer(uvicorn.Server):
         self.collector = collector
         self.unready_s = unready_s
         self._unready_timer: threading.Timer | None = None
+        self.data_dir_lock: data_dir_lock.DataDirLock | None = None  # held by serve(): named with our port once bound
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.data_dir_lock is not None and not self.should_exit:
+            ports = [s.getsockname()[1] for server in self.servers for s in (server.sockets or ())]
+            self.data_dir_lock.note(port=ports[0] if ports else self.config.port)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         first = self._unready_timer is None
@@ -101,12 +109,17 @@ def return_large_buffers_to_the_os() -> bool:
 
 
 def serve(settings: CollectorSettings) -> None:
+    """Runs the collector until a signal; raises :class:`~..data_dir_lock.DataDirInUse` (before it
+    touches the store) when another process holds ``settings.data_dir``, ``DataDirError`` when
+    it cannot be locked."""
     setup_logging(settings.log_level)
+    lock = data_dir_lock.hold(settings.data_dir)
     return_large_buffers_to_the_os()
     if not _is_loopback(settings.host) and settings.token is None:
         log.warning("binding to a non-loopback address without TRACECAR_TOKEN: anyone who can reach "
                     f"{settings.host}:{settings.port} can write traces", extra={"event": "insecure_bind"})
     server = build_server(settings)
+    server.data_dir_lock = lock
     c = server.collector
     log.info("tracecar collector starting", extra={
         "event": "startup", "version": __version__, "bind": f"{settings.host}:{settings.port}",

@@ -40,7 +40,9 @@ from . import search
 
 log = logging.getLogger("tracecar.collector.viewer")
 
-INDEX_VERSION = "6"  # 3: sample_index untyped; 4: engine spans never make a turn an aggregate; 5: what the trainer did; 6: previews
+# 3: sample_index untyped; 4: engine spans never make a turn an aggregate; 5: what the trainer did; 6: previews;
+# 7: tool calls are real calls only (shape.is_tool)
+INDEX_VERSION = "7"
 ROOT = "root_seq IS NOT NULL"  # every query names it, so the partial indexes apply
 
 SCHEMA = f"""
