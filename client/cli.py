@@ -204,7 +204,7 @@ def cmd_trajectories(args: argparse.Namespace) -> None:
         "kept_because": args.kept_because, "worker": args.worker, "has_error": args.has_error,
         "reward_min": args.reward_min, "reward_max": args.reward_max, "sort": args.sort, "order": args.order,
         "limit": args.limit, "offset": args.offset, "trained": args.trained, "filtered_by": args.filtered_by,
-        "q": args.search,
+        "q": args.search, "attr": args.attr,
     }.items() if v is not None}
     _show(args, _get(args, "/v1/trajectories", params), print_trajectories)
 
@@ -220,7 +220,15 @@ def print_trajectories(page: dict[str, Any]) -> None:
         for role in ("prompt", "response"):  # a search's answer carries the texts it matched
             text = t.get(f"{role}_preview")
             if text:
-                print(f"    {role:8} {' '.join(text.split())[-100:]}")
+                print(f"    {role:8} {one_line(text, 100)}")
+
+
+def one_line(text: str, chars: int) -> str:
+    """A preview on one line: its beginning (the last user message), or its end when it is already an end ("…")."""
+    line = " ".join(text.split())
+    if len(line) <= chars:
+        return line
+    return "…" + line[-(chars - 1):] if line.startswith("…") else line[:chars - 1] + "…"
 
 
 def trainer_status(t: dict[str, Any]) -> str:
@@ -236,40 +244,58 @@ def trainer_status(t: dict[str, Any]) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> None:
+    from .cli_show import limit_of, print_tree
+
+    if args.max_chars < 0:
+        _fail("--max-chars must be 0 (no cut) or more", 2)
     tree = _get(args, f"/v1/trajectories/{args.trace_id}")
     if args.json:
         print(json.dumps(tree, indent=2))
         return
-
-    def walk(span: dict[str, Any], depth: int) -> None:
-        duration = (span.get("end_time") or 0) - (span.get("start_time") or 0)
-        flag = " !" + span["exception"] if span.get("exception") else ""
-        print(f"{'  ' * depth}- {span['name']} [{span.get('kind')}] {duration * 1000:.1f} ms{flag}")
-        output = span.get("output")
-        if isinstance(output, dict):
-            for key in ("prompt_text", "response_text"):
-                if key in output:
-                    print(f"{'  ' * depth}    {key}: {str(output[key])[:200]!r}")
-        for child in span.get("children", []):
-            walk(child, depth + 1)
-
-    print(f"trajectory {tree['trace_id']} ({tree['span_count']} spans) attributes: {tree['root'].get('attributes')}")
-    walk(tree["root"], 0)
-    for note in tree.get("annotations", []):  # annotate() sends its values (the reward) as attributes
-        values = {**(note.get("inputs") or {}), **(note.get("attributes") or {})}
-        print("  annotation: " + (", ".join(f"{k}={v}" for k, v in values.items()) or "(empty)"))
+    print_tree(tree, limit_of(args))
 
 
 def cmd_decisions(args: argparse.Namespace) -> None:
     params = {k: v for k, v in {"step": args.step, "experiment": args.experiment, "validate": args.validate}.items() if v is not None}
-    _show(args, _get(args, "/v1/decisions", params), print_decisions)
+    page = _get(args, "/v1/decisions", params)
+    if args.experiment is None:
+        page = _default_experiment(args, params, page)
+    _show(args, page, print_decisions)
+
+
+def _has_decisions(page: dict[str, Any]) -> bool:
+    return bool(page.get("decisions") or page.get("open") or page.get("head"))
+
+
+def _default_experiment(args: argparse.Namespace, params: dict[str, Any], page: dict[str, Any]) -> dict[str, Any]:
+    """No --experiment: the trajectories sent without one if they have decisions at this step, else the
+    newest experiment that has (said on stderr, with the others); when none has, say that."""
+    others = [e for e in page.get("experiments_at_step") or [] if e is not None]
+    if _has_decisions(page):
+        if others:
+            print(f"tracecar: showing trajectories sent without an experiment name; step {args.step} also has decisions "
+                  f"in {', '.join(repr(e) for e in others)} (--experiment NAME)", file=sys.stderr)
+        return page
+    if not others:
+        print(f"tracecar: no experiment has sampling decisions at step {args.step} (sampling off, the step not decided "
+              "yet, or another step: see `tracecar trajectories --step N` and the viewer's steps overview)", file=sys.stderr)
+        return page
+    chosen = others[0]
+    rest = f"; also: {', '.join(repr(e) for e in others[1:])}" if others[1:] else ""
+    print(f"tracecar: no --experiment given: showing {chosen!r}, the newest experiment with decisions at step "
+          f"{args.step}{rest} (--experiment NAME for another)", file=sys.stderr)
+    return dict(_get(args, "/v1/decisions", {**params, "experiment": chosen}))
+
+
+def _experiment_label(experiment: str | None) -> str:
+    return "(sent without an experiment name)" if experiment is None else repr(experiment)
 
 
 def print_decisions(page: dict[str, Any]) -> None:
     head = page.get("head") or []
     if head and not page["decisions"]:
         kept, dropped = sum(len(h["kept"]) for h in head), sum(len(h["dropped"]) for h in head)
-        print(f"step {page['step']} of experiment {page['experiment']!r} uses the head-based budget "
+        print(f"step {page['step']} of experiment {_experiment_label(page['experiment'])} uses the head-based budget "
               f"(max_samples_per_step_per_worker, {page['budget'] or 'the job' + chr(39) + 's own'}): "
               f"kept {kept} sample indices, dropped {dropped}; all rollouts of a kept sample are kept")
         for h in head:
@@ -279,18 +305,18 @@ def print_decisions(page: dict[str, Any]) -> None:
         return
     if not page["decisions"] and not page.get("open"):
         if page["mode"] == "pass":
-            print(f"sampling is off for experiment {page['experiment']!r}: no budget is set, so every trajectory of "
+            print(f"sampling is off for experiment {_experiment_label(page['experiment'])}: no budget is set, so every trajectory of "
                   f"step {page['step']} is kept and there are no decisions to show (set a budget, README 'Sampling budgets')")
             return
         if page["mode"] == "head":
-            print(f"step {page['step']} of experiment {page['experiment']!r} uses the head-based budget "
+            print(f"step {page['step']} of experiment {_experiment_label(page['experiment'])} uses the head-based budget "
                   f"{page['budget'] or {}}: the first sample indices per worker are kept as they arrive; no per-trajectory "
                   "decisions are recorded (set tail_sampling: true to see them)")
             return
     rules = ", ".join(f"{k} {v}" for k, v in sorted(page["kept_by_rule"].items())) or "-"
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(page["dropped_by_reason"].items())) or "-"
-    print(f"step {page['step']} of experiment {page['experiment']!r} (mode {page['mode']}, budget {page['budget'] or 'none'}): "
-          f"kept {page['kept']} ({rules}); dropped {page['dropped']} ({reasons})")
+    print(f"step {page['step']} of experiment {_experiment_label(page['experiment'])} (mode {page['mode']}, "
+          f"budget {page['budget'] or 'none'}): kept {page['kept']} ({rules}); dropped {page['dropped']} ({reasons})")
     for o in page.get("open", []):
         version = f", policy version {o['policy_version']}" if o.get("policy_version") is not None else ""
         where = f"round {o['round']}{', validation' if o['validate'] else ''}{version}"
@@ -419,13 +445,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--search", metavar="WORDS", help="only trajectories whose first prompt or last response has all these words")
+    p.add_argument("--attr", action="append", metavar="KEY=VALUE",
+                   help="only trajectories whose root attribute KEY equals VALUE (repeatable; attributes.KEY works too)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_trajectories)
 
-    p = sub.add_parser("show", help="show one trajectory as a tree")
-    p.add_argument("trace_id")
+    p = sub.add_parser("show", help="show one trajectory as a tree (its attributes, texts cut at --max-chars, or --full)")
+    p.add_argument("trace_id", help="the id, its viewer form (…000000e7) or a unique prefix")
     p.add_argument("--url")
     p.add_argument("--json", action="store_true")
+    from .cli_show import add_arguments as add_show_arguments
+
+    add_show_arguments(p)
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("decisions", help="show the tail-based sampling decisions of one step (kept because / dropped why)")

@@ -56,17 +56,27 @@ def describe_diff(rollout: dict[str, Any]) -> str:
     return what
 
 
+def partial_note(partial: int) -> str:
+    if not partial:
+        return ""
+    return (f"; {partial} partial (rollouts sampled out: neither flagged nor scored as whole; "
+            "TRACECAR_KEEP_GROUPS_WHOLE keeps groups whole)")
+
+
 def print_groups(page: dict[str, Any]) -> None:
     split = "validation" if page["validate"] else "train"
     print(f"step {page['step']} of experiment {page['experiment']!r} ({split}): {page['total_groups']} groups, "
           f"{page['trajectories']} trajectories; {page['all_equal_groups']} with zero spread (GRPO learns nothing from them)"
-          f"{'; TRUNCATED' if page.get('truncated') else ''}")
+          f"{partial_note(page.get('partial_groups', 0))}{'; TRUNCATED' if page.get('truncated') else ''}")
     shown = len(page["groups"])
     if shown < page["total_groups"]:
         print(f"showing {shown} groups from offset {page['offset']} (sort {page['sort']}; --limit/--offset for more)")
     print("adv: the trainer's advantage when annotated, else ~ (reward - mean) / (std + 1e-6) as GRPO computes it")
     for group in page["groups"]:
         flag = "  ZERO SPREAD" if group["all_equal"] else ""
+        if group.get("partial"):
+            flag = (f"  PARTIAL: {group['n']} of {group['total']} kept ({group['sampled_out']} sampled out): "
+                    "not scored as a whole group")
         print(f"\nsample {group['sample_index']}: n {group['n']} (scored {group['scored']})  mean {_fmt(group['mean'], 0)}  "
               f"std {_fmt(group['std'], 0)}  min {_fmt(group['min'], 0)}  max {_fmt(group['max'], 0)}  "
               f"spread {_fmt(group['spread'], 0)}{flag}")

@@ -34,6 +34,9 @@ def print_live(page: dict[str, Any]) -> None:
     capped = "; scan capped at TRACECAR_LIVE_MAX_SCAN_SPANS, older spans not looked at" if page["scan_capped"] else ""
     print(f"{page['total']} running trajector{'y' if page['total'] == 1 else 'ies'}{more}, "
           f"spans of the last {_age(page['window_s'])}{capped}")
+    for progress in page.get("steps") or []:
+        print(f"step {progress['step']} of {progress['experiment']!r}: {progress['done']} of {progress['total']} "
+              f"trajectories done, {progress['running']} running")
     if not shown:
         return
     print(f"{'trace_id':34} {'step':>5} {'idx':>5} {'n':>3} {'spans':>5} {'age':>6} {'idle':>6}  waiting on / last span")

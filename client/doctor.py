@@ -97,7 +97,7 @@ class Doctor:
             return False
         self.url = url
         if warning:
-            self.report.fail("TRACECAR_URL", f"{self.raw_url!r} has no scheme; the client uses {url}, but write it as {url}")
+            self.report.fail("TRACECAR_URL", warning.removeprefix("tracecar: "))
         else:
             self.report.ok("TRACECAR_URL", url)
         return True
@@ -127,7 +127,9 @@ class Doctor:
         if answer.get("ok"):
             self.report.ok("tokenizer", f"the collector loads {answer['name']!r} (vocabulary {answer.get('vocab_size')})")
         elif not answer.get("name"):
-            if answer.get("token2text"):
+            if answer.get("token2text") and answer.get("root"):
+                self.report_root(answer)
+            elif answer.get("token2text"):
                 self.report.fail("tokenizer", "token2text is on but neither TRACECAR_CLIENT_TOKENIZER here nor TRACECAR_TOKENIZER "
                                               "on the collector names a tokenizer: set TRACECAR_TOKENIZER on the collector")
             else:
@@ -140,6 +142,28 @@ class Doctor:
                                           f"{tried}. Mount the model's tokenizer.json into the collector (shared volume or HF "
                                           "cache) and allow it (TRACECAR_TOKENIZER_ROOT or TRACECAR_TOKENIZERS), or set "
                                           "TRACECAR_TOKENIZER to it")
+
+    def report_root(self, answer: dict[str, Any]) -> None:
+        """token2text with TRACECAR_TOKENIZER_ROOT and no name here: the workers name their own tokenizer
+        (VERL sends the model's tokenizer_path), so check what is under the root, as the collector sees it."""
+        root = answer["root"]
+        if not answer.get("root_exists"):
+            self.report.fail("tokenizer", f"TRACECAR_TOKENIZER_ROOT={root} does not exist on the collector: mount the "
+                                          "model directory there (read-only, the same path the workers see)")
+            return
+        found = answer.get("found") or []
+        loads = [f for f in found if f.get("ok")]
+        source = "the workers named" if answer.get("named_by_workers") else f"found under {root}"
+        if loads:
+            names = ", ".join(f"{f['name']} (vocabulary {f.get('vocab_size')})" for f in loads)
+            self.report.ok("tokenizer", f"the collector loads the tokenizers workers name under TRACECAR_TOKENIZER_ROOT="
+                                        f"{root} ({source}: {names}); another model: tracecar doctor --tokenizer PATH")
+        elif found:
+            self.report.fail("tokenizer", f"the collector cannot load the tokenizer {source}: {found[0].get('error')}")
+        else:
+            self.report.fail("tokenizer", f"no tokenizer.json under TRACECAR_TOKENIZER_ROOT={root} on the collector: mount "
+                                          "the model directory (with its tokenizer.json) there, the path VERL's "
+                                          "actor_rollout_ref.model.path names")
 
     def check_spans(self) -> str | None:
         """Sends one trajectory through the real client and reads it back."""

@@ -41,7 +41,17 @@ def check_url(url: str) -> tuple[str | None, str | None]:
         parts.port  # noqa: B018 - raises on a port that is not a number
     except ValueError:
         return None, f"tracecar: TRACECAR_URL={url!r} has an invalid port (expected http://HOST:PORT); tracing is off"
+    path = parts.path.rstrip("/")
+    for suffix in API_PATHS:  # the endpoint, not the collector: every post would be a 404
+        if path.endswith(suffix):
+            base = url[:url.index(parts.netloc) + len(parts.netloc)] + path[:-len(suffix)]
+            return base, (f"tracecar: TRACECAR_URL={url!r} names an endpoint; using the collector's base URL {base} "
+                          f"(give it as http://HOST:PORT: the client adds {INGEST_PATH} itself)")
     return url, None
+
+
+INGEST_PATH = "/v1/spans"
+API_PATHS = (INGEST_PATH, "/v1/traces", "/v1")  # longest first
 
 
 def _hint(reason: str) -> str:

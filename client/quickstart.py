@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -149,11 +150,9 @@ def run_quickstart(args: argparse.Namespace) -> None:
         cmd_demo(demo)
         if args.budget:
             print(describe_sampling(wait_for_decisions(url, experiment, args.steps), args.budget))
-        print_trajectories(_get(demo, "/v1/trajectories", {"experiment": experiment, "limit": 10, "sort": "reward"}))
-        tc = _tracecar_command()
-        print(f"\nList them:  {tc} trajectories --url {url} --experiment {experiment} --step {min(2, args.steps)}")
-        print(f"Show one:   {tc} show --url {url} TRACE_ID")
-        print(f"Browse:     {url}/ui/")
+        listed = _get(demo, "/v1/trajectories", {"experiment": experiment, "limit": 10, "sort": "reward"})
+        print_trajectories(listed)
+        print_hints(url, experiment, args, listed.get("trajectories") or [])
         if args.exit:
             return
         print("collector keeps serving; Ctrl-C to stop", flush=True)
@@ -169,6 +168,29 @@ def run_quickstart(args: argparse.Namespace) -> None:
                 server.kill()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _hint_path(path: str) -> str:
+    """A path as the user can type it where they started (deploy/quickstart.sh runs from the repository)."""
+    full = os.path.abspath(path)
+    rel = os.path.relpath(full, os.environ.get("TRACECAR_HINT_CWD") or os.getcwd())
+    return rel if not rel.startswith("..") else full
+
+
+def print_hints(url: str, experiment: str, args: argparse.Namespace, listed: list[dict[str, Any]]) -> None:
+    """What to run next, runnable as printed: a real id from the listing; with --exit, the collector has
+    stopped, so first the command that serves this store again."""
+    tc = _tracecar_command()
+    trace_id = listed[0]["trace_id"] if listed else None
+    print()
+    if args.exit:
+        port = url.rsplit(":", 1)[1]
+        print(f"The collector stops now (--exit). To read this store again, serve it (and leave it running):\n"
+              f"Serve:      {tc} serve --data-dir {shlex.quote(_hint_path(args.data_dir))} --port {port}\nthen:")
+    print(f"List them:  {tc} trajectories --url {url} --experiment {experiment} --step {min(2, args.steps)}")
+    if trace_id is not None:
+        print(f"Show one:   {tc} show --url {url} {trace_id}")
+    print(f"Browse:     {url}/ui/")
 
 
 def budget_env(budget: int) -> dict[str, str]:
@@ -200,9 +222,10 @@ def wait_for_decisions(url: str, experiment: str, last_step: int, timeout_s: flo
 def describe_sampling(got: dict[str, Any], budget: int) -> str:
     """One line on what the budget did to the last step (the viewer's sampling panel has the rest)."""
     if not got.get("decisions"):
-        return f"sampling: budget {budget} trajectories per step; the last step is not decided yet (see the viewer's sampling panel)"
+        return (f"sampling: budget {budget} trajectories per step, GRPO groups kept whole; the last step is not decided yet "
+                "(see the viewer's sampling panel)")
     rules = ", ".join(f"{rule} {n}" for rule, n in sorted(got.get("kept_by_rule", {}).items()))
-    return (f"sampling: budget {budget} trajectories per step; step {got.get('step')} kept {got.get('kept', 0)} "
+    return (f"sampling: budget {budget} trajectories per step, GRPO groups kept whole; step {got.get('step')} kept {got.get('kept', 0)} "
             f"({rules}), dropped {got.get('dropped', 0)}")
 
 

@@ -21,6 +21,7 @@ import httpx
 import orjson
 
 from .config import ClientConfig, client_info, default_worker_id
+from .env_check import warn_unknown_env
 from .loud import FailureReporter
 from .prompt_delta import UNRESOLVED_REASON, PromptDeltas
 from .redact import RedactKeys, scrub_exception
@@ -189,6 +190,7 @@ class Sender:
 
     # ---- sender thread -------------------------------------------------------------------
     def _run(self) -> None:
+        warn_unknown_env()  # TRACECAR_* typos, said once: here, off the caller's path
         interval = self.config.flush_interval_s
         while not self._stopping:
             self._wake.wait(interval)

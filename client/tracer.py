@@ -15,8 +15,9 @@ from dataclasses import replace
 from typing import Any
 
 from .config import ClientConfig
+from .env_check import warn_unknown_env
 from .loud import check_url
-from .sender import Sender
+from .sender import Sender, SenderStats
 from .spans import SNAPSHOT_MODES, SpanRecord, deep_inputs, deep_snapshot, snapshot
 
 log = logging.getLogger("tracecar.client")
@@ -53,13 +54,35 @@ class Tracer:
         return self.sender.shutdown(timeout_s)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.sender.stats.as_dict(), "queued": len(self.sender.queue)}
+        return {**self.sender.stats.as_dict(), "queued": len(self.sender.queue), "enabled": True}
 
 
 def _ignore(record: SpanRecord) -> None:
     return None
 
 
+class DisabledTracer:
+    """What ``get_tracer()`` answers while tracing is off (TRACECAR_URL unset): false in a test, and
+    ``stats()``, ``flush()``, ``shutdown()`` answer as an idle tracer would, so code written for a traced
+    worker never raises in an untraced one."""
+
+    def __init__(self) -> None:
+        self.config = ClientConfig()
+
+    def __bool__(self) -> bool:
+        return False
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        return True
+
+    def shutdown(self, timeout_s: float | None = None) -> bool:
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        return {**SenderStats().as_dict(), "queued": 0, "enabled": False}
+
+
+DISABLED_TRACER = DisabledTracer()
 active: Tracer | None = None
 
 
@@ -70,6 +93,8 @@ def configure(config: ClientConfig | None = None, **overrides: Any) -> Tracer | 
     """
     global active
     config = config or ClientConfig.from_env(**overrides)
+    if not config.url:  # a typo'd TRACECAR_URL is the usual reason: said here (with tracing on, by the sender thread)
+        warn_unknown_env(tracing_off=True)
     if config.url:
         url, warning = check_url(config.url)
         if warning:
@@ -83,8 +108,9 @@ def configure(config: ClientConfig | None = None, **overrides: Any) -> Tracer | 
     return active
 
 
-def get_tracer() -> Tracer | None:
-    return active
+def get_tracer() -> Tracer | DisabledTracer:
+    """The process's tracer; while tracing is off a :class:`DisabledTracer` (false: ``if get_tracer():``)."""
+    return active if active is not None else DISABLED_TRACER
 
 
 def flush(timeout_s: float | None = None) -> bool:

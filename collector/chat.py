@@ -184,27 +184,3 @@ def strip_end(text: str | None) -> str | None:
                 text = text[: -len(token)]
                 stripped = True
     return text
-
-
-def last_user_message(text: str | None) -> str | None:
-    """The question a templated prompt ends with: the content of its last user message, when the
-    text ends with that message (and the open generation prompt) in a known template; else None.
-    Works on a prompt's tail alone (the viewer stores long prompts as head and tail)."""
-    if not isinstance(text, str) or not text:
-        return None
-    for one, open_end in _TEMPLATES:
-        last = None
-        for match in one.finditer(text):
-            last = match
-        if last is not None and last.group("role").strip() == "user":
-            rest = text[last.end():]
-            if not rest.strip() or open_end.match(rest):
-                return last.group("content")
-    if text.rstrip().endswith("[/INST]"):
-        start = text.rfind("[INST]")
-        if start >= 0:
-            user = text[start + len("[INST]"): text.rstrip().rfind("[/INST]")]
-            return re.sub(r"\A\s*<<SYS>>.*?<</SYS>>", "", user, flags=re.S).strip()
-    if text.endswith("<｜Assistant｜>") and "<｜User｜>" in text:
-        return text[text.rfind("<｜User｜>") + len("<｜User｜>"): -len("<｜Assistant｜>")]
-    return None

@@ -107,3 +107,24 @@ def check_bounded_ints(routes: Iterable[BaseRoute]) -> None:
                 unbounded.append(f"{path}?{param.alias}")
     if unbounded:
         raise RuntimeError("integer query parameters without an int64 bound (use query_params.Int64): " + ", ".join(unbounded))
+
+
+def attribute_filters(raw: list[str] | None) -> tuple[tuple[str, str], ...] | None:
+    """``attr=key=value`` query parameters (repeatable) as the filter's pairs; a mistake is a 422 naming ``attr``."""
+    from fastapi import HTTPException
+
+    from .trajectory_filter import parse_attribute_filters
+
+    try:
+        return parse_attribute_filters(raw)
+    except ValueError as exc:
+        raise HTTPException(422, detail={"field": "attr", "reason": str(exc)}) from None
+
+
+def _attr_query() -> Any:
+    from fastapi import Query
+
+    return Query(None, max_length=512, description="key=value: the root's attribute equals the value (repeatable)")
+
+
+ATTR_QUERY = _attr_query()  # one Query object for every route that takes attr=

@@ -37,6 +37,7 @@ class BudgetSettings(BaseModel):
     keep_reward_extremes: int = Field(1, ge=0, description="Rule quota: the N highest and N lowest reward trajectories (or groups) of each step are kept first.")
     keep_spread_groups: int = Field(1, ge=0, description="Rule quota: the N sample groups with the widest reward spread (max - min) are kept whole.")
     sampling_seed: int = Field(0, description="Seed of the hash that fills the rest of a budget; equal seeds make reruns and collectors choose alike.")
+    keep_groups_whole: bool = Field(True, description="Tail-based budgets keep or drop each GRPO group (the rollouts of one sample index) whole, so no group is judged on a survivor; false decides trajectory by trajectory.")
 
 
 class BudgetOverride(BudgetSettings):

@@ -14,11 +14,17 @@ Meanings, the same on every path:
 * any other blank text filter (``worker``, ``kept_because``, ``filtered_by``, ``sample_index``,
   ``q``) is no filter at all, as the viewer's empty fields send;
 * ``sample_index`` matches the int and the string spelling of a number (VERL sends either);
-* ``q``: every word must occur in the first prompt or the last response (viewer/search.py).
+* ``q``: every word must occur in the first prompt or the last response (viewer/search.py);
+* ``attributes``: (key, value) pairs the root span's attributes must hold (``attr=key=value``, repeated or
+  ``;``-separated,
+  ``attributes.`` optional, a dotted key reaches into a mapping); the value is compared as text
+  (``0.7``, ``true``, ``calc``). Answered over the viewer index only (it reads the root's stored
+  payload: narrow the list with experiment and step on a large store).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -64,6 +70,7 @@ class TrajectoryFilter:
     trained: bool | None = None  # what the trainer did (client.annotate(trained=...))
     filtered_by: str | None = None
     q: str | None = None  # words searched in the first prompt and last response (viewer/search.py)
+    attributes: tuple[tuple[str, str], ...] | None = None  # the root's attributes: ((key, value as text), ...)
 
     def active(self) -> set[str]:
         """The filters that constrain (blank text is no filter, except ``experiment``)."""
@@ -104,6 +111,9 @@ class TrajectoryFilter:
             if value is not None:
                 clauses.append(f"{name} = ?")
                 params.append(int(value))
+        for key, value in self.attributes or ():
+            clauses.append(ATTRIBUTE_CLAUSE)
+            params.extend([attribute_path(key), attribute_path(key), value])
         match = text_query.fts_query(self.q) if self.q else None
         if match is not None:
             clauses.append(text_query.MATCH_CLAUSE)
@@ -117,8 +127,8 @@ class TrajectoryFilter:
         call's marker may not carry ``validate``).
         """
         active = self.active()
-        if "q" in active:
-            raise ValueError("q= needs the text index; filter in SQL")
+        if "q" in active or "attributes" in active:
+            raise ValueError("q= and attr= need the stored trajectories; filter in SQL")
         for name in active:
             value = getattr(self, name)
             column = next((c for n, c, _ in RANGES if n == name), name)
@@ -148,4 +158,32 @@ class TrajectoryFilter:
 def _set(name: str, value: Any) -> bool:
     if value is None:
         return False
-    return name == "experiment" or value != ""
+    return name == "experiment" or (value != "" and value != ())
+
+
+MAX_ATTRIBUTE_FILTERS = 4
+_KEY = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*")
+# the root's attribute at a JSON path, as text (true/false/null spelt so), equal to the value: over the
+# viewer index's rows (root_seq) and the spool attached to it
+ATTRIBUTE_CLAUSE = ("EXISTS (SELECT 1 FROM spool.spans AS a WHERE a.seq = root_seq AND (CASE json_type(CAST(a.payload AS TEXT), ?)"
+                    " WHEN 'true' THEN 'true' WHEN 'false' THEN 'false' WHEN 'null' THEN 'null'"
+                    " WHEN 'object' THEN NULL WHEN 'array' THEN NULL"
+                    " ELSE CAST(json_extract(CAST(a.payload AS TEXT), ?) AS TEXT) END) = ?)")
+
+
+def attribute_path(key: str) -> str:
+    return "$.attributes" + "".join(f'."{part}"' for part in key.split("."))
+
+
+def parse_attribute_filters(raw: list[str] | None) -> tuple[tuple[str, str], ...] | None:
+    """``key=value`` (or ``attributes.key=value``) strings as pairs; ValueError names what is wrong."""
+    pairs = []
+    for item in (part for given in raw or () for part in given.split(";") if part.strip()):  # "k=v; k2=v2" too
+        key, sep, value = item.partition("=")
+        key = key.strip().removeprefix("attributes.")
+        if not sep or not _KEY.fullmatch(key):
+            raise ValueError(f"{item!r}: give key=value (letters, digits, _ and - in the key; a dotted key reaches into a mapping)")
+        pairs.append((key, value.strip()))
+    if len(pairs) > MAX_ATTRIBUTE_FILTERS:
+        raise ValueError(f"at most {MAX_ATTRIBUTE_FILTERS} attribute filters")
+    return tuple(pairs) or None

@@ -41,11 +41,11 @@ TAIL_BUDGETS: dict[str, Any] = {
     "reward_wait_s": 60,
     "step_idle_s": 300,
     "decision_wait_s": 600,
-    "budgets": json.dumps({
-        "exp-traj": {"max_tokens_per_step": 1100},
+    "budgets": json.dumps({  # exp-traj and exp-uniform decide trajectory by trajectory (GRPO groups whole is the default)
+        "exp-traj": {"max_tokens_per_step": 1100, "keep_groups_whole": False},
         "exp-group": {"max_trajectories_per_step": None, "max_groups_per_step": 3, "max_bytes_per_step": 40000},
         "exp-uniform": {"max_trajectories_per_step": 10, "keep_errors_share": 0, "keep_reward_extremes": 0,
-                        "keep_spread_groups": 0},
+                        "keep_spread_groups": 0, "keep_groups_whole": False},
     }),
 }
 

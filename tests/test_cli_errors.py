@@ -86,3 +86,38 @@ def test_decisions_with_head_budget_says_so(start_collector) -> None:
     done = run(["decisions", "--step", "3", "--url", col.url])
     assert done.returncode == 0, done.stderr
     assert "head-based budget" in done.stdout and "max_samples_per_step_per_worker" in done.stdout
+
+
+def test_decisions_without_experiment_picks_the_newest_with_that_step_and_says_so(start_collector, tracer_to) -> None:
+    """Issue 31, item 4: the No-traces checklist's `tracecar decisions --step N`, no --experiment."""
+    import asyncio
+    import time
+
+    import httpx
+
+    from tracecar.client import annotate, rollout_trace_attr
+
+    col = start_collector(max_trajectories_per_step=2, step_idle_s=0.2, reward_wait_s=0.1)
+
+    async def step(n: int) -> None:
+        for i in range(3):
+            with rollout_trace_attr(sample_index=i, step=n, rollout_n=0, name="agent_loop") as traj:
+                pass
+            annotate(traj, reward=float(i))
+
+    for experiment in ("exp-a", "exp-b"):  # exp-b decided last: the newest
+        tracer = tracer_to(col.url, experiment=experiment)
+        asyncio.run(step(3))
+        assert tracer.flush(20)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not httpx.get(col.url + "/v1/decisions", params={"step": 3, "experiment": experiment}).json()["decisions"]:
+            time.sleep(0.1)
+    done = run(["decisions", "--step", "3", "--url", col.url])
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == ("tracecar: no --experiment given: showing 'exp-b', the newest experiment with decisions at step 3; "
+                                   "also: 'exp-a' (--experiment NAME for another)")
+    assert done.stdout.startswith("step 3 of experiment 'exp-b' (mode tail, budget {'max_trajectories_per_step': 2}): kept 2"), done.stdout
+    assert "None" not in done.stdout
+    nothing = run(["decisions", "--step", "99", "--url", col.url])
+    assert nothing.returncode == 0 and "no experiment has sampling decisions at step 99" in nothing.stderr, nothing.stderr
+    assert "experiment None" not in nothing.stdout and "(sent without an experiment name)" in nothing.stdout

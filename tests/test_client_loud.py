@@ -81,3 +81,47 @@ def test_wrong_token_is_said_once_with_the_fix(start_collector) -> None:
     report = [ln for ln in done.stderr.splitlines() if "at shutdown" in ln]
     assert len(report) == 1 and "dropped 40 (http_401 40)" in report[0], done.stderr
     assert "the-right-one" not in done.stderr and "wrong" not in done.stderr.replace("wrong bearer", "")
+
+
+# ---- issue 31, item 5: the worker's own mistakes, each one line, once --------------------------------
+def lines_with(text: str, needle: str) -> list[str]:
+    return [ln for ln in text.splitlines() if needle in ln]
+
+
+def test_a_typo_in_tracecar_url_is_said_once_with_the_closest_name() -> None:
+    done = worker(TRACECAR_ULR="http://127.0.0.1:9470")
+    assert done.returncode == 0 and "tracer off" in done.stdout, done.stderr
+    said = lines_with(done.stderr, "TRACECAR_ULR")
+    assert said == ["tracecar: TRACECAR_ULR is not a tracecar setting and is ignored (did you mean 'TRACECAR_URL'?); "
+                    "tracing is off (TRACECAR_URL is unset)"], done.stderr
+
+
+def test_a_typo_in_another_setting_is_said_once_by_a_tracing_worker_and_collector_settings_are_not(start_collector) -> None:
+    col = start_collector()
+    done = worker(TRACECAR_URL=col.url, TRACECAR_QUEUE_MAX_SPAN="10", TRACECAR_TOKEN2TEXT="true", TRACECAR_SPOOL_MAX_BYTES="1000000")
+    assert done.returncode == 0 and "tracer on" in done.stdout, done.stderr
+    said = lines_with(done.stderr, "is not a tracecar setting")
+    assert said == ["tracecar: TRACECAR_QUEUE_MAX_SPAN is not a tracecar setting and is ignored "
+                    "(did you mean 'TRACECAR_QUEUE_MAX_SPANS'?)"], done.stderr  # the collector's own names are known
+
+
+def test_a_url_naming_the_ingest_endpoint_is_taken_as_the_base_url_and_said(start_collector) -> None:
+    col = start_collector()
+    done = worker(TRACECAR_URL=col.url + "/v1/spans")
+    assert done.returncode == 0 and f"tracer on {col.url}\n" in done.stdout, done.stderr
+    said = lines_with(done.stderr, "names an endpoint")
+    assert said == [f"tracecar: TRACECAR_URL='{col.url}/v1/spans' names an endpoint; using the collector's base URL {col.url} "
+                    "(give it as http://HOST:PORT: the client adds /v1/spans itself)"], done.stderr
+    assert "cannot send spans" not in done.stderr and "at shutdown" not in done.stderr  # every span arrived
+    import httpx
+
+    assert httpx.get(col.url + "/v1/trajectories", params={"limit": 100}).json()["total"] == 20
+
+
+def test_stats_of_the_tracer_when_tracing_is_off_does_not_raise() -> None:
+    script = ("from tracecar.client import get_tracer\n"
+              "t = get_tracer()\n"
+              "print(bool(t), t.stats()['enabled'], t.stats()['sent'], t.stats()['dropped_total'], t.flush(1), t.config.url)\n")
+    done = subprocess.run([sys.executable, "-c", script], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "False False 0 0 True None\n" and done.stderr == ""

@@ -134,3 +134,15 @@ def test_serve_on_a_busy_port_is_one_line(tmp_path: Path) -> None:
 def test_an_empty_token_is_refused_rather_than_turning_auth_off(command: str, tmp_path: Path) -> None:
     line = one_line_error(tracecar([command], env_for(tmp_path, TRACECAR_TOKEN="")))
     assert "token" in line and "is set but empty" in line and "unset TRACECAR_TOKEN" in line
+
+
+@pytest.mark.parametrize("command", ["config", "serve"])
+def test_a_tokenizer_root_that_does_not_exist_stops_startup(command: str, tmp_path: Path) -> None:
+    """Issue 31, item 5: every tokenizer the workers name under it would fail, batch after batch."""
+    missing = tmp_path / "models"
+    line = one_line_error(tracecar([command], env_for(tmp_path, TRACECAR_TOKEN2TEXT="true", TRACECAR_TOKENIZER_ROOT=str(missing))))
+    assert line == (f"tracecar: TRACECAR_TOKENIZER_ROOT={missing} does not exist on this collector: mount the model directory "
+                    "there (read-only, at the path the workers' tokenizer_path names), or unset it")
+    missing.mkdir()
+    done = tracecar(["config"], env_for(tmp_path, TRACECAR_TOKEN2TEXT="true", TRACECAR_TOKENIZER_ROOT=str(missing)))
+    assert done.returncode == 0 and done.stderr == "", done.stderr  # the README's VERL set-up: no warning either

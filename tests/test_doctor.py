@@ -90,3 +90,21 @@ def test_weave_unreachable_fails_and_reachable_passes(start_collector, weave_stu
     rc, checks, out = doctor(TRACECAR_URL=up.url)
     assert rc == 0 and checks["backend"].startswith("PASS: the collector forwards to weave"), out
     assert weave_stub.completed_calls()
+
+
+def test_tokenizer_root_without_a_model_in_it_fails_and_with_one_passes(start_collector, tmp_path, deepseek_tokenizer_path: str) -> None:
+    # the README's VERL set-up: token2text with TRACECAR_TOKENIZER_ROOT, the workers name the model (tokenizer_path)
+    import shutil
+
+    models = tmp_path / "models"
+    models.mkdir()
+    col = start_collector(token2text=True, tokenizer_root=str(models))
+    rc, checks, out = doctor(TRACECAR_URL=col.url)
+    assert rc == 1 and checks["tokenizer"].startswith("FAIL"), out
+    assert f"no tokenizer.json under TRACECAR_TOKENIZER_ROOT={models} on the collector: mount the model" in checks["tokenizer"]
+    (models / "org" / "qwen").mkdir(parents=True)
+    shutil.copy(deepseek_tokenizer_path, models / "org" / "qwen" / "tokenizer.json")
+    rc, checks, out = doctor(TRACECAR_URL=col.url)
+    assert rc == 0 and checks["tokenizer"].startswith("PASS"), out
+    assert f"found under {models}: {models / 'org' / 'qwen'} (vocabulary" in checks["tokenizer"]
+    assert "tracecar doctor --tokenizer PATH" in checks["tokenizer"]

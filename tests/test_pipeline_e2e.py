@@ -138,7 +138,7 @@ def test_trace_false_and_no_url_cost_nothing(start_collector, tracer_to):
     from tracecar.client import tracer as tracer_module
 
     tracer_module.shutdown(5)
-    assert tracer_module.get_tracer() is None and work(4) == 8
+    assert not tracer_module.get_tracer() and work(4) == 8
 
 
 def test_a_float_sample_index_keeps_its_trajectory(start_collector, tracer_to):

@@ -229,5 +229,36 @@ def test_the_demo_runs_with_a_budget_so_sampling_decisions_show(tmp_path: Path) 
                        "--samples", "4", "--rollout-n", "2", "--budget", "3"], clean_env(), tmp_path)
     assert done.returncode == 0, done.stderr
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("sampling:")), "")
-    assert re.search(r"budget 3 trajectories per step; step 1 kept 3 \(.+\), dropped 5$", line), done.stdout
-    assert "\n3 trajectories" in done.stdout, done.stdout
+    # groups of 2 kept whole (issue 31, item 2): one group fits a budget of 3, never a group cut to its survivor
+    assert re.search(r"budget 3 trajectories per step, GRPO groups kept whole; step 1 kept 2 \(.+\), dropped 6$", line), done.stdout
+    assert "\n2 trajectories" in done.stdout, done.stdout
+
+
+def test_with_exit_the_hints_serve_the_store_again_and_show_a_real_id(tmp_path: Path) -> None:
+    """Issue 31, item 6: with --exit the collector has stopped, so the hints start with serving the store
+    again; "Show one" names a trajectory from the listing (no TRACE_ID placeholder). All run as printed."""
+    data = tmp_path / "data"
+    done = quickstart(["--exit", "--port", "0", "--data-dir", str(data), *SMALL], clean_env(), tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "TRACE_ID" not in done.stdout
+    assert any(line.startswith("The collector stops now (--exit).") for line in lines), done.stdout
+    hints = {line.split(":", 1)[0]: line.split(":", 1)[1].strip() for line in lines
+             if line.split(":", 1)[0] in ("Serve", "List them", "Show one")}
+    assert set(hints) == {"Serve", "List them", "Show one"}, done.stdout
+    listed_ids = re.findall(r"^([0-9a-f]{32}) ", done.stdout, re.M)
+    shown_id = shlex.split(hints["Show one"])[-1]
+    assert shown_id == listed_ids[0], done.stdout
+
+    serve = shlex.split(hints["Serve"])
+    assert serve[0].endswith("/tracecar") and serve[1:3] == ["serve", "--data-dir"]
+    port = serve[serve.index("--port") + 1]
+    server = subprocess.Popen(serve, env=clean_env(), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        processes.wait_http(f"http://127.0.0.1:{port}/readyz", server, 60)
+        listed = subprocess.run(shlex.split(hints["List them"]), env=clean_env(), cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert listed.returncode == 0 and "2 trajectories" in listed.stdout, listed.stderr
+        shown = subprocess.run(shlex.split(hints["Show one"]), env=clean_env(), cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0 and shown.stdout.startswith(f"trajectory {shown_id} "), shown.stdout + shown.stderr
+    finally:
+        stop_process(server)

@@ -82,7 +82,7 @@ def wait_for(predicate: Any, timeout: float = 30.0) -> Any:
 
 def test_held_then_decided_then_forwarded_with_kept_because(start_collector, tracer_to, capsys):
     sink = RecordingSink()
-    col = start_collector(sink=sink, max_trajectories_per_step=3, keep_spread_groups=0,
+    col = start_collector(sink=sink, max_trajectories_per_step=3, keep_spread_groups=0, keep_groups_whole=False,
                           reward_wait_s=0.3, step_idle_s=60, decision_wait_s=120)
     tracer = tracer_to(col.url, experiment=EXPERIMENT, project="proj")
 

@@ -29,7 +29,9 @@ from tracecar.collector.spool.store import HELD, PENDING
 pytestmark = pytest.mark.timeout(300)
 
 SAMPLES, ROLLOUTS, WORKERS, STEP = 1024, 8, 8, 42
-BUDGET = dict(max_trajectories_per_step=256, keep_errors_share=0.25, keep_reward_extremes=4, keep_spread_groups=8)
+# trajectory by trajectory (keep_groups_whole=False): the rules' per-trajectory quotas are what this checks
+BUDGET = dict(max_trajectories_per_step=256, keep_errors_share=0.25, keep_reward_extremes=4, keep_spread_groups=8,
+              keep_groups_whole=False)
 
 
 def build_step(seed: int = 7) -> tuple[list[list[dict[str, Any]]], dict[str, dict[str, Any]]]:

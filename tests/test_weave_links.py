@@ -79,7 +79,7 @@ def test_tail_kept_trajectories_reach_weave_linked_threaded_and_scored(
     monkeypatch.setenv("WANDB_RUN_ID", "run-abc")  # set in the Ray runtime env: the trainer's wandb.init uses it too
     col = start_collector(backend="weave", wandb_api_key=API_KEY, wandb_entity="team", wandb_project="rl",
                           weave_server_url=weave_stub.url, max_trajectories_per_step=3, keep_spread_groups=0,
-                          reward_wait_s=0.3, step_idle_s=60, decision_wait_s=120)
+                          keep_groups_whole=False, reward_wait_s=0.3, step_idle_s=60, decision_wait_s=120)
     tracer = tracer_to(col.url, experiment="exp-links")
     assert tracer.config.wandb_run_id == "run-abc"
     agent = Agent()

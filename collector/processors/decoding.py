@@ -75,6 +75,27 @@ def resolve_tokenizer_file(name: str) -> Path:
     raise TokenizerNotFound(f"tokenizer {name!r} not found: not a tokenizer.json, a directory with one, or a model in {_hub_dir()}")
 
 
+def tokenizers_under(root: Path, max_depth: int = 3, limit: int = 8, max_dirs: int = 4096) -> list[Path]:
+    """The model directories under ``root`` that hold a tokenizer.json (bounded walk, sorted).
+
+    What `tracecar doctor` checks when the workers name their tokenizer themselves (VERL's
+    tokenizer_path under TRACECAR_TOKENIZER_ROOT) and none has been named yet.
+    """
+    found: list[Path] = []
+    seen = 0
+    base_depth = str(root).rstrip(os.sep).count(os.sep)
+    for directory, subdirs, files in os.walk(root):
+        seen += 1
+        if "tokenizer.json" in files:
+            found.append(Path(directory))
+            if len(found) >= limit:
+                break
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
+        if directory.count(os.sep) - base_depth >= max_depth or seen >= max_dirs:
+            subdirs[:] = []
+    return found
+
+
 def _within(path: Path, root: Path) -> bool:
     real, base = os.path.realpath(path), os.path.realpath(root)
     return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
@@ -180,6 +201,11 @@ class TokenizerRegistry:
         if self.on_failure is not None:
             self.on_failure(error.reason, name, str(error))
         raise error
+
+    def loaded_names(self) -> list[str]:
+        """The names batches or operators have named that loaded, most recently used last."""
+        with self._lock:
+            return [name for name, path in self._paths.items() if path in self._loaded]
 
     @staticmethod
     def _remember(cache: OrderedDict[str, Any], key: str, value: Any, bound: int) -> None:

@@ -627,7 +627,8 @@ class IngestPipeline:
         def read() -> dict[str, Any]:
             rows = self.spool.step_decisions(experiment, validate, step)
             open_rounds = self.selection.describe(experiment, step, validate) if self.selection else []
-            return {"rows": rows, "open": open_rounds, "head": self._head_decisions(experiment, step, validate)}
+            return {"rows": rows, "open": open_rounds, "head": self._head_decisions(experiment, step, validate),
+                    "experiments": self._experiments_at_step(step, validate)}
 
         got = await asyncio.get_running_loop().run_in_executor(self.writer, read)
         rows = got["rows"]
@@ -651,8 +652,25 @@ class IngestPipeline:
             "experiment": experiment, "step": step, "validate": validate, "mode": mode,
             "budget": budget.limits(), "kept": sum(by_rule.values()), "dropped": sum(by_reason.values()),
             "kept_by_rule": by_rule, "dropped_by_reason": by_reason, "open": got["open"], "decisions": rows,
-            "head": head,
+            "head": head, "experiments_at_step": got["experiments"],
         }
+
+    def _experiments_at_step(self, step: int, validate: bool | None) -> list[str | None]:
+        """The experiments with decisions (tail or head) at this step, the most recently decided first:
+        what `tracecar decisions --step N` without --experiment offers."""
+        sql = "SELECT experiment, MAX(decided_at) AS at FROM trajectory_decisions WHERE step = ?"
+        params: list[Any] = [step]
+        if validate is not None:
+            sql += " AND validate = ?"
+            params.append(int(validate))
+        found: dict[str | None, float] = {r["experiment"]: r["at"] for r in self.spool.query(sql + " GROUP BY experiment", params)}
+        marker = f"\x1f{step}\x1f"
+        head = self.spool.query("SELECT budget_key, MAX(rowid) AS at FROM sample_decisions WHERE instr(budget_key, ?) > 0"
+                                " GROUP BY budget_key", [marker])
+        for row in sorted(head, key=lambda r: r["at"]):
+            name = row["budget_key"].split(marker, 1)[0]
+            found.setdefault(None if name == "None" else name, float("inf"))  # head decisions: the newest (no time kept)
+        return sorted(found, key=lambda name: -found[name])
 
     def _head_decisions(self, experiment: str | None, step: int, validate: bool | None) -> list[dict[str, Any]]:
         """The head budget's per-sample decisions of one step, per worker (and policy version), from the spool."""

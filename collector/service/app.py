@@ -8,11 +8,11 @@ import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -26,7 +26,17 @@ from ..json_out import dumps_deep
 from ..loudness import AuthFailures, WatchedSink
 from ..metrics import Metrics
 from ..processors.validate import EnvelopeError
-from ..query_params import INT64_MAX, Int64, OptionalInt64, SampleIndexError, check_bounded_ints, sample_index_filter, validation_error_body
+from ..query_params import (
+    ATTR_QUERY,
+    INT64_MAX,
+    Int64,
+    OptionalInt64,
+    SampleIndexError,
+    attribute_filters,
+    check_bounded_ints,
+    sample_index_filter,
+    validation_error_body,
+)
 from ..receivers.otlp import build_router as build_otlp_router
 from ..receivers.pipeline import Backpressure, IngestPipeline
 from ..receivers.receive import BodyError
@@ -34,6 +44,7 @@ from ..settings import CollectorSettings
 from ..spool.query import get_trajectory
 from ..spool.retention import Retention
 from ..spool.store import Spool
+from ..spool.trace_ids import resolve as resolve_trace_id
 from ..trajectory_filter import TrajectoryFilter
 from ..viewer.group_export_api import build_router as build_group_export_router
 from ..viewer.index import SORTS
@@ -285,6 +296,7 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         sort: str = Query("start", pattern=LIST_SORT_PATTERN), order: str = Query("desc", pattern="^(asc|desc)$"),
         limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0, le=INT64_MAX),
         q: str | None = Query(None, max_length=QUERY_MAX_CHARS),
+        attr: list[str] | None = ATTR_QUERY,
     ) -> Any:
         """Trajectories in the embedded store, filtered, sorted and paginated; ``q`` searches their text.
 
@@ -294,26 +306,40 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         flt = TrajectoryFilter(experiment=experiment, step=step, step_min=step_min, step_max=step_max,
                                sample_index=sample_index_filter(sample_index), rollout_n=rollout_n, validate=validate,
                                kept_because=kept_because, reward_min=reward_min, reward_max=reward_max, has_error=has_error,
-                               worker=worker, trained=trained, filtered_by=filtered_by, q=q)
+                               worker=worker, trained=trained, filtered_by=filtered_by, q=q,
+                               attributes=attribute_filters(attr))
         page = await asyncio.to_thread(list_page, viewer.trajectory_index, flt, sort=sort, descending=order == "desc",
                                        limit=limit, offset=offset, budget_s=settings.list_catch_up_s,
                                        on_behind=collector.metrics.list_index_behind.inc)
         return _json(page)
 
-    @app.get("/v1/trajectories/{trace_id}", dependencies=[Depends(auth)])
-    async def trajectory(trace_id: str) -> Any:
-        """One trajectory with all its spans as a tree."""
-        found = await asyncio.to_thread(get_trajectory, collector.spool, trace_id, settings.max_tree_depth)
+    def read_by_id(trace_id: str, read: Callable[[str], Any]) -> Any:
+        """``read`` the trajectory ``trace_id`` names: the id, its viewer form (…000000e7) or a unique prefix;
+        a 404 says which trajectories match, or the sampling decision that dropped it."""
+        found = read(trace_id)
+        if found is not None:
+            return found
+        resolution = resolve_trace_id(collector.spool, trace_id)
+        found = read(resolution.trace_id) if resolution.trace_id is not None else None
         if found is None:
-            raise HTTPException(404, detail={"field": "trace_id", "reason": f"no trajectory {trace_id!r} in the store"})
+            detail: dict[str, Any] = {"field": "trace_id", "reason": resolution.reason or f"no trajectory {trace_id!r} in the store"}
+            if resolution.decision is not None:
+                detail["sampling_decision"] = resolution.decision
+            if resolution.candidates:
+                detail["candidates"] = resolution.candidates
+            raise HTTPException(404, detail=detail)
+        return found
+
+    @app.get("/v1/trajectories/{trace_id}", dependencies=[Depends(auth)])
+    async def trajectory(trace_id: str = Path(max_length=1024)) -> Any:
+        """One trajectory with all its spans as a tree (``trace_id``: the id, its viewer form or a unique prefix)."""
+        found = await asyncio.to_thread(read_by_id, trace_id, lambda t: get_trajectory(collector.spool, t, settings.max_tree_depth))
         return Response(await asyncio.to_thread(dumps_deep, found), media_type="application/json")
 
     @app.get("/v1/trajectories/{trace_id}/tokens", dependencies=[Depends(auth)])
-    async def tokens(trace_id: str, lowest: int = Query(10, ge=0, le=1000)) -> Any:
+    async def tokens(trace_id: str = Path(max_length=1024), lowest: int = Query(10, ge=0, le=1000)) -> Any:
         """The token view: per span with per-token data, each token's text, log-probability, mask, entropy."""
-        found = await asyncio.to_thread(trajectory_tokens, collector.spool, trace_id, lowest)
-        if found is None:
-            raise HTTPException(404, detail={"field": "trace_id", "reason": f"no trajectory {trace_id!r} in the store"})
+        found = await asyncio.to_thread(read_by_id, trace_id, lambda t: trajectory_tokens(collector.spool, t, lowest))
         return Response(await asyncio.to_thread(orjson.dumps, found), media_type="application/json")
 
     @app.get("/v1/decisions", dependencies=[Depends(auth)])
@@ -378,13 +404,37 @@ def check_tokenizer_name(collector: Collector, name: str | None) -> dict[str, An
     chosen = name or settings.tokenizer
     answer: dict[str, Any] = {"name": chosen, "token2text": settings.token2text, "default_tokenizer": settings.tokenizer}
     if not chosen:
-        return {**answer, "ok": False, "error": "no tokenizer named and TRACECAR_TOKENIZER is unset"}
+        return {**answer, **_tokenizers_under_root(collector), "ok": False,
+                "error": "no tokenizer named and TRACECAR_TOKENIZER is unset"}
     try:
         tokenizer = collector.pipeline.tokenizers.get(chosen)
     except TokenizerNotFound as exc:
         refused = getattr(exc, "reason", "") in REFUSALS  # the policy said no: the path was not looked at
         return {**answer, "ok": False, "error": str(exc), "tried": None if refused else describe_tokenizer_attempts(chosen)}
     return {**answer, "ok": True, "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True)}
+
+
+def _tokenizers_under_root(collector: Collector) -> dict[str, Any]:
+    """With TRACECAR_TOKENIZER_ROOT and no name: whether the root exists, and the tokenizers the
+    workers have named (or, before any, the model directories found under it) and whether each loads."""
+    from ..processors.decoding import TokenizerNotFound, tokenizers_under
+
+    root = collector.settings.tokenizer_root
+    if root is None:
+        return {}
+    if not root.is_dir():
+        return {"root": str(root), "root_exists": False, "found": []}
+    named = collector.pipeline.tokenizers.loaded_names()
+    candidates = named or [str(path) for path in tokenizers_under(root)]
+    found: list[dict[str, Any]] = []
+    for candidate in candidates[:4]:
+        try:
+            tokenizer = collector.pipeline.tokenizers.get(candidate)
+        except TokenizerNotFound as exc:
+            found.append({"name": candidate, "ok": False, "error": str(exc)})
+        else:
+            found.append({"name": candidate, "ok": True, "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True)})
+    return {"root": str(root), "root_exists": True, "found": found, "named_by_workers": bool(named)}
 
 
 def _json(payload: Any, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -17,6 +17,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from tracecar.client.env_check import OTHER_ENV
+
 from ..settings import BudgetOverride, CollectorSettings, load_settings
 
 
@@ -26,8 +28,7 @@ class ConfigError(Exception):
 
 # TRACECAR_* names read outside the package (tests/run.sh, CI switches); the package's own are
 # found in its source (the client's, the VERL adapter's, Ray's), so a new one is never "unknown".
-_OTHER_ENV = {"TRACECAR_CONFIG", "TRACECAR_HINT_CWD", "TRACECAR_FULL_LOAD", "TRACECAR_WEAVE_SERVER_PYTHON",
-              "TRACECAR_TEST_VERL", "TRACECAR_TEST_WEAVE_SERVER"}
+_OTHER_ENV = set(OTHER_ENV)
 
 
 def _names_in_package_source() -> set[str]:
@@ -154,12 +155,18 @@ def check_backend(settings: CollectorSettings) -> None:
 def check_tokenizer(settings: CollectorSettings) -> str | None:
     """Loads the configured tokenizer once; a ConfigError says what was tried.
 
-    Returns a warning line when token2text is on without a default tokenizer (workers may still
-    name theirs), else None.
+    A TRACECAR_TOKENIZER_ROOT that is not a directory is an error (every tokenizer the workers name
+    under it would fail, batch after batch). Returns a warning line when token2text is on without a
+    default tokenizer or a root (no batch would get text unless its tokenizer is in the HF cache), else None.
     """
+    root = settings.tokenizer_root
+    if root is not None and not root.is_dir():
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise ConfigError(f"TRACECAR_TOKENIZER_ROOT={root} {what} on this collector: mount the model directory there "
+                          "(read-only, at the path the workers' tokenizer_path names), or unset it")
     name = settings.tokenizer
     if not name:
-        if settings.token2text:
+        if settings.token2text and root is None:
             return ("token2text is on but TRACECAR_TOKENIZER is unset: only batches that name a tokenizer the collector "
                     "can load get text")
         return None

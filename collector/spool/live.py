@@ -98,7 +98,28 @@ def running_trajectories(spool: Spool, flt: TrajectoryFilter, *, window_s: float
         if len(running) < limit:
             running.append(_describe(spool, trace_id, now, opened.get(trace_id, [])))
     return {"now": now, "window_s": window_s, "scan_capped": scan_capped, "total": total,
-            "truncated": total > len(running), "trajectories": running}
+            "truncated": total > len(running), "trajectories": running, "steps": step_progress(spool, running)}
+
+
+def step_progress(spool: Spool, running: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (experiment, step) of the listed running trajectories: how many of the step's trajectories are
+    done (their root stored, held or not, or sampled out by a tail budget) and how many still run.
+
+    Reads the roots' partial index (experiment, step) and the step's decisions: a few seeks a step."""
+    counts: dict[tuple[Any, Any], int] = {}
+    for t in running:
+        if t["step"] is not None:
+            key = (t["experiment"], t["step"])
+            counts[key] = counts.get(key, 0) + 1
+    steps = []
+    for (experiment, step), still in sorted(counts.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        stored = spool.query("SELECT COUNT(*) AS n FROM spans WHERE experiment IS ? AND step = ? AND parent_id IS NULL"
+                             " AND kind != 'annotation'", (experiment, step))[0]["n"]
+        dropped = spool.query("SELECT COUNT(*) AS n FROM trajectory_decisions WHERE step = ? AND experiment IS ? AND keep = 0",
+                              (step, experiment))[0]["n"]
+        steps.append({"experiment": experiment, "step": step, "done": stored + dropped, "running": still,
+                      "total": stored + dropped + still})
+    return steps
 
 
 def _stuck_call(calls: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -46,9 +46,11 @@ def get_trajectory(spool: Spool, trace_id: str, max_depth: int = 64) -> dict[str
     root = spans.get(trace_id)
     if root is None:  # a root from another OTLP producer keeps its own span id
         root = next((s for s in spans.values() if s["parent_id"] is None), None)
-    if root is None:  # the root has not arrived (yet): show what there is
+    if root is None:  # the root has not arrived (yet): show what there is, filed as its spans say
+        known = next((s.get("attributes") for s in spans.values() if isinstance(s.get("attributes"), dict)), None) or {}
+        filed = {k: known[k] for k in ("experiment_name", "step", "sample_index", "rollout_n", "validate") if k in known}
         root = {"span_id": trace_id, "trace_id": trace_id, "name": "(root not received)", "kind": "missing",
-                "children": [], "attributes": {}, "parent_missing": False}
+                "children": [], "attributes": filed, "parent_missing": False}
     kids: dict[str, list[dict[str, Any]]] = {}
     for span in spans.values():  # start order is kept: rows came sorted
         if span is not root and span["parent_id"] in spans and span["parent_id"] != span["span_id"]:

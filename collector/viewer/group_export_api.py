@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.responses import Response, StreamingResponse
 
 from ..loudness import RateLimited
-from ..query_params import INT64_MAX, Int64, OptionalInt64, sample_index_filter
+from ..query_params import ATTR_QUERY, INT64_MAX, Int64, OptionalInt64, attribute_filters, sample_index_filter
 from ..spool.query import get_trajectory
 from ..spool.store import Spool
 from . import StoreOwner
@@ -51,6 +51,15 @@ def root_and_annotations(spool: Spool, trace_id: str) -> dict[str, Any] | None:
     return {"trace_id": trace_id, "root": root, "annotations": [s for r, s in zip(rows, spans) if r["kind"] == "annotation"]}
 
 
+def sampled_out_of_step(spool: Spool, experiment: str | None, step: int, validate: bool) -> dict[str, int]:
+    """Rollouts of each sample index a tail budget dropped in this step (any reason), by the index as text:
+    the groups they belonged to are partial."""
+    rows = spool.query("SELECT sample_index, COUNT(*) AS n FROM trajectory_decisions WHERE step = ? AND experiment IS ? "
+                       "AND validate = ? AND keep = 0 AND sample_index IS NOT NULL GROUP BY sample_index",
+                       [step, experiment, int(validate)])
+    return {str(r["sample_index"]): r["n"] for r in rows}
+
+
 def groups_of_step(collector: StoreOwner, index: TrajectoryIndex, experiment: str | None, step: int,
                    validate: bool, **options: Any) -> dict[str, Any]:
     """Blocking: the step's summaries from the index, grouped; trajectories read for the page only."""
@@ -62,7 +71,7 @@ def groups_of_step(collector: StoreOwner, index: TrajectoryIndex, experiment: st
     spool = collector.spool
     load = ((lambda trace_id: get_trajectory(spool, trace_id)) if options.get("diff", True)
             else (lambda trace_id: root_and_annotations(spool, trace_id)))
-    result = build_groups(page["trajectories"], load, **options)
+    result = build_groups(page["trajectories"], load, sampled_out=sampled_out_of_step(spool, experiment, step, validate), **options)
     return {"experiment": experiment, "step": step, "validate": validate,
             "truncated": page["total"] > len(page["trajectories"]), **result}
 
@@ -97,6 +106,7 @@ def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[
         worker: str | None = None, trained: bool | None = None, filtered_by: str | None = Query(None, max_length=256),
         q: str | None = Query(None, max_length=QUERY_MAX_CHARS),
         token_ids: bool = False, limit: int | None = Query(None, ge=1, le=INT64_MAX),
+        attr: list[str] | None = ATTR_QUERY,
     ) -> Any:
         """Selected trajectories as a dataset file (JSONL or Parquet), streamed.
 
@@ -112,7 +122,7 @@ def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[
         flt = ListFilter(experiment=experiment, step=step, step_min=step_min, step_max=step_max,
                          sample_index=sample_index_filter(sample_index), rollout_n=rollout_n, validate=validate,
                          kept_because=kept_because, reward_min=reward_min, reward_max=reward_max, has_error=has_error,
-                         worker=worker, trained=trained, filtered_by=filtered_by, q=q)
+                         worker=worker, trained=trained, filtered_by=filtered_by, q=q, attributes=attribute_filters(attr))
         skipped = collector.metrics.export_rows_skipped.labels(format=format)
 
         def on_skip(trace_id: str, reason: str) -> None:  # the 200 is sent: the row is named in the log and counted

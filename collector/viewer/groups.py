@@ -21,11 +21,12 @@ from typing import Any
 
 import orjson
 
-from ..chat import last_user_message
+from ..chat_preview import last_user_message
 from ..shape import RESPONSE_ID_KEYS, int_list, numeric, shape
 
 GROUP_SORTS = ("sample_index", "spread", "zero_spread", "mean")
-PREVIEW_CHARS = 300  # of the group's prompt, as decoded
+PREVIEW_CHARS = 4000  # of the group's prompt, as decoded (what the rollouts are compared against)
+QUESTION_CHARS = 2000  # of its last user message (chat_preview), what the rollouts answer
 EQUAL_TOLERANCE = 1e-9  # rewards closer than this count as equal (float noise from reward functions)
 
 
@@ -56,10 +57,27 @@ class GroupStats:
     max: float | None
     spread: float | None
     all_equal: bool
+    sampled_out: int = 0  # rollouts of this group a budget dropped (the step's decision records)
+    total: int = 0  # rollouts the group had: n kept + sampled_out
+    partial: bool = False  # some rollouts sampled out: not flagged all-equal, no std (nor advantage)
 
     @classmethod
-    def of(cls, n: int, rewards: list[float]) -> GroupStats:
-        """``std`` is the sample std (Bessel-corrected, as GRPO's ``torch.std``); None below 2 rewards."""
+    def of(cls, n: int, rewards: list[float], sampled_out: int = 0) -> GroupStats:
+        """``std`` is the sample std (Bessel-corrected, as GRPO's ``torch.std``); None below 2 rewards.
+
+        A partial group (``sampled_out`` > 0) keeps its mean, min and max of what was kept, but is
+        never flagged all-equal nor given a std: GRPO scored it on rollouts that are not here.
+        """
+        whole = cls._of(n, rewards)
+        if sampled_out <= 0:
+            whole.total = n
+            return whole
+        whole.std, whole.all_equal = None, False
+        whole.sampled_out, whole.total, whole.partial = sampled_out, n + sampled_out, True
+        return whole
+
+    @classmethod
+    def _of(cls, n: int, rewards: list[float]) -> GroupStats:
         if not rewards:
             return cls(n, 0, None, None, None, None, None, False)
         if max(map(abs, rewards)) < _FLOAT_SAFE:
@@ -198,16 +216,20 @@ def diff_turns(rollout: list[dict[str, Any]], best: list[dict[str, Any]]) -> dic
 
 
 def build_groups(rows: list[dict[str, Any]], load: Callable[[str], dict[str, Any] | None], *, sort: str = "sample_index",
-                 sample_index: str | None = None, limit: int = 50, offset: int = 0, diff: bool = True) -> dict[str, Any]:
+                 sample_index: str | None = None, limit: int = 50, offset: int = 0, diff: bool = True,
+                 sampled_out: dict[str, int] | None = None) -> dict[str, Any]:
     """Groups of one step from its trajectory summaries; ``load`` reads one stored trajectory.
 
     Statistics and order come from the summaries (every group of the step); trajectories are
     loaded only for the groups of the page asked for, so a page costs its groups, not the step.
+    ``sampled_out``: rollouts a budget dropped, by sample index as text (those groups are partial).
     """
     grouped = group_rows(rows)
     if sample_index is not None:
         grouped = {k: v for k, v in grouped.items() if same_key(k, sample_index)}
-    stats = {k: GroupStats.of(len(v), [r["reward"] for r in v if r.get("reward") is not None]) for k, v in grouped.items()}
+    dropped = sampled_out or {}
+    stats = {k: GroupStats.of(len(v), [r["reward"] for r in v if r.get("reward") is not None],
+                              dropped.get(str(k), 0) if k is not None else 0) for k, v in grouped.items()}
     keys = order_groups(stats, sort)
     page = []
     for key in keys[offset:offset + limit]:
@@ -216,6 +238,7 @@ def build_groups(rows: list[dict[str, Any]], load: Callable[[str], dict[str, Any
         "sort": sort, "total_groups": len(keys), "limit": limit, "offset": offset,
         "all_equal_groups": sum(1 for s in stats.values() if s.all_equal),
         "unscored_groups": sum(1 for s in stats.values() if s.scored == 0),
+        "partial_groups": sum(1 for s in stats.values() if s.partial),
         "trajectories": sum(s.n for s in stats.values()),
         "groups": page,
     }
@@ -223,15 +246,15 @@ def build_groups(rows: list[dict[str, Any]], load: Callable[[str], dict[str, Any
 
 def _group(key: Any, rows: list[dict[str, Any]], stats: GroupStats, load: Callable[[str], dict[str, Any] | None],
            diff: bool) -> dict[str, Any]:
-    rollouts, facts, prompt = [], {}, None
+    rollouts, facts, prompt, question = [], {}, None, None
     for row in rows:
         tree = load(row["trace_id"])
         advantage = advantage_of(tree) if tree is not None else None
         if tree is not None and diff:
             facts[row["trace_id"]], view = turn_facts(tree)
             if prompt is None and view["turns"] and view["turns"][0].get("prompt_text"):
-                text = view["turns"][0]["prompt_text"]
-                prompt = (last_user_message(text) or text)[:PREVIEW_CHARS]
+                full = view["turns"][0]["prompt_text"]
+                prompt, question = full[:PREVIEW_CHARS], last_user_message(full)
         rollouts.append({
             "trace_id": row["trace_id"], "rollout_n": row.get("rollout_n"), "reward": row.get("reward"),
             "advantage": advantage, "turns": row.get("turns"), "tool_calls": row.get("tool_calls"),
@@ -250,4 +273,5 @@ def _group(key: Any, rows: list[dict[str, Any]], stats: GroupStats, load: Callab
         if diff and best is not None and rollout["trace_id"] in facts and best["trace_id"] in facts:
             rollout["diff"] = None if rollout["is_best"] else diff_turns(facts[rollout["trace_id"]], facts[best["trace_id"]])
     return {"sample_index": key, **stats.as_dict(), "best": best["trace_id"] if best else None,
-            "prompt_preview": prompt, "rollouts": ordered}
+            "prompt_preview": prompt, "prompt_question": None if question is None else question[:QUESTION_CHARS],
+            "rollouts": ordered}

@@ -28,7 +28,7 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Resp
 
 from ..bearer import bearer_matches
 from ..json_out import dumps_deep
-from ..query_params import INT64_MAX, OptionalInt64, sample_index_filter
+from ..query_params import ATTR_QUERY, INT64_MAX, OptionalInt64, attribute_filters, sample_index_filter
 from ..shape import shape
 from ..spool.query import get_trajectory
 from . import StoreOwner
@@ -179,7 +179,7 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
         trained: bool | None = None, filtered_by: str | None = Query(None, max_length=256),
         sort: str = Query("start", pattern=SORT_PATTERN), order: str = Query("desc", pattern="^(asc|desc)$"),
         limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0, le=INT64_MAX),
-        q: str | None = Query(None, max_length=QUERY_MAX_CHARS),
+        q: str | None = Query(None, max_length=QUERY_MAX_CHARS), attr: list[str] | None = ATTR_QUERY,
     ) -> Any:
         """One page of trajectory summaries with their previews; unscored ones sort last either way.
 
@@ -188,6 +188,7 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
         flt = ListFilter(experiment, step, step_min, step_max, sample_index_filter(sample_index), rollout_n, validate, kept_because or None,
                          reward_min, reward_max, has_error, worker, trained, filtered_by or None)
         flt.q = q or None
+        flt.attributes = attribute_filters(attr)
         state = await asyncio.to_thread(fresh)
         page = await asyncio.to_thread(read_index, index.list, flt, sort=sort, descending=order == "desc", limit=limit,
                                        offset=offset)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from tracecar.client.wire import WireEncoder
-from tracecar.collector.chat import chat_in, last_user_message, parse_template, strip_end
+from tracecar.collector.chat import chat_in, parse_template, strip_end
+from tracecar.collector.chat_preview import last_user_message
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2? 🙂"}]
 
@@ -75,6 +76,6 @@ def test_a_templated_prompt_previews_as_its_last_user_message_even_from_its_tail
     assert last_user_message("…" + chatml[25:]) == "2+2? 🙂"  # the viewer stores long prompts as head … tail
     assert last_user_message("<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\n2+2? 🙂 [/INST]") == "2+2? 🙂"
     assert last_user_message("<｜begin▁of▁sentence｜>Be brief.<｜User｜>2+2? 🙂<｜Assistant｜>") == "2+2? 🙂"
-    # a prompt that ends with a tool result (a later turn) or in no template: no question to show
-    assert last_user_message("<|im_start|>user\nq<|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n") is None
+    # a later turn (the prompt ends with a tool result): the question it answers is still the preview
+    assert last_user_message("<|im_start|>user\nq<|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n") == "q"
     assert last_user_message("plain text") is None and last_user_message(None) is None

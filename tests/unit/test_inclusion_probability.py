@@ -53,3 +53,14 @@ def test_byte_token_limits_or_a_cap_make_the_draw_non_uniform_so_nothing_is_stam
                    no_rules(max_groups_per_step=3, max_trajectories_per_step=8)):
         verdicts, _ = decide(candidates(12, rollouts=2), budget, "e", 1)
         assert any(v.keep for v in verdicts) and all(v.inclusion_probability is None for v in verdicts)
+
+
+def test_whole_groups_under_a_trajectory_count_carry_the_groups_chance_when_all_groups_are_alike() -> None:
+    """keep_groups_whole (the default): 10 groups of 4 under 12 trajectories keep 3 groups, each with chance 3/10;
+    groups of unequal size make first fit skip some, so nothing is stamped."""
+    verdicts, _ = decide(candidates(10, rollouts=4), no_rules(max_trajectories_per_step=12), "e", 1)
+    kept = [v for v in verdicts if v.keep]
+    assert len(kept) == 12 and {v.inclusion_probability for v in kept} == {0.3}
+    uneven = [c for c in candidates(10, rollouts=4) if not (c.sample_index == 3 and c.rollout_n == 3)]
+    verdicts, _ = decide(uneven, no_rules(max_trajectories_per_step=12), "e", 1)
+    assert any(v.keep for v in verdicts) and all(v.inclusion_probability is None for v in verdicts)

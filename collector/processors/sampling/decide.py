@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,21 +175,25 @@ def scaled_limits(limits: dict[str, int], share: float) -> dict[str, int]:
     return {name: math.ceil(share * value) for name, value in limits.items()}
 
 
-def uniform_fill(budget: Budget) -> bool:
+def uniform_fill(budget: Budget, left: Sequence[Unit] = ()) -> bool:
     """Whether the fill is a uniform draw: a bottom-k of the sample hash, k set by a count alone.
 
     True when the only limit is ``max_trajectories_per_step`` over single trajectories, or
     ``max_groups_per_step`` over whole groups, with no per-trajectory cap: every unit then costs
     one, so the fill keeps the first k units in hash order, and each of the n units left to it
     had the same chance k/n (a simple random sample). Byte and token limits (first fit skips
-    larger units) or a per-worker sample count make the chance depend on the unit.
+    larger units) or a per-worker sample count make the chance depend on the unit. Whole groups
+    under ``max_trajectories_per_step`` alone (``keep_groups_whole``, the default) are a uniform draw
+    of groups when every group ``left`` to the fill has the same size (they all cost alike).
     """
     limits = set(budget.limits())
     if budget.max_trajectory_bytes is not None or not limits:
         return False
-    if budget.group_unit:
-        return limits == {"max_groups_per_step"}
-    return limits == {"max_trajectories_per_step"}
+    if budget.group_unit and limits == {"max_groups_per_step"}:
+        return True
+    if limits != {"max_trajectories_per_step"}:
+        return False
+    return len({len(unit.members) for unit in left}) <= 1  # single trajectories, or groups all of one size
 
 
 def decide(candidates: Iterable[Candidate], budget: Budget, experiment: Any, step: int,
@@ -323,7 +327,7 @@ def decide(candidates: Iterable[Candidate], budget: Budget, experiment: Any, ste
         else:
             for c in unit.members:
                 verdicts[c.trace_id] = Verdict(c.trace_id, False, reason=why)
-    if filled and uniform_fill(budget):  # stamped so step and group statistics can be re-weighted
+    if filled and uniform_fill(budget, left):  # stamped so step and group statistics can be re-weighted
         chance = round(len(filled) / len(left), 6)
         for unit in filled:
             for c in unit.members:

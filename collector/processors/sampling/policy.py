@@ -42,11 +42,15 @@ class Budget:
     keep_reward_extremes: int = 1
     keep_spread_groups: int = 1
     sampling_seed: int = 0
+    keep_groups_whole: bool = True
 
     @property
     def group_unit(self) -> bool:
-        """Whole sample groups are the unit of decision when a budget counts samples."""
-        return self.max_samples_per_step_per_worker is not None or self.max_groups_per_step is not None
+        """Whole sample groups are the unit of decision when a budget counts samples, and by default
+        (``keep_groups_whole``): a GRPO group judged on the rollouts a budget happened to keep misleads.
+        Without GRPO (one rollout per sample index) a group is one trajectory, so nothing changes."""
+        return (self.keep_groups_whole or self.max_samples_per_step_per_worker is not None
+                or self.max_groups_per_step is not None)
 
     def limits(self) -> dict[str, int]:
         """The step limits that are set, by setting name."""

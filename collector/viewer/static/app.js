@@ -131,7 +131,7 @@
     const { path, params } = parseHash();
     for (const link of document.querySelectorAll("[data-nav]")) {
       const nav = link.getAttribute("data-nav");
-      link.classList.toggle("active", (nav === "overview" && path === "/") || (nav === "list" && path === "/list") || (nav === "live" && path === "/live"));
+      link.classList.toggle("active", (nav === "overview" && path === "/") || (nav === "list" && path === "/list") || (nav === "live" && path === "/live") || (nav === "runs" && path === "/runs"));
     }
     const mount = [];
     try {
@@ -141,6 +141,7 @@
       else if (path.startsWith("/t/")) view = await trajectoryView(decodeURIComponent(path.slice(3)));
       else if (path === "/groups" && window.tracecarGroups) view = await window.tracecarGroups.view(params, kit);
       else if (path === "/live" && window.tracecarLive) view = await window.tracecarLive.view(params, kit);
+      else if (path === "/runs" && window.tracecarRuns) view = await window.tracecarRuns.view(params, kit);
       else if (path === "/compare" && window.tracecarCompare) view = await window.tracecarCompare.view((params.ids || "").split(",").filter(Boolean), kit);
       else view = h("p", null, "No such page. ", h("a", { href: "#/" }, "Back to the steps"));
       if (path === "/list" && params.step !== undefined && window.tracecarLive) view.prepend(window.tracecarLive.panel(params, kit, { hideEmpty: true, onFinished: render }));
@@ -218,8 +219,9 @@
 
   // ---- #/ : steps overview -------------------------------------------------------------------
   // ---- tracing health (issue 15 §5): the numbers traces are trusted by, and the chosen step's ----------
-  const LOSSES = [["client_dropped", "dropped by the workers"], ["sampled_out", "sampled out"], ["rejected", "rejected"],
-    ["decode_failures", "decode failures"], ["forward_failures", "forward failures"]];
+  // [key, label, a failure?]: sampled out is a budget working as configured, never red
+  const LOSSES = [["client_dropped", "dropped by the workers", true], ["sampled_out", "sampled out", false], ["rejected", "rejected", true],
+    ["decode_failures", "decode failures", true], ["forward_failures", "forward failures", true]];
 
   function healthCard(experiment, split) {
     const totals = h("div", { class: "health-totals", "data-testid": "health-totals" }, h("span", { class: "muted" }, "reading /v1/health…"));
@@ -227,7 +229,8 @@
     const card = h("div", { class: "card health", "data-testid": "health" }, h("h3", null, "Tracing health"), totals, stepLine);
     const validate = split === "all" ? undefined : String(split === "validation");
     let seq = 0;
-    const count = (n, label, detail, testid) => h("span", { class: "health-item" + (n ? " bad" : ""), title: detail || "", "data-testid": testid }, fmt.int(n) + " " + label);
+    const count = (n, label, detail, testid, failure = true) => h("span", { class: "health-item" + (n && failure ? " bad" : ""),
+      title: (detail || "") + (failure ? "" : (detail ? "; " : "") + "by the sampling budgets, as configured"), "data-testid": testid }, fmt.int(n) + " " + label);
     const detail = (by) => Object.entries(by || {}).map(([k, v]) => (k || "-") + " " + v).join(", ");
     async function show(step) {
       const mine = ++seq;
@@ -239,7 +242,7 @@
         return;
       }
       if (mine !== seq) return;
-      totals.replaceChildren(...[...LOSSES.map(([key, label]) => count(got[key + "_total"], label, detail(got[key]), "health-" + key)),
+      totals.replaceChildren(...[...LOSSES.map(([key, label, failure]) => count(got[key + "_total"], label, detail(got[key]), "health-" + key, failure)),
         h("span", { class: "health-item" }, "spool depth " + fmt.int(got.spool_depth)),
         h("span", { class: "health-item" }, fmt.int(got.held_spans) + " held"),
         got.backend_unreachable ? h("span", { class: "health-item bad" }, "backend unreachable") : null,
@@ -407,6 +410,9 @@
         [["", "any"], ["true", "trained"], ["false", "dropped by the trainer"]].map(([v, l]) => h("option", { value: v, selected: (params.trained || "") === v }, l)))),
       (facets.trainer || []).some((f) => f.filtered_by) ? h("label", null, "filtered by", h("select", { name: "filtered_by", "data-testid": "filter-filtered-by" }, h("option", { value: "" }, "any"),
         facets.trainer.filter((f) => f.filtered_by).map((f) => h("option", { value: f.filtered_by, selected: params.filtered_by === f.filtered_by }, f.filtered_by + " (" + fmt.int(f.trajectories) + ")")))) : null,
+      h("label", { class: "attr-filter" }, "attributes", h("input", { type: "text", name: "attr", maxlength: "512", value: params.attr || "",
+        placeholder: "key=value; key2=value2", title: "the root span's attributes: each key=value must hold (a dotted key reaches into a mapping)",
+        "data-testid": "filter-attr" })),
       h("label", null, "errors", h("select", { name: "has_error" },
         [["", "any"], ["true", "with errors"], ["false", "without"]].map(([v, l]) => h("option", { value: v, selected: (params.has_error || "") === v }, l)))),
       h("label", null, "sort", h("select", { name: "sort" }, Object.entries(SORTABLE).map(([v, l]) => h("option", { value: v, selected: sort === v }, l)))),
@@ -449,7 +455,7 @@
         h("td", { class: "num" }, fmt.dur(t.duration)),
         h("td", { class: "num" + (t.has_error ? " bad" : "") }, t.has_error ? "error" : ""),
         h("td", { class: "num", "data-testid": "reward" }, fmt.reward(t.reward)),
-        h("td", null, trainerBadge(t, null) || ""));
+        h("td", { class: "trainer" }, trainerBadge(t, null) || ""));
       tr.addEventListener("click", (e) => { if (!e.target.closest("a, input")) go("/t/" + encodeURIComponent(t.trace_id)); });
       return tr;
     });
@@ -465,12 +471,14 @@
       h("div", { class: "row" }, compareButton, clearButton, h("span", { class: "muted" }, "tick two or more rows to compare them side by side"),
         exportLinks(query, page.total)),
       pager,
-      h("table", { "data-testid": "list-table" },
-        h("thead", null, h("tr", null, h("th", null, ""), h("th", null, "trajectory"), h("th", { class: "preview" }, "prompt → last response"), h("th", null, "experiment"), head("step", "step", "num"),
+      h("div", { class: "table-scroll" }, h("table", { "data-testid": "list-table" },
+        h("thead", null, h("tr", null, h("th", null, ""), h("th", null, "trajectory"),
+          h("th", { class: "preview", title: "the first prompt's last user message (system prompt and template tokens left out) and the last response" },
+            h("span", { "data-testid": "preview-header" }, "last user message → last response")), h("th", null, "experiment"), head("step", "step", "num"),
           h("th", { class: "num" }, "sample"), h("th", { class: "num" }, "rollout"), h("th", null, ""), h("th", null, "kept because"),
           head("turns", "turns", "num"), head("tools", "tools", "num"), head("tokens", "resp. tokens", "num"), head("duration", "duration", "num"),
           h("th", null, ""), head("reward", "reward", "num"), head("advantage", "trainer"))),
-        h("tbody", null, rows)));
+        h("tbody", null, rows))));
   }
 
   // The list's selection as a dataset file (GET /ui/api/export = /v1/export, same filters; issue 15 §6)
@@ -816,6 +824,9 @@
       tokenPanel(tokenView),
       h("h2", null, "Reward and metrics"),
       h("div", { class: "cards" }, h("div", { class: "card" }, h("h3", null, "Annotations"), annotations), h("div", { class: "card" }, h("h3", null, "Metrics"), metrics)),
+      h("h2", null, "Timeline"),
+      h("p", { class: "muted" }, "Where the time went: each span on the trajectory's clock; generation (LLM calls), tools, and the rest (waiting, the loop's own work)."),
+      window.tracecarTimeline ? window.tracecarTimeline.view(t, kit) : null,
       h("h2", null, "Span tree"),
       h("p", { class: "muted" }, "Every span as stored; open one to see its attributes, inputs and output."),
       h("ul", { class: "tree top", "data-testid": "span-tree" }, spanTree(t.tree)));

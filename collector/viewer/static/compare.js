@@ -58,10 +58,37 @@ window.tracecarCompare = (() => {
 
   function firstPrompt(t) { return t.turns.length ? t.turns[0].prompt_text : null; }
 
+  // Each column's advantage: the trainer's when annotated, else as GRPO computes it from its whole group
+  // (api/groups of its step and sample index; none for a partial group). One request per distinct group.
+  async function groupAdvantages(ts, api) {
+    const asked = new Map();
+    const out = [];
+    for (const t of ts) {
+      const a = t.attributes || {};
+      const trainer = t.summary && t.summary.advantage !== null && t.summary.advantage !== undefined ? t.summary.advantage : null;
+      if (trainer !== null || a.step === undefined || a.step === null || a.sample_index === undefined || a.sample_index === null) {
+        out.push({ value: trainer, source: trainer !== null ? "trainer" : null });
+        continue;
+      }
+      const key = JSON.stringify([a.experiment_name ?? null, a.step, a.validate ?? false, a.sample_index]);
+      if (!asked.has(key)) {
+        asked.set(key, api("groups", { experiment: a.experiment_name ?? "", step: a.step, validate: a.validate ? "true" : "false",
+          sample_index: String(a.sample_index), diff: "false", limit: 1 }, ["experiment"]).catch(() => null));
+      }
+      const page = await asked.get(key);
+      const group = page && page.groups && page.groups[0];
+      const mine = group ? group.rollouts.find((r) => r.trace_id === t.trace_id) : null;
+      out.push(mine && mine.group_advantage !== null ? { value: mine.group_advantage, source: "group" }
+        : { value: null, source: group && group.partial ? "partial" : null });
+    }
+    return out;
+  }
+
   async function view(ids, kit) {
     const { h, api, fmt } = kit;
     if (ids.length < 2) return h("p", null, "Pick two or more trajectories to compare (tick them in the ", h("a", { href: "#/list" }, "list"), ").");
     const ts = await Promise.all(ids.map((id) => api("trajectories/" + encodeURIComponent(id), { tree: "false" })));
+    const advantages = await groupAdvantages(ts, api);
     const letters = ts.map((_, i) => String.fromCharCode(65 + (i % 26)) + (i >= 26 ? String(Math.floor(i / 26)) : ""));
     const rewards = ts.map((t) => t.reward).filter((r) => r !== null);
     const top = rewards.length ? Math.max(...rewards) : null;
@@ -107,6 +134,12 @@ window.tracecarCompare = (() => {
       ["error", errorText, true, "compare-error"], ["kept because", (t) => (t.kept_because ? fmt.value(t.kept_because) : "—"), true],
       ["duration", (t) => fmt.dur(t.duration), false], ["experiment", (t) => fmt.exp((t.attributes || {}).experiment_name), true],
     ];
+    grid.append(h("div", { class: "rowhead", title: "the trainer's advantage when annotated; in grey, as GRPO computes it from the group's rewards" }, "advantage"));
+    advantages.forEach((adv) => grid.append(h("div", { "data-testid": "compare-advantage",
+      title: adv.source === "trainer" ? "annotated by the trainer" : adv.source === "group" ? "(r − mean) / (std + 1e-6) over its GRPO group"
+        : adv.source === "partial" ? "its group is partial (rollouts sampled out): not scored" : "" },
+      adv.value === null ? h("span", { class: "muted" }, adv.source === "partial" ? "— (partial group)" : "—")
+        : adv.source === "trainer" ? fmt.reward(adv.value) : h("span", { class: "muted" }, fmt.reward(adv.value)))));
     for (const [label, get, compared, testid] of fields) {
       const values = ts.map(get);
       grid.append(h("div", { class: "rowhead" }, label));

@@ -15,7 +15,7 @@ window.tracecarLive = (() => {
 
   function spanList(kit, t, now) {
     const { h, fmt } = kit;
-    return h("tr", { class: "live-spans", "data-testid": "live-spans" }, h("td", { colspan: "10" },
+    return h("tr", { class: "live-spans", "data-testid": "live-spans" }, h("td", { colspan: "11" },
       h("ol", null, t.span_list.map((s) => h("li", { class: s.has_error ? "bad" : "" },
         h("code", null, s.name), " ", h("span", { class: "muted" },
           fmt.dur(s.end_time !== null && s.start_time !== null ? s.end_time - s.start_time : null) + ", ended " + age(now - s.end_time) + " ago"),
@@ -34,8 +34,11 @@ window.tracecarLive = (() => {
     for (const t of page.trajectories) {
       const stuck = t.idle_s >= STUCK_S;
       const tr = h("tr", { "data-testid": "live-row", "data-trace-id": t.trace_id, class: "live-row" + (stuck ? " stuck" : ""),
-        title: "click for its spans so far", onclick: () => { if (open.has(t.trace_id)) open.delete(t.trace_id); else open.add(t.trace_id); redraw(); } },
-        h("td", null, h("code", { title: t.trace_id }, fmt.id(t.trace_id))),
+        title: "click for its spans so far; the id opens it",
+        onclick: (e) => { if (e.target.closest("a")) return; if (open.has(t.trace_id)) open.delete(t.trace_id); else open.add(t.trace_id); redraw(); } },
+        h("td", null, h("a", { href: "#/t/" + encodeURIComponent(t.trace_id), title: "open " + t.trace_id + " (its spans so far)",
+          "data-testid": "live-link", class: "mono" }, fmt.id(t.trace_id))),
+        h("td", { "data-testid": "live-experiment" }, fmt.exp(t.experiment)),
         h("td", { class: "num" }, t.step ?? "—"), h("td", { class: "num" }, t.sample_index ?? "—"), h("td", { class: "num" }, t.rollout_n ?? "—"),
         h("td", null, t.worker || "—"),
         h("td", { class: "num", "data-testid": "live-span-count" }, fmt.int(t.spans), t.errors ? h("span", { class: "bad" }, " (" + t.errors + " failed)") : ""),
@@ -47,9 +50,22 @@ window.tracecarLive = (() => {
       if (open.has(t.trace_id)) rows.push(spanList(kit, t, page.now));
     }
     return h("table", { class: "live-table" },
-      h("thead", null, h("tr", null, ["trajectory", "step", "sample", "rollout", "worker", "spans so far", "running for", "idle", "waiting on", "last span"]
-        .map((c, i) => h("th", { class: i >= 1 && i <= 3 || i >= 5 && i <= 7 ? "num" : "" }, c)))),
+      h("thead", null, h("tr", null, ["trajectory", "experiment", "step", "sample", "rollout", "worker", "spans so far", "running for", "idle", "waiting on", "last span"]
+        .map((c, i) => h("th", { class: i >= 2 && i <= 4 || i >= 6 && i <= 8 ? "num" : "" }, c)))),
       h("tbody", null, rows));
+  }
+
+  // Per step of the running trajectories: n of m done (root stored or sampled out), as a bar.
+  function progress(kit, page) {
+    const { h, fmt, href } = kit;
+    if (!page.steps || !page.steps.length) return null;
+    return h("div", { class: "live-progress" }, page.steps.map((s) =>
+      h("div", { "data-testid": "live-step-progress", "data-step": String(s.step) },
+        h("a", { href: href("/list", { experiment: s.experiment === null ? "" : s.experiment, step: s.step }) }, "step " + s.step),
+        h("span", { class: "muted" }, " " + fmt.exp(s.experiment) + " "),
+        h("progress", { max: String(s.total), value: String(s.done) }),
+        h("span", { "data-testid": "live-step-done" }, " " + s.done + " of " + s.total + " trajectories done"),
+        h("span", { class: "muted" }, ", " + s.running + " running"))));
   }
 
   // The panel: fetches at once, then every POLL_MS while it is in the page (and the tab visible).
@@ -66,7 +82,7 @@ window.tracecarLive = (() => {
     let page = null;
     let first = true;
     let seen = new Set();
-    const redraw = () => { if (page) body.replaceChildren(table(kit, page, open, redraw)); };
+    const redraw = () => { if (page) body.replaceChildren(...[progress(kit, page), table(kit, page, open, redraw)].filter(Boolean)); };
     async function tick() {
       if (!first && !section.isConnected) return; // the page moved on: stop polling
       first = false;
