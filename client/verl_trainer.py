@@ -12,6 +12,9 @@ ran, annotates every traced trajectory of the batch::
     trained             False when the mask left it no token (filtered_by="loss_mask"), else True
     policy_version      non_tensor_batch["min_global_steps"] (fully-async), when VERL set it
     trained_on_version  the trainer's global step
+    reward_extra_info   the reward's components per sample (``meta_info["reward_extra_keys"]``: what
+                        VERL's reward managers return beside the score, e.g. ``acc``, ``format``, ``pred``)
+    ground_truth        ``non_tensor_batch["reward_model"][i]["ground_truth"]`` when the dataset has one
 
 The link is the trajectory id the worker-side adapter (tracecar.client.verl) puts in each
 ``AgentLoopOutput.extra_fields["tracecar_trace_id"]``; VERL carries every extra field into the
@@ -63,6 +66,40 @@ def _caller_step(depth: int = 2) -> int | None:
     return step if type(step) is int else None
 
 
+_SCALARS = (bool, int, float, str)
+
+
+def _component(value: Any) -> Any:
+    """A reward component as JSON: scalars as themselves (numpy's unwrapped), anything else dropped."""
+    value = _plain(value)
+    return value if type(value) in _SCALARS else None
+
+
+def _reward_extras(data: Any, non_tensor: Any, n: int) -> list[dict[str, Any]]:
+    """Per sample, the reward manager's extra info (the keys VERL's ``extract_reward`` reads)."""
+    keys = list((getattr(data, "meta_info", None) or {}).get("reward_extra_keys") or [])
+    columns = {k: non_tensor[k] for k in keys if k in non_tensor and len(non_tensor[k]) == n}
+    out = []
+    for i in range(n):
+        info = {k: v for k, v in ((k, _component(c[i])) for k, c in columns.items()) if v is not None}
+        out.append(info)
+    return out
+
+
+def _ground_truths(non_tensor: Any, n: int) -> list[Any]:
+    models = non_tensor.get("reward_model")
+    if models is None or len(models) != n:
+        return [None] * n
+    out = []
+    for entry in models:
+        truth = entry.get("ground_truth") if isinstance(entry, dict) else None
+        truth = _plain(truth)
+        if hasattr(truth, "tolist"):
+            truth = truth.tolist()
+        out.append(truth if isinstance(truth, (str, int, float, list, dict)) else None)
+    return out
+
+
 def annotate_batch(data: Any, step: int | None = None) -> int:
     """Annotates each traced trajectory of a batch after ``compute_advantage``; returns how many."""
     non_tensor = getattr(data, "non_tensor_batch", None) or {}
@@ -80,16 +117,24 @@ def annotate_batch(data: Any, step: int | None = None) -> int:
         mask = mask.to(advantages.dtype) if hasattr(mask, "to") else mask.astype(advantages.dtype)
         totals, counts = _vector((advantages * mask).sum(-1)), _vector(mask.sum(-1))
     versions = non_tensor.get("min_global_steps")
+    trace_ids = _vector(ids)
+    extras = _reward_extras(data, non_tensor, len(trace_ids))
+    truths = _ground_truths(non_tensor, len(trace_ids))
     done = 0
-    for i, trace_id in enumerate(_vector(ids)):
+    for i, trace_id in enumerate(trace_ids):
         trace_id = _plain(trace_id)
         if not isinstance(trace_id, str) or not trace_id:
             continue  # not traced (sampled out in the worker)
         count = float(counts[i])
         version = _plain(versions[i]) if versions is not None else None
+        more: dict[str, Any] = {}
+        if extras[i]:
+            more["reward_extra_info"] = extras[i]
+        if truths[i] is not None:
+            more["ground_truth"] = truths[i]
         annotate(trace_id, advantage=float(totals[i]) / count if count else None, trained=count > 0,
                  filtered_by=None if count > 0 else "loss_mask", trained_on_version=step if type(step) is int else None,
-                 policy_version=version if type(version) is int else None)
+                 policy_version=version if type(version) is int else None, **more)
         done += 1
     return done
 

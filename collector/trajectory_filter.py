@@ -12,7 +12,7 @@ Meanings, the same on every path:
 
 * ``experiment=""`` is the trajectories sent without an experiment name (``IS NULL``);
 * any other blank text filter (``worker``, ``kept_because``, ``filtered_by``, ``sample_index``,
-  ``q``) is no filter at all, as the viewer's empty fields send;
+  ``q``, ``reward_where``) is no filter at all, as the viewer's empty fields send;
 * ``sample_index`` matches the int and the string spelling of a number (VERL sends either);
 * ``q``: every word must occur in the first prompt or the last response (viewer/search.py).
 """
@@ -23,7 +23,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from . import text_query
+from . import text_query, truth_filter
 
 TEXT_EQUALS = ("worker", "kept_because", "filtered_by")
 INT_EQUALS = ("step", "rollout_n")
@@ -64,6 +64,9 @@ class TrajectoryFilter:
     trained: bool | None = None  # what the trainer did (client.annotate(trained=...))
     filtered_by: str | None = None
     q: str | None = None  # words searched in the first prompt and last response (viewer/search.py)
+    # training truth (issue 29; truth_filter.py): only over the viewer index's trajectories
+    drift: bool | None = None  # a turn whose prompt does not extend the previous turn's prompt + response
+    reward_where: str | None = None  # reward components, e.g. "acc=0,format<1" (the query's where=)
 
     def active(self) -> set[str]:
         """The filters that constrain (blank text is no filter, except ``experiment``)."""
@@ -104,6 +107,9 @@ class TrajectoryFilter:
             if value is not None:
                 clauses.append(f"{name} = ?")
                 params.append(int(value))
+        truth, truth_params = truth_filter.where_clauses(self.drift, self.reward_where or None)
+        clauses.extend(truth)
+        params.extend(truth_params)
         match = text_query.fts_query(self.q) if self.q else None
         if match is not None:
             clauses.append(text_query.MATCH_CLAUSE)
@@ -117,8 +123,8 @@ class TrajectoryFilter:
         call's marker may not carry ``validate``).
         """
         active = self.active()
-        if "q" in active:
-            raise ValueError("q= needs the text index; filter in SQL")
+        if active & {"q", "drift", "reward_where"}:
+            raise ValueError("q=, drift= and where= need the trajectory index; filter in SQL")
         for name in active:
             value = getattr(self, name)
             column = next((c for n, c, _ in RANGES if n == name), name)

@@ -127,6 +127,9 @@ def _described(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
+MAX_REWARD_COMPONENTS = 256
+
+
 def _check_trainer_attributes(attrs: dict[str, Any]) -> None:
     """What the trainer did (client.annotate): typed, because the store filters and indexes them."""
     advantage = attrs.get("advantage")
@@ -144,6 +147,10 @@ def _check_trainer_attributes(attrs: dict[str, Any]) -> None:
         value = attrs.get(key)
         if value is not None and (type(value) is not int or not _INT64[0] <= value <= _INT64[1]):
             raise ValueError(f"attributes.{key} must be a signed 64-bit integer, got {_described(value)}")
+    extra = attrs.get("reward_extra_info")  # the reward's components (VERL's reward_extra_info; issue 29)
+    if extra is not None and (not isinstance(extra, dict) or len(extra) > MAX_REWARD_COMPONENTS):
+        raise ValueError(f"attributes.reward_extra_info must be an object of at most {MAX_REWARD_COMPONENTS} components,"
+                         f" got {_described(extra) if not isinstance(extra, dict) else f'{len(extra)} components'}")
 
 
 class BatchIn(BaseModel):

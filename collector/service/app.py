@@ -43,6 +43,8 @@ from ..viewer.live_api import build_router as build_live_router
 from ..viewer.routes import build_router as build_viewer_router
 from ..viewer.search import QUERY_MAX_CHARS
 from ..viewer.tokens import trajectory_tokens
+from ..viewer.truth_api import TruthFilters
+from ..viewer.truth_api import build_router as build_truth_router
 from .auth import BearerAuth
 from .health import health_snapshot
 from .health_step import latest_experiment, step_health
@@ -258,7 +260,7 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
 
     @app.get("/v1/trajectories", dependencies=[Depends(auth)])
     async def trajectories(
-        experiment: str | None = None, step: OptionalInt64 = None, step_min: OptionalInt64 = None,
+        truth: TruthFilters, experiment: str | None = None, step: OptionalInt64 = None, step_min: OptionalInt64 = None,
         step_max: OptionalInt64 = None, sample_index: str | None = Query(None, max_length=256), rollout_n: OptionalInt64 = None,
         validate: bool | None = None, kept_because: str | None = Query(None, max_length=256),
         worker: str | None = Query(None, max_length=256), has_error: bool | None = None,
@@ -276,7 +278,7 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         flt = TrajectoryFilter(experiment=experiment, step=step, step_min=step_min, step_max=step_max,
                                sample_index=sample_index_filter(sample_index), rollout_n=rollout_n, validate=validate,
                                kept_because=kept_because, reward_min=reward_min, reward_max=reward_max, has_error=has_error,
-                               worker=worker, trained=trained, filtered_by=filtered_by, q=q)
+                               worker=worker, trained=trained, filtered_by=filtered_by, q=q, **truth)
         page = await asyncio.to_thread(list_page, viewer.trajectory_index, flt, sort=sort, descending=order == "desc",
                                        limit=limit, offset=offset, budget_s=settings.list_catch_up_s,
                                        on_behind=collector.metrics.list_index_behind.inc)
@@ -325,6 +327,7 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
     app.include_router(viewer)
     # GRPO groups and dataset export, over the viewer's trajectory index
     app.include_router(build_group_export_router(collector, viewer.trajectory_index, viewer.fresh, auth, viewer.viewer_auth))
+    app.include_router(build_truth_router(collector, viewer.trajectory_index, auth, settings.list_catch_up_s))
     # the same health answer for the viewer's overview (its token or cookie)
     app.add_api_route("/ui/api/health", health, methods=["GET"], dependencies=[Depends(viewer.viewer_auth)],
                       include_in_schema=False)

@@ -32,6 +32,7 @@ from ..spool.query import get_trajectory
 from ..spool.store import Spool
 from .groups import advantage_of
 from .index import ListFilter, TrajectoryIndex
+from .truth import TRUTH_COLUMNS, truth_fields
 
 FORMATS = ("jsonl", "parquet")
 MEDIA_TYPES = {"jsonl": "application/x-ndjson", "parquet": "application/vnd.apache.parquet"}
@@ -172,6 +173,7 @@ def record(tree: dict[str, Any], summary: dict[str, Any], *, token_ids: bool = F
         "prompt": first_prompt, "final_response": turns[-1].get("response_text") if turns else None,
         "messages": messages, "attributes": _json_text(view["attributes"]) or "{}", "metrics": _json_text(metrics) or "{}",
     }
+    out.update(truth_fields(summary))
     if token_ids:
         out.update(_token_arrays(root, spans, turns))
     return out
@@ -205,6 +207,8 @@ def jsonl_chunks(rows: Iterator[dict[str, Any]], chunk_bytes: int = JSONL_CHUNK_
 def parquet_schema(token_ids: bool) -> Any:
     import pyarrow as pa
 
+    truth_columns = [(name, {"int": pa.int64(), "str": pa.string()}[kind]) for name, kind in TRUTH_COLUMNS]
+
     call = pa.struct([("id", pa.string()), ("type", pa.string()),
                       ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
     message_fields = [("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.list_(call)),
@@ -218,7 +222,7 @@ def parquet_schema(token_ids: bool) -> Any:
         ("policy_version", pa.int64()), ("trained_on_version", pa.int64()), ("kept_because", pa.string()), ("has_error", pa.bool_()),
         ("turns", pa.int64()), ("tool_calls", pa.int64()), ("start_time", pa.float64()), ("duration", pa.float64()),
         ("prompt", pa.string()), ("final_response", pa.string()), ("messages", pa.list_(pa.struct(message_fields))),
-        ("attributes", pa.string()), ("metrics", pa.string()),
+        ("attributes", pa.string()), ("metrics", pa.string()), *truth_columns,
     ]
     if token_ids:
         fields += [("prompt_ids", pa.list_(pa.int64())), ("response_ids", pa.list_(pa.int64())),

@@ -23,6 +23,7 @@ from .export import FORMATS, MEDIA_TYPES, IndexBehind, export_chunks, parquet_av
 from .groups import GROUP_SORTS, build_groups
 from .index import ListFilter, TrajectoryIndex
 from .search import QUERY_MAX_CHARS
+from .truth_api import TruthFilters
 
 GROUP_SORT_PATTERN = "^(" + "|".join(GROUP_SORTS) + ")$"
 FORMAT_PATTERN = "^(" + "|".join(FORMATS) + ")$"
@@ -80,8 +81,9 @@ def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[
 
     @router.get("/v1/export", dependencies=[Depends(api_auth)])
     async def export(
-        format: str = Query("jsonl", pattern=FORMAT_PATTERN), experiment: str | None = None, step: OptionalInt64 = None,
-        step_min: OptionalInt64 = None, step_max: OptionalInt64 = None, sample_index: str | None = Query(None, max_length=256),
+        truth: TruthFilters, format: str = Query("jsonl", pattern=FORMAT_PATTERN), experiment: str | None = None,
+        step: OptionalInt64 = None, step_min: OptionalInt64 = None, step_max: OptionalInt64 = None,
+        sample_index: str | None = Query(None, max_length=256),
         rollout_n: OptionalInt64 = None, validate: bool | None = None, kept_because: str | None = None,
         reward_min: float | None = None, reward_max: float | None = None, has_error: bool | None = None,
         worker: str | None = None, trained: bool | None = None, filtered_by: str | None = Query(None, max_length=256),
@@ -102,7 +104,7 @@ def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[
         flt = ListFilter(experiment=experiment, step=step, step_min=step_min, step_max=step_max,
                          sample_index=sample_index_filter(sample_index), rollout_n=rollout_n, validate=validate,
                          kept_because=kept_because, reward_min=reward_min, reward_max=reward_max, has_error=has_error,
-                         worker=worker, trained=trained, filtered_by=filtered_by, q=q)
+                         worker=worker, trained=trained, filtered_by=filtered_by, q=q, **truth)
         chunks = export_chunks(collector.spool, index, flt, format, token_ids=token_ids, limit=limit)
         filename = f"tracecar-export.{format}"
         return StreamingResponse(chunks, media_type=MEDIA_TYPES[format],

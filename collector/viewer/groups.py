@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 
 from ..shape import RESPONSE_ID_KEYS, int_list, numeric, shape
+from .truth import separation
 
 GROUP_SORTS = ("sample_index", "spread", "zero_spread", "mean")
 PREVIEW_CHARS = 300  # of the group's prompt, as decoded
@@ -236,6 +237,7 @@ def _group(key: Any, rows: list[dict[str, Any]], stats: GroupStats, load: Callab
             "tool_errors": row.get("tool_errors"), "has_error": row.get("has_error"),
             "kept_because": row.get("kept_because"), "duration": row.get("duration"),
             "response_tokens": row.get("response_tokens"),
+            "reward_components": row.get("reward_components") or {}, "drift_turns": row.get("drift_turns"),
         })
     ordered = rank(rollouts)
     best = ordered[0] if ordered and ordered[0]["reward"] is not None else None
@@ -248,4 +250,4 @@ def _group(key: Any, rows: list[dict[str, Any]], stats: GroupStats, load: Callab
         if diff and best is not None and rollout["trace_id"] in facts and best["trace_id"] in facts:
             rollout["diff"] = None if rollout["is_best"] else diff_turns(facts[rollout["trace_id"]], facts[best["trace_id"]])
     return {"sample_index": key, **stats.as_dict(), "best": best["trace_id"] if best else None,
-            "prompt_preview": prompt, "rollouts": ordered}
+            "prompt_preview": prompt, "rollouts": ordered, "separation": separation(ordered)}

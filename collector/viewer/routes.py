@@ -36,6 +36,7 @@ from .index import SORTS, ListFilter, TrajectoryIndex
 from .list_api import INDEX_ERRORS, viewer_fresh
 from .search import QUERY_MAX_CHARS
 from .tokens import trajectory_tokens
+from .truth_api import TruthFilters, add_truth
 
 STATIC = Path(__file__).with_name("static")
 COOKIE = "tracecar_viewer"
@@ -172,7 +173,7 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
 
     @guarded.get("/api/trajectories")
     async def trajectories(
-        experiment: str | None = None, step: OptionalInt64 = None, step_min: OptionalInt64 = None,
+        truth: TruthFilters, experiment: str | None = None, step: OptionalInt64 = None, step_min: OptionalInt64 = None,
         step_max: OptionalInt64 = None, sample_index: str | None = Query(None, max_length=256), rollout_n: OptionalInt64 = None,
         validate: bool | None = None, kept_because: str | None = None, reward_min: float | None = None,
         reward_max: float | None = None, has_error: bool | None = None, worker: str | None = None,
@@ -188,6 +189,7 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
         flt = ListFilter(experiment, step, step_min, step_max, sample_index_filter(sample_index), rollout_n, validate, kept_because or None,
                          reward_min, reward_max, has_error, worker, trained, filtered_by or None)
         flt.q = q or None
+        flt.drift, flt.reward_where = truth["drift"], truth["reward_where"]
         state = await asyncio.to_thread(fresh)
         page = await asyncio.to_thread(index.list, flt, sort=sort, descending=order == "desc", limit=limit, offset=offset)
         return _json({**page, "index": state})
@@ -204,6 +206,8 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
             view["summary"] = await asyncio.to_thread(index.summary, trace_id)
         except (HTTPException, *INDEX_ERRORS):
             view["summary"] = None
+        if view["summary"] is not None:
+            await asyncio.to_thread(add_truth, view, collector, index)
         if tree:
             view["tree"] = found["root"]
             view["tree_depth_cap"] = found["depth_cap"]

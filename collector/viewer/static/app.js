@@ -116,6 +116,7 @@
   }
 
   const kit = { h, api, fmt, href, go, expKey, expParam }; // what groups.js draws with
+  const truthUi = window.tracecarTruth; // static/truth.js: drift, reward parts (issue 29)
 
   // ---- router ----------------------------------------------------------------------------
   function parseHash() {
@@ -255,7 +256,8 @@
         h("span", { class: "health-item", title: detail(sampling.dropped_by_reason), "data-testid": "health-step-sampling" },
           "sampling " + (sampling.mode || "—") + ": kept " + fmt.int(sampling.kept) + ", dropped " + fmt.int(sampling.dropped)),
         h("span", { class: "health-item", title: detail(st.trainer.filtered_by), "data-testid": "health-step-trainer" },
-          "trainer: " + fmt.int(st.trainer.trained) + " trained, " + fmt.int(st.trainer.dropped) + " dropped"));
+          "trainer: " + fmt.int(st.trainer.trained) + " trained, " + fmt.int(st.trainer.dropped) + " dropped"),
+        ...(truthUi ? truthUi.healthItems(kit, st) : []));
     }
     return { card, show };
   }
@@ -407,6 +409,7 @@
         [["", "any"], ["true", "trained"], ["false", "dropped by the trainer"]].map(([v, l]) => h("option", { value: v, selected: (params.trained || "") === v }, l)))),
       (facets.trainer || []).some((f) => f.filtered_by) ? h("label", null, "filtered by", h("select", { name: "filtered_by", "data-testid": "filter-filtered-by" }, h("option", { value: "" }, "any"),
         facets.trainer.filter((f) => f.filtered_by).map((f) => h("option", { value: f.filtered_by, selected: params.filtered_by === f.filtered_by }, f.filtered_by + " (" + fmt.int(f.trajectories) + ")")))) : null,
+      truthUi ? truthUi.listFilters(kit, params, facets) : null,
       h("label", null, "errors", h("select", { name: "has_error" },
         [["", "any"], ["true", "with errors"], ["false", "without"]].map(([v, l]) => h("option", { value: v, selected: (params.has_error || "") === v }, l)))),
       h("label", null, "sort", h("select", { name: "sort" }, Object.entries(SORTABLE).map(([v, l]) => h("option", { value: v, selected: sort === v }, l)))),
@@ -449,7 +452,8 @@
         h("td", { class: "num" }, fmt.dur(t.duration)),
         h("td", { class: "num" + (t.has_error ? " bad" : "") }, t.has_error ? "error" : ""),
         h("td", { class: "num", "data-testid": "reward" }, fmt.reward(t.reward)),
-        h("td", null, trainerBadge(t, null) || ""));
+        h("td", null, trainerBadge(t, null) || ""),
+        truthUi ? truthUi.listCells(kit, t, params) : null);
       tr.addEventListener("click", (e) => { if (!e.target.closest("a, input")) go("/t/" + encodeURIComponent(t.trace_id)); });
       return tr;
     });
@@ -469,7 +473,7 @@
         h("thead", null, h("tr", null, h("th", null, ""), h("th", null, "trajectory"), h("th", { class: "preview" }, "prompt → last response"), h("th", null, "experiment"), head("step", "step", "num"),
           h("th", { class: "num" }, "sample"), h("th", { class: "num" }, "rollout"), h("th", null, ""), h("th", null, "kept because"),
           head("turns", "turns", "num"), head("tools", "tools", "num"), head("tokens", "resp. tokens", "num"), head("duration", "duration", "num"),
-          h("th", null, ""), head("reward", "reward", "num"), head("advantage", "trainer"))),
+          h("th", null, ""), head("reward", "reward", "num"), head("advantage", "trainer"), truthUi ? truthUi.listHeads(kit, params) : null)),
         h("tbody", null, rows)));
   }
 
@@ -577,6 +581,7 @@
         h("span", { class: "muted" }, tokens), turn.stop_reason ? h("span", { class: "badge" }, "stop: " + turn.stop_reason) : null,
         turn.error ? h("span", { class: "badge bad" }, "error") : null),
       h("div", { class: "body" },
+        truthUi ? truthUi.turnDrift(kit, turn) : null,
         (turn.engine || []).map(engineLine),
         h("div", { class: "label" }, first ? "prompt" : "new context since the previous turn"),
         textBlock(first ? turn.prompt_text : turn.new_context, "", noText),
@@ -806,6 +811,7 @@
           kv([["duration", fmt.dur(t.duration)], ["turns", t.turn_count], ["tool calls", t.tool_calls + (t.tool_errors ? " (" + t.tool_errors + " failed)" : "")],
             ["response tokens", fmt.int(t.response_tokens)], ["spans", t.span_count], ["error", errorSaid(t)]]))),
       nav, why,
+      truthUi ? truthUi.rewardPanel(kit, t) : null,
       actions,
       h("h2", { class: "with-tools" }, "Conversation", foldAllButton()),
       t.before_first_turn.map(eventCard),

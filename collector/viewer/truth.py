@@ -1,0 +1,353 @@
+"""Training truth in the trajectory index: drift between turns, and why this reward.
+
+Two questions a trace backend does not answer (issue 29), kept beside the trajectory index
+(viewer/index.py) in tables of their own, filled while it catches up (never on the ingest
+path) from payloads it parses anyway:
+
+* **Drift, per turn.** Each LLM call whose ``inputs.prompt_ids`` the store holds (every wire
+  version stores the full list: prompt deltas are rebuilt at ingest) is compared with the
+  previous call of its trajectory: does its prompt start with that call's prompt + response?
+  ``turn_drift`` keeps one row per compared turn (where it parts, how many ids differ, the
+  ids on both sides of the cut, decoded on read); ``truth`` keeps per trajectory how many turns
+  were compared and how many drifted, for the list's filter and column and per-step health.
+  Cost: one C list compare per turn (a few µs per thousand ids); a drifting turn also pays
+  for locating the cut and counting (processors/drift.py). The previous turn's ids come from
+  a bounded in-memory map of recent turns, else one stored payload re-read.
+* **Why this reward.** The reward's components (VERL's ``reward_extra_info``: ``acc``,
+  ``format``, ``score``, ...) and the ground truth, from annotations (the trainer hook sends
+  them; a worker's ``annotate(traj, acc=1, format=0)`` too): ``reward_components`` keeps the
+  latest value of each component per trajectory, indexed by (key, value) for ``where=acc=0``.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import orjson
+
+from ..processors.drift import compare
+from ..shape import RESPONSE_ID_KEYS, dict_or_empty, int_list
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS truth (
+    trace_id TEXT PRIMARY KEY,
+    drift_checked INTEGER,  -- turns compared with the turn before them
+    drift_turns INTEGER,  -- of which did not extend it exactly
+    ground_truth TEXT
+);
+CREATE INDEX IF NOT EXISTS truth_drift ON truth(drift_turns);
+CREATE TABLE IF NOT EXISTS truth_turns (
+    span_id TEXT PRIMARY KEY,
+    trace_id TEXT NOT NULL,
+    start_time REAL,
+    seq INTEGER
+);
+CREATE INDEX IF NOT EXISTS truth_turns_trace ON truth_turns(trace_id, start_time);
+CREATE TABLE IF NOT EXISTS turn_drift (
+    span_id TEXT PRIMARY KEY,
+    trace_id TEXT NOT NULL,
+    prev_span_id TEXT,
+    extends INTEGER NOT NULL,
+    detail BLOB  -- processors.drift.Drift.as_dict(), JSON; NULL when it extends
+);
+CREATE INDEX IF NOT EXISTS turn_drift_trace ON turn_drift(trace_id);
+CREATE TABLE IF NOT EXISTS reward_components (
+    trace_id TEXT NOT NULL,
+    key TEXT NOT NULL,
+    value REAL,  -- numbers and booleans (true = 1)
+    text TEXT,  -- anything else, as text (shown, not filtered)
+    seq INTEGER,
+    PRIMARY KEY (trace_id, key)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS reward_components_kv ON reward_components(key, value);
+"""
+DROP = ("DROP TABLE IF EXISTS truth; DROP TABLE IF EXISTS truth_turns; DROP TABLE IF EXISTS turn_drift;"
+        " DROP TABLE IF EXISTS reward_components;")
+TABLES = ("truth", "truth_turns", "turn_drift", "reward_components")
+
+# annotation keys that are not reward components (what the trainer did, ids, the reward itself)
+RESERVED = frozenset({"reward", "advantage", "trained", "filtered_by", "policy_version", "trained_on_version",
+                      "reward_extra_info", "ground_truth", "data_source", "min_global_steps", "max_global_steps",
+                      "fate", "fate_reason", "refill_of", "staleness", "trainer_tokens"})
+MAX_COMPONENTS = 64  # per annotation: more are ignored (the panel is for reading, not a dump)
+MAX_TEXT = 200  # a component's text value, stored
+MAX_GROUND_TRUTH = 2000
+RECENT_IDS = 2_000_000  # ids of recent turns kept in memory, so the next turn's comparison reads no payload
+
+KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/-]{0,63}$")
+
+
+# ---- reward components ----------------------------------------------------------------------------
+def _plain(value: Any) -> tuple[float | None, str | None] | None:
+    """A component's (number, text); None for what is not one (nested objects and lists)."""
+    if type(value) is bool:
+        return float(value), None
+    if type(value) in (int, float):
+        number = float(value)
+        return (number, None) if number == number and abs(number) != float("inf") else (None, str(value))
+    if isinstance(value, str):
+        return None, value[:MAX_TEXT]
+    return None
+
+
+def annotation_notes(payload: bytes | None) -> tuple[dict[str, tuple[float | None, str | None]], str | None]:
+    """An annotation's reward components and ground truth (parsed only when it may carry some)."""
+    if not payload:
+        return {}, None
+    try:
+        attrs = dict_or_empty(dict_or_empty(orjson.loads(payload)).get("attributes"))
+    except orjson.JSONDecodeError:
+        return {}, None
+    components: dict[str, tuple[float | None, str | None]] = {}
+    extra = attrs.get("reward_extra_info")
+    sources: list[Iterable[tuple[Any, Any]]] = [extra.items()] if isinstance(extra, dict) else []
+    sources.append([(k, v) for k, v in attrs.items() if k not in RESERVED])
+    for items in sources:
+        for key, value in items:
+            if len(components) >= MAX_COMPONENTS:
+                break
+            if not isinstance(key, str) or not KEY.match(key) or key in components or key == "reward":
+                continue
+            plain = _plain(value)
+            if plain is not None:
+                components[key] = plain
+    truth = attrs.get("ground_truth")
+    if truth is not None and not isinstance(truth, str):
+        truth = orjson.dumps(truth, option=orjson.OPT_NON_STR_KEYS).decode() if isinstance(truth, (dict, list, int, float)) else str(truth)
+    return components, (truth[:MAX_GROUND_TRUTH] if isinstance(truth, str) else None)
+
+
+def note_annotations(conn: sqlite3.Connection, notes: Iterable[tuple[str, int, bytes | None]]) -> None:
+    """Folds annotations (trace_id, seq, payload) into the components: the latest seq of each key wins."""
+    rows: list[tuple[Any, ...]] = []
+    truths: list[tuple[str, str]] = []
+    for trace_id, seq, payload in notes:
+        components, ground_truth = annotation_notes(payload)
+        rows.extend((trace_id, key, number, text, seq) for key, (number, text) in components.items())
+        if ground_truth is not None:
+            truths.append((trace_id, ground_truth))
+    conn.executemany("INSERT INTO reward_components (trace_id, key, value, text, seq) VALUES (?,?,?,?,?)"
+                     " ON CONFLICT(trace_id, key) DO UPDATE SET value = excluded.value, text = excluded.text, seq = excluded.seq"
+                     " WHERE excluded.seq >= reward_components.seq", rows)
+    conn.executemany("INSERT INTO truth (trace_id, ground_truth) VALUES (?, ?)"
+                     " ON CONFLICT(trace_id) DO UPDATE SET ground_truth = excluded.ground_truth", truths)
+
+
+def components_of(conn: sqlite3.Connection, trace_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """Per trajectory, its components (number, else text)."""
+    out: dict[str, dict[str, Any]] = {}
+    for i in range(0, len(trace_ids), 500):
+        chunk = trace_ids[i:i + 500]
+        for trace_id, key, value, text in conn.execute(
+                f"SELECT trace_id, key, value, text FROM reward_components WHERE trace_id IN ({','.join('?' * len(chunk))})"
+                " ORDER BY trace_id, key", chunk):
+            out.setdefault(trace_id, {})[key] = value if value is not None else text
+    return out
+
+
+def component_keys(conn: sqlite3.Connection, limit: int = 32) -> list[dict[str, Any]]:
+    """The numeric components known (for the list's optional columns), most common first."""
+    return [{"key": k, "trajectories": n, "min": lo, "max": hi} for k, n, lo, hi in conn.execute(
+        "SELECT key, COUNT(*), MIN(value), MAX(value) FROM reward_components WHERE value IS NOT NULL"
+        " GROUP BY key ORDER BY COUNT(*) DESC, key LIMIT ?", (limit,))]
+
+
+# ---- drift ----------------------------------------------------------------------------------------
+def turn_ids(span: dict[str, Any]) -> tuple[list[int], list[int]] | None:
+    """(prompt ids, response ids) of an LLM call that sent its prompt's ids, else None."""
+    prompt = int_list(dict_or_empty(span.get("inputs")).get("prompt_ids"))
+    if prompt is None:
+        return None
+    output = dict_or_empty(span.get("output"))
+    response = next((ids for ids in (int_list(output.get(k)) for k in RESPONSE_ID_KEYS) if ids is not None), None)
+    return prompt, response or []
+
+
+class RecentTurns:
+    """Ids of recently indexed turns (span_id -> (prompt, response)), bounded by ``max_ids``."""
+
+    def __init__(self, max_ids: int = RECENT_IDS) -> None:
+        self.max_ids = max_ids
+        self._ids = 0
+        self._turns: OrderedDict[str, tuple[list[int], list[int]]] = OrderedDict()
+
+    def put(self, span_id: str, ids: tuple[list[int], list[int]]) -> None:
+        old = self._turns.pop(span_id, None)
+        if old is not None:
+            self._ids -= len(old[0]) + len(old[1])
+        self._turns[span_id] = ids
+        self._ids += len(ids[0]) + len(ids[1])
+        while self._ids > self.max_ids and self._turns:
+            _, gone = self._turns.popitem(last=False)
+            self._ids -= len(gone[0]) + len(gone[1])
+
+    def get(self, span_id: str) -> tuple[list[int], list[int]] | None:
+        return self._turns.get(span_id)
+
+    def clear(self) -> None:
+        self._turns.clear()
+        self._ids = 0
+
+
+def _stored_turn(conn: sqlite3.Connection, seq: int | None) -> tuple[list[int], list[int]] | None:
+    if seq is None:
+        return None
+    row = conn.execute("SELECT payload FROM spool.spans WHERE seq = ? AND state != 3", (seq,)).fetchone()
+    if row is None or not row[0]:
+        return None
+    try:
+        span = orjson.loads(row[0])
+    except orjson.JSONDecodeError:
+        return None
+    return turn_ids(span) if isinstance(span, dict) else None
+
+
+def note_turns(conn: sqlite3.Connection, turns: list[tuple[int, str, str, Any, tuple[list[int], list[int]]]],
+               recent: RecentTurns) -> None:
+    """Compares each new turn (seq, span_id, trace_id, start_time, ids) with the turn before it in its
+    trajectory, and the turn after it with it (a turn indexed late); runs in the index's transaction,
+    after the chunk's parents are recorded (an agent loop's aggregate output is not a turn)."""
+    if not turns:
+        return
+    for _, span_id, _, _, ids in turns:
+        recent.put(span_id, ids)
+    conn.executemany("INSERT OR REPLACE INTO truth_turns (span_id, trace_id, start_time, seq) VALUES (?,?,?,?)",
+                     [(span_id, trace_id, start, seq) for seq, span_id, trace_id, start, _ in turns])
+    new = {span_id for _, span_id, _, _, _ in turns}
+    traces = sorted({trace_id for _, _, trace_id, _, _ in turns})
+    rows = []
+    for trace_id in traces:
+        ordered = conn.execute(
+            "SELECT span_id, seq FROM truth_turns t WHERE trace_id = ?"
+            " AND NOT EXISTS (SELECT 1 FROM parents p WHERE p.parent_id = t.span_id)"
+            " ORDER BY start_time, seq", (trace_id,)).fetchall()
+        for (prev_id, prev_seq), (cur_id, cur_seq) in zip(ordered, ordered[1:]):
+            if prev_id not in new and cur_id not in new:
+                continue
+            prev = recent.get(prev_id) or _stored_turn(conn, prev_seq)
+            cur = recent.get(cur_id) or _stored_turn(conn, cur_seq)
+            if prev is None or cur is None:
+                continue
+            drift = compare(prev[0] + prev[1], cur[0])
+            rows.append((cur_id, trace_id, prev_id, int(drift.extends),
+                         None if drift.extends else orjson.dumps(drift.as_dict())))
+        # a turn that is now an aggregate (children came after it) is no longer compared
+        conn.execute("DELETE FROM turn_drift WHERE trace_id = ? AND (EXISTS (SELECT 1 FROM parents p WHERE p.parent_id = span_id)"
+                     " OR EXISTS (SELECT 1 FROM parents p WHERE p.parent_id = prev_span_id))", (trace_id,))
+    conn.executemany("INSERT OR REPLACE INTO turn_drift (span_id, trace_id, prev_span_id, extends, detail) VALUES (?,?,?,?,?)", rows)
+    conn.executemany(
+        "INSERT INTO truth (trace_id, drift_checked, drift_turns) SELECT ?, COUNT(*), COALESCE(SUM(extends = 0), 0)"
+        " FROM turn_drift WHERE trace_id = ? ON CONFLICT(trace_id) DO UPDATE SET drift_checked = excluded.drift_checked,"
+        " drift_turns = excluded.drift_turns", [(t, t) for t in traces])
+
+
+def drift_of(conn: sqlite3.Connection, trace_id: str) -> dict[str, dict[str, Any]]:
+    """Per compared turn (by span id): whether it extends the previous turn, and where it parts."""
+    out = {}
+    for span_id, prev, _extends, detail in conn.execute(
+            "SELECT span_id, prev_span_id, extends, detail FROM turn_drift WHERE trace_id = ?", (trace_id,)):
+        entry = orjson.loads(detail) if detail else {"extends": True}
+        entry["previous_span_id"] = prev
+        out[span_id] = entry
+    return out
+
+
+def truth_of(conn: sqlite3.Connection, trace_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """Per trajectory: drift counts and ground truth (the list's columns)."""
+    out: dict[str, dict[str, Any]] = {}
+    for i in range(0, len(trace_ids), 500):
+        chunk = trace_ids[i:i + 500]
+        for trace_id, checked, drifted, ground_truth in conn.execute(
+                f"SELECT trace_id, drift_checked, drift_turns, ground_truth FROM truth WHERE trace_id IN ({','.join('?' * len(chunk))})",
+                chunk):
+            out[trace_id] = {"drift_checked": checked, "drift_turns": drifted, "ground_truth": ground_truth}
+    return out
+
+
+def attach(conn: sqlite3.Connection, rows: list[dict[str, Any]], ground_truth: bool = False) -> None:
+    """Adds ``drift_turns``, ``drift_checked`` and ``reward_components`` (and ``ground_truth``) to
+    list rows (two queries a page)."""
+    ids = [r["trace_id"] for r in rows]
+    if not ids:
+        return
+    truths = truth_of(conn, ids)
+    components = components_of(conn, ids)
+    for row in rows:
+        found = truths.get(row["trace_id"], {})
+        row["drift_turns"] = found.get("drift_turns")
+        row["drift_checked"] = found.get("drift_checked")
+        row["reward_components"] = components.get(row["trace_id"], {})
+        if ground_truth:
+            row["ground_truth"] = found.get("ground_truth")
+
+
+# the export's truth columns (viewer/export.py): name, parquet kind
+TRUTH_COLUMNS = (("reward_components", "str"), ("ground_truth", "str"), ("drift_turns", "int"), ("drift_checked", "int"))
+
+
+def truth_fields(summary: dict[str, Any]) -> dict[str, Any]:
+    """An export record's truth: components as JSON text (as ``metrics``), ground truth, drift counts."""
+    parts = summary.get("reward_components")
+    return {"reward_components": orjson.dumps(parts).decode() if parts else "{}", "ground_truth": summary.get("ground_truth"),
+            "drift_turns": summary.get("drift_turns"), "drift_checked": summary.get("drift_checked")}
+
+
+def separation(rollouts: list[dict[str, Any]], top: int = 5) -> dict[str, Any] | None:
+    """Which reward component separates a group's best rollouts from its worst.
+
+    Best and worst are the rollouts with the group's highest and lowest reward; per numeric
+    component, the mean over each side and the gap, scored by the gap over the component's range
+    in the group (1: it alone tells them apart), so a 0/1 ``acc`` and a length penalty compare.
+    None when the group has no spread or no components.
+    """
+    scored = [r for r in rollouts if type(r.get("reward")) in (int, float)]
+    if len(scored) < 2:
+        return None
+    high, low = max(r["reward"] for r in scored), min(r["reward"] for r in scored)
+    if high == low:
+        return None
+    best = [r for r in scored if r["reward"] == high]
+    worst = [r for r in scored if r["reward"] == low]
+    keys = sorted({k for r in scored for k, v in (r.get("reward_components") or {}).items() if type(v) is float})
+    found = []
+    for key in keys:
+        values = [r["reward_components"].get(key) for r in scored]
+        numbers = [v for v in values if type(v) is float]
+        on_best = [v for r in best if type(v := (r.get("reward_components") or {}).get(key)) is float]
+        on_worst = [v for r in worst if type(v := (r.get("reward_components") or {}).get(key)) is float]
+        if not on_best or not on_worst:
+            continue
+        mean_best, mean_worst = sum(on_best) / len(on_best), sum(on_worst) / len(on_worst)
+        spread = max(numbers) - min(numbers)
+        gap = mean_best - mean_worst
+        if spread > 0 and gap != 0:
+            found.append({"key": key, "best": mean_best, "worst": mean_worst, "gap": gap, "score": abs(gap) / spread})
+    found.sort(key=lambda c: (-c["score"], -abs(c["gap"]), c["key"]))
+    return {"components": found[:top]} if found else None
+
+
+def step_truth(conn: sqlite3.Connection, where: str, params: list[Any]) -> dict[str, Any]:
+    """Per-step counts over a selection: multi-turn trajectories compared, how many drifted, their share."""
+    checked, drifted, turns, turns_drifted = conn.execute(
+        f"SELECT COUNT(*), COALESCE(SUM(t.drift_turns > 0), 0), COALESCE(SUM(t.drift_checked), 0), COALESCE(SUM(t.drift_turns), 0)"
+        f" FROM truth t WHERE t.drift_checked > 0 AND t.trace_id IN (SELECT trace_id FROM trajectories WHERE {where})",
+        params).fetchone()
+    return {"multi_turn": checked, "with_drift": drifted, "share": drifted / checked if checked else None,
+            "turns_compared": turns, "turns_drifted": turns_drifted}
+
+
+def decode_windows(drift: dict[str, Any], decode: Callable[[list[int]], str] | None) -> None:
+    """The decoded text on both sides of the cut (``before``, ``was``, ``now`` as text), when a tokenizer loads."""
+    if decode is None or drift.get("extends"):
+        return
+    for key in ("before", "was", "now"):
+        ids = drift.get(key)
+        if isinstance(ids, list):
+            try:
+                drift[key + "_text"] = decode(ids)
+            except Exception:  # noqa: BLE001 - ids the tokenizer refuses: shown as ids
+                drift[key + "_text"] = None
