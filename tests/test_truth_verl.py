@@ -146,8 +146,9 @@ def test_verl_reward_extra_info_and_drift_reach_the_api_and_the_wandb_run(verl_r
     assert {t["trace_id"] for t in get(col, "/v1/trajectories", drift="true")["trajectories"]} == {ids[2], ids[3]}
     assert get(col, "/v1/health", step=STEP)["step"]["drift"]["with_drift"] == 2
 
-    import wandb
     from pathlib import Path
+
+    import wandb
 
     assert log_health(STEP) is not None
     run_dir = Path(offline_wandb.dir).parent
