@@ -204,7 +204,7 @@ def cmd_trajectories(args: argparse.Namespace) -> None:
         "kept_because": args.kept_because, "worker": args.worker, "has_error": args.has_error,
         "reward_min": args.reward_min, "reward_max": args.reward_max, "sort": args.sort, "order": args.order,
         "limit": args.limit, "offset": args.offset, "trained": args.trained, "filtered_by": args.filtered_by,
-        "q": args.search, "drift": args.drift, "where": args.where,
+        "q": args.search, "drift": args.drift, "where": args.where, "fate": args.fate, "refill": args.refill,
     }.items() if v is not None}
     _show(args, _get(args, "/v1/trajectories", params), print_trajectories)
 

@@ -101,6 +101,17 @@ def step_truth_metrics(step: dict[str, Any] | None, prefix: str = PREFIX) -> dic
         out[prefix + "step/drift_trajectories"] = drift.get("with_drift", 0)
         out[prefix + "step/drift_share"] = drift.get("share") or 0.0
         out[prefix + "step/drift_turns"] = drift.get("turns_drifted", 0)
+    fates = step.get("fates") or {}
+    if fates:
+        for fate in ("trained", "filtered", "evicted", "not_reached"):
+            out[prefix + "step/fate/" + fate] = fates.get(fate, 0)
+        for reason, n in sorted((fates.get("evicted_by") or {}).items()):
+            out[prefix + "step/evicted/" + reason] = n
+        out[prefix + "step/refills"] = fates.get("refills", 0)
+        out[prefix + "step/multi_version"] = fates.get("multi_version", 0)
+        if fates.get("staleness_max") is not None:
+            out[prefix + "step/staleness_mean"] = fates["staleness_mean"]
+            out[prefix + "step/staleness_max"] = fates["staleness_max"]
     return out
 
 

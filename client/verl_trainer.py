@@ -15,6 +15,9 @@ ran, annotates every traced trajectory of the batch::
     reward_extra_info   the reward's components per sample (``meta_info["reward_extra_keys"]``: what
                         VERL's reward managers return beside the score, e.g. ``acc``, ``format``, ``pred``)
     ground_truth        ``non_tensor_batch["reward_model"][i]["ground_truth"]`` when the dataset has one
+    fate                "trained", or "filtered" (``fate_reason="loss_mask"``) when the mask left no token
+    min/max_global_steps  the policy versions that generated it (VERL v1 async ``extra_fields``)
+    refill_of           the evicted group's uid, when this sample's group replaces one (verl_fate.py)
 
 The link is the trajectory id the worker-side adapter (tracecar.client.verl) puts in each
 ``AgentLoopOutput.extra_fields["tracecar_trace_id"]``; VERL carries every extra field into the
@@ -37,6 +40,7 @@ import sys
 from typing import Any
 
 from . import tracer as _tracer
+from . import verl_fate
 from .tracing import annotate
 
 TRACE_KEY = "tracecar_trace_id"
@@ -117,6 +121,8 @@ def annotate_batch(data: Any, step: int | None = None) -> int:
         mask = mask.to(advantages.dtype) if hasattr(mask, "to") else mask.astype(advantages.dtype)
         totals, counts = _vector((advantages * mask).sum(-1)), _vector(mask.sum(-1))
     versions = non_tensor.get("min_global_steps")
+    last_versions = non_tensor.get("max_global_steps")
+    uids = non_tensor.get("uid")
     trace_ids = _vector(ids)
     extras = _reward_extras(data, non_tensor, len(trace_ids))
     truths = _ground_truths(non_tensor, len(trace_ids))
@@ -132,6 +138,16 @@ def annotate_batch(data: Any, step: int | None = None) -> int:
             more["reward_extra_info"] = extras[i]
         if truths[i] is not None:
             more["ground_truth"] = truths[i]
+        more["fate"] = "trained" if count > 0 else "filtered"
+        if count <= 0:
+            more["fate_reason"] = "loss_mask"
+        for key, column in (("min_global_steps", versions), ("max_global_steps", last_versions)):
+            value = _plain(column[i]) if column is not None else None
+            if type(value) is int:
+                more[key] = value
+        refill = verl_fate.refill_of(_plain(uids[i])) if uids is not None else None
+        if refill is not None:
+            more["refill_of"] = refill[0]
         annotate(trace_id, advantage=float(totals[i]) / count if count else None, trained=count > 0,
                  filtered_by=None if count > 0 else "loss_mask", trained_on_version=step if type(step) is int else None,
                  policy_version=version if type(version) is int else None, **more)
@@ -172,6 +188,7 @@ def hook_trainer(module: Any = None) -> bool:
     setattr(compute_advantage, _FLAG, True)
     compute_advantage.__tracecar_original__ = original  # type: ignore[attr-defined]
     module.compute_advantage = compute_advantage
+    verl_fate.hook_replay_buffer()  # v1 trainers: evictions and refills (a no-op where the v1 buffer is absent)
     return True
 
 

@@ -67,6 +67,8 @@ class TrajectoryFilter:
     # training truth (issue 29; truth_filter.py): only over the viewer index's trajectories
     drift: bool | None = None  # a turn whose prompt does not extend the previous turn's prompt + response
     reward_where: str | None = None  # reward components, e.g. "acc=0,format<1" (the query's where=)
+    fate: str | None = None  # trained, filtered, evicted, not_reached (truth_filter.FATES)
+    refill: bool | None = None  # a group that replaces an evicted one
 
     def active(self) -> set[str]:
         """The filters that constrain (blank text is no filter, except ``experiment``)."""
@@ -107,7 +109,7 @@ class TrajectoryFilter:
             if value is not None:
                 clauses.append(f"{name} = ?")
                 params.append(int(value))
-        truth, truth_params = truth_filter.where_clauses(self.drift, self.reward_where or None)
+        truth, truth_params = truth_filter.where_clauses(self.drift, self.reward_where or None, self.fate or None, self.refill)
         clauses.extend(truth)
         params.extend(truth_params)
         match = text_query.fts_query(self.q) if self.q else None
@@ -123,7 +125,7 @@ class TrajectoryFilter:
         call's marker may not carry ``validate``).
         """
         active = self.active()
-        if active & {"q", "drift", "reward_where"}:
+        if active & {"q", "drift", "reward_where", "fate", "refill"}:
             raise ValueError("q=, drift= and where= need the trajectory index; filter in SQL")
         for name in active:
             value = getattr(self, name)

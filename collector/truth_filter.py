@@ -38,10 +38,28 @@ def parse_where(text: str) -> list[tuple[str, str, float]]:
     return out
 
 
-def where_clauses(drift: bool | None, where: str | None) -> tuple[list[str], list[Any]]:
+FATES = ("trained", "filtered", "evicted", "not_reached")
+_NOTED = "trace_id IN (SELECT trace_id FROM truth WHERE fate = ?)"
+_EVICTED = "trace_id NOT IN (SELECT trace_id FROM truth WHERE fate = 'evicted')"
+FATE_CLAUSES = {  # as viewer/truth.py's fate_of decides it: evicted over trained over filtered
+    "evicted": ("trace_id IN (SELECT trace_id FROM truth WHERE fate = 'evicted')", []),
+    "trained": (f"(trained = 1 OR {_NOTED}) AND {_EVICTED}", ["trained"]),
+    "filtered": (f"(trained = 0 OR {_NOTED}) AND {_EVICTED}", ["filtered"]),
+    "not_reached": ("trained IS NULL AND trace_id NOT IN (SELECT trace_id FROM truth WHERE fate IS NOT NULL)", []),
+}
+
+
+def where_clauses(drift: bool | None, where: str | None, fate: str | None = None,
+                  refill: bool | None = None) -> tuple[list[str], list[Any]]:
     """SQL over the index's ``trajectories`` for the truth filters (trajectory_filter.py calls it)."""
     clauses: list[str] = []
     params: list[Any] = []
+    if fate:
+        clause, values = FATE_CLAUSES[fate]
+        clauses.append(clause)
+        params.extend(values)
+    if refill is not None:
+        clauses.append(("" if refill else "NOT ") + "trace_id IN (SELECT trace_id FROM truth WHERE refill_of IS NOT NULL)")
     if drift is True:
         clauses.append("trace_id IN (SELECT trace_id FROM truth WHERE drift_turns > 0)")
     elif drift is False:

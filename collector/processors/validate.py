@@ -128,6 +128,7 @@ def _described(value: Any) -> str:
 
 
 MAX_REWARD_COMPONENTS = 256
+FATES = ("trained", "filtered", "evicted")  # what became of a trajectory (issue 29); "never reached the trainer" is no note
 
 
 def _check_trainer_attributes(attrs: dict[str, Any]) -> None:
@@ -147,6 +148,18 @@ def _check_trainer_attributes(attrs: dict[str, Any]) -> None:
         value = attrs.get(key)
         if value is not None and (type(value) is not int or not _INT64[0] <= value <= _INT64[1]):
             raise ValueError(f"attributes.{key} must be a signed 64-bit integer, got {_described(value)}")
+    for key in ("min_global_steps", "max_global_steps", "evicted_at_step"):  # policy versions (VERL v1 async)
+        value = attrs.get(key)
+        if value is not None and (type(value) is not int or not _INT64[0] <= value <= _INT64[1]):
+            raise ValueError(f"attributes.{key} must be a signed 64-bit integer, got {_described(value)}")
+    fate = attrs.get("fate")
+    if fate is not None and fate not in FATES:
+        given = repr(fate[:32]) if isinstance(fate, str) else _described(fate)
+        raise ValueError(f"attributes.fate must be one of {', '.join(FATES)}, got {given}")
+    for key in ("fate_reason", "refill_of"):
+        value = attrs.get(key)
+        if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 256):
+            raise ValueError(f"attributes.{key} must be a string of 1 to 256 characters")
     extra = attrs.get("reward_extra_info")  # the reward's components (VERL's reward_extra_info; issue 29)
     if extra is not None and (not isinstance(extra, dict) or len(extra) > MAX_REWARD_COMPONENTS):
         raise ValueError(f"attributes.reward_extra_info must be an object of at most {MAX_REWARD_COMPONENTS} components,"

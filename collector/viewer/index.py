@@ -582,9 +582,10 @@ class TrajectoryIndex:
             filtered = dict(conn.execute(f"SELECT filtered_by, COUNT(*) FROM trajectories WHERE {where}"
                                          " AND filtered_by IS NOT NULL GROUP BY filtered_by", params).fetchall())
             drift = truth.step_truth(conn, where, params)
+            fates = truth.step_fates(conn, where, params)
         return {"trajectories": n, "spans": spans, "with_error": errors, "scored": scored, "kept_by_rule": kept,
                 "trainer": {"trained": trained, "dropped": dropped, "filtered_by": filtered},
-                "drift": drift}
+                "drift": drift, "fates": fates}
 
     def summary(self, trace_id: str) -> dict[str, Any] | None:
         with self._lock:

@@ -189,7 +189,7 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
         flt = ListFilter(experiment, step, step_min, step_max, sample_index_filter(sample_index), rollout_n, validate, kept_because or None,
                          reward_min, reward_max, has_error, worker, trained, filtered_by or None)
         flt.q = q or None
-        flt.drift, flt.reward_where = truth["drift"], truth["reward_where"]
+        flt.drift, flt.reward_where, flt.fate, flt.refill = truth["drift"], truth["reward_where"], truth["fate"], truth["refill"]
         state = await asyncio.to_thread(fresh)
         page = await asyncio.to_thread(index.list, flt, sort=sort, descending=order == "desc", limit=limit, offset=offset)
         return _json({**page, "index": state})

@@ -37,9 +37,17 @@ CREATE TABLE IF NOT EXISTS truth (
     trace_id TEXT PRIMARY KEY,
     drift_checked INTEGER,  -- turns compared with the turn before them
     drift_turns INTEGER,  -- of which did not extend it exactly
-    ground_truth TEXT
+    ground_truth TEXT,
+    fate TEXT,  -- the latest note: trained, filtered, evicted (none: never reached the trainer, or no hook)
+    fate_reason TEXT,  -- filtered / evicted by what: dynamic_sampling, stale, filter, failure, ...
+    refill_of TEXT,  -- the evicted group this one replaces
+    min_global_steps INTEGER,  -- the policy versions that generated it (VERL v1 async extra_fields)
+    max_global_steps INTEGER,
+    evicted_at_step INTEGER
 );
 CREATE INDEX IF NOT EXISTS truth_drift ON truth(drift_turns);
+CREATE INDEX IF NOT EXISTS truth_fate ON truth(fate);
+CREATE INDEX IF NOT EXISTS truth_refill ON truth(refill_of) WHERE refill_of IS NOT NULL;
 CREATE TABLE IF NOT EXISTS truth_turns (
     span_id TEXT PRIMARY KEY,
     trace_id TEXT NOT NULL,
@@ -94,14 +102,34 @@ def _plain(value: Any) -> tuple[float | None, str | None] | None:
     return None
 
 
+FATE_KEYS = ("fate", "fate_reason", "refill_of", "min_global_steps", "max_global_steps", "evicted_at_step")
+_FATE_TYPES = {"fate": str, "fate_reason": str, "refill_of": str, "min_global_steps": int, "max_global_steps": int,
+               "evicted_at_step": int}
+
+
+def fate_notes(attrs: dict[str, Any]) -> dict[str, Any]:
+    """What an annotation says became of the trajectory (validated at ingest: types only checked here)."""
+    return {k: attrs[k] for k in FATE_KEYS if type(attrs.get(k)) is _FATE_TYPES[k]}
+
+
 def annotation_notes(payload: bytes | None) -> tuple[dict[str, tuple[float | None, str | None]], str | None]:
     """An annotation's reward components and ground truth (parsed only when it may carry some)."""
+    attrs = _attributes(payload)
+    if not attrs:
+        return {}, None
+    return _components(attrs), _ground_truth(attrs)
+
+
+def _attributes(payload: bytes | None) -> dict[str, Any]:
     if not payload:
-        return {}, None
+        return {}
     try:
-        attrs = dict_or_empty(dict_or_empty(orjson.loads(payload)).get("attributes"))
+        return dict_or_empty(dict_or_empty(orjson.loads(payload)).get("attributes"))
     except orjson.JSONDecodeError:
-        return {}, None
+        return {}
+
+
+def _components(attrs: dict[str, Any]) -> dict[str, tuple[float | None, str | None]]:
     components: dict[str, tuple[float | None, str | None]] = {}
     extra = attrs.get("reward_extra_info")
     sources: list[Iterable[tuple[Any, Any]]] = [extra.items()] if isinstance(extra, dict) else []
@@ -115,26 +143,41 @@ def annotation_notes(payload: bytes | None) -> tuple[dict[str, tuple[float | Non
             plain = _plain(value)
             if plain is not None:
                 components[key] = plain
+    return components
+
+
+def _ground_truth(attrs: dict[str, Any]) -> str | None:
     truth = attrs.get("ground_truth")
     if truth is not None and not isinstance(truth, str):
         truth = orjson.dumps(truth, option=orjson.OPT_NON_STR_KEYS).decode() if isinstance(truth, (dict, list, int, float)) else str(truth)
-    return components, (truth[:MAX_GROUND_TRUTH] if isinstance(truth, str) else None)
+    return truth[:MAX_GROUND_TRUTH] if isinstance(truth, str) else None
 
 
 def note_annotations(conn: sqlite3.Connection, notes: Iterable[tuple[str, int, bytes | None]]) -> None:
     """Folds annotations (trace_id, seq, payload) into the components: the latest seq of each key wins."""
     rows: list[tuple[Any, ...]] = []
     truths: list[tuple[str, str]] = []
+    fates: list[tuple[Any, ...]] = []
     for trace_id, seq, payload in notes:
-        components, ground_truth = annotation_notes(payload)
-        rows.extend((trace_id, key, number, text, seq) for key, (number, text) in components.items())
+        attrs = _attributes(payload)
+        if not attrs:
+            continue
+        rows.extend((trace_id, key, number, text, seq) for key, (number, text) in _components(attrs).items())
+        ground_truth = _ground_truth(attrs)
         if ground_truth is not None:
             truths.append((trace_id, ground_truth))
+        fate = fate_notes(attrs)
+        if fate:
+            fates.append((trace_id, *(fate.get(k) for k in FATE_KEYS)))
     conn.executemany("INSERT INTO reward_components (trace_id, key, value, text, seq) VALUES (?,?,?,?,?)"
                      " ON CONFLICT(trace_id, key) DO UPDATE SET value = excluded.value, text = excluded.text, seq = excluded.seq"
                      " WHERE excluded.seq >= reward_components.seq", rows)
     conn.executemany("INSERT INTO truth (trace_id, ground_truth) VALUES (?, ?)"
                      " ON CONFLICT(trace_id) DO UPDATE SET ground_truth = excluded.ground_truth", truths)
+    # notes come in seq order: a later value of each key wins, an absent one keeps the earlier
+    conn.executemany(f"INSERT INTO truth (trace_id, {', '.join(FATE_KEYS)}) VALUES (?{', ?' * len(FATE_KEYS)})"
+                     " ON CONFLICT(trace_id) DO UPDATE SET "
+                     + ", ".join(f"{k} = COALESCE(excluded.{k}, {k})" for k in FATE_KEYS), fates)
 
 
 def components_of(conn: sqlite3.Connection, trace_ids: list[str]) -> dict[str, dict[str, Any]]:
@@ -261,10 +304,10 @@ def truth_of(conn: sqlite3.Connection, trace_ids: list[str]) -> dict[str, dict[s
     out: dict[str, dict[str, Any]] = {}
     for i in range(0, len(trace_ids), 500):
         chunk = trace_ids[i:i + 500]
-        for trace_id, checked, drifted, ground_truth in conn.execute(
-                f"SELECT trace_id, drift_checked, drift_turns, ground_truth FROM truth WHERE trace_id IN ({','.join('?' * len(chunk))})",
-                chunk):
-            out[trace_id] = {"drift_checked": checked, "drift_turns": drifted, "ground_truth": ground_truth}
+        for trace_id, checked, drifted, ground_truth, *fate in conn.execute(
+                f"SELECT trace_id, drift_checked, drift_turns, ground_truth, {', '.join(FATE_KEYS)} FROM truth"
+                f" WHERE trace_id IN ({','.join('?' * len(chunk))})", chunk):
+            out[trace_id] = {"drift_checked": checked, "drift_turns": drifted, "ground_truth": ground_truth, **dict(zip(FATE_KEYS, fate))}
     return out
 
 
@@ -283,17 +326,43 @@ def attach(conn: sqlite3.Connection, rows: list[dict[str, Any]], ground_truth: b
         row["reward_components"] = components.get(row["trace_id"], {})
         if ground_truth:
             row["ground_truth"] = found.get("ground_truth")
+        row.update(fate_of(row, found))
+
+
+def fate_of(row: dict[str, Any], found: dict[str, Any]) -> dict[str, Any]:
+    """A trajectory's fate from the trainer's notes: evicted (by the replay buffer) over trained over
+    filtered; "not_reached" when nothing says the trainer saw it. Its policy versions and staleness."""
+    note = found.get("fate")
+    if note == "evicted":
+        fate = "evicted"
+    elif row.get("trained") is True or row.get("trained") == 1 or note == "trained":
+        fate = "trained"
+    elif row.get("trained") is False or row.get("trained") == 0 or note == "filtered":
+        fate = "filtered"
+    else:
+        fate = "not_reached"
+    low = found.get("min_global_steps")
+    low = low if low is not None else row.get("policy_version")
+    high = found.get("max_global_steps")
+    trained_at = row.get("trained_on_version")
+    return {"fate": fate, "fate_reason": found.get("fate_reason") or (row.get("filtered_by") if fate == "filtered" else None),
+            "refill_of": found.get("refill_of"), "min_global_steps": low, "max_global_steps": high if high is not None else low,
+            "evicted_at_step": found.get("evicted_at_step"),
+            "staleness": trained_at - low if fate == "trained" and trained_at is not None and low is not None else None}
 
 
 # the export's truth columns (viewer/export.py): name, parquet kind
-TRUTH_COLUMNS = (("reward_components", "str"), ("ground_truth", "str"), ("drift_turns", "int"), ("drift_checked", "int"))
+TRUTH_COLUMNS = (("reward_components", "str"), ("ground_truth", "str"), ("drift_turns", "int"), ("drift_checked", "int"),
+                 ("fate", "str"), ("fate_reason", "str"), ("refill_of", "str"), ("min_global_steps", "int"),
+                 ("max_global_steps", "int"), ("staleness", "int"))
 
 
 def truth_fields(summary: dict[str, Any]) -> dict[str, Any]:
     """An export record's truth: components as JSON text (as ``metrics``), ground truth, drift counts."""
     parts = summary.get("reward_components")
-    return {"reward_components": orjson.dumps(parts).decode() if parts else "{}", "ground_truth": summary.get("ground_truth"),
-            "drift_turns": summary.get("drift_turns"), "drift_checked": summary.get("drift_checked")}
+    out: dict[str, Any] = {"reward_components": orjson.dumps(parts).decode() if parts else "{}"}
+    out.update({name: summary.get(name) for name, _ in TRUTH_COLUMNS[1:]})
+    return out
 
 
 def separation(rollouts: list[dict[str, Any]], top: int = 5) -> dict[str, Any] | None:
@@ -336,8 +405,38 @@ def step_truth(conn: sqlite3.Connection, where: str, params: list[Any]) -> dict[
         f"SELECT COUNT(*), COALESCE(SUM(t.drift_turns > 0), 0), COALESCE(SUM(t.drift_checked), 0), COALESCE(SUM(t.drift_turns), 0)"
         f" FROM truth t WHERE t.drift_checked > 0 AND t.trace_id IN (SELECT trace_id FROM trajectories WHERE {where})",
         params).fetchone()
-    return {"multi_turn": checked, "with_drift": drifted, "share": drifted / checked if checked else None,
-            "turns_compared": turns, "turns_drifted": turns_drifted}
+    drift = {"multi_turn": checked, "with_drift": drifted, "share": drifted / checked if checked else None,
+             "turns_compared": turns, "turns_drifted": turns_drifted}
+    return drift
+
+
+FATE_SQL = ("CASE WHEN x.fate = 'evicted' THEN 'evicted' WHEN t.trained = 1 OR x.fate = 'trained' THEN 'trained'"
+            " WHEN t.trained = 0 OR x.fate = 'filtered' THEN 'filtered' ELSE 'not_reached' END")
+
+
+def step_fates(conn: sqlite3.Connection, where: str, params: list[Any]) -> dict[str, Any]:
+    """Per-step fates: trained / filtered / evicted / never reached, evicted by reason, refills, staleness."""
+    fates = dict.fromkeys(("trained", "filtered", "evicted", "not_reached"), 0)
+    reasons: dict[str, int] = {}
+    refills = 0
+    stale: list[int] = []
+    spans: list[int] = []
+    for fate, reason, refill, low, high, policy, trained_at in conn.execute(
+            f"SELECT {FATE_SQL}, x.fate_reason, x.refill_of, x.min_global_steps, x.max_global_steps, t.policy_version,"
+            f" t.trained_on_version FROM (SELECT trace_id, trained, policy_version, trained_on_version FROM trajectories"
+            f" WHERE {where}) t LEFT JOIN truth x ON x.trace_id = t.trace_id", params):
+        fates[fate] += 1
+        if fate == "evicted":
+            reasons[reason or "unknown"] = reasons.get(reason or "unknown", 0) + 1
+        refills += refill is not None
+        low = low if low is not None else policy
+        if fate == "trained" and trained_at is not None and low is not None:
+            stale.append(trained_at - low)
+        if low is not None and high is not None:
+            spans.append(high - low + 1)
+    return {**fates, "evicted_by": reasons, "refills": refills,
+            "staleness_mean": sum(stale) / len(stale) if stale else None, "staleness_max": max(stale) if stale else None,
+            "multi_version": sum(1 for s in spans if s > 1)}
 
 
 def decode_windows(drift: dict[str, Any], decode: Callable[[list[int]], str] | None) -> None:

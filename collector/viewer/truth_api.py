@@ -21,23 +21,26 @@ import orjson
 from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.responses import Response
 
-from ..truth_filter import parse_where
+from ..truth_filter import FATES, parse_where
 from . import StoreOwner
 from .index import TrajectoryIndex
 from .list_api import INDEX_ERRORS, caught_up
 from .truth import decode_windows
 
 WHERE_MAX_CHARS = 1024
+FATE_PATTERN = "^(|" + "|".join(FATES) + ")$"
 
 
-def truth_filters(drift: bool | None = None, where: str | None = Query(None, max_length=WHERE_MAX_CHARS)) -> dict[str, Any]:
+def truth_filters(drift: bool | None = None, where: str | None = Query(None, max_length=WHERE_MAX_CHARS),
+                  fate: str | None = Query(None, pattern=FATE_PATTERN), refill: bool | None = None) -> dict[str, Any]:
     """The truth filters of a list request, checked (a bad ``where`` names itself in a 422)."""
     if where is not None and where.strip():
         try:
             parse_where(where)
         except ValueError as exc:
             raise HTTPException(422, detail={"field": "where", "reason": str(exc)}) from None
-    return {"drift": drift, "reward_where": where.strip() if where and where.strip() else None}
+    return {"drift": drift, "reward_where": where.strip() if where and where.strip() else None, "fate": fate or None,
+            "refill": refill}
 
 
 TruthFilters = Annotated[dict[str, Any], Depends(truth_filters)]

@@ -811,7 +811,7 @@
           kv([["duration", fmt.dur(t.duration)], ["turns", t.turn_count], ["tool calls", t.tool_calls + (t.tool_errors ? " (" + t.tool_errors + " failed)" : "")],
             ["response tokens", fmt.int(t.response_tokens)], ["spans", t.span_count], ["error", errorSaid(t)]]))),
       nav, why,
-      truthUi ? truthUi.rewardPanel(kit, t) : null,
+      truthUi ? [truthUi.fateLine(kit, t), truthUi.rewardPanel(kit, t)] : null,
       actions,
       h("h2", { class: "with-tools" }, "Conversation", foldAllButton()),
       t.before_first_turn.map(eventCard),

@@ -46,7 +46,7 @@ window.tracecarGroups = (() => {
         stat("min–max", fmt.reward(g.min) + " – " + fmt.reward(g.max)), stat("spread", fmt.reward(g.spread)),
         ids.length > 1 ? h("a", { class: "button", href: href("/compare", { ids: ids.join(",") }) }, "Compare all " + ids.length) : null),
       g.prompt_preview ? h("details", { class: "prompt" }, h("summary", { class: "muted" }, "prompt"), h("pre", { class: "text" }, g.prompt_preview)) : null,
-      window.tracecarTruth ? window.tracecarTruth.groupSeparation(kit, g) : null,
+      window.tracecarTruth ? [window.tracecarTruth.groupSeparation(kit, g), window.tracecarTruth.groupFates(kit, g)] : null,
       h("table", null,
         h("thead", null, h("tr", null, ["rank", "rollout", "reward", "advantage", "turns", "tools", "", "turns vs best", ""].map((c, i) =>
           h("th", { class: i <= 5 ? "num" : "" }, c)))),

@@ -55,6 +55,11 @@ window.tracecarTruth = (() => {
       h("label", null, "reward parts", h("input", { type: "text", name: "where", maxlength: "1024", value: params.where || "", "data-testid": "filter-where",
         placeholder: keys.length ? keys.slice(0, 2).map((k, i) => k + (i ? "<1" : "=0")).join(",") : "acc=0,format<1",
         title: "reward components: KEY OP NUMBER, comma-separated (OP: = != < <= > >=)" + (keys.length ? "; known: " + keys.join(", ") : "") })),
+      h("label", null, "fate", h("select", { name: "fate", "data-testid": "filter-fate" },
+        [["", "any"], ["trained", "trained"], ["filtered", "filtered by the trainer"], ["evicted", "evicted"], ["not_reached", "never reached the trainer"]]
+          .map(([v, l]) => h("option", { value: v, selected: (params.fate || "") === v }, l)))),
+      h("label", null, "refill", h("select", { name: "refill", "data-testid": "filter-refill" },
+        [["", "any"], ["true", "refills of evicted groups"], ["false", "not refills"]].map(([v, l]) => h("option", { value: v, selected: (params.refill || "") === v }, l)))),
       keys.length ? h("label", null, "columns", h("input", { type: "text", name: "cols", value: params.cols || "", "data-testid": "filter-cols",
         placeholder: keys.slice(0, 3).join(","), title: "reward components to show as columns; known: " + keys.join(", ") })) : null,
     ];
@@ -64,7 +69,7 @@ window.tracecarTruth = (() => {
 
   function listHeads(kit, params) {
     const { h } = kit;
-    return [h("th", null, "drift"), ...columns(params).map((c) => h("th", { class: "num", "data-testid": "component-head" }, c))];
+    return [h("th", null, "drift"), h("th", null, "fate"), ...columns(params).map((c) => h("th", { class: "num", "data-testid": "component-head" }, c))];
   }
 
   function listCells(kit, t, params) {
@@ -74,7 +79,8 @@ window.tracecarTruth = (() => {
         "drift " + t.drift_turns + "/" + t.drift_checked)
       : "";
     const parts = t.reward_components || {};
-    return [h("td", null, drift), ...columns(params).map((c) => h("td", { class: "num mono", "data-testid": "component-cell", "data-key": c },
+    const fate = t.fate === "evicted" || t.fate === "not_reached" || t.refill_of ? [fateBadge(kit, t), t.refill_of ? h("span", { class: "badge rule", "data-testid": "refill" }, "refill") : null] : "";
+    return [h("td", null, drift), h("td", null, fate), ...columns(params).map((c) => h("td", { class: "num mono", "data-testid": "component-cell", "data-key": c },
       parts[c] === undefined ? "—" : fmt.value(parts[c])))];
   }
 
@@ -82,8 +88,13 @@ window.tracecarTruth = (() => {
   function healthItems(kit, st) {
     const { h, fmt } = kit;
     const d = st && st.drift;
-    if (!d || !d.multi_turn) return [];
-    return [h("span", { class: "health-item" + (d.with_drift ? " bad" : ""), "data-testid": "health-step-drift",
+    const f = st && st.fates;
+    const fates = f && (f.evicted || f.refills || f.trained || f.filtered) ? [h("span", { class: "health-item" + (f.evicted ? " warn" : ""), "data-testid": "health-step-fates",
+      title: "evicted by: " + Object.entries(f.evicted_by || {}).map(([k, v]) => k + " " + v).join(", ") }, "fate: " + fmt.int(f.trained) + " trained, " + fmt.int(f.filtered) + " filtered, " +
+      fmt.int(f.evicted) + " evicted, " + fmt.int(f.not_reached) + " never reached the trainer, " + fmt.int(f.refills) + " refills" +
+      (f.staleness_max !== null && f.staleness_max !== undefined ? "; staleness max " + f.staleness_max : ""))] : [];
+    if (!d || !d.multi_turn) return fates;
+    return [...fates, h("span", { class: "health-item" + (d.with_drift ? " bad" : ""), "data-testid": "health-step-drift",
       title: fmt.int(d.turns_drifted) + " of " + fmt.int(d.turns_compared) + " turns compared did not extend the turn before" },
       fmt.int(d.with_drift) + " of " + fmt.int(d.multi_turn) + " multi-turn drifted (" + (100 * (d.share || 0)).toFixed(1) + "%)")];
   }
@@ -98,5 +109,47 @@ window.tracecarTruth = (() => {
       "separates best from worst: ", h("strong", null, top.key), " (" + fmt.value(top.best) + " vs " + fmt.value(top.worst) + ")");
   }
 
-  return { turnDrift, rewardPanel, listFilters, listHeads, listCells, healthItems, groupSeparation };
+  // what became of it: trained / filtered / evicted (why) / never reached the trainer; policy versions; refill
+  const FATE = { trained: "trained", filtered: "filtered by the trainer", evicted: "evicted from the replay buffer", not_reached: "never reached the trainer" };
+
+  function versions(s) {
+    if (s.min_global_steps === null || s.min_global_steps === undefined) return null;
+    const span = s.max_global_steps !== null && s.max_global_steps !== undefined && s.max_global_steps !== s.min_global_steps;
+    return "policy v" + s.min_global_steps + (span ? "–v" + s.max_global_steps + " (" + (s.max_global_steps - s.min_global_steps + 1) + " versions)" : "");
+  }
+
+  function fateBadge(kit, s) {
+    const { h } = kit;
+    if (!s || !s.fate) return null;
+    const cls = s.fate === "trained" ? "badge good" : s.fate === "not_reached" ? "badge" : "badge bad";
+    return h("span", { class: cls, "data-testid": "fate", "data-fate": s.fate },
+      FATE[s.fate] + (s.fate_reason && s.fate !== "trained" ? ": " + s.fate_reason : ""));
+  }
+
+  function fateLine(kit, t) {
+    const { h } = kit;
+    const s = t.summary;
+    if (!s || !s.fate) return null;
+    const bits = [versions(s), s.staleness !== null && s.staleness !== undefined ? "staleness " + s.staleness + " when trained" : null,
+      s.evicted_at_step !== null && s.evicted_at_step !== undefined ? "evicted at step " + s.evicted_at_step : null].filter(Boolean);
+    return h("div", { class: "fate-line", "data-testid": "fate-line" }, h("strong", null, "Fate: "), fateBadge(kit, s),
+      bits.length ? h("span", { class: "muted", "data-testid": "fate-versions" }, " " + bits.join(" · ")) : null,
+      s.refill_of ? h("span", { class: "badge rule", "data-testid": "refill", title: "this group replaces a group the replay buffer evicted" }, "refill of evicted group " + s.refill_of) : null);
+  }
+
+  function groupFates(kit, g) {
+    const { h } = kit;
+    const counts = {};
+    for (const r of g.rollouts || []) if (r.fate) counts[r.fate] = (counts[r.fate] || 0) + 1;
+    const refill = (g.rollouts || []).find((r) => r.refill_of);
+    const reasons = [...new Set((g.rollouts || []).filter((r) => r.fate === "evicted" && r.fate_reason).map((r) => r.fate_reason))];
+    const spans = (g.rollouts || []).filter((r) => r.min_global_steps !== null && r.min_global_steps !== undefined);
+    if (!Object.keys(counts).length) return null;
+    return h("div", { class: "muted", "data-testid": "group-fates" }, "fate: " + Object.entries(counts).map(([f, n]) => n + " " + FATE[f]).join(", ") +
+      (reasons.length ? " (" + reasons.join(", ") + ")" : "") +
+      (spans.length ? " · policy v" + Math.min(...spans.map((r) => r.min_global_steps)) + "–v" + Math.max(...spans.map((r) => r.max_global_steps ?? r.min_global_steps)) : ""),
+      refill ? h("span", { class: "badge rule", "data-testid": "group-refill" }, " refill of evicted group " + refill.refill_of) : null);
+  }
+
+  return { turnDrift, rewardPanel, listFilters, listHeads, listCells, healthItems, groupSeparation, fateLine, fateBadge, groupFates };
 })();
