@@ -205,6 +205,7 @@ def cmd_trajectories(args: argparse.Namespace) -> None:
         "reward_min": args.reward_min, "reward_max": args.reward_max, "sort": args.sort, "order": args.order,
         "limit": args.limit, "offset": args.offset, "trained": args.trained, "filtered_by": args.filtered_by,
         "q": args.search, "drift": args.drift, "where": args.where, "fate": args.fate, "refill": args.refill,
+        "trained_other": args.trained_other, "lp_delta_min": args.lp_delta_min,
     }.items() if v is not None}
     _show(args, _get(args, "/v1/trajectories", params), print_trajectories)
 

@@ -101,6 +101,14 @@ def step_truth_metrics(step: dict[str, Any] | None, prefix: str = PREFIX) -> dic
         out[prefix + "step/drift_trajectories"] = drift.get("with_drift", 0)
         out[prefix + "step/drift_share"] = drift.get("share") or 0.0
         out[prefix + "step/drift_turns"] = drift.get("turns_drifted", 0)
+    trainer = step.get("trainer_vs_rollout") or {}
+    if trainer.get("compared"):
+        out[prefix + "step/trainer_compared"] = trainer["compared"]
+        out[prefix + "step/token_mismatch"] = trainer.get("with_token_mismatch", 0)
+        out[prefix + "step/token_mismatch_share"] = trainer.get("mismatch_share") or 0.0
+        for key in ("mean", "p99", "max"):
+            if trainer.get("logprob_diff_" + key) is not None:
+                out[prefix + "step/logprob_diff_" + key] = trainer["logprob_diff_" + key]
     fates = step.get("fates") or {}
     if fates:
         for fate in ("trained", "filtered", "evicted", "not_reached"):

@@ -45,8 +45,10 @@ _refilling = threading.local()
 
 def refill_of(uid: Any) -> tuple[str, str] | None:
     """(evicted group uid, reason) when ``uid`` is a group submitted to replace an evicted one."""
+    if not _refills or uid is None:  # no refill noted (the common case): no lock, no string
+        return None
     with _lock:
-        return _refills.get(str(uid)) if uid is not None else None
+        return _refills.get(str(uid))
 
 
 def _extra_fields(value: Any) -> dict[str, Any]:

@@ -36,11 +36,12 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 import sys
 from typing import Any
 
 from . import tracer as _tracer
-from . import verl_fate
+from . import verl_fate, verl_tokens
 from .tracing import annotate
 
 TRACE_KEY = "tracecar_trace_id"
@@ -104,7 +105,7 @@ def _ground_truths(non_tensor: Any, n: int) -> list[Any]:
     return out
 
 
-def annotate_batch(data: Any, step: int | None = None) -> int:
+def annotate_batch(data: Any, step: int | None = None, trainer_tokens: bool | str = False) -> int:
     """Annotates each traced trajectory of a batch after ``compute_advantage``; returns how many."""
     non_tensor = getattr(data, "non_tensor_batch", None) or {}
     ids = non_tensor.get(TRACE_KEY)
@@ -127,6 +128,7 @@ def annotate_batch(data: Any, step: int | None = None) -> int:
     extras = _reward_extras(data, non_tensor, len(trace_ids))
     truths = _ground_truths(non_tensor, len(trace_ids))
     done = 0
+    kept: list[tuple[int, str]] = []
     for i, trace_id in enumerate(trace_ids):
         trace_id = _plain(trace_id)
         if not isinstance(trace_id, str) or not trace_id:
@@ -151,12 +153,25 @@ def annotate_batch(data: Any, step: int | None = None) -> int:
         annotate(trace_id, advantage=float(totals[i]) / count if count else None, trained=count > 0,
                  filtered_by=None if count > 0 else "loss_mask", trained_on_version=step if type(step) is int else None,
                  policy_version=version if type(version) is int else None, **more)
+        if count > 0:
+            kept.append((i, trace_id))
         done += 1
+    if trainer_tokens:
+        verl_tokens.submit(batch, kept, background=trainer_tokens != "sync")
     return done
 
 
-def hook_trainer(module: Any = None) -> bool:
+def _tokens_mode() -> bool | str:
+    value = os.environ.get("TRACECAR_VERL_TRAINER_TOKENS", "1").strip().lower()
+    return "sync" if value == "sync" else value not in ("0", "false", "no", "off")
+
+
+def hook_trainer(module: Any = None, trainer_tokens: bool | str | None = None) -> bool:
     """Wraps ``ray_trainer.compute_advantage`` (idempotent); False when VERL's trainer is not importable.
+
+    ``trainer_tokens`` (default ``TRACECAR_VERL_TRAINER_TOKENS``, on): also send each kept
+    trajectory's row of the batch (ids, mask, old_log_probs; tracecar.client.verl_tokens) from a
+    background thread; ``"sync"`` inline; False not at all.
 
     At its first call the wrapper configures the tracecar client from the environment
     (``TRACECAR_URL``) if this process has none yet: the trainer is not an agent-loop worker.
@@ -172,6 +187,7 @@ def hook_trainer(module: Any = None) -> bool:
     if getattr(original, _FLAG, False):
         return True
     configured = [False]
+    tokens = _tokens_mode() if trainer_tokens is None else trainer_tokens
 
     @functools.wraps(original)
     def compute_advantage(data: Any, *args: Any, **kwargs: Any) -> Any:
@@ -180,7 +196,7 @@ def hook_trainer(module: Any = None) -> bool:
             if _tracer.active is None and not configured[0]:  # first call: this process's client, from the env
                 configured[0] = True
                 _tracer.configure()
-            annotate_batch(result if result is not None else data, _caller_step())
+            annotate_batch(result if result is not None else data, _caller_step(), trainer_tokens=tokens)
         except Exception:  # noqa: BLE001 - tracing never fails a training step
             log.debug("tracecar.verl: trainer annotations not sent", exc_info=True)
         return result

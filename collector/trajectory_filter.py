@@ -69,6 +69,8 @@ class TrajectoryFilter:
     reward_where: str | None = None  # reward components, e.g. "acc=0,format<1" (the query's where=)
     fate: str | None = None  # trained, filtered, evicted, not_reached (truth_filter.FATES)
     refill: bool | None = None  # a group that replaces an evicted one
+    trained_other: bool | None = None  # the trainer trained on other tokens than generated (ids or mask)
+    lp_delta_min: float | None = None  # |Δ logprob| rollout vs trainer reaches this on some token
 
     def active(self) -> set[str]:
         """The filters that constrain (blank text is no filter, except ``experiment``)."""
@@ -109,7 +111,8 @@ class TrajectoryFilter:
             if value is not None:
                 clauses.append(f"{name} = ?")
                 params.append(int(value))
-        truth, truth_params = truth_filter.where_clauses(self.drift, self.reward_where or None, self.fate or None, self.refill)
+        truth, truth_params = truth_filter.where_clauses(self.drift, self.reward_where or None, self.fate or None, self.refill,
+                                                            self.trained_other, self.lp_delta_min)
         clauses.extend(truth)
         params.extend(truth_params)
         match = text_query.fts_query(self.q) if self.q else None
@@ -125,7 +128,7 @@ class TrajectoryFilter:
         call's marker may not carry ``validate``).
         """
         active = self.active()
-        if active & {"q", "drift", "reward_where", "fate", "refill"}:
+        if active & {"q", "drift", "reward_where", "fate", "refill", "trained_other", "lp_delta_min"}:
             raise ValueError("q=, drift= and where= need the trajectory index; filter in SQL")
         for name in active:
             value = getattr(self, name)

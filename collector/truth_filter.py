@@ -49,11 +49,18 @@ FATE_CLAUSES = {  # as viewer/truth.py's fate_of decides it: evicted over traine
 }
 
 
-def where_clauses(drift: bool | None, where: str | None, fate: str | None = None,
-                  refill: bool | None = None) -> tuple[list[str], list[Any]]:
+def where_clauses(drift: bool | None, where: str | None, fate: str | None = None, refill: bool | None = None,
+                  trained_other: bool | None = None, lp_delta_min: float | None = None) -> tuple[list[str], list[Any]]:
     """SQL over the index's ``trajectories`` for the truth filters (trajectory_filter.py calls it)."""
     clauses: list[str] = []
     params: list[Any] = []
+    if trained_other is True:  # the trainer trained on other tokens than the rollout generated
+        clauses.append("trace_id IN (SELECT trace_id FROM truth WHERE tt_mismatch = 1)")
+    elif trained_other is False:
+        clauses.append("trace_id IN (SELECT trace_id FROM truth WHERE tt_mismatch = 0)")
+    if lp_delta_min is not None:
+        clauses.append("trace_id IN (SELECT trace_id FROM truth WHERE lp_max >= ?)")
+        params.append(lp_delta_min)
     if fate:
         clause, values = FATE_CLAUSES[fate]
         clauses.append(clause)

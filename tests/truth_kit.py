@@ -9,6 +9,8 @@ byte-level BPE tokenizer, but builds each turn's prompt differently:
 * ``rerender_template``: renders the whole conversation with a chat template each turn; the
   template (as Qwen3's does) drops an earlier assistant turn's ``<think>`` block, so turn 2's
   prompt does not contain what turn 1 generated.
+* ``letters``: token in, token out, but the sampler spelled a word letter by letter (valid ids
+  that a tokenizer round trip merges: what a trainer re-tokenizing the text would not reproduce).
 * ``retokenize``: decodes the conversation to text and encodes it again each turn; the model
   generated a non-canonical split of a word (``"forty"`` as single letters), which the round
   trip merges, so the ids change though the text does not.
@@ -76,7 +78,7 @@ class Loop:
         messages = [{"role": "user", "content": "What is 19 + 23?"}]
         prompt = self.encode(TEMPLATE.render(messages=messages))
         first = THINK + CALL if self.mode == "rerender_template" else CALL
-        if self.mode == "retokenize":  # the sampler spelled "calculator" letter by letter: valid ids, not the canonical ones
+        if self.mode in ("retokenize", "letters"):  # the sampler spelled "calculator" letter by letter: valid ids, not the canonical ones
             head, tail = first.split("calculator", 1)
             ids = self.encode(head) + self.letters("calculator") + self.encode(tail + "<|im_end|>")
         else:
@@ -103,3 +105,25 @@ async def trajectory(loop: Loop, step: int, sample_index: int, rollout_n: int, e
         await loop.run(f"s{step}-i{sample_index}-n{rollout_n}")
     assert record is not None
     return str(record.span_id)
+
+
+def agent_output(loop: Loop) -> tuple[list[int], list[int], list[int]]:
+    """(prompt_ids, response_ids, response_mask) as the agent loop hands them to the trainer: the
+    first prompt, then what the last turn's prompt added to it plus the last response; mask 1 on
+    the ids each turn generated (as the loop believes they sit in the sequence)."""
+    first, last = loop.prompts[0], loop.prompts[-1]
+    response = last[len(first):] + loop.responses[-1]
+    mask = [0] * (len(last) - len(first)) + [1] * len(loop.responses[-1])
+    n1 = len(loop.responses[0])
+    mask[:n1] = [1] * n1  # turn 1's generated ids open the response
+    return first, response, mask
+
+
+def generated_positions(loop: Loop) -> list[tuple[int, float]]:
+    """(response position, engine logprob) of each generated token in agent_output's layout (TITO loops)."""
+    first, last = loop.prompts[0], loop.prompts[-1]
+    lps = [[-0.05 - 0.01 * (i % 7) for i in range(len(r))] for r in loop.responses]  # truth_kit's engine logprobs
+    out = [(j, lps[0][j]) for j in range(len(loop.responses[0]))]
+    base = len(last) - len(first)
+    out += [(base + j, lps[-1][j]) for j in range(len(loop.responses[-1]))]
+    return out

@@ -19,6 +19,7 @@ from tracecar.client.redact import REDACTED, RedactKeys, redact_span, scrub_exce
 from tracecar.client.short_ids import WIRE_VERSION_IDS, expand_wire
 
 from ..types import Span, SpanKind
+from .trainer_compare import check as check_trainer_tokens
 
 _ID = Field(pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
 _INT_ATTRS = ("step", "rollout_n")
@@ -115,6 +116,11 @@ class SpanIn(BaseModel):
             raise ValueError("end_time: ends before it starts")
         if self.kind == "annotation":
             _check_trainer_attributes(self.attributes)
+            if isinstance(self.output, dict) and "trainer_tokens" in self.output:  # the trainer's batch row (issue 29)
+                try:
+                    check_trainer_tokens(self.output["trainer_tokens"])
+                except ValueError as exc:
+                    raise ValueError(f"output.trainer_tokens: {exc}") from None
         return self
 
 

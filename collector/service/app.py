@@ -43,7 +43,7 @@ from ..viewer.live_api import build_router as build_live_router
 from ..viewer.routes import build_router as build_viewer_router
 from ..viewer.search import QUERY_MAX_CHARS
 from ..viewer.tokens import trajectory_tokens
-from ..viewer.truth_api import TruthFilters
+from ..viewer.truth_api import TruthFilters, add_trainer_logprobs
 from ..viewer.truth_api import build_router as build_truth_router
 from .auth import BearerAuth
 from .health import health_snapshot
@@ -298,6 +298,7 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         found = await asyncio.to_thread(trajectory_tokens, collector.spool, trace_id, lowest)
         if found is None:
             raise HTTPException(404, detail={"field": "trace_id", "reason": f"no trajectory {trace_id!r} in the store"})
+        await asyncio.to_thread(add_trainer_logprobs, found, viewer.trajectory_index)
         return Response(await asyncio.to_thread(orjson.dumps, found), media_type="application/json")
 
     @app.get("/v1/decisions", dependencies=[Depends(auth)])

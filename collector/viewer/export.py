@@ -207,7 +207,8 @@ def jsonl_chunks(rows: Iterator[dict[str, Any]], chunk_bytes: int = JSONL_CHUNK_
 def parquet_schema(token_ids: bool) -> Any:
     import pyarrow as pa
 
-    truth_columns = [(name, {"int": pa.int64(), "str": pa.string()}[kind]) for name, kind in TRUTH_COLUMNS]
+    kinds = {"int": pa.int64(), "str": pa.string(), "bool": pa.bool_(), "float": pa.float64()}
+    truth_columns = [(name, kinds[kind]) for name, kind in TRUTH_COLUMNS]
 
     call = pa.struct([("id", pa.string()), ("type", pa.string()),
                       ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])

@@ -446,6 +446,7 @@ class TrajectoryIndex:
             search.note(conn, texts)
             truth.note_annotations(conn, notes)
             truth.note_turns(conn, sorted(turns), self._recent_turns)
+            truth.compare_pending(conn, [t for t, _, _ in notes], [t[2] for t in turns])
             conn.executemany("INSERT OR IGNORE INTO held (seq) VALUES (?)", add_held)
             conn.executemany("DELETE FROM held WHERE seq = ?", drop_held)
             if watermark is not None:
@@ -583,9 +584,10 @@ class TrajectoryIndex:
                                          " AND filtered_by IS NOT NULL GROUP BY filtered_by", params).fetchall())
             drift = truth.step_truth(conn, where, params)
             fates = truth.step_fates(conn, where, params)
+            trainer_vs_rollout = truth.step_trainer(conn, where, params)
         return {"trajectories": n, "spans": spans, "with_error": errors, "scored": scored, "kept_by_rule": kept,
                 "trainer": {"trained": trained, "dropped": dropped, "filtered_by": filtered},
-                "drift": drift, "fates": fates}
+                "drift": drift, "fates": fates, "trainer_vs_rollout": trainer_vs_rollout}
 
     def summary(self, trace_id: str) -> dict[str, Any] | None:
         with self._lock:
@@ -593,6 +595,10 @@ class TrajectoryIndex:
             rows = self._rows(conn, f"SELECT {COLUMNS} FROM trajectories WHERE trace_id = ?", [trace_id])
             truth.attach(conn, rows)
         return rows[0] if rows else None
+
+    def trainer_detail(self, trace_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            return truth.trainer_detail(self._db(), trace_id)
 
     def truth_detail(self, trace_id: str) -> dict[str, Any]:
         """The trajectory's drift per compared turn (by span id), reward components and ground truth."""
@@ -602,7 +608,7 @@ class TrajectoryIndex:
             return {"turn_drift": truth.drift_of(conn, trace_id),
                     "reward_components": truth.components_of(conn, [trace_id]).get(trace_id, {}),
                     "ground_truth": found.get("ground_truth"), "drift_turns": found.get("drift_turns"),
-                    "drift_checked": found.get("drift_checked")}
+                    "drift_checked": found.get("drift_checked"), "trainer": truth.trainer_detail(conn, trace_id)}
 
     def facets(self) -> dict[str, Any]:
         """Experiments (latest first) with their step range and train/validation counts; rules."""

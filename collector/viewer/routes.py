@@ -36,7 +36,7 @@ from .index import SORTS, ListFilter, TrajectoryIndex
 from .list_api import INDEX_ERRORS, viewer_fresh
 from .search import QUERY_MAX_CHARS
 from .tokens import trajectory_tokens
-from .truth_api import TruthFilters, add_truth
+from .truth_api import TruthFilters, add_trainer_logprobs, add_truth
 
 STATIC = Path(__file__).with_name("static")
 COOKIE = "tracecar_viewer"
@@ -189,7 +189,8 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
         flt = ListFilter(experiment, step, step_min, step_max, sample_index_filter(sample_index), rollout_n, validate, kept_because or None,
                          reward_min, reward_max, has_error, worker, trained, filtered_by or None)
         flt.q = q or None
-        flt.drift, flt.reward_where, flt.fate, flt.refill = truth["drift"], truth["reward_where"], truth["fate"], truth["refill"]
+        for key, value in truth.items():  # drift, reward_where, fate, refill, trained_other, lp_delta_min (truth_api.py)
+            setattr(flt, key, value)
         state = await asyncio.to_thread(fresh)
         page = await asyncio.to_thread(index.list, flt, sort=sort, descending=order == "desc", limit=limit, offset=offset)
         return _json({**page, "index": state})
@@ -219,6 +220,7 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
         found = await asyncio.to_thread(trajectory_tokens, collector.spool, trace_id, lowest)
         if found is None:
             raise HTTPException(404, detail={"field": "trace_id", "reason": f"no trajectory {trace_id!r} in the store"})
+        await asyncio.to_thread(add_trainer_logprobs, found, index)
         return await asyncio.to_thread(_json, found)
 
     router.include_router(guarded)

@@ -21,8 +21,12 @@ path) from payloads it parses anyway:
 
 from __future__ import annotations
 
+import base64
+import math
 import re
 import sqlite3
+import sys
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -30,6 +34,8 @@ from typing import Any
 import orjson
 
 from ..processors.drift import compare
+from ..processors.token_arrays import TokenArrays
+from ..processors.trainer_compare import HIST_BINS, TrainerTokens, Turn, compare_trainer, hist_quantile
 from ..shape import RESPONSE_ID_KEYS, dict_or_empty, int_list
 
 SCHEMA = """
@@ -43,7 +49,19 @@ CREATE TABLE IF NOT EXISTS truth (
     refill_of TEXT,  -- the evicted group this one replaces
     min_global_steps INTEGER,  -- the policy versions that generated it (VERL v1 async extra_fields)
     max_global_steps INTEGER,
-    evicted_at_step INTEGER
+    evicted_at_step INTEGER,
+    -- what the trainer trained on vs what the rollout generated (processors/trainer_compare.py)
+    tt_ids_equal INTEGER, tt_first_diff INTEGER, tt_ids_differing INTEGER, tt_mask_extra INTEGER,
+    tt_mask_missing INTEGER, tt_absent INTEGER, tt_mismatch INTEGER,
+    lp_compared INTEGER, lp_mean REAL, lp_p99 REAL, lp_max REAL
+);
+CREATE INDEX IF NOT EXISTS truth_mismatch ON truth(tt_mismatch) WHERE tt_mismatch = 1;
+CREATE INDEX IF NOT EXISTS truth_lp_max ON truth(lp_max) WHERE lp_max IS NOT NULL;
+CREATE TABLE IF NOT EXISTS trainer_rows (
+    trace_id TEXT PRIMARY KEY,
+    seq INTEGER,
+    tokens BLOB,  -- the annotation's output.trainer_tokens (JSON of base64 arrays)
+    result BLOB  -- the comparison's per-token part: JSON {hist, trainer_lp (base64 f32 per generated token), was, now}
 );
 CREATE INDEX IF NOT EXISTS truth_drift ON truth(drift_turns);
 CREATE INDEX IF NOT EXISTS truth_fate ON truth(fate);
@@ -74,8 +92,10 @@ CREATE TABLE IF NOT EXISTS reward_components (
 CREATE INDEX IF NOT EXISTS reward_components_kv ON reward_components(key, value);
 """
 DROP = ("DROP TABLE IF EXISTS truth; DROP TABLE IF EXISTS truth_turns; DROP TABLE IF EXISTS turn_drift;"
-        " DROP TABLE IF EXISTS reward_components;")
-TABLES = ("truth", "truth_turns", "turn_drift", "reward_components")
+        " DROP TABLE IF EXISTS reward_components; DROP TABLE IF EXISTS trainer_rows;")
+TABLES = ("truth", "truth_turns", "turn_drift", "reward_components", "trainer_rows")
+TT_COLUMNS = ("tt_ids_equal", "tt_first_diff", "tt_ids_differing", "tt_mask_extra", "tt_mask_missing", "tt_absent",
+              "tt_mismatch", "lp_compared", "lp_mean", "lp_p99", "lp_max")
 
 # annotation keys that are not reward components (what the trainer did, ids, the reward itself)
 RESERVED = frozenset({"reward", "advantage", "trained", "filtered_by", "policy_version", "trained_on_version",
@@ -129,6 +149,19 @@ def _attributes(payload: bytes | None) -> dict[str, Any]:
         return {}
 
 
+def trainer_rows(notes: Iterable[tuple[str, int, bytes | None]]) -> Iterable[tuple[str, int, bytes]]:
+    """The annotations that carry the trainer's batch row (``output.trainer_tokens``), as stored JSON."""
+    for trace_id, seq, payload in notes:
+        if not payload or b'"trainer_tokens"' not in payload:
+            continue
+        try:
+            tokens = dict_or_empty(dict_or_empty(orjson.loads(payload)).get("output")).get("trainer_tokens")
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(tokens, dict):
+            yield trace_id, seq, orjson.dumps(tokens)
+
+
 def _components(attrs: dict[str, Any]) -> dict[str, tuple[float | None, str | None]]:
     components: dict[str, tuple[float | None, str | None]] = {}
     extra = attrs.get("reward_extra_info")
@@ -169,6 +202,9 @@ def note_annotations(conn: sqlite3.Connection, notes: Iterable[tuple[str, int, b
         fate = fate_notes(attrs)
         if fate:
             fates.append((trace_id, *(fate.get(k) for k in FATE_KEYS)))
+    conn.executemany("INSERT INTO trainer_rows (trace_id, seq, tokens) VALUES (?, ?, ?) ON CONFLICT(trace_id) DO UPDATE"
+                     " SET seq = excluded.seq, tokens = excluded.tokens, result = NULL WHERE excluded.seq >= trainer_rows.seq",
+                     [(t, seq, tokens) for t, seq, tokens in trainer_rows(notes)])
     conn.executemany("INSERT INTO reward_components (trace_id, key, value, text, seq) VALUES (?,?,?,?,?)"
                      " ON CONFLICT(trace_id, key) DO UPDATE SET value = excluded.value, text = excluded.text, seq = excluded.seq"
                      " WHERE excluded.seq >= reward_components.seq", rows)
@@ -288,6 +324,86 @@ def note_turns(conn: sqlite3.Connection, turns: list[tuple[int, str, str, Any, t
         " drift_turns = excluded.drift_turns", [(t, t) for t in traces])
 
 
+def _turns_with_logprobs(conn: sqlite3.Connection, trace_id: str) -> list[Turn]:
+    """The trajectory's LLM calls in start order, with the engine's log-probabilities (packed at ingest)."""
+    out = []
+    for seq, in conn.execute("SELECT seq FROM truth_turns t WHERE trace_id = ?"
+                             " AND NOT EXISTS (SELECT 1 FROM parents p WHERE p.parent_id = t.span_id) ORDER BY start_time, seq",
+                             (trace_id,)).fetchall():
+        row = conn.execute("SELECT payload, token_arrays FROM spool.spans WHERE seq = ? AND state != 3", (seq,)).fetchone()
+        if row is None or not row[0]:
+            continue
+        try:
+            span = orjson.loads(row[0])
+        except orjson.JSONDecodeError:
+            continue
+        ids = turn_ids(span) if isinstance(span, dict) else None
+        if ids is None:
+            continue
+        logprobs = None
+        if row[1]:
+            try:
+                arrays = TokenArrays.unpack(row[1])
+                if arrays.logprobs is not None and arrays.ids == ids[1]:
+                    logprobs = arrays.logprobs
+            except (ValueError, KeyError):
+                logprobs = None
+        if logprobs is None:
+            raw = dict_or_empty(span.get("output")).get("log_probs")
+            logprobs = raw if isinstance(raw, list) and len(raw) == len(ids[1]) else None
+        out.append(Turn(ids[0], ids[1], logprobs))
+    return out
+
+
+def compare_pending(conn: sqlite3.Connection, noted: Iterable[str], turned: Iterable[str]) -> None:
+    """Compares the trainer's row with the rollout for each trajectory annotated in this chunk whose
+    row is not compared yet, and each whose turns just changed; runs in the index's transaction after
+    the turns are noted (a trainer row that arrives before its turns is compared when they come)."""
+    changed = set(turned)
+    for trace_id in sorted(set(noted) | changed):
+        row = conn.execute("SELECT tokens, result FROM trainer_rows WHERE trace_id = ?", (trace_id,)).fetchone()
+        if row is None or (row[1] is not None and trace_id not in changed):
+            continue
+        turns = _turns_with_logprobs(conn, trace_id)
+        if not turns:
+            continue
+        try:
+            tokens = TrainerTokens.of(orjson.loads(row[0]))
+        except (ValueError, orjson.JSONDecodeError):
+            continue  # validated at ingest: an index from before that cannot compare it
+        result = compare_trainer(turns, tokens)
+        lp = array("f", result.trainer_lp)
+        if sys.byteorder == "big":
+            lp.byteswap()
+        detail = {"hist": result.hist, "trainer_lp": base64.b64encode(lp.tobytes()).decode(), "was": result.was, "now": result.now,
+                  "generated": len(result.trainer_lp)}
+        conn.execute("UPDATE trainer_rows SET result = ? WHERE trace_id = ?", (orjson.dumps(detail), trace_id))
+        values = (int(result.ids_equal), result.first_diff, result.ids_differing, result.mask_extra, result.mask_missing,
+                  result.absent, int(result.mismatch), result.lp_compared, result.lp_mean, result.lp_p99, result.lp_max)
+        conn.execute(f"INSERT INTO truth (trace_id, {', '.join(TT_COLUMNS)}) VALUES (?{', ?' * len(TT_COLUMNS)})"
+                     " ON CONFLICT(trace_id) DO UPDATE SET " + ", ".join(f"{k} = excluded.{k}" for k in TT_COLUMNS),
+                     (trace_id, *values))
+
+
+def trainer_detail(conn: sqlite3.Connection, trace_id: str) -> dict[str, Any] | None:
+    """The trainer comparison of one trajectory: summary numbers, the trainer's logprob per generated token."""
+    row = conn.execute("SELECT result FROM trainer_rows WHERE trace_id = ?", (trace_id,)).fetchone()
+    if row is None or row[0] is None:
+        return None
+    detail = orjson.loads(row[0])
+    lp = array("f")
+    lp.frombytes(base64.b64decode(detail.pop("trainer_lp")))
+    if sys.byteorder == "big":
+        lp.byteswap()
+    detail["trainer_logprobs"] = [None if math.isnan(v) else v for v in lp.tolist()]
+    values = conn.execute(f"SELECT {', '.join(TT_COLUMNS)} FROM truth WHERE trace_id = ?", (trace_id,)).fetchone()
+    if values is not None:
+        detail.update(dict(zip(TT_COLUMNS, values)))
+        detail["tt_ids_equal"] = None if detail["tt_ids_equal"] is None else bool(detail["tt_ids_equal"])
+        detail["tt_mismatch"] = None if detail["tt_mismatch"] is None else bool(detail["tt_mismatch"])
+    return detail
+
+
 def drift_of(conn: sqlite3.Connection, trace_id: str) -> dict[str, dict[str, Any]]:
     """Per compared turn (by span id): whether it extends the previous turn, and where it parts."""
     out = {}
@@ -304,10 +420,11 @@ def truth_of(conn: sqlite3.Connection, trace_ids: list[str]) -> dict[str, dict[s
     out: dict[str, dict[str, Any]] = {}
     for i in range(0, len(trace_ids), 500):
         chunk = trace_ids[i:i + 500]
-        for trace_id, checked, drifted, ground_truth, *fate in conn.execute(
-                f"SELECT trace_id, drift_checked, drift_turns, ground_truth, {', '.join(FATE_KEYS)} FROM truth"
+        for trace_id, checked, drifted, ground_truth, *rest in conn.execute(
+                f"SELECT trace_id, drift_checked, drift_turns, ground_truth, {', '.join(FATE_KEYS + TT_COLUMNS)} FROM truth"
                 f" WHERE trace_id IN ({','.join('?' * len(chunk))})", chunk):
-            out[trace_id] = {"drift_checked": checked, "drift_turns": drifted, "ground_truth": ground_truth, **dict(zip(FATE_KEYS, fate))}
+            out[trace_id] = {"drift_checked": checked, "drift_turns": drifted, "ground_truth": ground_truth,
+                             **dict(zip(FATE_KEYS + TT_COLUMNS, rest))}
     return out
 
 
@@ -327,6 +444,10 @@ def attach(conn: sqlite3.Connection, rows: list[dict[str, Any]], ground_truth: b
         if ground_truth:
             row["ground_truth"] = found.get("ground_truth")
         row.update(fate_of(row, found))
+        for key in TT_COLUMNS:
+            row[key] = found.get(key)
+        for key in ("tt_ids_equal", "tt_mismatch"):
+            row[key] = None if row[key] is None else bool(row[key])
 
 
 def fate_of(row: dict[str, Any], found: dict[str, Any]) -> dict[str, Any]:
@@ -354,7 +475,9 @@ def fate_of(row: dict[str, Any], found: dict[str, Any]) -> dict[str, Any]:
 # the export's truth columns (viewer/export.py): name, parquet kind
 TRUTH_COLUMNS = (("reward_components", "str"), ("ground_truth", "str"), ("drift_turns", "int"), ("drift_checked", "int"),
                  ("fate", "str"), ("fate_reason", "str"), ("refill_of", "str"), ("min_global_steps", "int"),
-                 ("max_global_steps", "int"), ("staleness", "int"))
+                 ("max_global_steps", "int"), ("staleness", "int"), ("tt_mismatch", "bool"), ("tt_first_diff", "int"),
+                 ("tt_ids_differing", "int"), ("tt_mask_extra", "int"), ("tt_mask_missing", "int"), ("lp_mean", "float"),
+                 ("lp_p99", "float"), ("lp_max", "float"))
 
 
 def truth_fields(summary: dict[str, Any]) -> dict[str, Any]:
@@ -408,6 +531,30 @@ def step_truth(conn: sqlite3.Connection, where: str, params: list[Any]) -> dict[
     drift = {"multi_turn": checked, "with_drift": drifted, "share": drifted / checked if checked else None,
              "turns_compared": turns, "turns_drifted": turns_drifted}
     return drift
+
+
+def step_trainer(conn: sqlite3.Connection, where: str, params: list[Any]) -> dict[str, Any]:
+    """Per-step trainer vs rollout: trajectories compared, with a token mismatch (and their share), |Δ logprob|
+    mean over all compared tokens, max, and p99 from the merged histograms (its bin's upper edge)."""
+    compared = mismatched = tokens = 0
+    total = 0.0
+    high: float | None = None
+    hist = [0] * (HIST_BINS + 2)
+    for mismatch, n, mean, top, result in conn.execute(
+            f"SELECT x.tt_mismatch, x.lp_compared, x.lp_mean, x.lp_max, r.result FROM truth x JOIN trainer_rows r"
+            f" ON r.trace_id = x.trace_id WHERE x.tt_mismatch IS NOT NULL AND x.trace_id IN (SELECT trace_id FROM trajectories"
+            f" WHERE {where})", params):
+        compared += 1
+        mismatched += bool(mismatch)
+        if n:
+            tokens += n
+            total += mean * n
+            high = top if high is None else max(high, top)
+            for i, c in enumerate(orjson.loads(result).get("hist") or ()):
+                hist[i] += c
+    return {"compared": compared, "with_token_mismatch": mismatched, "mismatch_share": mismatched / compared if compared else None,
+            "tokens": tokens, "logprob_diff_mean": total / tokens if tokens else None, "logprob_diff_max": high,
+            "logprob_diff_p99": hist_quantile(hist, 0.99)}
 
 
 FATE_SQL = ("CASE WHEN x.fate = 'evicted' THEN 'evicted' WHEN t.trained = 1 OR x.fate = 'trained' THEN 'trained'"

@@ -32,7 +32,8 @@ FATE_PATTERN = "^(|" + "|".join(FATES) + ")$"
 
 
 def truth_filters(drift: bool | None = None, where: str | None = Query(None, max_length=WHERE_MAX_CHARS),
-                  fate: str | None = Query(None, pattern=FATE_PATTERN), refill: bool | None = None) -> dict[str, Any]:
+                  fate: str | None = Query(None, pattern=FATE_PATTERN), refill: bool | None = None,
+                  trained_other: bool | None = None, lp_delta_min: float | None = Query(None, ge=0)) -> dict[str, Any]:
     """The truth filters of a list request, checked (a bad ``where`` names itself in a 422)."""
     if where is not None and where.strip():
         try:
@@ -40,7 +41,7 @@ def truth_filters(drift: bool | None = None, where: str | None = Query(None, max
         except ValueError as exc:
             raise HTTPException(422, detail={"field": "where", "reason": str(exc)}) from None
     return {"drift": drift, "reward_where": where.strip() if where and where.strip() else None, "fate": fate or None,
-            "refill": refill}
+            "refill": refill, "trained_other": trained_other, "lp_delta_min": lp_delta_min}
 
 
 TruthFilters = Annotated[dict[str, Any], Depends(truth_filters)]
@@ -64,6 +65,14 @@ def trajectory_truth(index: TrajectoryIndex, trace_id: str, decode: Callable[[li
     """Blocking: one trajectory's truth; ``turns`` (the conversation view's) gain their ``drift``."""
     found = index.truth_detail(trace_id)
     by_span = found.pop("turn_drift")
+    trainer = found.get("trainer")
+    if trainer is not None:
+        for key in ("was", "now"):
+            if isinstance(trainer.get(key), list) and decode is not None:
+                try:
+                    trainer[key + "_text"] = decode(trainer[key])
+                except Exception:  # noqa: BLE001 - ids the tokenizer refuses: shown as ids
+                    trainer[key + "_text"] = None
     for entry in by_span.values():
         decode_windows(entry, decode)
     order = {t["span_id"]: t.get("index") for t in turns or []}
@@ -73,6 +82,47 @@ def trajectory_truth(index: TrajectoryIndex, trace_id: str, decode: Callable[[li
     found["turns"] = [{"span_id": sid, "turn": order.get(sid), **entry} for sid, entry in by_span.items()]
     found["turns"].sort(key=lambda t: (t["turn"] is None, t["turn"] or 0))
     return found
+
+
+def add_trainer_logprobs(view: dict[str, Any] | None, index: TrajectoryIndex) -> None:
+    """Blocking: the token view's tokens gain the trainer's ``old_log_probs`` (``trainer_logprob``) and
+    ``logprob_diff`` (trainer − rollout) where the trainer trained on them; each span its max |Δ|.
+
+    Turns' generated tokens are numbered in start order, as the comparison numbers them; the agent
+    loop's whole output maps its mask-1 tokens in order (VERL's layout). Nothing without a trainer row.
+    """
+    if not view or not view.get("spans"):
+        return
+    try:
+        index.refresh(budget_s=0.3)  # the trainer's row may have come after the index last caught up
+        detail = index.trainer_detail(view["trace_id"])
+    except INDEX_ERRORS:
+        return
+    if detail is None:
+        return
+    trainer = detail["trainer_logprobs"]
+    view["trainer"] = {k: detail.get(k) for k in ("tt_mismatch", "lp_compared", "lp_mean", "lp_p99", "lp_max")}
+    at = 0
+    for span in view["spans"]:
+        generated = 0 if span["aggregate"] else None
+        worst = None
+        for token in span["tokens"]:
+            if span["aggregate"]:
+                if token.get("mask") != 1:
+                    continue
+                index_ = generated
+                generated += 1  # type: ignore[operator]
+            else:
+                index_ = at
+                at += 1
+            mine = trainer[index_] if index_ is not None and index_ < len(trainer) else None
+            if mine is None:
+                continue
+            token["trainer_logprob"] = mine
+            if token.get("logprob") is not None:
+                token["logprob_diff"] = mine - token["logprob"]
+                worst = abs(token["logprob_diff"]) if worst is None else max(worst, abs(token["logprob_diff"]))
+        span["max_logprob_diff"] = worst
 
 
 def add_truth(view: dict[str, Any], collector: StoreOwner, index: TrajectoryIndex) -> None:

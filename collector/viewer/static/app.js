@@ -659,14 +659,15 @@
     function draw() {
       const s = current;
       const box = h("div", { class: "tokens", "data-testid": "token-text" });
-      const els = s.tokens.map((tok) => h("span", { class: "tok" + shade(tok.logprob) + (tok.mask === 0 ? " out" : ""), "data-i": tok.i,
-        "data-testid": "token", title: tokenTitle(tok) }, tok.text === undefined ? "⟨" + tok.id + "⟩" : tok.text));
+      const els = s.tokens.map((tok) => h("span", { class: "tok" + shade(tok.logprob) + (tok.mask === 0 ? " out" : "") + (truthUi ? truthUi.tokenClass(tok) : ""), "data-i": tok.i,
+        "data-testid": "token", title: tokenTitle(tok) + (truthUi ? truthUi.tokenTitle(tok) : "") }, tok.text === undefined ? "⟨" + tok.id + "⟩" : tok.text));
       box.append(...els);
       const flash = (i) => { const el = els[i]; if (!el) return; el.scrollIntoView({ block: "center" }); el.classList.add("flash"); setTimeout(() => el.classList.remove("flash"), 1500); };
       const lowest = s.lowest.length
         ? h("table", { "data-testid": "lowest-tokens" },
           h("thead", null, h("tr", null, h("th", { class: "num" }, "#"), h("th", null, "token"), h("th", { class: "num" }, "logprob"),
-            h("th", { class: "num" }, "p"), s.has.entropy ? h("th", { class: "num" }, "entropy") : null, h("th", null, "context"))),
+            h("th", { class: "num" }, "p"), s.has.entropy ? h("th", { class: "num" }, "entropy") : null,
+            s.max_logprob_diff !== undefined && s.max_logprob_diff !== null ? h("th", { class: "num" }, "trainer") : null, h("th", null, "context"))),
           h("tbody", null, s.lowest.map((tok) => {
             const before = s.text ? s.text.slice(Math.max(0, tok.start - 30), tok.start) : "";
             const after = s.text ? s.text.slice(tok.end, tok.end + 30) : "";
@@ -674,6 +675,8 @@
               h("td", { class: "num" }, tok.i), h("td", { class: "mono" }, JSON.stringify(tok.text ?? tok.id)),
               h("td", { class: "num mono bad" }, tok.logprob.toFixed(3)), h("td", { class: "num mono" }, Math.exp(tok.logprob).toFixed(3)),
               s.has.entropy ? h("td", { class: "num mono" }, tok.entropy === null || tok.entropy === undefined ? "—" : tok.entropy.toFixed(3)) : null,
+              s.max_logprob_diff !== undefined && s.max_logprob_diff !== null ? h("td", { class: "num mono" + (truthUi ? truthUi.tokenClass(tok) : ""), "data-testid": "lowest-trainer" },
+                tok.trainer_logprob === undefined ? "—" : tok.trainer_logprob.toFixed(3)) : null,
               h("td", { class: "mono muted ctx" }, "…" + before, h("mark", null, tok.text ?? ""), after + "…"));
             return tr;
           })))
@@ -685,6 +688,7 @@
           (s.text_note ? " — " + s.text_note : "")),
         h("div", { class: "legend" }, "p(token): ", [0, 1, 2, 3, 4, 5].map((b) => h("span", { class: "tok lp" + b }, ["≥.9", ".7", ".5", ".3", ".1", "<.1"][b])),
           s.has.mask ? h("span", { class: "tok out" }, "tool output (not trained on)") : null),
+        truthUi ? truthUi.tokenLegend(kit, view) : null,
         box,
         h("h3", null, "Lowest-probability tokens"), lowest);
     }
@@ -811,7 +815,7 @@
           kv([["duration", fmt.dur(t.duration)], ["turns", t.turn_count], ["tool calls", t.tool_calls + (t.tool_errors ? " (" + t.tool_errors + " failed)" : "")],
             ["response tokens", fmt.int(t.response_tokens)], ["spans", t.span_count], ["error", errorSaid(t)]]))),
       nav, why,
-      truthUi ? [truthUi.fateLine(kit, t), truthUi.rewardPanel(kit, t)] : null,
+      truthUi ? [truthUi.fateLine(kit, t), truthUi.rewardPanel(kit, t), truthUi.trainerPanel(kit, t)] : null,
       actions,
       h("h2", { class: "with-tools" }, "Conversation", foldAllButton()),
       t.before_first_turn.map(eventCard),

@@ -60,6 +60,9 @@ window.tracecarTruth = (() => {
           .map(([v, l]) => h("option", { value: v, selected: (params.fate || "") === v }, l)))),
       h("label", null, "refill", h("select", { name: "refill", "data-testid": "filter-refill" },
         [["", "any"], ["true", "refills of evicted groups"], ["false", "not refills"]].map(([v, l]) => h("option", { value: v, selected: (params.refill || "") === v }, l)))),
+      h("label", null, "trained on", h("select", { name: "trained_other", "data-testid": "filter-trained-other" },
+        [["", "any"], ["true", "other tokens than generated"], ["false", "exactly the generated tokens"]].map(([v, l]) => h("option", { value: v, selected: (params.trained_other || "") === v }, l)))),
+      h("label", null, "|Δ logprob| ≥", h("input", { type: "number", name: "lp_delta_min", step: "any", min: "0", value: params.lp_delta_min || "", "data-testid": "filter-lp-delta" })),
       keys.length ? h("label", null, "columns", h("input", { type: "text", name: "cols", value: params.cols || "", "data-testid": "filter-cols",
         placeholder: keys.slice(0, 3).join(","), title: "reward components to show as columns; known: " + keys.join(", ") })) : null,
     ];
@@ -79,7 +82,9 @@ window.tracecarTruth = (() => {
         "drift " + t.drift_turns + "/" + t.drift_checked)
       : "";
     const parts = t.reward_components || {};
-    const fate = t.fate === "evicted" || t.fate === "not_reached" || t.refill_of ? [fateBadge(kit, t), t.refill_of ? h("span", { class: "badge rule", "data-testid": "refill" }, "refill") : null] : "";
+    const fate = [t.fate === "evicted" || t.fate === "not_reached" || t.refill_of ? [fateBadge(kit, t), t.refill_of ? h("span", { class: "badge rule", "data-testid": "refill" }, "refill") : null] : null,
+      t.tt_mismatch ? h("span", { class: "badge bad", "data-testid": "other-tokens-badge", title: "the trainer trained on other tokens than the rollout generated" }, "other tokens") : null,
+      t.lp_max !== null && t.lp_max !== undefined && t.lp_max >= 0.1 ? h("span", { class: "badge bad", "data-testid": "lp-badge", title: "max |Δ logprob| rollout vs trainer" }, "Δlp " + t.lp_max.toFixed(2)) : null];
     return [h("td", null, drift), h("td", null, fate), ...columns(params).map((c) => h("td", { class: "num mono", "data-testid": "component-cell", "data-key": c },
       parts[c] === undefined ? "—" : fmt.value(parts[c])))];
   }
@@ -93,6 +98,12 @@ window.tracecarTruth = (() => {
       title: "evicted by: " + Object.entries(f.evicted_by || {}).map(([k, v]) => k + " " + v).join(", ") }, "fate: " + fmt.int(f.trained) + " trained, " + fmt.int(f.filtered) + " filtered, " +
       fmt.int(f.evicted) + " evicted, " + fmt.int(f.not_reached) + " never reached the trainer, " + fmt.int(f.refills) + " refills" +
       (f.staleness_max !== null && f.staleness_max !== undefined ? "; staleness max " + f.staleness_max : ""))] : [];
+    const tv = st && st.trainer_vs_rollout;
+    if (tv && tv.compared) {
+      fates.push(h("span", { class: "health-item" + (tv.with_token_mismatch ? " bad" : ""), "data-testid": "health-step-trainer-tokens" },
+        fmt.int(tv.with_token_mismatch) + " of " + fmt.int(tv.compared) + " trained on other tokens" +
+        (tv.logprob_diff_max !== null ? "; |Δ logprob| mean " + tv.logprob_diff_mean.toPrecision(3) + ", p99 ≤ " + tv.logprob_diff_p99.toPrecision(2) + ", max " + tv.logprob_diff_max.toPrecision(3) : "")));
+    }
     if (!d || !d.multi_turn) return fates;
     return [...fates, h("span", { class: "health-item" + (d.with_drift ? " bad" : ""), "data-testid": "health-step-drift",
       title: fmt.int(d.turns_drifted) + " of " + fmt.int(d.turns_compared) + " turns compared did not extend the turn before" },
@@ -151,5 +162,48 @@ window.tracecarTruth = (() => {
       refill ? h("span", { class: "badge rule", "data-testid": "group-refill" }, " refill of evicted group " + refill.refill_of) : null);
   }
 
-  return { turnDrift, rewardPanel, listFilters, listHeads, listCells, healthItems, groupSeparation, fateLine, fateBadge, groupFates };
+  // what the trainer trained on vs what the rollout generated (ids, mask, |Δ logprob|)
+  function trainerPanel(kit, t) {
+    const { h, fmt } = kit;
+    const tr = t.truth && t.truth.trainer;
+    if (!tr) return null;
+    const items = [];
+    if (tr.tt_ids_equal === false) {
+      items.push(h("li", { class: "bad", "data-testid": "trainer-ids" }, "the trained ids differ from the rollout's from token " + fmt.int(tr.tt_first_diff) +
+        " (" + fmt.int(tr.tt_ids_differing) + " ids): rollout ", h("code", null, tr.was_text ?? idList(tr.was)), " · trainer ", h("code", null, tr.now_text ?? idList(tr.now))));
+    }
+    if (tr.tt_mask_extra) items.push(h("li", { class: "bad", "data-testid": "trainer-mask-extra" }, fmt.int(tr.tt_mask_extra) + " trained tokens the policy did not generate there (tool output, a mask off by one, a re-rendered turn)"));
+    if (tr.tt_mask_missing) items.push(h("li", { class: "bad", "data-testid": "trainer-mask-missing" }, fmt.int(tr.tt_mask_missing) + " generated tokens outside the loss mask"));
+    if (tr.tt_absent) items.push(h("li", { class: "bad", "data-testid": "trainer-absent" }, fmt.int(tr.tt_absent) + " generated tokens absent from the trained sequence"));
+    if (!items.length) items.push(h("li", { class: "good", "data-testid": "trainer-exact" }, "trained on exactly the generated tokens"));
+    if (tr.lp_compared) {
+      items.push(h("li", { class: tr.lp_max >= 0.5 ? "bad" : "", "data-testid": "trainer-logprob" },
+        "|Δ logprob| rollout vs trainer over " + fmt.int(tr.lp_compared) + " tokens: mean " + tr.lp_mean.toPrecision(3) + ", p99 " + tr.lp_p99.toPrecision(3) + ", max " + tr.lp_max.toPrecision(3) + " (shaded in the token view)"));
+    }
+    return h("section", { class: "card trainer-compare", "data-testid": "trainer-compare" }, h("h3", null, "What the trainer trained on"), h("ul", null, items));
+  }
+
+  // the token view: the trainer's logprob beside the rollout's, shaded by |Δ|
+  function tokenClass(tok) {
+    if (tok.logprob_diff === undefined) return "";
+    const d = Math.abs(tok.logprob_diff);
+    return " dlp" + (d < 0.01 ? 0 : d < 0.1 ? 1 : d < 0.5 ? 2 : 3);
+  }
+
+  function tokenTitle(tok) {
+    if (tok.trainer_logprob === undefined) return "";
+    return " · trainer logprob " + tok.trainer_logprob.toFixed(4) + (tok.logprob_diff !== undefined ? " (Δ " + (tok.logprob_diff >= 0 ? "+" : "") + tok.logprob_diff.toFixed(4) + ")" : "");
+  }
+
+  function tokenLegend(kit, view) {
+    const { h } = kit;
+    if (!view || !view.trainer || !view.trainer.lp_compared) return null;
+    const tr = view.trainer;
+    return h("div", { class: "legend", "data-testid": "token-trainer-legend" }, "trainer vs rollout |Δ logprob| (underline): ",
+      [0, 1, 2, 3].map((b) => h("span", { class: "tok dlp" + b }, ["<.01", "<.1", "<.5", "≥.5"][b])),
+      " — max " + tr.lp_max.toPrecision(3) + " over " + tr.lp_compared + " tokens; hover a token for both log-probabilities");
+  }
+
+  return { turnDrift, rewardPanel, listFilters, listHeads, listCells, healthItems, groupSeparation, fateLine, fateBadge, groupFates,
+    trainerPanel, tokenClass, tokenTitle, tokenLegend };
 })();
