@@ -185,6 +185,9 @@ def test_page_shows_what_the_trainer_trained_on(start_collector, tracer_to, deep
             page.goto(col.url + "/ui/#/list?lp_delta_min=0.5")
             expect(page.locator("[data-testid=page-info]")).to_have_text("1–1 of 1")
             expect(page.locator("[data-testid=lp-badge]")).to_have_text("Δlp 0.70")
+            page.goto(col.url + f"/ui/#/groups?experiment={EXPERIMENT}&step=1&sort=sample_index")
+            expect(page.locator("[data-testid=group][data-sample-index='0'] [data-testid=group-other-tokens]")).to_have_text(
+                "1 trained on other tokens")
             page.goto(col.url + "/ui/#/")
             expect(page.locator("[data-testid=health-step-trainer-tokens]")).to_contain_text("1 of 3 trained on other tokens")
             b.shot("44-truth-trainer")

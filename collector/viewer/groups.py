@@ -238,7 +238,8 @@ def _group(key: Any, rows: list[dict[str, Any]], stats: GroupStats, load: Callab
             "kept_because": row.get("kept_because"), "duration": row.get("duration"),
             "response_tokens": row.get("response_tokens"),
             "reward_components": row.get("reward_components") or {}, "drift_turns": row.get("drift_turns"),
-            **{k: row.get(k) for k in ("fate", "fate_reason", "refill_of", "min_global_steps", "max_global_steps", "staleness")},
+            **{k: row.get(k) for k in ("fate", "fate_reason", "refill_of", "min_global_steps", "max_global_steps", "staleness",
+                                  "tt_mismatch", "lp_max")},
         })
     ordered = rank(rollouts)
     best = ordered[0] if ordered and ordered[0]["reward"] is not None else None

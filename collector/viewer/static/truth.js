@@ -155,11 +155,14 @@ window.tracecarTruth = (() => {
     const refill = (g.rollouts || []).find((r) => r.refill_of);
     const reasons = [...new Set((g.rollouts || []).filter((r) => r.fate === "evicted" && r.fate_reason).map((r) => r.fate_reason))];
     const spans = (g.rollouts || []).filter((r) => r.min_global_steps !== null && r.min_global_steps !== undefined);
+    const other = (g.rollouts || []).filter((r) => r.tt_mismatch);
     if (!Object.keys(counts).length) return null;
     return h("div", { class: "muted", "data-testid": "group-fates" }, "fate: " + Object.entries(counts).map(([f, n]) => n + " " + FATE[f]).join(", ") +
       (reasons.length ? " (" + reasons.join(", ") + ")" : "") +
       (spans.length ? " · policy v" + Math.min(...spans.map((r) => r.min_global_steps)) + "–v" + Math.max(...spans.map((r) => r.max_global_steps ?? r.min_global_steps)) : ""),
-      refill ? h("span", { class: "badge rule", "data-testid": "group-refill" }, " refill of evicted group " + refill.refill_of) : null);
+      refill ? h("span", { class: "badge rule", "data-testid": "group-refill" }, " refill of evicted group " + refill.refill_of) : null,
+      other.length ? h("span", { class: "badge bad", "data-testid": "group-other-tokens", title: "rollouts the trainer trained on other tokens than generated" },
+        other.length + " trained on other tokens") : null);
   }
 
   // what the trainer trained on vs what the rollout generated (ids, mask, |Δ logprob|)
