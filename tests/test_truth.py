@@ -133,6 +133,11 @@ def test_drift_and_reward_parts_reach_the_api_cli_health_groups_and_export(start
     assert groups[1]["separation"]["components"][0]["key"] == "acc" and all(
         c["key"] != "format" for c in groups[1]["separation"]["components"])  # format is 1 everywhere: separates nothing
 
+    # groups filtered by a rollout's truth, kept whole
+    drifting = get(col, "/v1/groups", step=1, experiment=EXPERIMENT, drift="true")["groups"]
+    assert [g["sample_index"] for g in drifting] == [0] and len(drifting[0]["rollouts"]) == 4
+    assert [g["sample_index"] for g in get(col, "/v1/groups", step=1, experiment=EXPERIMENT, where="acc=0")["groups"]] == [0, 1]
+
     # per-step health (API and CLI), and the export
     step = get(col, "/v1/health", step=1)["step"]
     assert step["drift"] == {"multi_turn": 8, "with_drift": 2, "share": 0.25, "turns_compared": 8, "turns_drifted": 2}

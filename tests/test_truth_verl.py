@@ -382,6 +382,8 @@ def test_verl_trainer_rows_show_other_tokens_masks_off_by_one_and_logprob_gaps(
         return {t["trace_id"] for t in get(col, "/v1/trajectories", limit=100, **params)["trajectories"]}
 
     assert listed(trained_other="true") == {ids[1], ids[2], ids[3]}
+    [group] = get(col, "/v1/groups", step=STEP, experiment=EXPERIMENT, trained_other="true")["groups"]  # the group, whole
+    assert len(group["rollouts"]) == 5 and not get(col, "/v1/groups", step=STEP, experiment=EXPERIMENT, lp_delta_min=5)["groups"]
     assert listed(lp_delta_min=0.5) == {ids[0]}
     step = get(col, "/v1/health", step=STEP)["step"]["trainer_vs_rollout"]
     assert (step["compared"], step["with_token_mismatch"], step["mismatch_share"]) == (5, 3, 0.6)

@@ -188,6 +188,8 @@ def test_page_shows_what_the_trainer_trained_on(start_collector, tracer_to, deep
             page.goto(col.url + f"/ui/#/groups?experiment={EXPERIMENT}&step=1&sort=sample_index")
             expect(page.locator("[data-testid=group][data-sample-index='0'] [data-testid=group-other-tokens]")).to_have_text(
                 "1 trained on other tokens")
+            page.goto(col.url + f"/ui/#/groups?experiment={EXPERIMENT}&step=1&trained_other=true")
+            expect(page.locator("[data-testid=groups-summary]")).to_contain_text("1 groups, 4 rollouts")
             page.goto(col.url + "/ui/#/")
             expect(page.locator("[data-testid=health-step-trainer-tokens]")).to_contain_text("1 of 3 trained on other tokens")
             b.shot("44-truth-trainer")

@@ -54,25 +54,34 @@ def groups_of_step(collector: StoreOwner, index: TrajectoryIndex, experiment: st
         experiment = known[0]["experiment"] if known else None
     flt = ListFilter(experiment=experiment if experiment is not None else "", step=step, validate=validate)
     page = index.list(flt, sort="sample_index", descending=False, limit=MAX_STEP_TRAJECTORIES)
+    truncated = page["total"] > len(page["trajectories"])
+    truth = {k: v for k, v in (options.pop("truth", None) or {}).items() if v is not None}
+    if truth:  # groups with a rollout that matches the truth filters (drift, where, fate, trained_other...), kept whole
+        for key, value in truth.items():
+            setattr(flt, key, value)
+        hits = index.list(flt, sort="sample_index", descending=False, limit=MAX_STEP_TRAJECTORIES, previews=False)
+        keys = {(type(r["sample_index"]).__name__, r["sample_index"]) for r in hits["trajectories"]}
+        page["trajectories"] = [r for r in page["trajectories"] if (type(r["sample_index"]).__name__, r["sample_index"]) in keys]
     spool = collector.spool
     load = ((lambda trace_id: get_trajectory(spool, trace_id)) if options.get("diff", True)
             else (lambda trace_id: root_and_annotations(spool, trace_id)))
     result = build_groups(page["trajectories"], load, **options)
     return {"experiment": experiment, "step": step, "validate": validate,
-            "truncated": page["total"] > len(page["trajectories"]), **result}
+            "truncated": truncated, **result}
 
 
 def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[[], dict[str, Any]],
                  api_auth: Callable[..., Any], viewer_auth: Callable[..., Any]) -> APIRouter:
     router = APIRouter()
 
-    async def groups(step: Int64, experiment: str | None = None, validate: bool = False,
+    async def groups(truth: TruthFilters, step: Int64, experiment: str | None = None, validate: bool = False,
                      sort: str = Query("sample_index", pattern=GROUP_SORT_PATTERN), sample_index: str | None = Query(None, max_length=256),
                      diff: bool = True, limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0, le=INT64_MAX)) -> Any:
         """Per sample index of one step: rollouts ranked by reward, group stats, diffs against the best."""
         state = await asyncio.to_thread(fresh)
         result = await asyncio.to_thread(groups_of_step, collector, index, experiment, step, validate, sort=sort,
-                                         sample_index=sample_index or None, limit=limit, offset=offset, diff=diff)
+                                         sample_index=sample_index or None, limit=limit, offset=offset, diff=diff,
+                                         truth=truth)
         return _json({**result, "index": state})
 
     router.add_api_route("/v1/groups", groups, methods=["GET"], dependencies=[Depends(api_auth)])

@@ -61,7 +61,9 @@ window.tracecarGroups = (() => {
     const sort = params.sort || "spread";
     const offset = Number(params.offset || 0);
     const query = { experiment: params.experiment === undefined ? undefined : expParam(params.experiment), step: params.step,
-      validate: params.validate, sort, sample_index: params.sample_index, limit: PER_PAGE, offset };
+      validate: params.validate, sort, sample_index: params.sample_index, limit: PER_PAGE, offset,
+      // training truth (static/truth.js): groups with a matching rollout, whole
+      drift: params.drift, where: params.where, fate: params.fate, refill: params.refill, trained_other: params.trained_other, lp_delta_min: params.lp_delta_min };
     const page = await api("groups", query, ["experiment"]);
     const here = (extra) => href("/groups", { ...params, ...extra });
     const controls = h("div", { class: "controls" },
