@@ -5,10 +5,12 @@ the other core); this isolates the Python the caller runs, so a change to it can
 without the sender's noise: the tracer is configured but its thread never starts, and the
 queue is emptied between chunks (outside the timing) as the sender would.
 
-Prints, best of ``--rounds``: the undecorated call (the baseline, same run), the decorated one,
-the difference, and each piece of the path timed on its own.
+Prints, best of ``--rounds``: the undecorated call (the baseline, same run), the decorated one
+under each ``TRACECAR_SNAPSHOT`` mode (``refs``, ``shallow``, ``deep``: interleaved in every
+round, so the modes are compared in the same run), the differences, and each piece of the path
+timed on its own.
 
-  .venv/bin/python bench/caller_path.py [--calls 200000] [--rounds 5]
+  .venv/bin/python bench/caller_path.py [--calls 200000] [--rounds 5] [--modes refs,shallow,deep]
 """
 
 from __future__ import annotations
@@ -53,9 +55,19 @@ def pieces(parent: Any, n: int = 200_000) -> dict[str, float]:
     attrs = tracing._attributes_of(parent)
     env = {"SpanRecord": SpanRecord, "KIND_OP": KIND_OP, "parent": parent, "attrs": attrs, "sig": sig, "args": args,
            "snapshot": snapshot, "out": out, "tracing": tracing, "cv": tracer.current, "c": itertools.count()}
+    from tracecar.client.spans import deep_inputs, deep_snapshot
+
+    verl_out = {"prompt_ids": list(range(1500)), "response_ids": list(range(500)), "response_mask": [1] * 500,
+                "num_turns": 3, "metrics": {"generate_sequences": 0.5, "tool_calls": 0.1}, "extra_fields": {}}
+    env.update(deep_inputs=deep_inputs, deep_snapshot=deep_snapshot, verl_out=verl_out)
     stmts = {
-        "record (with the list lengths)": "SpanRecord('x', KIND_OP, 1.0, parent, attrs, sig, args, None)",
+        "record (with the list lengths)": "SpanRecord('x', KIND_OP, 1.0, parent, attrs, sig, args, None, False)",
         "output snapshot": "snapshot(out)",
+        "shallow: record + dict copies": "SpanRecord('x', KIND_OP, 1.0, parent, attrs, sig, args, None, True)",
+        "deep: argument copy": "deep_inputs(args, None)",
+        "deep: output snapshot": "deep_snapshot(out)",
+        "VERL run output, snapshot": "snapshot(verl_out)",
+        "VERL run output, deep": "deep_snapshot(verl_out)",
         "parent attributes": "tracing._attributes_of(parent)",
         "time.time()": "tracing._now()",
         "context variable set + reset": "t = cv.set(parent); cv.reset(t)",
@@ -67,14 +79,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=200_000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--modes", default="refs,shallow,deep", help="TRACECAR_SNAPSHOT modes, interleaved in every round")
     args = parser.parse_args()
 
     from tracecar.client import rollout_trace_attr, rollout_trace_op, tracer
 
-    tr = tracer.configure(url="http://127.0.0.1:9", experiment="bench", queue_max_spans=10 * CHUNK)
-    assert tr is not None
-    sender = tr.sender
-    sender._thread = object()  # never started: this measures the caller alone
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    tracers = {}
+    for mode in modes:
+        made = tracer.Tracer(tracer.ClientConfig(url="http://127.0.0.1:9", experiment="bench", queue_max_spans=10 * CHUNK,
+                                                 snapshot=mode))
+        made.sender._thread = object()  # never started: this measures the caller alone
+        tracers[mode] = made
+    tr = tracer.active = tracers[modes[0]]
     plain = Loop()
 
     class Traced(Loop):
@@ -84,19 +101,33 @@ def main() -> None:
     rng = random.Random(1)
     call_args = ([rng.randrange(150_000) for _ in range(1500)], [rng.randrange(150_000) for _ in range(500)],
                  {"name": "search", "arguments": {"query": "x"}}, 0.5)
+    rounds: list[dict[str, float]] = []
     with rollout_trace_attr(sample_index=0, step=1, rollout_n=0) as root:
-        rounds = [(per_call_us(plain.step, call_args, args.calls, None), per_call_us(traced.step, call_args, args.calls, sender))
-                  for _ in range(args.rounds)]
+        for _ in range(args.rounds):
+            row = {"plain": per_call_us(plain.step, call_args, args.calls, None)}
+            for mode in modes:  # interleaved: every mode in every round
+                tracer.active = tracers[mode]
+                row[mode] = per_call_us(traced.step, call_args, args.calls, tracers[mode].sender)
+            rounds.append(row)
+        tracer.active = tr
         parts = pieces(root)
-    sender.queue.clear()
-    sender.opens.clear()
-    sender._stopping = True
-    base = min(p for p, _ in rounds)
-    best = min(t - p for p, t in rounds)
+    for made in tracers.values():
+        made.sender.queue.clear()
+        made.sender.opens.clear()
+        made.sender._stopping = True
+    tracer.active = None
+    base = min(r["plain"] for r in rounds)
     print(f"undecorated call (baseline): {base:.3f} µs")
-    print(f"decorated call:              {min(t for _, t in rounds):.3f} µs")
-    print(f"added by tracecar (best of {args.rounds}): {best:.3f} µs; each round: " + ", ".join(f"{t - p:.3f}" for p, t in rounds))
-    print(f"ratio decorated / undecorated: {min(t for _, t in rounds) / base:.1f}x")
+    for mode in modes:
+        best = min(r[mode] - r["plain"] for r in rounds)
+        print(f"TRACECAR_SNAPSHOT={mode:8s} decorated {min(r[mode] for r in rounds):.3f} µs, added by tracecar (best of "
+              f"{args.rounds}) {best:.3f} µs; each round: " + ", ".join(f"{r[mode] - r['plain']:.3f}" for r in rounds))
+    if len(modes) > 1:
+        first = modes[0]
+        for mode in modes[1:]:
+            ratios = sorted((r[mode] - r["plain"]) / (r[first] - r["plain"]) for r in rounds)
+            print(f"added time {mode} / {first}, per round (same round): median {ratios[len(ratios) // 2]:.2f}, "
+                  + ", ".join(f"{x:.2f}" for x in ratios))
     print("pieces, ns per call:")
     for label, ns in parts.items():
         print(f"  {label:32s} {ns:7.1f}")

@@ -74,7 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     settings, warnings = _checked_settings(
         args.config, host=args.host, port=args.port, data_dir=args.data_dir, backend=args.backend,
         tokenizer=args.tokenizer, token2text=args.token2text,
-        max_samples_per_step_per_worker=args.max_samples_per_step_per_worker,
+        max_samples_per_step_per_worker=args.max_samples_per_step_per_worker, role=args.role, gateway_url=args.gateway,
     )
     from tracecar.collector.data_dir_lock import DataDirError
 
@@ -366,6 +366,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parent-pid", type=int, metavar="PID",
                    help="the pid of the process that started this one: when it ends, however it ends, the collector "
                         "drains and stops (what tracecar quickstart and the Ray helper pass)")
+    p.add_argument("--role", choices=["node", "gateway"],
+                   help="node (default: the collector beside the workers; with --gateway it forwards to that gateway) or "
+                        "gateway (global budgets, store and viewer of a job's node collectors); docs/cluster.md")
+    p.add_argument("--gateway", metavar="URL", help="role node: the gateway's http(s)://HOST:PORT (TRACECAR_GATEWAY_URL)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("config", help="print the effective collector configuration (secrets masked)")
@@ -461,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_live import add_parsers as add_live_parsers
 
     add_live_parsers(sub)  # live, health
+    from .cli_proxy import add_parsers as add_proxy_parsers
+
+    add_proxy_parsers(sub)  # proxy
     from .cli_truth import add_parsers as add_truth_parsers
 
     add_truth_parsers(sub)  # truth

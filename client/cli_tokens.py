@@ -47,6 +47,8 @@ def print_tokens(view: dict[str, Any], below: float, show_text: bool) -> None:
         print(f"\n== {span['name']} ({kind}: {span['count']} tokens, {span['outside_mask']} outside the loss mask{mean}; has {has})")
         if span["text_note"]:
             print(f"   {span['text_note']}")
+        if span.get("exact") is False:  # an older collector's answer has no "exact"
+            print("   token boundaries approximated: the pieces join to the text, a token's own text may sit on a neighbour")
         if show_text:
             print(render(span, below))
     if view["lowest"]:

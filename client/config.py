@@ -104,6 +104,10 @@ class ClientConfig:
     # default-valued fields left out) or "legacy" (the previous packing: one dump searched whole,
     # every field sent), kept so bench/hot_path.py can run both in one run
     packing: str = "spliced"
+    # What the caller's path copies of a call's values (tracecar.client.spans): "shallow" (dict
+    # arguments one level, lists by length, the output two levels), "deep" (all the way down at
+    # call and return, as weave does), "refs" (no argument copied)
+    snapshot: str = "shallow"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ClientConfig:
@@ -139,6 +143,7 @@ class ClientConfig:
             prompt_delta_max_requests=_env_int(env, "PROMPT_DELTA_MAX_REQUESTS", cls.prompt_delta_max_requests),
             prompt_delta_max_ids=_env_int(env, "PROMPT_DELTA_MAX_IDS", cls.prompt_delta_max_ids),
             packing=(env.get("TRACECAR_PACKING") or cls.packing).strip().lower(),
+            snapshot=(env.get("TRACECAR_SNAPSHOT") or cls.snapshot).strip().lower(),
         )
         known = {f.name for f in fields(cls)}
         return replace(base, **{k: v for k, v in overrides.items() if k in known and v is not None})

@@ -13,6 +13,15 @@ SQLite spool under a per-node data dir), so the actor only starts, watches and s
     ...  # train
     collectors.shutdown()                                          # SIGTERM: drain, then exit
 
+Many nodes, one gateway (docs/cluster.md): :func:`start_gateway` runs a gateway collector as an
+actor on the head node, and ``start_node_collectors(gateway=...)`` makes every node's collector
+forward to it (the tail budgets, the store, the viewer and the W&B credentials are the gateway's)::
+
+    gateway = ray_collectors.start_gateway(port=9471, settings={"max_trajectories_per_step": 256})
+    collectors = ray_collectors.start_node_collectors(port=9470, gateway=gateway)
+    ...
+    collectors.shutdown(); gateway.shutdown()   # nodes first: they drain into the gateway
+
 Actors are named ``tracecar-collector-<node_id>`` in the ``tracecar`` namespace, so a second
 driver (or a worker, through :func:`node_local_url`) finds them.  The collector is also tied to
 its actor's process by ``PR_SET_PDEATHSIG`` (Linux) and ``--parent-pid`` (a thread watching it,
@@ -45,6 +54,10 @@ log = logging.getLogger("tracecar.ray")
 DEFAULT_PORT = 9470
 NAMESPACE = "tracecar"
 ACTOR_PREFIX = "tracecar-collector-"
+GATEWAY_ACTOR = "tracecar-gateway"
+DEFAULT_GATEWAY_PORT = 9471
+# a node collector with a gateway must not inherit W&B credentials: they belong on the gateway only
+_GATEWAY_ONLY_ENV = ("WANDB_API_KEY", "TRACECAR_WANDB_API_KEY", "TRACECAR_EXPORTERS", "TRACECAR_BACKEND")
 KV_NAMESPACE = "tracecar"
 SETUP_HOOK = "tracecar.client.ray_collectors.configure_from_node"
 # Set in the collector actors' own processes: the setup hook must not look itself up there.
@@ -172,20 +185,25 @@ def _kv_del(key: str) -> None:
 class CollectorActor:
     """Owns one ``tracecar serve`` child process on this node (wrapped by ``ray.remote``)."""
 
-    def __init__(self, port: int, env: dict[str, str], data_dir: str | None, namespace: str = NAMESPACE) -> None:
+    def __init__(self, port: int, env: dict[str, str], data_dir: str | None, namespace: str = NAMESPACE,
+                 host: str = "127.0.0.1", publish: bool = True, drop_env: tuple[str, ...] = ()) -> None:
         import ray
 
         self.node_id = ray.get_runtime_context().get_node_id()
         self.namespace = namespace
+        self.publish = publish  # a node-local collector's URL goes to the kv store (the gateway's does not)
+        if host == "node":  # the node's own address: reachable from the other nodes (the gateway)
+            host = ray.util.get_node_ip_address()
+        self.host = host
         self.port = port or _free_port()
         template = data_dir or str(Path(tempfile.gettempdir()) / "tracecar-ray" / "{port}")
         self.data_dir = Path(template.format(node_id=self.node_id, port=self.port)).expanduser()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.data_dir / "collector.log"
-        self.url = loopback_url(self.port)
-        child_env = dict(os.environ)
+        self.url = loopback_url(self.port) if host == "127.0.0.1" else f"http://{host}:{self.port}"
+        child_env = {k: v for k, v in os.environ.items() if k not in drop_env}
         child_env.update(env)
-        child_env.update({"TRACECAR_HOST": "127.0.0.1", "TRACECAR_PORT": str(self.port),
+        child_env.update({"TRACECAR_HOST": host, "TRACECAR_PORT": str(self.port),
                           "TRACECAR_DATA_DIR": str(self.data_dir)})
         child_env.pop(IN_COLLECTOR_ENV, None)
         if sys.platform.startswith("linux"):
@@ -219,7 +237,8 @@ class CollectorActor:
                                    + self.log_tail())
             try:
                 if httpx.get(self.url + "/readyz", timeout=1.0).status_code == 200:
-                    _kv_put(_kv_key(self.namespace, self.node_id), self.url)
+                    if self.publish:
+                        _kv_put(_kv_key(self.namespace, self.node_id), self.url)
                     return self.info()
             except httpx.HTTPError:
                 pass
@@ -240,7 +259,8 @@ class CollectorActor:
         """SIGTERM (the collector turns unready, drains, exits); SIGKILL after ``timeout_s``."""
         if self.result is not None:
             return self.result
-        _kv_del(_kv_key(self.namespace, self.node_id))
+        if self.publish:
+            _kv_del(_kv_key(self.namespace, self.node_id))
         started = time.monotonic()
         killed = False
         if self.proc.poll() is None:
@@ -331,6 +351,92 @@ def _alive_node_ids() -> list[str]:
     return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
 
 
+@dataclass
+class GatewayCollector:
+    """The job's gateway collector (an actor on the head node); ``url`` is what the nodes post to."""
+
+    namespace: str
+    actor: Any
+    info: dict[str, Any]
+    token: str | None = None  # the gateway's TRACECAR_TOKEN, handed to the nodes as TRACECAR_GATEWAY_TOKEN
+
+    @property
+    def url(self) -> str:
+        return str(self.info["url"])
+
+    def shutdown(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """SIGTERM (drain to the exporters, then exit; SIGKILL after ``timeout_s``), then the actor.
+        Stop the node collectors first: they drain into the gateway."""
+        import ray
+
+        try:
+            result: dict[str, Any] = ray.get(self.actor.stop.remote(timeout_s), timeout=timeout_s + 60)
+        except Exception as e:  # a dead actor: its collector got SIGTERM through PDEATHSIG
+            result = {"node_id": self.info.get("node_id"), "error": repr(e)}
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:
+            pass
+        return result
+
+
+def _head_node_id() -> str:
+    import ray
+
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in (node.get("Resources") or {}):
+            return str(node["NodeID"])
+    raise RuntimeError("no alive Ray head node found")
+
+
+def start_gateway(
+    port: int = DEFAULT_GATEWAY_PORT,
+    settings: Mapping[str, Any] | None = None,
+    data_dir: str | None = None,
+    *,
+    host: str = "node",
+    node_id: str | None = None,
+    num_cpus: float = 0,
+    namespace: str = NAMESPACE,
+    detached: bool = False,
+    ready_timeout_s: float = 60.0,
+) -> GatewayCollector:
+    """Starts (or finds) the gateway collector (``TRACECAR_ROLE=gateway``) as an actor on the head node.
+
+    ``host``: the address it binds; ``"node"`` (default) is the head node's own IP, which the other
+    nodes reach (set ``settings={"token": ...}``: the nodes get it as their gateway token).
+    ``settings``: CollectorSettings fields: the tail budgets and the exporters (Weave, OTLP,
+    MLflow) go here; W&B credentials in the head node's environment are inherited.
+    ``data_dir``: default ``$TMPDIR/tracecar-ray/gateway-{port}``.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if not ray.is_initialized():
+        raise RuntimeError("start_gateway needs ray.init() first")
+    env = settings_env({**(settings or {}), "role": "gateway"})
+    token = env.get("TRACECAR_TOKEN")
+    target = node_id or _head_node_id()
+    options: dict[str, Any] = dict(
+        name=GATEWAY_ACTOR, namespace=namespace, get_if_exists=True, num_cpus=num_cpus, max_restarts=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(target, soft=False),
+        runtime_env={"env_vars": {"TRACECAR_URL": "", IN_COLLECTOR_ENV: "1", "RAY_kill_child_processes_on_worker_exit": "false"}},
+    )
+    if detached:
+        options["lifetime"] = "detached"
+    template = data_dir or str(Path(tempfile.gettempdir()) / "tracecar-ray" / "gateway-{port}")
+    actor: Any = ray.remote(CollectorActor).options(**options).remote(port, env, template, namespace, host, False)
+    try:
+        info: dict[str, Any] = ray.get(actor.wait_ready.remote(ready_timeout_s), timeout=ready_timeout_s + 120)
+    except Exception as e:
+        try:
+            ray.get(actor.stop.remote(5), timeout=60)
+        finally:
+            ray.kill(actor, no_restart=True)
+        raise RuntimeError(f"tracecar gateway failed to start: {getattr(e, 'cause', None) or e}") from None
+    return GatewayCollector(namespace, actor, info, token)
+
+
 def start_node_collectors(
     port: int = DEFAULT_PORT,
     settings: Mapping[str, Any] | None = None,
@@ -341,6 +447,7 @@ def start_node_collectors(
     detached: bool = False,
     ready_timeout_s: float = 60.0,
     node_ids: list[str] | None = None,
+    gateway: GatewayCollector | str | None = None,
 ) -> NodeCollectors:
     """Starts (or finds) one collector actor on every alive Ray node and waits until all are ready.
 
@@ -352,6 +459,9 @@ def start_node_collectors(
     forwarded at the next start).  ``detached``: the actors outlive this driver (stop them with
     ``find_node_collectors().shutdown()``); otherwise they end with this job.
     Calling it again (from any driver) returns the running actors and starts only missing ones.
+    ``gateway`` (a :func:`start_gateway` result, or the gateway's URL): every node collector
+    forwards to it (``TRACECAR_GATEWAY_URL``, named by its node id), and W&B credentials in the
+    nodes' environment are not passed on to them (the gateway holds them).
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -359,6 +469,13 @@ def start_node_collectors(
     if not ray.is_initialized():
         raise RuntimeError("start_node_collectors needs ray.init() first")
     env = settings_env(settings)
+    drop_env: tuple[str, ...] = ()
+    if gateway is not None:
+        env["TRACECAR_ROLE"] = "node"
+        env["TRACECAR_GATEWAY_URL"] = gateway if isinstance(gateway, str) else gateway.url
+        if not isinstance(gateway, str) and gateway.token and "TRACECAR_GATEWAY_TOKEN" not in env:
+            env["TRACECAR_GATEWAY_TOKEN"] = gateway.token
+        drop_env = _GATEWAY_ONLY_ENV
     remote_cls = ray.remote(CollectorActor)
     actors: dict[str, Any] = {}
     for node_id in node_ids or _alive_node_ids():
@@ -373,7 +490,8 @@ def start_node_collectors(
         )
         if detached:
             options["lifetime"] = "detached"
-        actors[node_id] = remote_cls.options(**options).remote(port, env, data_dir, namespace)
+        node_env = {**env, "TRACECAR_NODE_NAME": env.get("TRACECAR_NODE_NAME", node_id)} if gateway is not None else env
+        actors[node_id] = remote_cls.options(**options).remote(port, node_env, data_dir, namespace, "127.0.0.1", True, drop_env)
     collectors = NodeCollectors(namespace, actors)
     refs = {node: actor.wait_ready.remote(ready_timeout_s) for node, actor in actors.items()}
     failed: dict[str, str] = {}

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from itertools import count
 from typing import Any
 
-from .wire import value_shape
+from .wire import ids_as_lists, value_shape
 
 KIND_OP = "op"
 KIND_TRAJECTORY = "trajectory"
@@ -55,7 +55,7 @@ class SpanRecord:
 
     __slots__ = (
         "number", "prefix", "trace", "parent", "name", "kind", "start", "end",
-        "attributes", "signature", "args", "kwargs", "list_lens", "output", "exception", "exc_stack", "_sid",
+        "attributes", "signature", "args", "kwargs", "list_lens", "dict_copies", "output", "exception", "exc_stack", "_sid",
     )
 
     def __init__(
@@ -68,6 +68,7 @@ class SpanRecord:
         signature: _LazySignature | None = None,
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
+        copy_dicts: bool = False,
     ) -> None:
         self.number = next(ids.counter)
         self.prefix = ids.prefix
@@ -82,7 +83,10 @@ class SpanRecord:
         self.args = args
         self.kwargs = kwargs
         # list arguments' lengths in order (positional, then keyword): inline, as this runs on every call
+        # and, with ``copy_dicts`` (TRACECAR_SNAPSHOT=shallow), copies of the dict arguments, in the
+        # same order (put back in their places on the sender thread)
         lens: list[int] | None = None
+        copies: Any = None  # None, the one dict copy, or a list of them
         if signature is not None:
             for value in (*args, *kwargs.values()) if kwargs else args:
                 if type(value) is list:
@@ -90,7 +94,15 @@ class SpanRecord:
                         lens = [len(value)]
                     else:
                         lens.append(len(value))
+                elif copy_dicts and type(value) is dict:  # one copy is kept bare (no list to allocate)
+                    if copies is None:
+                        copies = value.copy()
+                    elif type(copies) is dict:
+                        copies = [copies, value.copy()]
+                    else:
+                        copies.append(value.copy())
         self.list_lens = lens
+        self.dict_copies = copies
         self.output: Any = None
         self.exception: BaseException | str | None = None
         self.exc_stack: tuple[tuple[Any, int | None], ...] | None = None
@@ -129,7 +141,7 @@ class SpanRecord:
     def _inputs(self) -> dict[str, Any]:
         if self.signature is None:
             return self.kwargs or {}
-        args, kwargs = _restore_lists(self.args, self.kwargs or {}, self.list_lens)
+        args, kwargs = _restore_lists(self.args, self.kwargs or {}, self.list_lens, self.dict_copies)
         return self.signature.bind_inputs(args, kwargs)
 
 
@@ -222,6 +234,68 @@ def restore(value: Any) -> Any:
     return value
 
 
+# ---- TRACECAR_SNAPSHOT: how much of a call's values is copied on the caller's path ----------
+# weave (VERL's weave backend) copies a call's containers when the call starts (its
+# ``redact_sensitive_keys`` and ``map_to_refs`` rebuild every dict, list and tuple, and a pydantic
+# model or dataclass as a record of its fields) and its output's when it returns, and serialises
+# the copies later; tracecar records references and serialises on the sender thread, so what is
+# copied here decides which later changes a span shows (docs/weave.md).
+SNAPSHOT_MODES = ("refs", "shallow", "deep")
+
+
+def _numbers_or_texts(items: list[Any]) -> bool:
+    """All numbers, or all strings: checked in C (``sum`` / ``str.join`` stop at the first item that
+    is not), ~10 ns an item where a per-item type check costs ~20."""
+    first = type(items[0])
+    try:
+        if first is int or first is float:
+            sum(items)
+            return True
+        if first is str:
+            "".join(items)
+            return True
+    except TypeError:
+        pass
+    return False
+
+
+def _deep(value: Any, depth: int) -> Any:
+    """weave's copy at call time: dicts, lists, tuples and models (as weave's envelope) rebuilt all
+    the way down (to ``depth`` levels), numpy arrays copied, other objects by reference."""
+    kind = type(value)
+    if kind in _SCALARS or depth <= 0:
+        return value
+    if kind is list:
+        if value and _numbers_or_texts(value):  # token ids, log-probabilities: one C copy
+            return value.copy()
+        return [_deep(v, depth - 1) for v in value]
+    if kind is dict:
+        return {k: _deep(v, depth - 1) for k, v in value.items()}
+    if kind is tuple:
+        return tuple(_deep(v, depth - 1) for v in value)
+    shape = value_shape(kind)
+    if shape is not None:
+        fields = dict(value.__dict__) if shape.pydantic else shape.fields_of(value)
+        return shape.envelope(ids_as_lists({k: _deep(v, depth - 1) for k, v in fields.items()}))
+    if kind.__module__ == "numpy" and callable(getattr(value, "copy", None)):
+        try:
+            return value.copy()
+        except Exception:  # noqa: BLE001 - an odd array: by reference, as weave keeps it
+            return value
+    return value
+
+
+def deep_inputs(args: tuple[Any, ...], kwargs: dict[str, Any] | None,
+                depth: int = 32) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
+    """``deep``: every argument as it was when the call started (see :func:`_deep`)."""
+    return tuple(_deep(v, depth) for v in args), ({k: _deep(v, depth) for k, v in kwargs.items()} if kwargs else kwargs)
+
+
+def deep_snapshot(value: Any, depth: int = 32) -> Any:
+    """``deep``: the output as it was when the call returned, all the way down."""
+    return _deep(value, depth)
+
+
 # ---- exceptions in weave's shape -----------------------------------------------------------
 _MAX_OUTER_FRAMES = 256
 
@@ -271,26 +345,35 @@ def _safe_str(exc: BaseException) -> str:
 
 
 def _restore_lists(
-    args: tuple[Any, ...], kwargs: dict[str, Any], lens: list[int] | None
+    args: tuple[Any, ...], kwargs: dict[str, Any], lens: list[int] | None, copies: Any = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The list arguments as the call saw them: ``lens`` holds each list argument's length at the
     call, in order (positional, then keyword; the args tuple and the kwargs dict are the call's own,
-    so the order is the same here); one grown since is sliced back."""
-    if not lens:
+    so the order is the same here); one grown since is sliced back. ``copies`` holds the dict
+    arguments as copied at the call (``TRACECAR_SNAPSHOT=shallow``), in the same order (one bare)."""
+    if not lens and copies is None:
         return args, kwargs
-    lengths = iter(lens)
+    lengths = iter(lens or ())
+    dicts = iter([copies] if type(copies) is dict else copies or ())
+    copied = copies is not None
     restored = list(args)
     for i, value in enumerate(restored):
-        if type(value) is list:
+        kind = type(value)
+        if kind is list:
             n = next(lengths)
             if len(value) != n:
                 restored[i] = value[:n]
+        elif kind is dict and copied:
+            restored[i] = next(dicts)
     kwargs = dict(kwargs)
     for key, value in kwargs.items():
-        if type(value) is list:
+        kind = type(value)
+        if kind is list:
             n = next(lengths)
             if len(value) != n:
                 kwargs[key] = value[:n]
+        elif kind is dict and copied:
+            kwargs[key] = next(dicts)
     return tuple(restored), kwargs
 
 

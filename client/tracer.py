@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import contextvars
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -16,7 +17,7 @@ from typing import Any
 from .config import ClientConfig
 from .loud import check_url
 from .sender import Sender
-from .spans import SpanRecord
+from .spans import SNAPSHOT_MODES, SpanRecord, deep_inputs, deep_snapshot, snapshot
 
 log = logging.getLogger("tracecar.client")
 
@@ -34,6 +35,16 @@ class Tracer:
         self.opened = self.sender.opened if config.open_markers else _ignore
         # a call that ended: queued for the sender (bound once: one call frame fewer per traced call)
         self.emit: Callable[[SpanRecord], None] = self.sender.enqueue
+        # TRACECAR_SNAPSHOT: what the caller's path copies of a call's arguments and its output
+        mode = config.snapshot
+        if mode not in SNAPSHOT_MODES:
+            log.warning("tracecar: TRACECAR_SNAPSHOT=%r is not one of %s; using shallow", mode, ", ".join(SNAPSHOT_MODES))
+            mode = "shallow"
+        self.copy_dicts = mode == "shallow"
+        self.deep_inputs: Callable[..., tuple[tuple[Any, ...], dict[str, Any] | None]] | None = (
+            functools.partial(deep_inputs, depth=config.max_depth) if mode == "deep" else None)
+        self.snapshot: Callable[[Any], Any] = (
+            functools.partial(deep_snapshot, depth=config.max_depth) if mode == "deep" else snapshot)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         return self.sender.flush(timeout_s)

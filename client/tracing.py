@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from . import tracer as _tracer
-from .spans import KIND_ANNOTATION, KIND_OP, KIND_TRAJECTORY, SpanRecord, _LazySignature, outer_stack, snapshot
+from .spans import KIND_ANNOTATION, KIND_OP, KIND_TRAJECTORY, SpanRecord, _LazySignature, outer_stack
 
 KIND_MEMBERSHIP = "membership"
 
@@ -57,7 +57,11 @@ def rollout_trace_op(func: F) -> F:
             if parent is _tracer.DISABLED:
                 return await func(*args, **kwargs)
             attributes = _attributes_of(parent)
-            record = SpanRecord(name, KIND_OP, _now(), parent, attributes, signature, args, kwargs)
+            deep = tracer.deep_inputs  # TRACECAR_SNAPSHOT=deep: every argument copied all the way down now
+            if deep is None:
+                record = SpanRecord(name, KIND_OP, _now(), parent, attributes, signature, args, kwargs, tracer.copy_dicts)
+            else:
+                record = SpanRecord(name, KIND_OP, _now(), parent, attributes, signature, *deep(args, kwargs))
             if attributes is not None and attributes.get(MARK) is _TOP and parent.kind is KIND_OP:
                 _mark_turn(record, parent)
             tracer.opened(record)
@@ -69,7 +73,7 @@ def rollout_trace_op(func: F) -> F:
                 raise
             finally:
                 current.reset(token)
-            record.output = snapshot(result)  # weave records the output as it was at finish
+            record.output = tracer.snapshot(result)  # weave records the output as it was at finish
             record.end = _now()
             tracer.emit(record)
             return result
@@ -85,7 +89,11 @@ def rollout_trace_op(func: F) -> F:
         if parent is _tracer.DISABLED:
             return func(*args, **kwargs)
         attributes = _attributes_of(parent)
-        record = SpanRecord(name, KIND_OP, _now(), parent, attributes, signature, args, kwargs)
+        deep = tracer.deep_inputs  # TRACECAR_SNAPSHOT=deep: every argument copied all the way down now
+        if deep is None:
+            record = SpanRecord(name, KIND_OP, _now(), parent, attributes, signature, args, kwargs, tracer.copy_dicts)
+        else:
+            record = SpanRecord(name, KIND_OP, _now(), parent, attributes, signature, *deep(args, kwargs))
         if attributes is not None and attributes.get(MARK) is _TOP and parent.kind is KIND_OP:
             _mark_turn(record, parent)
         tracer.opened(record)
@@ -97,7 +105,7 @@ def rollout_trace_op(func: F) -> F:
             raise
         finally:
             current.reset(token)
-        record.output = snapshot(result)  # weave records the output as it was at finish
+        record.output = tracer.snapshot(result)  # weave records the output as it was at finish
         record.end = _now()
         tracer.emit(record)
         return result

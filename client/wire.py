@@ -16,6 +16,8 @@ goes through :class:`WireEncoder`, which walks the value in Python and applies e
 
 from __future__ import annotations
 
+import datetime
+import enum
 import math
 from typing import Any
 
@@ -30,14 +32,17 @@ WIRE_VERSION = 1
 WIRE_VERSION_DELTA = 2
 JSON_CONTENT_TYPE = "application/json"
 _TRUNCATED = "…[truncated by tracecar: {n} chars]"
-# dataclasses and numpy values go through ``default`` too, so they get weave's envelope / repr
-# rather than orjson's plain dict / list
-_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_PASSTHROUGH_DATACLASS
+# dataclasses, numpy values and datetimes go through ``default`` too, so they get weave's envelope /
+# repr / CustomWeaveType rather than orjson's plain dict / list / ISO text
+_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
 # Token-id fields the collector decodes (tracecar.collector.processors.decoding's PROMPT_KEYS/RESPONSE_KEYS):
 # an integer numpy array there travels as a list, so token2text still works; every other numpy
 # value is its repr, as weave stores it (``np.int64(0)``, ``array([...], dtype=object)``).
 ID_KEYS = ("prompt_ids", "response_ids", "token_ids")
 _WEAVE_MAX_STR_LEN = 1000  # weave.trace.serialization.serialize.MAX_STR_LEN
+#: A non-finite float down to this depth of the span (2: a value at the top level of ``inputs``,
+#: ``output`` or ``attributes``) is written as ``"nan"`` / ``"inf"`` / ``"-inf"``; deeper, null.
+NON_FINITE_TEXT_DEPTH = 2
 
 
 class WireEncoder:
@@ -49,8 +54,9 @@ class WireEncoder:
     lists, objects with ``to_dict`` that dict, and anything else its ``repr`` (cut at weave's 1,000 characters). Values under a redact key
     (:mod:`tracecar.client.redact`) become ``"REDACTED"``. On the slow path (:meth:`encode`),
     strings longer than ``max_string_chars`` are cut with a marker; nesting deeper than
-    ``max_depth`` and cycles become a repr; non-finite floats become the strings ``nan``,
-    ``inf``, ``-inf``; so a hostile or huge output can never stall or crash the sender.
+    ``max_depth`` and cycles become a repr; non-finite floats at the top level of inputs, output
+    and attributes become the strings ``nan``, ``inf``, ``-inf`` (deeper ones null, as weave writes
+    them); so a hostile or huge output can never stall or crash the sender.
     """
 
     def __init__(self, max_string_chars: int = 1_000_000, max_depth: int = 32,
@@ -66,9 +72,15 @@ class WireEncoder:
         if kind is int:
             return value if -(2**63) <= value < 2**64 else str(value)
         if kind is float:
-            return value if math.isfinite(value) else repr(value)
+            if math.isfinite(value):
+                return value
+            # text where it says something (a NaN reward or score: the top level of inputs, output
+            # and attributes; weave's null would read as "no reward"); deeper, null as weave writes it
+            return repr(value) if depth <= NON_FINITE_TEXT_DEPTH else None
         if kind is str:
             return self._cut(value)
+        if isinstance(value, float) and not isinstance(value, enum.Enum):  # np.float64: a number, at its own depth
+            return self.encode(float(value), depth)
         if depth >= self.max_depth:  # written as its repr, secrets at any depth below redacted first (as weave walks them)
             return self._cut(self.redact.scrub_text(repr(redact_value(value, self.redact))))
         if kind is list or kind is tuple:
@@ -87,12 +99,16 @@ class WireEncoder:
 
     def flatten(self, value: Any) -> Any:
         """One level of conversion for a non-builtin value (never recursive itself)."""
+        if isinstance(value, enum.Enum):
+            return weave_enum(value, self.stringify)
         if isinstance(value, float):  # np.float64 and other float subclasses: weave keeps them numbers
             return float(value)
+        if isinstance(value, datetime.datetime):
+            return weave_datetime(value)
         shape = value_shape(type(value))
         if shape is not None:
-            try:
-                return shape.envelope(ids_as_lists(shape.fields_of(value)))
+            try:  # (orjson writes what this returns itself: enums in the fields are made weave's here)
+                return _plain_enums(shape.envelope(ids_as_lists(shape.fields_of(value))), 1, self.stringify)
             except Exception:  # noqa: BLE001 - a field that raises: the model is traced as its repr
                 return self.stringify(value)
         if type(value).__module__.split(".")[0] == "numpy":
@@ -130,6 +146,73 @@ class WireEncoder:
         if len(rep) > _WEAVE_MAX_STR_LEN:
             rep = rep[: _WEAVE_MAX_STR_LEN - 3] + "..."
         return self.redact.scrub_text(rep)
+
+
+# ---- enums and datetimes as weave writes them ----------------------------------------------
+DATETIME_TYPE = "datetime.datetime"  # weave's serializer id for datetime (weave/type_handlers/DateTime)
+
+
+def weave_enum(value: enum.Enum, stringify: Any) -> Any:
+    """weave keeps an int / str / float enum (``IntEnum``, ``StrEnum``) as the primitive it is (its
+    value, once JSON); any other enum has no serializer there: its repr, ``"<Color.RED: 'red'>"``."""
+    if isinstance(value, (int, str, float)):
+        return value.value
+    return stringify(value)
+
+
+def weave_datetime(value: datetime.datetime) -> dict[str, Any]:
+    """weave's custom type for a datetime (a naive one taken as UTC, as weave's ``save`` does); the
+    collector's Weave sink adds ``load_op``, the ref of weave's ``load_datetime.datetime`` op in
+    the call's project (which only the collector knows)."""
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=datetime.timezone.utc)
+    return {"_type": "CustomWeaveType", "weave_type": {"type": DATETIME_TYPE}, "val": value.isoformat()}
+
+
+def _attribute_text(value: datetime.datetime | datetime.date | datetime.time) -> str:
+    """weave sends attributes through pydantic's ``to_jsonable_python``: ISO text, UTC as ``Z``."""
+    text = value.isoformat()
+    return text[:-6] + "Z" if text.endswith("+00:00") else text
+
+
+def _is_plain_enum(value: Any) -> bool:
+    return isinstance(value, enum.Enum) and not isinstance(value, (int, str, float))
+
+
+def _plain_enums(value: Any, depth: int, stringify: Any) -> Any:
+    """``value`` with every non-primitive enum as its repr, ``depth`` container levels down (a copy
+    only where one is): orjson writes an enum as its value before ``default`` could see it."""
+    kind = type(value)
+    if kind is dict:
+        out = value
+        for key, item in value.items():
+            item_kind = type(item)
+            if item_kind in _PLAIN_ITEMS:  # most values: one set lookup
+                continue
+            if item_kind is dict or item_kind is list or item_kind is tuple:
+                if depth <= 0:
+                    continue
+                new = _plain_enums(item, depth - 1, stringify)
+            elif _is_plain_enum(item):
+                new = stringify(item)
+            else:
+                continue
+            if new is not item:
+                if out is value:
+                    out = dict(value)
+                out[key] = new
+        return out
+    if (kind is list or kind is tuple) and value and depth > 0:
+        if type(value[0]) in _PLAIN_ITEMS and type(value[-1]) in _PLAIN_ITEMS:  # token ids, logprobs, texts
+            return value
+        items = [stringify(v) if _is_plain_enum(v) else _plain_enums(v, depth - 1, stringify) for v in value]
+        return value if all(a is b for a, b in zip(items, value)) else items
+    return value
+
+
+_PLAIN_ITEMS = frozenset({int, float, str, bool, type(None)})
+_repr = WireEncoder().stringify  # weave's stringify with weave's own redact keys (callers pass their encoder's)
+ENUM_SCAN_DEPTH = 3  # container levels of inputs / output searched for enums on the fast path
 
 
 class ValueShape:
@@ -204,14 +287,26 @@ def ids_as_lists(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _fast_path_fits(wire: dict[str, Any]) -> bool:
-    """Unwraps packed id arrays in inputs/output back to lists (in place); False when a top-level
-    non-finite number (which orjson would write as null) sends the span through the walk."""
+def _fast_path_fits(wire: dict[str, Any], stringify: Any = None) -> bool:
+    """Unwraps packed id arrays in inputs/output back to lists and writes enums as weave does
+    (in place); False when a top-level non-finite number (which orjson would write as null) sends
+    the span through the walk."""
     for part in ("output", "inputs"):
         value = wire.get(part)
         if type(value) is dict:
-            wire[part] = ids_as_lists(value)
-    return not (_has_non_finite(wire.get("output")) or _has_non_finite(wire.get("attributes")))
+            wire[part] = _plain_enums(ids_as_lists(value), ENUM_SCAN_DEPTH, stringify or _repr)
+        elif isinstance(value, enum.Enum) or type(value) is list or type(value) is tuple:
+            wire[part] = _plain_enums({"": value}, ENUM_SCAN_DEPTH, stringify or _repr)[""]
+    return not (_has_non_finite(wire.get("output")) or _has_non_finite(wire.get("attributes"))
+                or _has_non_finite(wire.get("inputs")))
+
+
+def _weave_attributes(wire: dict[str, Any]) -> None:
+    """Attributes' datetimes as weave's ``to_jsonable_python`` writes them (ISO text), in place."""
+    attributes = wire.get("attributes")
+    if type(attributes) is dict and any(isinstance(v, (datetime.date, datetime.time)) for v in attributes.values()):
+        wire["attributes"] = {k: _attribute_text(v) if isinstance(v, (datetime.date, datetime.time)) else v
+                              for k, v in attributes.items()}
 
 
 def pack_span(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> bytes:
@@ -227,7 +322,8 @@ def pack_span(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> by
     (orjson would turn a NaN reward into null), or a result larger than the string bound goes
     through the bounded walk, which replaces those values, so a secret never leaves the worker.
     """
-    if _fast_path_fits(wire):
+    _weave_attributes(wire)
+    if _fast_path_fits(wire, encoder.stringify):
         try:
             packed = _pack_spliced(wire, encoder, size_limit) if _Fragment is not None and encoder.redact.spliceable \
                 else _pack_whole(wire, encoder, size_limit)
@@ -241,7 +337,8 @@ def pack_span(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> by
 def pack_span_legacy(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> bytes:
     """The previous packing (one dump, the byte search over all of it, default fields sent):
     kept so a benchmark can run it beside :func:`pack_span` in one run (``TRACECAR_PACKING=legacy``)."""
-    if _fast_path_fits(wire):
+    _weave_attributes(wire)
+    if _fast_path_fits(wire, encoder.stringify):
         try:
             packed = orjson.dumps(wire, default=encoder.flatten, option=_OPTIONS)
             if len(packed) <= size_limit and not _legacy_might_hold(encoder.redact, packed, max(0, packed.find(b'"attributes":'))):

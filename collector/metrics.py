@@ -53,7 +53,10 @@ class Metrics:
         self.http_closed = Counter("tracecar_http_closed", "Connections the collector closed on a client, by reason (header_timeout, body_timeout, idle_timeout, header_too_large).", ["reason"], registry=r)
         self.tokenizer_refused = Counter("tracecar_tokenizer_refused", "Tokenizer loads refused or failed, by reason (not_allowed, too_large, not_found, load_failed).", ["reason"], registry=r)
         self.backpressure = Counter("tracecar_backpressure", "Requests answered 503 because a bound was hit, by bound.", ["bound"], registry=r)
+        self.export_rows_skipped = Counter("tracecar_export_rows_skipped", "Trajectories left out of a dataset export (GET /v1/export) because a stored value did not fit the format (each logged with its trace id and why), by format.", ["format"], registry=r)
         self.otlp_spans = Counter("tracecar_otlp_spans", "Valid OTLP spans received, by what they joined: a tracecar trajectory found in memory or in the store, or none (a trace of their own).", ["joined"], registry=r)
+        self.otlp_held = Counter("tracecar_otlp_held_spans", "OTLP engine spans that arrived before their trajectory, by outcome: held (stored, sent nowhere yet), then joined (took its project and left with it), dropped (with its trajectory, by a budget), foreign (another producer's root came: sent as it is), expired or overflow (TRACECAR_OTLP_HOLD_MAX_AGE_S / _MAX_SPANS: sent as it is).", ["outcome"], registry=r)
+        self.otlp_held_spans = Gauge("tracecar_otlp_held_spans_waiting", "OTLP engine spans waiting now for their trajectory (stored, sent to no exporter yet).", registry=r)
         self.ingest_seconds = Histogram(
             "tracecar_ingest_seconds", "Time from request read to acknowledgement.",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r,
@@ -72,6 +75,8 @@ class Metrics:
         self.held_bytes = Gauge("tracecar_held_bytes", "Bytes of spans awaiting their step's decision.", registry=r)
         self.held_trajectories = Gauge("tracecar_held_trajectories", "Trajectories awaiting their step's decision (summaries in memory).", registry=r)
         self.open_steps = Gauge("tracecar_open_steps", "Steps (rounds) held open awaiting a decision.", registry=r)
+        # the cluster tier (service/roles.py): what a gateway took from each node collector
+        self.gateway_spans_received = Counter("tracecar_gateway_spans_received", "Gateway: valid spans node collectors forwarded, by node (TRACECAR_NODE_NAME; past 1,024 names, other).", ["node"], registry=r)
         # the list API (GET /v1/trajectories) over the viewer's trajectory index
         self.list_index_behind = Counter("tracecar_list_index_behind", "GET /v1/trajectories answers given before the trajectory index caught up (TRACECAR_LIST_CATCH_UP_S hit; index.caught_up=false).", registry=r)
 

@@ -19,6 +19,9 @@ from tracecar.client.redact import parse_keys
 MiB = 2**20
 
 
+MIN_STORE_RESERVE_BYTES = 8 * MiB  # the WAL (~4 MiB between checkpoints) plus room for the checkpoint's and evictions' writes
+
+
 class BudgetSettings(BaseModel):
     """The budget settings, declared once: CollectorSettings has them, BudgetOverride overrides them."""
 
@@ -62,7 +65,7 @@ class CollectorSettings(BudgetSettings, BaseSettings):
     exporters: Annotated[list[str], NoDecode] | None = Field(None, description="Exporters that all get every kept span, each with its own delivery cursor, retries and dead letters: a comma list of weave, otlp, mlflow (empty: local store only); unset: the one TRACECAR_BACKEND names.")
     otlp_endpoint: str | None = Field(None, description="backend=otlp: the full OTLP/HTTP traces URL, e.g. http://127.0.0.1:6006/v1/traces (Phoenix) or .../api/public/otel/v1/traces (Langfuse).")
     otlp_headers: SecretStr | None = Field(None, description="Headers sent with every OTLP (and MLflow) export, k1=v1,k2=v2 (like OTEL_EXPORTER_OTLP_HEADERS); a secret, never logged.")
-    otlp_content: bool = Field(True, description="backend=otlp: send message content (gen_ai.input.messages/output.messages, tracecar.inputs/output); off sends structure, timings and usage only.")
+    otlp_content: bool = Field(True, description="backend=otlp: send message content (gen_ai.input.messages/output.messages, OpenInference input.value/output.value); off sends structure, timings and usage only.")
     otlp_timeout_s: float = Field(10.0, gt=0, description="Timeout of one OTLP or MLflow export request.")
     mlflow_tracking_uri: str | None = Field(None, validation_alias=AliasChoices("TRACECAR_MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_URI"), description="backend=mlflow: the MLflow server (http(s) URL; also read from MLFLOW_TRACKING_URI); spans go to <it>/v1/traces.")
     mlflow_experiment_id: str | None = Field(None, description="backend=mlflow: experiment the traces land in (x-mlflow-experiment-id).")
@@ -90,6 +93,8 @@ class CollectorSettings(BudgetSettings, BaseSettings):
     validation_budget: BudgetOverride | None = Field(None, description="Budget overrides for validate=True steps (JSON/YAML mapping of the budget settings); they are always counted apart from training steps.")
     budgets: dict[str, BudgetOverride] = Field(default_factory=dict, description="Per-experiment budget overrides: experiment name -> mapping of budget settings (with an optional `validation` mapping).")
     otlp_join_traces: int = Field(16384, ge=0, description="Trajectories remembered so that OTLP engine spans (vLLM's llm_request) joining them take their worker, project and budget attributes, and are kept or dropped with them; past it (or after a restart) the store is asked, where dropped trajectories are not.")
+    otlp_hold_max_spans: int = Field(10000, ge=0, description="OTLP engine spans that arrive before any span of their trajectory are stored but sent to no exporter until its project is known (else they would go to the default experiment, and MLflow would file the whole trace there); at most this many wait (0: none wait, the old behaviour); past it the oldest are sent as they are.")
+    otlp_hold_max_age_s: float = Field(120.0, gt=0, description="How long an OTLP engine span waits for its trajectory (TRACECAR_OTLP_HOLD_MAX_SPANS) before it is sent as it is, to the default destination; each such release is logged and counted.")
     max_body_bytes: int = Field(20 * MiB, ge=1024, description="Largest request body accepted on the wire (413 above).")
     max_decompressed_bytes: int = Field(100 * MiB, ge=1024, description="Largest body after gzip/zstd decompression (413 above; stops zip bombs).")
     max_batch_spans: int = Field(8192, ge=1, description="Most spans in one request (413 above).")
@@ -105,7 +110,7 @@ class CollectorSettings(BudgetSettings, BaseSettings):
     forward_retry_max_s: float = Field(30.0, gt=0, description="Backoff cap for forwarding retries.")
     forward_probe_s: float = Field(1.0, gt=0, description="While the spool is at its bound and the backend fails, probe it with a one-span batch this often instead of waiting out the backoff.")
     store_max_bytes: int | None = Field(4096 * MiB, ge=MiB, description="Bound on the store file (used SQLite pages): above it the oldest forwarded trajectories are evicted whole; unset: no bound (a full disk still evicts forwarded ones when forwarding to a backend).")
-    store_reserve_bytes: int = Field(64 * MiB, ge=0, description="When forwarding (any backend but local): disk space held back in a preallocated file (data_dir/reserve), released on a full disk so forwarded trajectories can be evicted, then taken again; 0: none.")
+    store_reserve_bytes: int = Field(64 * MiB, ge=0, description="When forwarding (any backend but local): disk space held back in a preallocated file (data_dir/reserve), released on a full disk so forwarded trajectories can be evicted, then taken again; 0: none; else at least 8 MiB (less cannot let SQLite checkpoint its WAL on a full disk: refused at start).")
     store_max_age_s: float | None = Field(None, gt=0, description="Forwarded trajectories older than this (by arrival of their last span) are evicted whole; unset keeps them.")
     decisions_max_rows: int = Field(1_000_000, ge=1000, description="Bound on each table of sampling decisions (head budgets' per-sample rows, tail budgets' per-trajectory rows): above it the oldest rows are deleted.")
     forgotten_ids_max: int = Field(200_000, ge=0, description="Ids of deleted spans (forwarded with keep_forwarded=false, evicted, sampled out) kept so a client's resend stays a duplicate and is never forwarded twice; above it the oldest go (about 90 bytes each, counted in the store's size).")
@@ -120,6 +125,17 @@ class CollectorSettings(BudgetSettings, BaseSettings):
     shutdown_drain_s: float = Field(10.0, ge=0, description="On SIGTERM, how long to keep forwarding before exit; the rest stays in the spool.")
     redact_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Keys whose values are replaced by REDACTED at ingest, on top of weave's api_key, auth_headers, authorization (case-insensitive, any depth; comma-separated in the environment).")
     log_level: str = Field("info", description="Log level (JSON lines on stderr).")
+
+    # --- the cluster tier (issue 26): node collectors feed a gateway (collector/service/roles.py) ---
+    role: Literal["node", "gateway"] = Field("node", description="node: the collector beside the workers (today's collector; with TRACECAR_GATEWAY_URL it forwards its decoded trajectories to that gateway); gateway: takes node collectors' trajectories, decides the global (tail) budgets, stores, serves the viewer and read APIs for the whole job and fans out to the exporters.")
+    gateway_url: str | None = Field(None, description="role=node: the gateway's base URL (http(s)://HOST:PORT); the node then forwards everything its head budget keeps to it (exporter gateway) and the gateway decides the tail budgets.")
+    gateway_token: SecretStr | None = Field(None, description="role=node: the bearer token the gateway requires (its TRACECAR_TOKEN); unset: this node's own TRACECAR_TOKEN.")
+    node_name: str | None = Field(None, max_length=256, description="role=node: this node's name at the gateway (its metrics' node label, the forwarded batches' envelope); unset: <hostname>:<port>.")
+    gateway_timeout_s: float = Field(30.0, gt=0, description="role=node: timeout of one forward request to the gateway.")
+    gateway_batch_bytes: int = Field(8 * MiB, ge=64 * 1024, description="role=node: most JSON bytes of spans in one forward request to the gateway (sent zstd-compressed; keep it under the gateway's TRACECAR_MAX_DECOMPRESSED_BYTES); a larger single span goes alone.")
+    gateway_heartbeat_s: float = Field(1.0, gt=0, description="role=node: how often the node tells the gateway how far it has acknowledged and delivered (also between batches), so the gateway's steps wait for a node that is behind.")
+    node_silent_s: float = Field(3.0, gt=0, description="role=gateway: a node collector not heard from for this long counts as behind: steps it may still hold trajectories of do not close on next_step, idle or shutdown until it has delivered what it had acknowledged (count and TRACECAR_DECISION_WAIT_S still close them).")
+    node_lost_s: float = Field(300.0, gt=0, description="role=gateway: a node collector not heard from for this long is no longer waited for (it left the job); its late trajectories open later rounds of their steps.")
 
     # --- the list API over the viewer's trajectory index (issue 15, helper "lists") ---
     list_catch_up_s: float = Field(5.0, gt=0, description="GET /v1/trajectories: how long a request lets the trajectory index catch up with the store before answering (so a list right after an ingest shows it); past it the answer says index.caught_up=false and the rest is indexed in the background.")
@@ -142,6 +158,18 @@ class CollectorSettings(BudgetSettings, BaseSettings):
         """A name twice would mean two cursors under one key. (Unknown names: config_check, which knows the registry.)"""
         if value is not None and len(set(value)) != len(value):
             raise ValueError("names an exporter twice")
+        return value
+
+    @field_validator("store_reserve_bytes")
+    @classmethod
+    def _reserve_that_can_work(cls, value: int) -> int:
+        """A reserve too small to let SQLite checkpoint its WAL on a full disk cannot free anything:
+        ingest would answer 503 for good (issue 28, item 7). Refused at start instead."""
+        if 0 < value < MIN_STORE_RESERVE_BYTES:
+            raise ValueError(f"must be 0 (no reserve) or at least {MIN_STORE_RESERVE_BYTES} (8 MiB): on a full "
+                             "disk the released reserve must let SQLite checkpoint its write-ahead log (up to about 4 MiB "
+                             "between checkpoints) into the main file before forwarded trajectories can be evicted; a "
+                             "smaller one leaves ingest answering 503 with nothing evicted")
         return value
 
     @field_validator("token", mode="before")
@@ -196,6 +224,13 @@ class CollectorSettings(BudgetSettings, BaseSettings):
         return default_workers()
 
     @property
+    def effective_node_name(self) -> str:
+        """This node's name at its gateway: TRACECAR_NODE_NAME, else <hostname>:<port>."""
+        import socket
+
+        return self.node_name or f"{socket.gethostname()}:{self.port}"
+
+    @property
     def effective_backend(self) -> Literal["local", "weave", "otlp", "mlflow"]:
         if self.backend == "auto":
             return "weave" if self.wandb_api_key is not None else "local"
@@ -204,6 +239,8 @@ class CollectorSettings(BudgetSettings, BaseSettings):
     @property
     def effective_exporters(self) -> list[str]:
         """The exporters forwarded to: TRACECAR_EXPORTERS, else the one the backend setting names."""
+        if self.role == "node" and self.gateway_url:  # a node forwards to its gateway only (service/roles.py checks the rest)
+            return ["gateway"]
         if self.exporters is not None:
             return list(self.exporters)
         backend = self.effective_backend

@@ -8,8 +8,11 @@ OTLP exporter (GenAI attributes), so it sits below both viewer/ and exporters/:
   (``response_ids`` / ``token_ids`` ids or a decoded ``response_text``) and that has no child
   spans; an op with token output *and* children is the agent loop aggregating its turns
   (VERL's ``ToolAgentLoop.run`` returns all ``response_ids``) and is not a turn;
-* a *tool call* is an op span without token output whose method is ``execute`` (VERL's
-  ``BaseTool.execute``) or names a tool, or whose class ends in ``Tool`` (not a tool *parser*);
+* a *tool call* is an op span without token output whose method is a tool's entry point:
+  ``execute`` (VERL's ``BaseTool.execute``), ``call_tool``/``run_tool``/``invoke_tool``/``execute_tool``,
+  or ``__call__``/``call``/``run``/``invoke``/``forward`` (and their async forms) of a class whose
+  name ends in ``Tool``; a helper whose name merely contains "tool" (``SearchTool.lookup``,
+  ``format_tool_response``) or a tool *parser* is not one;
 * the *reward* is the root's ``attributes.reward`` if numeric, else the latest annotation's
   (the same precedence as :mod:`spool.query`);
 * an *engine span* is one that came in over OTLP (``attributes["otel"]``, e.g. vLLM's
@@ -25,11 +28,18 @@ from typing import Any
 import orjson
 
 RESPONSE_ID_KEYS = ("response_ids", "token_ids")
-TOOL_METHODS = frozenset({"execute", "call_tool", "run_tool", "invoke_tool"})
+TOOL_METHODS = frozenset({"execute", "call_tool", "run_tool", "invoke_tool", "execute_tool", "acall_tool"})
+# a *Tool class's own entry points (LangChain's BaseTool, smolagents' Tool, callables)
+TOOL_CLASS_METHODS = frozenset({"__call__", "call", "acall", "run", "arun", "_run", "_arun", "invoke", "ainvoke", "forward"})
+
+
+_JUST_INT = frozenset({int})
 
 
 def int_list(value: Any) -> list[int] | None:
-    if isinstance(value, list) and value and type(value[0]) is int and type(value[-1]) is int:
+    """``value`` when it is a non-empty list of plain ints (every element checked: what is built
+    from it, a token count or a typed column, depends on each of them; a bool is not one), else None."""
+    if isinstance(value, list) and value and type(value[0]) is int and _JUST_INT.issuperset(map(type, value)):
         return value
     return None
 
@@ -56,12 +66,39 @@ def token_counts(span: dict[str, Any]) -> tuple[int | None, int | None]:
 
 
 def is_tool(kind: str, name: str, output: Any) -> bool:
+    """A real tool call (the module docstring's rule), never a helper that merely names a tool."""
     if kind != "op" or token_output(kind, output):
         return False
     owner, _, method = name.lower().rpartition(".")
     if "pars" in name.lower():  # ToolParser.extract_tool_calls reads calls, it does not make one
         return False
-    return method in TOOL_METHODS or owner.endswith("tool") or "tool" in method
+    return method in TOOL_METHODS or (owner.rsplit(".", 1)[-1].endswith("tool") and method in TOOL_CLASS_METHODS)
+
+
+# methods that ask a model for tokens: a call of one that raised (no output) is still an LLM call
+LLM_METHODS = frozenset({"generate", "agenerate", "async_generate", "chat", "achat", "completion", "acompletion"})
+AGENT_METHODS = frozenset({"run", "arun"})
+
+
+def call_role(kind: str, name: str, output: Any, *, aggregates: bool, failed: bool = False) -> str:
+    """What a tracecar span is to a GenAI backend: ``AGENT`` (a trajectory root, an agent loop's
+    ``run``), ``LLM`` (an LLM call, also one that raised), ``TOOL`` (a real tool call,
+    :func:`is_tool`) or ``CHAIN`` (anything else: parsers, helpers, aggregating calls)."""
+    if kind == "trajectory":
+        return "AGENT"
+    if kind != "op":
+        return "CHAIN"
+    owner, _, method = name.lower().rpartition(".")
+    cls = owner.rsplit(".", 1)[-1]
+    if method in AGENT_METHODS and cls.endswith(("agentloop", "agent")):
+        return "AGENT"
+    if token_output(kind, output):
+        return "AGENT" if aggregates else "LLM"
+    if failed and output is None and not aggregates and method in LLM_METHODS:
+        return "LLM"
+    if is_tool(kind, name, output):
+        return "TOOL"
+    return "CHAIN"
 
 
 # what the viewer shows of an engine span: vLLM's SpanAttributes names (vllm/tracing/utils.py)

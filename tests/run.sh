@@ -8,7 +8,8 @@
 # (skipped, with one line, when no working 3.10 with venv/ensurepip is found).
 # With TRACECAR_TEST_VERL=1 it then runs the VERL adapter tests and the Weave parity harness
 # (tests/test_weave_parity.py, which also needs .venv-weave52) against the real verl package in
-# ./.venv-verl (CPU torch 2.13.0 from this machine's wheel directory; about 2 GB, 3 minutes).
+# ./.venv-verl (CPU torch 2.13.0 from this machine's wheel directory; about 2 GB, 3 minutes), and TRL's GRPOTrainer
+# (tests/test_trl.py) in the same venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -37,11 +38,14 @@ if [ "${TRACECAR_TEST_VERL:-0}" = 1 ]; then
   PYTHONWARNINGS=ignore::UserWarning .venv-verl/bin/python -m pip install -q verl==0.9.1 cachetools uvicorn fastapi -e ".[dev]"
   # MLflow's SDK for VERL's own trace.backend=mlflow (the mlflow parity harness's baseline)
   .venv-verl/bin/python -m pip install -q mlflow-skinny==3.17.2
+  # TRL for tests/test_trl.py (GRPOTrainer, two steps on CPU): it accepts this venv's torch and transformers, so it
+  # adds only itself and keeps verl's pins (about 4 s to install, ~30 s of test)
+  .venv-verl/bin/python -m pip install -q trl==1.16.0
   # the adapter against real VERL; then the parity harnesses: VERL's own weave / mlflow backend vs
   # tracecar, read back from weave's own trace server / a real mlflow server (each skips without
   # .venv-weave52 / .venv-mlflow)
   .venv-verl/bin/python -m pytest -p no:cacheprovider -q tests/test_verl_adapter.py tests/test_truth_verl.py tests/test_weave_parity.py \
-    tests/test_mlflow_parity.py
+    tests/test_mlflow_parity.py tests/test_trl.py
 fi
 if [ "${TRACECAR_TEST_PY310:-0}" = 1 ]; then
   PY310=""  # a working 3.10: on PATH, or a pyenv install (its shim fails when 3.10 is not selected)

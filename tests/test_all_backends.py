@@ -75,7 +75,10 @@ class Phoenix:
             self.proc = None
 
     def spans(self) -> list[dict[str, Any]]:
-        r = httpx.get(self.url + "/v1/projects/default/spans", params={"limit": 1000}, timeout=10)
+        # tracecar's project is the Phoenix project (resource attribute openinference.project.name)
+        r = httpx.get(f"{self.url}/v1/projects/{PROJECT}/spans", params={"limit": 1000}, timeout=10)
+        if r.status_code == 404:  # the project is made with its first span
+            return []
         assert r.status_code == 200, r.text[:2000]
         return r.json().get("data", [])
 

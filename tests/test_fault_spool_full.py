@@ -154,9 +154,12 @@ def test_full_disk_answers_503_stores_nothing_partial_and_recovers(tiny_disk, st
         assert httpx.get(col.url + "/readyz").status_code == 200
         listing = httpx.get(col.url + "/v1/trajectories", params={"limit": 1000})  # its index lives on the same full disk
         assert listing.status_code == 503 and listing.headers.get("Retry-After") and "disk" in listing.text, listing.text
-        # Every other reader of that index answers the same 503 (it was a 500 on the viewer's pages) ...
+        # Every other reader of that index answers the same 503 (it was a 500 on the viewer's pages, then on
+        # the export, JSONL and Parquet, through the API and the viewer: issue 28, item 4) ...
         for path, params in [("/ui/api/trajectories", {}), ("/ui/api/facets", {}), ("/ui/api/overview", {}),
-                             ("/ui/api/status", {}), ("/v1/groups", {"step": 0}), ("/ui/api/groups", {"step": 0})]:
+                             ("/ui/api/status", {}), ("/v1/groups", {"step": 0}), ("/ui/api/groups", {"step": 0}),
+                             ("/v1/health", {"step": 0}), ("/v1/export", {}), ("/v1/export", {"format": "parquet"}),
+                             ("/ui/api/export", {}), ("/ui/api/export", {"format": "parquet", "token_ids": "true"})]:
             answer = httpx.get(col.url + path, params=params)
             assert answer.status_code == 503 and answer.headers.get("Retry-After") and "disk" in answer.text, (path, answer.text)
         # ... while a stored trajectory still opens: it is read from the spool, only its summary row is withheld.

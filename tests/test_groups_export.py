@@ -508,6 +508,40 @@ def test_groups_and_export_of_trajectories_sent_by_the_real_client(start_collect
     assert sorted(zip(ds["rollout_n"], ds["reward"], ds["final_response"])) == [(0, 1.0, "right"), (1, 0.0, "wrong"), (2, 0.0, "wrong")]
 
 
+def test_export_undoes_the_chat_template_when_only_the_decoded_prompt_exists(start_collector, tracer_to, tmp_path):
+    """A loop that records token ids only: the export reads the messages back out of the templated text
+    (here Llama 3's), and a loop that takes ``messages`` (any chat-shaped input) has them exported as given."""
+    import asyncio
+
+    from tracecar.client import rollout_trace_attr, rollout_trace_op
+
+    templated = ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+                 "<|start_header_id|>user<|end_header_id|>\n\n2+2?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+
+    @rollout_trace_op
+    async def generate(prompt_ids: list[int]) -> dict[str, Any]:
+        return {"prompt_text": templated, "response_text": "4.<|eot_id|>", "token_ids": [7, 8]}
+
+    @rollout_trace_op
+    async def chat_loop(conversation: list[dict[str, Any]], **options: Any) -> dict[str, Any]:
+        return await generate([1, 2, 3])
+
+    async def rollouts() -> None:
+        with rollout_trace_attr(sample_index=0, step=1, rollout_n=0, name="agent_loop"):
+            await generate([1, 2, 3])
+        with rollout_trace_attr(sample_index=1, step=1, rollout_n=0, name="agent_loop"):
+            await chat_loop([{"role": "user", "content": "What is 2+2, exactly?"}], temperature=0.5)
+
+    col = start_collector()
+    tracer = tracer_to(col.url, experiment="templated")
+    asyncio.run(rollouts())
+    assert tracer.flush(30)
+    rows = {r["sample_index"]: r for r in map(orjson.loads, export_bytes(col.url, experiment="templated").splitlines())}
+    assert [(m["role"], m["content"]) for m in rows[0]["messages"]] == [("system", "Be brief."), ("user", "2+2?"), ("assistant", "4.")]
+    assert rows[0]["prompt"] == templated  # the decoded text itself stays in its own column
+    assert [(m["role"], m["content"]) for m in rows[1]["messages"]] == [("user", "What is 2+2, exactly?"), ("assistant", "4.")]
+
+
 def test_groups_page_script_ships_and_names_no_other_origin():
     from tracecar.collector.viewer import routes as viewer
 

@@ -19,10 +19,12 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
 
+from tests import engine_workload as workload
 from tests.support import free_port
 from tests.test_otlp_receiver import VllmEngine, _walk
 from tracecar.client import rollout_trace_attr, rollout_trace_op, trace_headers
 from tracecar.collector.exporters.otlp_sink import MlflowSink, OtlpSink, parse_headers
+from tracecar.collector.exporters.otlp_translate import span_id_bytes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -70,41 +72,61 @@ def _wait(url: str, trace_id: str, count: int, timeout: float = 30) -> dict[str,
         time.sleep(0.1)
 
 
-def test_otlp_backend_delivers_the_joined_rollout_tree_with_genai_conventions(start_collector, tracer_to):
-    destination = start_collector()  # a real OTLP/HTTP server (tracecar's own receiver)
-    source = start_collector(backend="otlp", otlp_endpoint=destination.url + "/v1/traces",
-                             otlp_headers="x-test-token=s3cret-value", otlp_content=True)
-    tracer = tracer_to(source.url)
-    engine = VllmEngine(source.url + "/v1/traces")
-    trace_id = verl_rollout(engine)
-    assert tracer.flush(10)
-    engine.flush()
-    engine.close()
+@pytest.fixture(scope="module")
+def otlp_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A destination collector (a real OTLP/HTTP server, tracecar's own receiver), a source collector
+    exporting to it over OTLP, and three worker processes' rollouts (tests/engine_workload.py)."""
+    work = tmp_path_factory.mktemp("otlp-run")
+    destination = workload.collector_process(work / "destination")
+    source = workload.collector_process(work / "source", backend="otlp", otlp_endpoint=destination.url + "/v1/traces",
+                                        otlp_headers="x-test-token=s3cret-value", otlp_content=True)
+    try:
+        manifest = workload.run_workers(source.url, 3, work / "workers")
+        workload.wait_delivered(source.url, len(manifest) * workload.SPANS_PER_TRAJECTORY)
+        yield {"manifest": manifest, "destination": destination, "source": source}
+    finally:
+        for col in (source, destination):
+            if col.proc is not None and col.proc.poll() is None:
+                col.terminate()
 
-    tree = _wait(destination.url, trace_id, 7)  # agent_loop, run, 2 × generate, execute, 2 × llm_request
-    spans = {s["name"].rsplit(".", 1)[-1] if "." in s["name"] else s["name"]: s for s in _walk(tree["root"])}
-    by_name: dict[str, list[dict[str, Any]]] = {}
-    for s in _walk(tree["root"]):
-        by_name.setdefault(s["name"].rsplit(".", 1)[-1], []).append(s)
-    assert tree["root"]["attributes"]["gen_ai.operation.name"] == "invoke_agent"
-    [run] = by_name["run"]
-    assert run["parent_id"] == tree["root"]["span_id"]
-    generates = by_name["generate"]
-    assert len(generates) == 2
-    for generate in generates:
-        attrs = generate["attributes"]
-        assert attrs["gen_ai.operation.name"] == "chat" and attrs["gen_ai.conversation.id"] == trace_id
-        assert attrs["gen_ai.usage.output_tokens"] == 3
-        assert '"content":"4"' in attrs["gen_ai.output.messages"]  # content on
-        [engine_span] = generate["children"]  # the join survives the export
-        assert engine_span["name"] == "llm_request" and engine_span["parent_id"] == generate["span_id"]
-        assert engine_span["attributes"]["gen_ai.latency.time_to_first_token"] == pytest.approx(0.031)
-    [tool] = by_name["execute"]
-    assert tool["attributes"]["gen_ai.operation.name"] == "execute_tool"
-    assert spans["agent_loop"]["trace_id"] == trace_id
-    metrics = httpx.get(source.url + "/metrics", timeout=10).text
-    assert "s3cret-value" not in metrics
-    assert source.settings.masked()["otlp_headers"] == "***set***"
+
+def test_otlp_backend_delivers_every_worker_process_s_joined_tree_with_genai_conventions(otlp_run):
+    destination, manifest = otlp_run["destination"], otlp_run["manifest"]
+    exported_ids: list[str] = []
+    for entry in manifest:
+        trace_id = entry["trace_id"]
+        tree = _wait(destination.url, trace_id, workload.SPANS_PER_TRAJECTORY)
+        spans = list(_walk(tree["root"]))
+        assert tree["span_count"] == len(spans) == workload.SPANS_PER_TRAJECTORY  # 100 %, one tree
+        exported_ids += [s["attributes"]["otel"]["span_id"] for s in spans]
+        by_name: dict[str, list[dict[str, Any]]] = {}
+        for s in spans:
+            by_name.setdefault(s["name"], []).append(s)
+        root = tree["root"]
+        assert root["name"] == "agent_loop" and root["attributes"]["gen_ai.operation.name"] == "invoke_agent"
+        [run] = by_name["ToolAgentLoop.run"]
+        assert run["parent_id"] == root["span_id"]
+        generates = by_name["LLMServerClient.generate"]
+        assert len(generates) == 2
+        for generate in generates:
+            attrs = generate["attributes"]
+            assert attrs["gen_ai.operation.name"] == "chat" and attrs["gen_ai.conversation.id"] == trace_id
+            assert attrs["openinference.span.kind"] == "LLM"
+            [engine_span] = generate["children"]  # the join survives the export, engine spans first included
+            assert engine_span["name"] == "llm_request" and engine_span["parent_id"] == generate["span_id"]
+            assert engine_span["attributes"]["gen_ai.latency.time_to_first_token"] == pytest.approx(0.031)
+            assert engine_span["attributes"]["otel"]["resource"]["vllm.instrumenting_module_name"] == "vllm.llm_engine"
+        ok = [g for g in generates if not g["exception"]]
+        assert all(g["attributes"]["gen_ai.usage.output_tokens"] == 3 for g in ok)
+        assert all('"content":"4"' in g["attributes"]["gen_ai.output.messages"] for g in ok)  # content on
+        assert len(ok) == (1 if entry["failed_turn"] else 2)
+        [tool] = by_name["SearchTool.execute"]
+        assert tool["attributes"]["gen_ai.operation.name"] == "execute_tool"
+        assert "gen_ai.operation.name" not in by_name["SearchTool.lookup"][0]["attributes"]  # a helper, no tool call
+        assert root["attributes"]["tracecar.project"] == entry["project"]
+    assert len(set(exported_ids)) == len(exported_ids) == len(manifest) * workload.SPANS_PER_TRAJECTORY
+    metrics = httpx.get(otlp_run["source"].url + "/metrics", timeout=10).text
+    assert "s3cret-value" not in metrics and "s3cret-value" not in otlp_run["source"].log_text()
 
 
 class AnsweringServer:
@@ -280,7 +302,7 @@ def test_mlflow_attributes_of_a_failed_op_and_of_a_pydantic_output():
     returned = {**op, "output": [model, 1.0, {"_type": "not an envelope"}]}
     request = ExportTraceServiceRequest.FromString(gzip.decompress(MlflowSink("http://127.0.0.1:1", "1").encode([root, returned, failed])))
     sent = {s.span_id.hex(): s for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans}
-    ok, bad = sent[returned["span_id"][16:]], sent[failed["span_id"][16:]]
+    ok, bad = (sent[span_id_bytes(s["span_id"], s["trace_id"]).hex()] for s in (returned, failed))
     attrs = {a.key: a.value for a in bad.attributes}
     assert "mlflow.spanOutputs" not in attrs and attrs["mlflow.spanLogLevel"].int_value == 40
     assert bad.status.code == bad.status.STATUS_CODE_ERROR and bad.status.message == "RuntimeError: boom"

@@ -43,12 +43,19 @@ def _trajectory() -> list[dict[str, Any]]:
     ]
 
 
-def test_ids_are_the_receivers_inverse():
+def test_span_ids_are_unique_across_processes_and_stable_across_resends():
     assert trace_id_bytes(TRACE) == bytes.fromhex(TRACE)
-    assert span_id_bytes(TRACE[:16] + "00000000000000a1", TRACE) == bytes.fromhex("00000000000000a1")
-    other = span_id_bytes("ffeeddccbbaa9988" + "0000000000000001", TRACE)  # another process's prefix: hashed
-    assert len(other) == 8 and other == span_id_bytes("ffeeddccbbaa9988" + "0000000000000001", TRACE)
-    assert other != bytes.fromhex("0000000000000001")
+    # two worker processes: the same counter under different random prefixes, each its own trajectory
+    other_trace = "ffeeddccbbaa9988" + "0000000000000001"
+    ours = [span_id_bytes(TRACE[:16] + f"{n:016x}", TRACE) for n in range(1, 2001)]
+    theirs = [span_id_bytes(other_trace[:16] + f"{n:016x}", other_trace) for n in range(1, 2001)]
+    assert len(set(ours) | set(theirs)) == 4000  # the counter alone repeated in every process
+    assert all(len(i) == 8 and any(i) for i in ours + theirs)  # W3C: 8 bytes, not all zero
+    assert bytes.fromhex("0000000000000001") not in ours
+    # deterministic: a resend (or another collector) maps the same span to the same id
+    assert span_id_bytes(TRACE[:16] + "00000000000000a1", TRACE) == span_id_bytes(TRACE[:16] + "00000000000000a1", TRACE)
+    # a free-form id (another client) is unique per trace too
+    assert span_id_bytes("s1", "trace-a") != span_id_bytes("s1", "trace-b")
     assert len(trace_id_bytes("free-form:id")) == 16 and len(span_id_bytes("free-form:id", "t")) == 8
 
 
@@ -59,7 +66,7 @@ def test_trajectory_becomes_genai_spans_without_content():
     spans = {s.name: s for s in rs.scope_spans[0].spans}
     assert set(spans) == {"agent_loop", "ToolAgentLoop.run", "LLMServerClient.generate", "CalculatorTool.execute"}
     root, run, gen, tool = (spans[n] for n in ("agent_loop", "ToolAgentLoop.run", "LLMServerClient.generate", "CalculatorTool.execute"))
-    assert root.trace_id == bytes.fromhex(TRACE) and root.span_id == bytes.fromhex(TRACE[16:]) and root.parent_span_id == b""
+    assert root.trace_id == bytes.fromhex(TRACE) and root.span_id == span_id_bytes(TRACE, TRACE) and root.parent_span_id == b""
     assert run.parent_span_id == root.span_id and gen.parent_span_id == run.span_id and tool.parent_span_id == run.span_id
     assert (root.start_time_unix_nano, root.end_time_unix_nano) == (10_000_000_000, 12_000_000_000)
     a = _attrs(root)
@@ -82,15 +89,56 @@ def test_trajectory_becomes_genai_spans_without_content():
 
 def test_content_is_sent_only_when_asked():
     gen = next(s for s in _trajectory() if s["name"] == "LLMServerClient.generate")
-    a = _attrs(to_otlp_span(gen, content=True, max_content_chars=20))
+    a = _attrs(to_otlp_span(gen, content=True, max_content_chars=20, openinference=True))
     assert orjson.loads(a["gen_ai.input.messages"]) == [{"role": "user", "parts": [{"type": "text", "content": "hi"}]}]
     assert orjson.loads(a["gen_ai.output.messages"]) == [{"role": "assistant", "parts": [{"type": "text", "content": "yo"}],
                                                           "finish_reason": "stop"}]
-    assert a["tracecar.inputs"] == '{"prompt_ids":[1,2]}'
-    assert a["tracecar.output"].startswith('{"token_ids":[3,4],"') and "truncated by tracecar" in a["tracecar.output"]
+    assert a["input.value"] == '{"prompt_ids":[1,2]}' and a["input.mime_type"] == "application/json"
+    assert a["output.value"].startswith('{"token_ids":[3,4],"') and "truncated by tracecar" in a["output.value"]
+    assert a["openinference.span.kind"] == "LLM"
+    off = _attrs(to_otlp_span(gen, content=False, openinference=True))
+    assert "input.value" not in off and "output.value" not in off and off["llm.token_count.completion"] == 2
 
 
-def test_a_span_received_over_otlp_goes_back_out_as_it_came():
+def test_openinference_kinds_inputs_outputs_and_token_counts():
+    """Phoenix's columns: AGENT for the root and the agent loop's run, LLM for generate (also when it
+    raised), TOOL only for a real tool call, CHAIN otherwise (a helper named like a tool, an engine span)."""
+    spans = _trajectory()
+    run = spans[1]
+    failed_generate = {**spans[2], "span_id": TRACE[:16] + "0000000000000005", "output": None,
+                       "exception": "RuntimeError: engine died\nTraceback ..."}
+    helper = {**spans[2], "span_id": TRACE[:16] + "0000000000000006", "name": "ToolAgentLoop._format_tool_response",
+              "inputs": {"text": "4"}, "output": "<tool_response>4</tool_response>"}
+    lookup = {**helper, "span_id": TRACE[:16] + "0000000000000007", "name": "SearchTool.lookup", "output": ["a"]}
+    parser = {**helper, "span_id": TRACE[:16] + "0000000000000008", "name": "HermesToolParser.extract_tool_calls",
+              "output": [[], "text"]}
+    marked = {**spans[2], "attributes": {**spans[2]["attributes"], "tracecar": {"root": TRACE, "turn": TRACE}}}
+    request = to_otlp_request([spans[0], run, marked, spans[3], failed_generate, helper, lookup, parser],
+                              content=True, openinference=True)
+    got = {s.name + ("!" if s.status.code == 2 and s.name.endswith("generate") else ""): _attrs(s)
+           for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans}
+    kinds = {name: a["openinference.span.kind"] for name, a in got.items()}
+    assert kinds == {"agent_loop": "AGENT", "ToolAgentLoop.run": "AGENT", "LLMServerClient.generate": "LLM",
+                     "CalculatorTool.execute": "TOOL", "LLMServerClient.generate!": "LLM",
+                     "ToolAgentLoop._format_tool_response": "CHAIN", "SearchTool.lookup": "CHAIN",
+                     "HermesToolParser.extract_tool_calls": "CHAIN"}
+    for name, a in got.items():  # every span: input and output as JSON
+        assert a["input.mime_type"] == a["output.mime_type"] == "application/json", name
+        orjson.loads(a["input.value"]), orjson.loads(a["output.value"])
+        assert "tracecar.tracecar" not in a and "tracecar" not in a  # the place mark is internal
+    root = got["agent_loop"]
+    assert orjson.loads(root["input.value"]) == {"step": 3, "sample_index": 1, "rollout_n": 0, "validate": False}
+    assert orjson.loads(root["output.value"]) == {"status": "OK", "reward": 0.5}
+    gen = got["LLMServerClient.generate"]
+    assert (gen["llm.token_count.prompt"], gen["llm.token_count.completion"], gen["llm.token_count.total"]) == (2, 2, 4)
+    failed = got["LLMServerClient.generate!"]
+    assert orjson.loads(failed["output.value"]) == {"error": "RuntimeError: engine died"}
+    assert failed["gen_ai.operation.name"] == "chat"
+    assert got["CalculatorTool.execute"]["tool.name"] == "CalculatorTool"
+    assert "gen_ai.operation.name" not in got["SearchTool.lookup"] and "gen_ai.operation.name" not in got["ToolAgentLoop._format_tool_response"]
+
+
+def test_a_span_received_over_otlp_goes_back_out_as_it_came_under_its_parents_exported_id():
     received = ExportTraceServiceRequest()
     rs = received.resource_spans.add()
     rs.resource.attributes.add(key="service.name").value.string_value = "vllm"
@@ -107,12 +155,19 @@ def test_a_span_received_over_otlp_goes_back_out_as_it_came():
     [out_rs] = again.resource_spans
     assert out_rs.resource == rs.resource and out_rs.scope_spans[0].scope == ss.scope
     [out] = out_rs.scope_spans[0].spans
-    assert (out.trace_id, out.span_id, out.parent_span_id, out.kind, out.status.code) == (
-        span.trace_id, span.span_id, span.parent_span_id, 2, 2)
+    # its parent (the tracecar span its traceparent named) leaves under the id that span leaves with
+    assert (out.trace_id, out.parent_span_id, out.kind, out.status.code) == (span.trace_id, span_id_bytes(TRACE, TRACE), 2, 2)
+    assert out.span_id == span_id_bytes(TRACE[:16] + "a2c4e6f8a2c4e6f8", TRACE) != span.span_id
     assert _attrs(out)["gen_ai.usage.prompt_tokens"] == 7 and "otel" not in _attrs(out)
+    engine = _attrs(to_otlp_request([stored], openinference=True).resource_spans[0].scope_spans[0].spans[0])
+    assert engine["openinference.span.kind"] == "CHAIN"  # its generate is the LLM call: tokens counted once
+    assert orjson.loads(engine["input.value"]) == {"usage.prompt_tokens": 7}
+    assert orjson.loads(engine["output.value"]) == {"error": "ERROR"}
 
 
-def test_round_trip_through_a_collector_keeps_every_id(start_collector, tracer_to):
+def test_round_trip_through_a_collector_keeps_the_tree(start_collector, tracer_to):
+    """A collector exporting to another collector's /v1/traces: the trace id and every parent link
+    survive (span ids are the exported ones, derived the same way wherever they are computed)."""
     source = start_collector()
     tracer = tracer_to(source.url)
 
@@ -137,7 +192,8 @@ def test_round_trip_through_a_collector_keeps_every_id(start_collector, tracer_t
                    headers={"Content-Type": "application/x-protobuf"}, timeout=10)
     assert r.status_code == 200 and ExportTraceServiceResponse.FromString(r.content).partial_success.rejected_spans == 0
     back = {r["span_id"]: r for r in sink.collector.spool.query("SELECT span_id, trace_id, parent_id, name FROM spans")}
-    assert {(s["span_id"], s["trace_id"], s["parent_id"], s["name"]) for s in spans} == \
+    exported = {s["span_id"]: root.span_id[:16] + span_id_bytes(s["span_id"], s["trace_id"]).hex() for s in spans}
+    assert {(exported[s["span_id"]], s["trace_id"], exported.get(s["parent_id"]), s["name"]) for s in spans} == \
         {(b["span_id"], b["trace_id"], b["parent_id"], b["name"]) for b in back.values()}
     tree = httpx.get(f"{sink.url}/v1/trajectories/{root.span_id}", timeout=10).json()
-    assert tree["root"]["span_id"] == root.span_id and tree["span_count"] == 4
+    assert tree["root"]["span_id"] == exported[root.span_id] and tree["span_count"] == 4

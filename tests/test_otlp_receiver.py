@@ -12,6 +12,7 @@ to a real collector on 127.0.0.1 and read back through its HTTP API.
 from __future__ import annotations
 
 import asyncio
+import base64
 import gzip
 import json
 import os
@@ -614,3 +615,37 @@ def test_secrets_anywhere_under_otel_and_in_its_free_text_are_redacted(start_col
     assert otel["links"][0]["attributes"]["llm.api_key"] == "REDACTED"
     assert otel["status"]["message"] == "401 for api_key=REDACTED"
     assert otel["events"][0]["attributes"]["exception.type"] == "HTTPError"  # the rest stays readable
+
+
+def _many_spans_request(n: int) -> ExportTraceServiceRequest:
+    request = ExportTraceServiceRequest()
+    scope = request.resource_spans.add().scope_spans.add()
+    t0 = int(time.time() * 1e9)
+    trace_id = os.urandom(16)
+    for i in range(n):
+        span = scope.spans.add(trace_id=trace_id, span_id=(i + 1).to_bytes(8, "big"), name="llm_request")
+        span.start_time_unix_nano, span.end_time_unix_nano = t0, t0 + 1000
+    return request
+
+
+def test_more_spans_than_the_batch_bound_is_413_in_both_encodings_counted_before_parsing(start_collector):
+    """Issue 28, item 6: OTLP exporters retry or split on 413 and drop on 400, so the span bound
+    is a 413 (as on /v1/spans), naming TRACECAR_MAX_BATCH_SPANS; the bound itself is accepted."""
+    from google.protobuf import json_format
+
+    col = start_collector()  # the default bound, 8,192
+    over, at = _many_spans_request(8193), _many_spans_request(8192)
+    r = httpx.post(col.url + "/v1/traces", content=over.SerializeToString(), headers={"Content-Type": "application/x-protobuf"},
+                   timeout=60)
+    status = status_pb2.Status.FromString(r.content)
+    assert r.status_code == 413 and status.code == 8 and "TRACECAR_MAX_BATCH_SPANS=8192" in status.message, (r.status_code, status)
+    as_json = json_format.MessageToDict(over)
+    for rs in as_json["resourceSpans"]:  # OTLP/JSON writes ids as hex
+        for ss in rs["scopeSpans"]:
+            for span in ss["spans"]:
+                span["traceId"], span["spanId"] = (base64.b64decode(span[k]).hex() for k in ("traceId", "spanId"))
+    r = httpx.post(col.url + "/v1/traces", content=orjson.dumps(as_json), headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and "8193 spans exceed TRACECAR_MAX_BATCH_SPANS=8192" in r.json()["message"], r.text
+    r = httpx.post(col.url + "/v1/traces", content=gzip.compress(at.SerializeToString()),
+                   headers={"Content-Type": "application/x-protobuf", "Content-Encoding": "gzip"}, timeout=120)
+    assert r.status_code == 200 and not ExportTraceServiceResponse.FromString(r.content).partial_success.rejected_spans

@@ -293,9 +293,9 @@ def test_a_resend_with_other_ids_changes_no_later_rebuild(start_collector, kit):
 
 
 def test_references_cannot_inflate_a_small_body_without_bound(start_collector, kit):
-    """References rebuild at most TRACECAR_MAX_DECOMPRESSED_BYTES / 2 ids per batch; the rest is
+    """References rebuild at most TRACECAR_MAX_DECOMPRESSED_BYTES / 16 ids per batch; the rest is
     refused as unresolved (the client resends them whole, where the body bounds apply)."""
-    col = start_collector(max_decompressed_bytes=64 * 1024)  # 32,768 ids per batch
+    col = start_collector(max_decompressed_bytes=512 * 1024)  # 32,768 ids per batch
     root = kit.new_id()
     base = _span(kit, root, list(range(10_000)))
     assert kit.post(col.url, [base], v=2).json()["accepted"] == 1
@@ -433,3 +433,75 @@ def test_a_collector_restart_between_turns_loses_nothing(start_collector, tracer
         gens = _generates(second.url, trace_id)
         assert [g["inputs"]["prompt_ids"] for g in gens] == expected
         assert all(g["output"]["prompt_text"] == tok.decode(g["inputs"]["prompt_ids"], skip_special_tokens=False) for g in gens)
+
+
+@pytest.mark.parametrize("token, workers", [(None, 1), ("s3cret-" + "t0ken" * 4, 1), (None, 2)],
+                         ids=["no-token", "token", "workers-2"])
+def test_a_resend_with_other_ids_changes_no_later_prompt_text(collector_process, kit, deepseek_tokenizer_path, token, workers):
+    """Issue 28, item 2: a resent span with other prompt_ids (a duplicate) is decoded but its texts
+    are not kept for later references: the stored span decides what a later reference rebuilds,
+    its ids and its text. Before, the resend's forged text became the start of Y's prompt_text."""
+    tok = Tokenizer.from_file(deepseek_tokenizer_path)
+    col = collector_process(token2text=True, tokenizer=deepseek_tokenizer_path, workers=workers, token=token,
+                            log_level="warning").start()
+    if workers > 1:  # batches go in-process until the pool is warm
+        kit.wait_for(lambda: kit.metrics(col.url, "tracecar_workers") >= workers, 90)
+    auth = {"token": token} if token else {}
+    real, forged, added = (tok.encode(text).ids for text in (
+        "The real prompt the worker sent first,", "FORGED words of another prompt entirely!", " and the next turn."))
+    root = kit.new_id()
+    x = _span(kit, root, real, {"response_ids": []})
+    assert kit.post(col.url, [x], v=2, **auth).json()["accepted"] == 1
+    # the forged list ends as the real one does, so its text passes the join check that reuses it
+    resend = dict(x, inputs={"request_id": "r", "prompt_ids": forged + real})
+    answer = kit.post(col.url, [resend], v=2, **auth).json()
+    assert (answer["accepted"], answer["duplicates"]) == (0, 1), answer
+    y = _span(kit, root, {"$ref": x["span_id"], "n": len(real), "add": added}, {"response_ids": []})
+    assert kit.post(col.url, [y], v=2, **auth).json()["accepted"] == 1
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    tree = httpx.get(f"{col.url}/v1/trajectories/{root}", headers=headers, timeout=30).json()
+    spans = {s["span_id"]: s for s in _walk(tree)}
+    stored_y = spans[y["span_id"]]
+    print(f"\nY prompt_text ({token is not None=}, {workers=}): {stored_y['output'].get('prompt_text')!r}")
+    assert stored_y["inputs"]["prompt_ids"] == real + added
+    assert stored_y["output"]["prompt_text"] == tok.decode(real + added, skip_special_tokens=False)
+    assert spans[x["span_id"]]["inputs"]["prompt_ids"] == real
+
+
+def _walk(node: Any) -> list[dict[str, Any]]:
+    """Every span of a served trajectory tree, however it nests them."""
+    out: list[dict[str, Any]] = []
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if "span_id" in item and "inputs" in item:
+                out.append(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return out
+
+
+def test_a_reference_resolves_only_within_its_worker_and_its_trajectory(start_collector, kit):
+    """Issue 28, item 10: a worker name is no credential (any token holder may send any), so a
+    reference's scope is a guard, not a secret: it rebuilds only from the sender's own worker and
+    its own trajectory; naming another's span is refused by name and rebuilds nothing."""
+    col = start_collector()
+    mine, other = kit.new_id(), kit.new_id()
+    base = _span(kit, mine, list(range(100, 200)))
+    assert kit.post(col.url, [base], v=2, worker="w-a").json()["accepted"] == 1
+    ref = {"$ref": base["span_id"], "n": 100, "add": [7]}
+    cross_trajectory = _span(kit, other, dict(ref))
+    cross_worker = _span(kit, mine, dict(ref))
+    same = _span(kit, mine, dict(ref))
+    a = kit.post(col.url, [cross_trajectory], v=2, worker="w-a").json()
+    b = kit.post(col.url, [cross_worker], v=2, worker="w-b").json()
+    c = kit.post(col.url, [same], v=2, worker="w-a").json()
+    assert a["accepted"] == 0 and a["rejected"][0]["field"] == "spans[0].inputs.prompt_ids"
+    assert "belongs to another trajectory" in a["rejected"][0]["reason"], a
+    assert b["accepted"] == 0 and "not known to this collector" in b["rejected"][0]["reason"], b
+    assert c["accepted"] == 1 and not c["rejected"], c
+    stored = orjson.loads(col.collector.pipeline.spool.query("SELECT payload FROM spans WHERE span_id = ?",
+                                                             [same["span_id"]])[0]["payload"])
+    assert stored["inputs"]["prompt_ids"] == list(range(100, 200)) + [7]

@@ -712,3 +712,87 @@ def test_trainer_learns_what_it_did_through_extra_fields_and_the_real_compute_ad
         assert all(rows[t]["trained"] is True and rows[t]["trained_on_version"] == STEP for t in ids)
     finally:
         verl_trainer.unhook_trainer()
+
+
+# ---------------------------------------------------------------------------------------------
+# dataset export of VERL's real agent loops (issue 27 §5)
+# ---------------------------------------------------------------------------------------------
+
+SYSTEM = "You are a careful calculator. Answer in one sentence."
+
+
+def dataset_batch(tmp_path: Path, tokenizer: Any, rows: list[dict[str, Any]], n: int = 2) -> Any:
+    """A batch as VERL's trainer makes it: its own RLHFDataset reading a data file, its own
+    collate_fn, DataProto.from_single_dict and repeat(n, interleave=True)."""
+    import json
+
+    from omegaconf import OmegaConf
+    from verl.protocol import DataProto
+    from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    config = OmegaConf.create({"prompt_key": "prompt", "max_prompt_length": PROMPT_LEN, "filter_overlong_prompts": False,
+                               "cache_dir": str(tmp_path / "cache"), "return_raw_chat": True})
+    dataset = RLHFDataset(data_files=str(path), tokenizer=tokenizer, config=config)
+    batch = DataProto.from_single_dict(collate_fn([dataset[i] for i in range(len(dataset))]))
+    batch = batch.repeat(repeat_times=n, interleave=True)
+    batch.meta_info = {"global_steps": STEP, "validate": False}
+    return batch
+
+
+def test_export_of_verl_agent_loops_carries_the_chat_they_were_given(adapter, start_collector, monkeypatch, model_dir,
+                                                                     hf_tokenizer, tmp_path):
+    """VERL's ToolAgentLoop / SingleTurnAgentLoop record their chat as inputs.kwargs.raw_prompt (``**kwargs``,
+    bound as VERL's own weave backend binds it): every exported row starts with that chat, not with the
+    decoded, templated prompt, and assistant turns carry no end-of-turn token."""
+    import json
+
+    from tracecar.collector.chat import parse_template
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    col = start_collector(token2text=True, tokenizer=str(model_dir))
+    monkeypatch.setenv("TRACECAR_URL", col.url)
+    assert adapter.install() is True
+    worker, _ = make_worker(verl_config(model_dir), hf_tokenizer)
+    tool_chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 2+3? 数字 🙂"}]
+    plain_chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Say hi"}]
+    rows = [{"data_source": "t", "prompt": tool_chat, "agent_name": "tool_agent", "extra_info": {"index": 0}},
+            {"data_source": "t", "prompt": plain_chat, "agent_name": "single_turn_agent", "extra_info": {"index": 1}}]
+    batch = dataset_batch(tmp_path, hf_tokenizer, rows)
+    assert type(batch.non_tensor_batch["raw_prompt"][0]) is list  # VERL's collate_fn: an object array of lists
+    out = asyncio.run(worker.generate_sequences(batch))
+    assert len(out) == 4
+    flush()
+    # the shape VERL records (and tracecar with it): the chat under the **kwargs parameter's name
+    for summary in trajectories(col.url, step=STEP):
+        run = httpx.get(f"{col.url}/v1/trajectories/{summary['trace_id']}").json()["root"]["children"][0]
+        assert "raw_prompt" not in run["inputs"] and run["inputs"]["kwargs"]["raw_prompt"] in (tool_chat, plain_chat)
+        assert run["output"]["prompt_text"].startswith("<|im_start|>")  # only the decoded text is templated
+        if run["name"] == "SingleTurnAgentLoop.run":  # where only that text exists, the template is undone
+            first = next(c for c in run["children"] if c["name"] == "LLMServerClient.generate")
+            assert parse_template(first["output"]["prompt_text"]) == plain_chat
+
+    response = httpx.get(f"{col.url}/v1/export", params={"experiment": EXPERIMENT, "format": "jsonl"}, timeout=60)
+    assert response.status_code == 200, response.text
+    exported = [json.loads(line) for line in response.text.splitlines()]
+    assert len(exported) == 4
+    for row in exported:
+        roles = [m["role"] for m in row["messages"]]
+        system, user, *turns = row["messages"]
+        assert (system["content"], user["content"]) == (SYSTEM, (tool_chat if row["sample_index"] == 0 else plain_chat)[1]["content"])
+        assert not any("<|im_" in (m["content"] or "") for m in row["messages"]), row["messages"]
+        if row["sample_index"] == 0:
+            assert roles == ["system", "user", "assistant", "tool", "assistant"]
+            call, result, answer = turns
+            [tool_call] = call["tool_calls"]
+            assert tool_call["function"]["name"] == "AddTool" and json.loads(tool_call["function"]["arguments"])["a"] == 2
+            assert result["tool_call_id"] == tool_call["id"] and "5" in result["content"]
+            assert answer["content"] == ANSWER.removesuffix("<|im_end|>")
+        else:
+            assert roles == ["system", "user", "assistant"] and turns[0]["content"] == ANSWER.removesuffix("<|im_end|>")
+    # the viewer's list and group previews show the question, not the template's markup
+    listed = httpx.get(f"{col.url}/ui/api/trajectories", params={"experiment": EXPERIMENT}).json()["trajectories"]
+    assert sorted(t["prompt_preview"] for t in listed) == sorted([tool_chat[1]["content"]] * 2 + [plain_chat[1]["content"]] * 2)
+    groups = httpx.get(f"{col.url}/v1/groups", params={"experiment": EXPERIMENT, "step": STEP}).json()["groups"]
+    assert [g["prompt_preview"] for g in groups] == [tool_chat[1]["content"], plain_chat[1]["content"]]

@@ -20,7 +20,7 @@ import httpx
 import orjson
 import pytest
 
-from tracecar.client import annotate, rollout_trace_attr
+from tracecar.client import annotate, rollout_trace_attr, rollout_trace_op
 from tracecar.client.demo import run_demo
 from tracecar.collector.settings import CollectorSettings
 from tracecar.collector.spool.store import Spool, SpoolRow
@@ -177,6 +177,49 @@ def test_kept_because_on_roots_is_listed_filtered_and_counted(start_collector, t
     only = get(col, "/ui/api/trajectories", kept_because="error")["trajectories"]
     assert sorted(t["sample_index"] for t in only) == [1, 4] and {t["kept_because"] for t in only} == {"error"}
     assert get(col, "/ui/api/overview", experiment="rules")["steps"][0]["kept"] == {"reward_max": 2, "error": 2}
+
+
+def test_tool_call_count_counts_real_tool_calls_only(start_collector, tracer_to):
+    """A helper whose name merely contains "tool" (a tool's own helper, the agent loop's formatter,
+    a tool parser) is no tool call: the list, the trajectory page and the exporters agree."""
+    col = start_collector()
+    tracer = tracer_to(col.url, experiment="tools")
+
+    class SearchTool:
+        @rollout_trace_op
+        def lookup(self, query: str) -> list[str]:
+            return [query]
+
+        @rollout_trace_op
+        async def execute(self, instance_id: str, parameters: dict[str, Any]) -> str:
+            return self.lookup(parameters["q"])[0]
+
+    class HermesToolParser:
+        @rollout_trace_op
+        async def extract_tool_calls(self, ids: list[int]) -> list[str]:
+            return ["search"]
+
+    class ToolAgentLoop:
+        @rollout_trace_op
+        def format_tool_response(self, text: str) -> str:
+            return f"<tool_response>{text}</tool_response>"
+
+        @rollout_trace_op
+        async def run(self) -> str:
+            await HermesToolParser().extract_tool_calls([1])
+            text = await SearchTool().execute("i", {"q": "x"})
+            return self.format_tool_response(text)
+
+    async def trajectory() -> None:
+        with rollout_trace_attr(sample_index=0, step=1, rollout_n=0):
+            await ToolAgentLoop().run()
+
+    asyncio.run(trajectory())
+    assert tracer.flush(20)
+    [row] = get(col, "/ui/api/trajectories", experiment="tools")["trajectories"]
+    assert row["tool_calls"] == 1 and row["span_count"] == 6
+    view = get(col, f"/ui/api/trajectories/{row['trace_id']}")
+    assert view["tool_calls"] == 1
 
 
 @pytest.mark.skipif(not TAIL_SAMPLING, reason="tail-based sampling (collector.selection) is not in this tree")

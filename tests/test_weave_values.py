@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import datetime
+import enum
 import inspect
 import json
 import threading
@@ -112,6 +114,29 @@ class ToolConfig:
 Point = collections.namedtuple("Point", "x y")
 
 
+class _Color(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+class _Level(enum.IntEnum):
+    HIGH = 3
+
+
+class _Mode(str, enum.Enum):
+    FAST = "fast"
+
+
+class _Perm(enum.Flag):
+    R = 4
+    W = 2
+
+
+class _Job(BaseModel):
+    color: _Color
+    level: _Level
+
+
 def weave_json(value: Any) -> Any:
     """What weave's client sends for ``value`` as a call's inputs/output."""
     return to_jsonable_python(weave_serialize.to_json(map_to_refs(redact_sensitive_keys(value)), "e/p", None,
@@ -147,6 +172,12 @@ VERL_VALUES = {
     # np.float64 is a float subclass: weave keeps it a number, in a list or a dict too (rewards, metrics)
     "numpy floats in containers": {"rewards": [np.float64(2.5), np.float64(-1.0)], "metrics": {"acc": np.float64(0.75)},
                                    "f32": np.float32(0.5), "top": np.float64(1.5)},
+    # enums: weave keeps an int / str enum as the primitive (its value), any other as its repr (tracecar: within
+    # wire.ENUM_SCAN_DEPTH container levels of the output or inputs, and in every model's fields)
+    "enums": {"plain": _Color.RED, "int": _Level.HIGH, "str": _Mode.FAST, "deep": {"a": [_Color.BLUE]},
+              "model": _Job(color=_Color.RED, level=_Level.HIGH), "flag": _Perm.R | _Perm.W},
+    # dates, times and durations have no weave serializer (datetime does: tests/test_weave_typed_values.py)
+    "dates and durations": {"day": datetime.date(2026, 1, 2), "at": datetime.time(3, 4), "gap": datetime.timedelta(seconds=3)},
     # weave has no serializer for these: their repr
     "bytes, bytearray and sets": {"raw": b"\x00\xffab", "buf": bytearray(b"xyz"), "ids": {3, 1, 2}, "frozen": frozenset({"a"})},
 }
@@ -515,3 +546,23 @@ def test_the_collector_redacts_keys_written_with_escapes_or_unicode_and_secrets_
         text = orjson.dumps(stored).decode()
         assert "sk-" not in text and "hunter2" not in text, (name, text)
     assert not keys.might_hold(b'{"args":"{\\"a\\": 2}","text":"caf\xc3\xa9"}')  # escaped quotes, accents: no walk
+
+
+def test_the_datetime_load_op_the_sink_publishes_is_the_code_weave_stores():
+    """The sink publishes weave's ``load_datetime.datetime`` op with the code weave's own client stores
+    for it, so the ref (its digest) on a datetime value is the one weave makes."""
+    from weave.trace.op import Op, op
+    from weave.trace.serialization import op_type
+    from weave.trace.serialization.mem_artifact import MemTraceFilesArtifact
+    from weave.trace.serialization.serializer import get_serializer_for_obj
+
+    from tracecar.client.wire import DATETIME_TYPE
+    from tracecar.collector.exporters.weave_sink import LOAD_DATETIME_CODE, LOAD_DATETIME_OP
+
+    serializer = get_serializer_for_obj(datetime.datetime.now())
+    assert serializer is not None and serializer.id() == DATETIME_TYPE and LOAD_DATETIME_OP == "load_" + serializer.id()
+    load = serializer.load if isinstance(serializer.load, Op) else op(serializer.load)
+    artifact = MemTraceFilesArtifact()
+    op_type.save_instance(load, artifact, "obj")
+    code = artifact.path_contents["obj.py"]
+    assert (code.decode() if isinstance(code, bytes) else code) == LOAD_DATETIME_CODE

@@ -3,7 +3,10 @@
 One batch is in flight at a time, so spans of a trace reach the backend in arrival order.
 Transient failures (connection errors, 408/429/5xx) back off exponentially with full jitter up
 to a cap, honouring Retry-After; the batch is retried as it was. Spans the backend rejects
-permanently go to the dead-letter table with its reason and never block the rest.
+permanently go to the dead-letter table with its reason and never block the rest. A span the
+exporter itself cannot translate or serialise (its ``send`` raises a deterministic error for it)
+is found by splitting the batch and dead-lettered alone, for that exporter only: an error that
+would recur on every try never becomes a retry loop (:meth:`Forwarder._send_isolating`).
 
 With several exporters there is one Forwarder each (fan-out): each reads its own delivery
 cursor in the spool and has its own backoff, probe and metrics (label ``exporter``), so one
@@ -13,11 +16,12 @@ backend's outage never delays another.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import orjson
 
@@ -64,6 +68,39 @@ def span_from_row(payload: bytes, inputs_at: int | None, output_at: int | None) 
     span["inputs"] = RawJSON(view[inputs_at:output_at - len(b',"output":')])
     span["output"] = RawJSON(view[output_at:-1])
     return span
+
+
+def combined(a: SendResult, b: SendResult) -> SendResult:
+    """Two partial results as one: ids joined, counts added, the largest Retry-After, the latest reason."""
+    retry_after = b.retry_after if a.retry_after is None else a.retry_after if b.retry_after is None \
+        else max(a.retry_after, b.retry_after)
+    return SendResult(delivered=a.delivered + b.delivered, retryable=a.retryable + b.retryable,
+                      rejected={**a.rejected, **b.rejected}, retry_after=retry_after,
+                      retry_reason=b.retry_reason or a.retry_reason, refused=a.refused + b.refused,
+                      refused_reason=b.refused_reason or a.refused_reason)
+
+
+class TranslationError(Exception):
+    """A sink's translation or serialisation of the spans it was given raised (see :func:`translating`):
+    deterministic, the same spans would raise on every retry, so the forwarder isolates the span."""
+
+
+MAX_REASON_CHARS = 300
+
+
+@contextlib.contextmanager
+def translating() -> Iterator[None]:
+    """Wraps a sink's pure data work (spans to request bodies): anything raised there becomes a
+    :class:`TranslationError`, which :meth:`Forwarder._send_isolating` narrows down to one span."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - pure data work: whatever it raises recurs on a retry
+        raise TranslationError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def span_error_reason(exporter: str, exc: BaseException) -> str:
+    """The dead letter's reason for a span the exporter could not translate (type and message, cut)."""
+    return f"{exporter}: could not translate or serialise this span: {exc}"[:MAX_REASON_CHARS]
 
 
 class SpoolTrajectories:
@@ -150,6 +187,7 @@ class Forwarder:
         self.urgent = urgent or (lambda: False)
         self.name: str = sink.name  # the exporter: its spool cursor and its metrics label
         self._refusals = RateLimited(30.0)
+        self._span_errors = RateLimited(30.0)
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self.backoff_s = 0.0
@@ -272,7 +310,7 @@ class Forwarder:
         seq_of = {span["span_id"]: row[0] for row, span in zip(rows, spans)}
         sent_at = asyncio.get_running_loop().time()
         try:
-            result = await self.sink.send(spans)
+            result = await self._send_isolating(spans)
         except Exception as exc:  # noqa: BLE001 - a sink bug must not kill forwarding
             log.exception("forward: sink raised")
             self.metrics.forward_failures.labels(exporter=self.name, kind="sink_error").inc()
@@ -303,6 +341,34 @@ class Forwarder:
         self.last_error = None
         return True, None
 
+
+    async def _send_isolating(self, spans: Sequence[Mapping[str, Any]]) -> SendResult:
+        """``sink.send``, with a span whose translation raises isolated and dead-lettered alone.
+
+        A :class:`TranslationError` (raised by the sink's pure data work) for a batch splits it in
+        halves, sent in order, down to the span that raises: that one is rejected with the
+        error as its reason, the others go as usual (a retryable half stops the rest, which is
+        retried with it, so a trace still arrives in order). ``log2(batch)`` extra requests for
+        one bad span, none when nothing raises.
+        """
+        try:
+            return cast(SendResult, await self.sink.send(spans))
+        except TranslationError as exc:  # deterministic: the same span would raise on every retry
+            if len(spans) <= 1:
+                if not spans:
+                    return SendResult()
+                reason = span_error_reason(self.name, exc)
+                count = self._span_errors.hit()
+                if count is not None:
+                    log.warning("forward to %s: %d span(s) could not be translated and were dead-lettered (latest: %s)",
+                                self.name, count, reason, extra={"event": "forward_span_error", "exporter": self.name})
+                return SendResult(rejected={str(spans[0].get("span_id")): reason})
+        mid = len(spans) // 2
+        first = await self._send_isolating(spans[:mid])
+        if first.retryable:  # the backend is struggling: the rest waits with the retried half, in order
+            rest = SendResult(retryable=[str(s.get("span_id")) for s in spans[mid:]])
+            return combined(first, rest)
+        return combined(first, await self._send_isolating(spans[mid:]))
 
     def _count_refused(self, n: int, reason: str | None) -> None:
         """A backend that refused spans without naming them: counted, logged at most every 30 s."""

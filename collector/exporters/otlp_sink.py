@@ -28,9 +28,9 @@ import httpx
 import orjson
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from ..shape import is_tool, token_output
-from .forward import RawJSON, SendResult
-from .otlp_translate import to_otlp_request
+from ..shape import is_engine
+from .forward import RawJSON, SendResult, translating
+from .otlp_translate import engine_io, role_of, to_otlp_request
 
 log = logging.getLogger("tracecar.collector.otlp_sink")
 
@@ -73,6 +73,8 @@ class OtlpSink:
     name = "otlp"
     genai = True  # OpenTelemetry GenAI conventions (gen_ai.*) on every span
     ok_status = False  # OTel's rule: a span that did not fail stays UNSET
+    openinference = True  # OpenInference's kind, input/output and token counts (Phoenix's columns)
+    engine_resource = True  # engine spans under their own resource and scope
 
     def __init__(self, endpoint: str, *, headers: Mapping[str, str] | None = None, content: bool = False,
                  timeout_s: float = 10.0, service_name: str = "tracecar", client: httpx.AsyncClient | None = None) -> None:
@@ -89,7 +91,8 @@ class OtlpSink:
     def encode(self, spans: Sequence[Mapping[str, Any]]) -> bytes:
         request = to_otlp_request([_plain(s) for s in spans], service_name=self.service_name, content=self.content,
                                   extra=self.extra_attributes, genai=self.genai,
-                                  ok_status=self.ok_status)
+                                  ok_status=self.ok_status, openinference=self.openinference,
+                                  engine_resource=self.engine_resource)
         return gzip.compress(request.SerializeToString(), compresslevel=5)
 
     async def send(self, spans: Sequence[Mapping[str, Any]]) -> SendResult:
@@ -100,7 +103,8 @@ class OtlpSink:
     async def _post(self, spans: Sequence[Mapping[str, Any]], headers: Mapping[str, str] | None = None) -> SendResult:
         """One export request for ``spans``; the answer classified per span id."""
         ids = [s["span_id"] for s in spans]
-        body = self.encode(spans)
+        with translating():  # a span it cannot take is isolated and dead-lettered by the forwarder
+            body = self.encode(spans)
         try:
             response = await self.client.post(self.endpoint, content=body, headers=headers)
         except httpx.HTTPError as exc:
@@ -138,15 +142,14 @@ class OtlpSink:
 
 def mlflow_span_type(span: Mapping[str, Any], aggregates: bool) -> str:
     """MLflow's SpanType for a tracecar span (``TRACECAR_MLFLOW_SPAN_TYPES=typed``): AGENT
-    (trajectory), LLM, TOOL, else CHAIN."""
-    kind, name, output = span.get("kind", ""), span.get("name", ""), span.get("output")
-    if kind == "trajectory":
-        return "AGENT"
-    if token_output(kind, output) and not aggregates:
-        return "LLM"
-    if is_tool(kind, name, output):
-        return "TOOL"
-    return "CHAIN" if aggregates else "UNKNOWN"
+    (trajectory, an agent loop's run), LLM (also one that raised), TOOL (real tool calls only),
+    else CHAIN for a call with children and UNKNOWN for a leaf or an engine span."""
+    if is_engine(dict(span)):
+        return "UNKNOWN"
+    role = role_of(span, aggregates)
+    if role == "CHAIN" and not aggregates:
+        return "UNKNOWN"
+    return role
 
 
 # VERL's rollout_trace_attr attributes, which its mlflow backend sets as trace tags (str(value))
@@ -172,6 +175,8 @@ class MlflowSink(OtlpSink):
 
     name = "mlflow"
     ok_status = True  # MLflow's SDK ends a span that returned with status OK
+    openinference = False  # MLflow translates OpenInference attributes into its own: VERL's view has none
+    engine_resource = False  # MLflow makes trace tags of a resource: tracecar's, whichever span comes first
 
     def __init__(self, tracking_uri: str, experiment_id: str | None = None, *, experiment_name: str | None = None,
                  span_types: str = "verl", headers: Mapping[str, str] | None = None, timeout_s: float = 10.0,
@@ -201,6 +206,10 @@ class MlflowSink(OtlpSink):
             for key in VERL_TRACE_TAGS:
                 if attributes.get(key) is not None:
                     out[f"mlflow.traceTag.{key}"] = orjson.dumps(_verl_str(attributes[key])).decode()
+            return out
+        if is_engine(dict(span)):  # vLLM's llm_request: its gen_ai.* request and response values, not {} / null
+            inputs, outputs = engine_io(span)
+            out["mlflow.spanInputs"], out["mlflow.spanOutputs"] = self._json(inputs), self._json(outputs)
             return out
         if span.get("inputs") is not None:
             out["mlflow.spanInputs"] = self._json(span.get("inputs"))

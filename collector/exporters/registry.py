@@ -41,10 +41,23 @@ def make_mlflow_sink(settings: Any) -> Sink:
     return make(settings)
 
 
+def make_gateway_sink(settings: Any) -> Sink:
+    """The ``gateway`` sink of a node collector (TRACECAR_GATEWAY_URL; the cluster tier, docs/cluster.md)."""
+    from .gateway_sink import GatewaySink
+
+    if not settings.gateway_url:
+        raise RuntimeError("exporter gateway needs TRACECAR_GATEWAY_URL")
+    token = settings.gateway_token or settings.token
+    return GatewaySink(settings.gateway_url, node=settings.effective_node_name,
+                       token=token.get_secret_value() if token is not None else None,
+                       timeout_s=settings.gateway_timeout_s, batch_bytes=settings.gateway_batch_bytes)
+
+
 EXPORTERS: dict[str, Callable[[Any], Sink]] = {
     "weave": make_weave_sink,
     "otlp": make_otlp_sink,
     "mlflow": make_mlflow_sink,
+    "gateway": make_gateway_sink,
 }
 EXPORTER_NAMES: tuple[str, ...] = tuple(EXPORTERS)
 

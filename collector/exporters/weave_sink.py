@@ -86,6 +86,20 @@ def file_digest(content: bytes) -> str:
 
 ANONYMOUS_OP_FILE_DIGEST = file_digest(ANONYMOUS_OP_CODE.encode())
 
+# A datetime in a call's inputs or output is weave's custom type, whose ``load_op`` is the ref of
+# the op that loads it, published in the call's project the first time one is sent: the client
+# writes the value (tracecar.client.wire.weave_datetime), the sink adds the ref. The op's code is
+# what weave 0.54's client stores for its DateTime handler's ``load`` (so the digest, hence the
+# ref, is the one weave's own client makes; tests/test_weave_values.py checks it against weave).
+LOAD_DATETIME_OP = "load_datetime.datetime"
+LOAD_DATETIME_CODE = (
+    "import weave\nfrom weave.trace.serialization.mem_artifact import MemTraceFilesArtifact\nfrom typing import Any\n"
+    "import datetime\n\n@weave.op\ndef load(artifact: MemTraceFilesArtifact, name: str, val: Any) -> datetime.datetime:\n"
+    '    """Deserialize an ISO format string back to a datetime object with timezone."""\n'
+    "    return datetime.datetime.fromisoformat(val)\n"
+)
+_DATETIME_VALUE = b'"weave_type":{"type":"datetime.datetime"},"val":'
+
 _BATCH_HEAD = b'{"batch":['
 _BATCH_TAIL = b"]}"
 _ORJSON_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
@@ -518,7 +532,7 @@ class WeaveSink:
         self._tops: OrderedDict[str, list[str]] = OrderedDict()
         # span id -> (success, error) of its children's subtrees already sent (weave's rollup)
         self._sent_counts: OrderedDict[str, tuple[int, int]] = OrderedDict()
-        self._file_digests: dict[str, str] = {}  # project_id -> digest of ANONYMOUS_OP_CODE
+        self._file_digests: dict[tuple[str, str], str] = {}  # (project_id, code) -> the code file's digest
         self._op_refs: dict[tuple[str, str], str] = {}  # (project_id, name) -> op ref URI
         # span id -> place mark of calls sent lately: where a joined engine span goes (its parent's trace)
         self._marks: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -579,9 +593,13 @@ class WeaveSink:
                     op = op_refs.get(s.get("name"))  # type: ignore[arg-type]
                     call = to_weave_call(s, self.entity, self.project, op_name=op, counts=counts[sid], project_id=pid,
                                          kept_because=kept.get(s["trace_id"]), wb_run_id=self.wb_run_id)
-                    items.append((sid, encode_call(call)))
-                except (SpanError, TypeError, ValueError, OverflowError, OSError) as e:
-                    result.rejected[sid] = f"unencodable span: {e}"[:MAX_REASON_CHARS]
+                    encoded = encode_call(call)
+                    if _DATETIME_VALUE in encoded:
+                        encoded = await self._with_load_op(pid, encoded)
+                    items.append((sid, encoded))
+                except Exception as e:  # noqa: BLE001 - pure data work on this span alone: whatever it raises, it would again
+                    why = str(e) if isinstance(e, SpanError) else f"{type(e).__name__}: {e}"
+                    result.rejected[sid] = f"unencodable span: {why}"[:MAX_REASON_CHARS]
             entity, project = pid.split("/", 1)
             url = f"/v2/{entity}/{project}/calls/complete"
             for a, b in pack([len(e) for _, e in items], self.max_request_bytes):
@@ -603,7 +621,10 @@ class WeaveSink:
                         "(not received, or forwarded before a restart with TRACECAR_KEEP_FORWARDED=false)")[:MAX_REASON_CHARS]
                     continue
                 # one request item per annotation: the span is delivered only if all its feedback is
-                items.append((s["span_id"], b",".join(encode_call(f) for f in to_weave_feedback(s, pid, found))))
+                try:
+                    items.append((s["span_id"], b",".join(encode_call(f) for f in to_weave_feedback(s, pid, found))))
+                except Exception as e:  # noqa: BLE001 - this annotation's payload alone: it would raise again
+                    result.rejected[s["span_id"]] = f"unencodable annotation: {type(e).__name__}: {e}"[:MAX_REASON_CHARS]
             for a, b in pack([len(e) for _, e in items], self.max_request_bytes):
                 if stop is not None:
                     self._mark(result, [sid for sid, _ in items[a:b]], stop)
@@ -779,8 +800,25 @@ class WeaveSink:
             refs[name] = ref
         return refs, None
 
-    async def _publish_op(self, pid: str, name: str) -> str | _Failure:
-        """Publish ``name`` as weave's client publishes an op it only knows by name.
+    async def _with_load_op(self, pid: str, encoded: bytes) -> bytes:
+        """A call's JSON with weave's ``load_op`` ref on each datetime value; the op is published in
+        the project once. If it cannot be published now the values go without the ref (weave's
+        client still reads them: the type is one it knows), and the next datetime tries again."""
+        if not self.publish_ops:  # plain op names: no op objects, no load op either
+            return encoded
+        ref = self._op_refs.get((pid, LOAD_DATETIME_OP))
+        if ref is None:
+            got = await self._publish_op(pid, LOAD_DATETIME_OP, LOAD_DATETIME_CODE)
+            if isinstance(got, _Failure):
+                logger.warning("weave: datetime values sent without their load op: %s", got.reason)
+                return encoded
+            ref = self._op_refs[(pid, LOAD_DATETIME_OP)] = got
+        marked = _DATETIME_VALUE[:-len(b'"val":')] + b'"load_op":' + orjson.dumps(ref) + b',"val":'
+        return encoded.replace(_DATETIME_VALUE, marked)
+
+    async def _publish_op(self, pid: str, name: str, code_text: str = ANONYMOUS_OP_CODE) -> str | _Failure:
+        """Publish ``name`` as weave's client publishes an op it only knows by name (or, given its
+        code, as it publishes that op).
 
         Same requests as ``WeaveClient.create_call(op="name")``: the stub ``obj.py`` through
         ``/file/create`` (once per project), then the Op object through ``/obj/create``; the
@@ -790,14 +828,15 @@ class WeaveSink:
             object_id = sanitize_object_name(name)
         except SpanError as e:
             return _Failure(False, str(e))
-        digest = self._file_digests.get(pid)
+        digest = self._file_digests.get((pid, code_text))
         if digest is None:
-            code = ("obj.py", ANONYMOUS_OP_CODE.encode(), "text/x-python")
-            form = {"project_id": pid, "expected_digest": ANONYMOUS_OP_FILE_DIGEST}
+            content = code_text.encode()
+            code = ("obj.py", content, "text/x-python")
+            form = {"project_id": pid, "expected_digest": file_digest(content)}
             got = await self._digest("/file/create", files={"file": code}, data=form)
             if isinstance(got, _Failure):
                 return got
-            digest = self._file_digests[pid] = got
+            digest = self._file_digests[(pid, code_text)] = got
         obj = {
             "project_id": pid,
             "object_id": object_id,

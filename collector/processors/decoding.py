@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from ..types import Span
 from .token_arrays import ARRAY_KEYS
-from .token_pieces import token_pieces
+from .token_pieces import ApproximateEnds, token_pieces
 
 PROMPT_KEYS = ("prompt_ids",)
 RESPONSE_KEYS = ("response_ids", "token_ids")
@@ -449,7 +449,8 @@ def decode_spans(spans: list[Span], tokenizer: Tokenizer, warnings: dict[str, li
                 output = job.span["output"] = unwrap_envelopes(output)
             output[job.target] = text
             if pieces is not None and job.target == "response_text" and ids is job.ids and _has_token_arrays(output):
-                pieces[job.span["span_id"]] = token_pieces(tokenizer, ids, text).ends
+                found = token_pieces(tokenizer, ids, text)
+                pieces[job.span["span_id"]] = found.ends if found.exact else ApproximateEnds(found.ends)
             if texts_out is not None and ids is job.ids:
                 texts_out[(job.span["span_id"], job.source)] = text
     return tokens

@@ -29,6 +29,15 @@ from .validate import Rejection, Validated
 
 _ENTRY_OVERHEAD = 200  # bytes of the entry's own objects, on top of ids and text
 _BYTES_PER_ID = 36  # a list slot and an int object (ids parsed from JSON are objects of their own)
+#: what one rebuilt id costs a batch on its way to the store: its slot in the rebuilt list (the int
+#: objects are the context's) and its text in the stored row (tracecar.collector.receivers.pipeline
+#: bounds a batch's rebuilt ids to TRACECAR_MAX_DECOMPRESSED_BYTES / REBUILT_ID_BYTES: one body's worth)
+REBUILT_ID_BYTES = 16
+
+
+def max_rebuilt_ids(max_decompressed_bytes: int) -> int:
+    """The ids the references of one batch may rebuild: as much memory as one decompressed body."""
+    return max_decompressed_bytes // REBUILT_ID_BYTES
 
 
 @dataclass
@@ -126,6 +135,11 @@ class PromptContexts:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def trace_of(self, worker: str, span_id: str) -> str | None:
+        """The trajectory of a remembered context (None: not known)."""
+        with self._lock:
+            return self._trace_of.get((worker, span_id))
+
     def get(self, worker: str, span_id: str) -> Context | None:
         with self._lock:
             entry = self._entries.get((worker, span_id))
@@ -185,8 +199,13 @@ def _is_ref(value: Any) -> bool:
 is_ref = _is_ref  # for the pipeline: which lists a worker process must be sent rebuilt
 
 
-def _rebuild(value: dict[str, Any], worker: str, contexts: PromptContexts) -> tuple[list[Any], str, Context, int] | str:
-    """(the full list, ref, its context, n), or why it cannot be rebuilt (the rejection's reason)."""
+def _rebuild(value: dict[str, Any], worker: str, contexts: PromptContexts,
+             trace_id: str | None = None) -> tuple[list[Any], str, Context, int] | str:
+    """(the full list, ref, its context, n), or why it cannot be rebuilt (the rejection's reason).
+
+    A reference resolves within its sender's worker and its own trajectory only (the client
+    refers to earlier turns of the same trajectory): naming another worker's or another
+    trajectory's span rebuilds nothing (docs/guarantees.md, *Access*: a scope, not a secret)."""
     parsed = _parse_ref(value)
     if isinstance(parsed, str):
         return f"malformed prompt reference: {parsed}"
@@ -195,6 +214,10 @@ def _rebuild(value: dict[str, Any], worker: str, contexts: PromptContexts) -> tu
     if entry is None:
         return (f"{UNRESOLVED_REASON}: span {ref!r} is not known to this collector (restarted, or evicted under "
                 "TRACECAR_PROMPT_REFS_MAX_BYTES); send the full list")
+    known_trace = contexts.trace_of(worker, ref)
+    if trace_id is not None and known_trace is not None and known_trace != trace_id:
+        return (f"{UNRESOLVED_REASON}: span {ref!r} belongs to another trajectory; a reference resolves within its own "
+                "trajectory; send the full list")
     if n > len(entry.ids):
         return f"{UNRESOLVED_REASON}: n={n} exceeds the {len(entry.ids)} ids of span {ref!r}"
     return entry.ids[start:n] + add, ref, entry, n
@@ -241,12 +264,12 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int,
             targets += [("output", output, key) for key in OUTPUT_REF_KEYS if _is_ref(output.get(key))]
         failed, slices = None, {}
         for part, holder, key in targets:
-            rebuilt = _rebuild(holder[key], worker, contexts)
+            rebuilt = _rebuild(holder[key], worker, contexts, span.get("trace_id"))
             if type(rebuilt) is not str:
                 rebuilt_ids += len(rebuilt[0])
                 if rebuilt_ids > max_ids:
                     rebuilt = (f"{UNRESOLVED_REASON}: the references of this batch rebuild more than {max_ids} ids "
-                               "(TRACECAR_MAX_DECOMPRESSED_BYTES / 2); send the full list")
+                               f"(TRACECAR_MAX_DECOMPRESSED_BYTES / {REBUILT_ID_BYTES}); send the full list")
             if isinstance(rebuilt, str):
                 failed = (f"{part}.{key}", rebuilt)
                 break
@@ -275,6 +298,7 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int,
         # resend is dropped as a duplicate), and later references must rebuild what it holds
         if ids is not None and span["span_id"] not in stored and contexts.get(worker, span["span_id"]) is None:
             contexts.remember(worker, span["span_id"], Context.of(ids, output), span.get("trace_id"))
+            validated.remembered.add(span["span_id"])
     for span in kept:
         if span.get("kind") == "trajectory":
             contexts.trajectory_ended(worker, span["trace_id"])

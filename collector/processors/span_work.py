@@ -21,6 +21,7 @@ from ..types import Span
 from .decoding import KnownPrefix, KnownSuffix, collect_jobs, decode_spans
 from .token_arrays import extract as extract_token_arrays
 from .token_arrays import strip_from_payload as strip_token_arrays
+from .token_pieces import ApproximateEnds
 from .validate import Rejection
 
 _DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
@@ -94,6 +95,7 @@ def pack_token_arrays(span: Span, ends: list[int] | None, warnings: dict[str, li
     if arrays is None:
         return None
     arrays.ends = ends if ends is not None and len(ends) == len(arrays.ids) else None
+    arrays.exact = not isinstance(arrays.ends, ApproximateEnds)
     if local_only:
         strip_token_arrays(span, arrays)
     return arrays.pack()

@@ -44,9 +44,12 @@ class TokenArrays:
     entropy: list[float] | None = None
     ends: list[int] | None = None  # end offset of each token in output.response_text (token_pieces)
     keys: dict[str, str] | None = None  # which output key each array came from
+    exact: bool = True  # False: ``ends`` join to the text but were approximated (token_pieces)
 
     def pack(self) -> bytes:
         header: dict[str, Any] = {"n": len(self.ids), "keys": self.keys or {}, "fields": []}
+        if not self.exact:  # written only when so: blobs of exact offsets stay as they were
+            header["approximate"] = True
         parts = []
         for name in ("ids", "logprobs", "mask", "entropy", "ends"):
             values = getattr(self, name)
@@ -66,7 +69,7 @@ class TokenArrays:
             raise ValueError("not a tracecar token-array blob")
         (size,) = struct.unpack_from("<I", blob, 4)
         header = orjson.loads(blob[8:8 + size])
-        n, at, out = header["n"], 8 + size, cls(ids=[], keys=header.get("keys") or {})
+        n, at, out = header["n"], 8 + size, cls(ids=[], keys=header.get("keys") or {}, exact=not header.get("approximate"))
         for name in header["fields"]:
             values = array(_TYPES[name])
             width = values.itemsize * n

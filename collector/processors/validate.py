@@ -27,6 +27,10 @@ _INT_ATTRS = ("step", "rollout_n")
 MAX_STEP_SAMPLES = 65536  # sample indices one step announcement may carry (a VERL batch per worker is far smaller)
 MAX_SAMPLE_INDEX_CHARS = 256
 _INT64 = (-(2**63), 2**63 - 1)  # what an SQLite INTEGER column (the store's index) can hold
+#: span times (seconds since the epoch) must be before 2300-01-01T00:00:00Z: the narrowest of what the
+#: exporters carry (Weave's ClickHouse ``DateTime64`` ends with 2299; OTLP's uint64 nanoseconds in 2554;
+#: Python's datetime, which Weave's SDK and SQLite server use, in 9999), so an accepted span is always exportable
+MAX_TIME_S = 10_413_792_000.0
 
 
 class StackFrame(BaseModel):
@@ -67,6 +71,14 @@ class SpanIn(BaseModel):
     output: Any = None
     exception: str | None = Field(None, max_length=1_000_000)
     exception_info: ExceptionInfo | None = None
+
+    @field_validator("start_time", "end_time")
+    @classmethod
+    def _exportable_time(cls, value: float | None) -> float | None:
+        if value is not None and value >= MAX_TIME_S:
+            raise ValueError(f"must be before 2300-01-01 ({MAX_TIME_S:.0f} seconds since the epoch: the latest time "
+                             f"Weave and OTLP exporters carry), got {_described(value)}")
+        return value
 
     @field_validator("attributes")
     @classmethod
@@ -216,6 +228,13 @@ class Validated:
     prompt_bases: dict[Any, Any] = field(default_factory=dict)  # span_id, or (span_id, "output") -> prompt_refs.Base
     # v2: per span, the (part, key) of each list that arrived as a reference (a worker process re-parses the body)
     rebuilt: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    # v2: spans whose prompt context this batch remembered: only their decoded texts are kept for later
+    # references (a resend of a known span, stored or in flight, must not change what they rebuild)
+    remembered: set[str] = field(default_factory=set)
+    # OTLP: engine spans stored AWAITING their trajectory, and traces whose own root this request brought
+    # (tracecar.collector.receivers.engine_hold)
+    awaiting: set[str] = field(default_factory=set)
+    foreign_roots: set[str] = field(default_factory=set)
 
 
 class EnvelopeError(Exception):

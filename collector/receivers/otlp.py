@@ -37,8 +37,10 @@ from ..metrics import Metrics
 from ..processors.validate import EnvelopeError, Rejection, Validated, validate_batch
 from ..types import Span
 from . import receive
+from .engine_hold import EngineHold
 from .joins import OTLP_WORKER_PREFIX, TrajectoryContext, TrajectoryContexts
 from .otlp_translate import OtlpSpanIn, Translated, hex_ids_to_base64, translate
+from .otlp_wire import WireError, count_spans
 from .pipeline import Backpressure, IngestResult
 from .receive import BodyError
 
@@ -57,17 +59,37 @@ def media_type(content_type: str | None) -> str:
     return (content_type or "").split(";")[0].strip().lower()
 
 
-def parse_request(body: bytes | bytearray, content_type: str | None) -> Any:
-    """The body as an ``ExportTraceServiceRequest``; 415 for another type, 400 when unparsable."""
+def too_many_spans(count: int | str, max_batch_spans: int) -> BodyError:
+    """More spans than TRACECAR_MAX_BATCH_SPANS: a size bound, 413 (as on /v1/spans), so an exporter splits."""
+    return BodyError(413, "resourceSpans", f"{count} spans exceed TRACECAR_MAX_BATCH_SPANS={max_batch_spans}; split the batch")
+
+
+def parse_request(body: bytes | bytearray, content_type: str | None, max_batch_spans: int | None = None,
+                  containers: int | None = None) -> Any:
+    """The body as an ``ExportTraceServiceRequest``; 415 for another type, 400 when unparsable.
+
+    With ``max_batch_spans``, a protobuf body's spans are counted on the wire before it is parsed
+    (:mod:`.otlp_wire`) and more than that many are a 413; with ``containers``, an OTLP/JSON body
+    is refused (413) before parsing when it may hold more objects and arrays (receive.parse's rule).
+    """
     media = media_type(content_type)
     request = ExportTraceServiceRequest()
     if media in _PROTOBUF_TYPES:
+        if max_batch_spans is not None:
+            try:
+                count = count_spans(body, max_batch_spans)
+            except WireError as exc:
+                raise BodyError(400, "body", f"invalid OTLP protobuf: {exc}") from None
+            if count > max_batch_spans:
+                raise too_many_spans(f"more than {max_batch_spans}", max_batch_spans)
         try:
             request.ParseFromString(body)  # type: ignore[arg-type]  # any buffer; the stubs say bytes
         except (DecodeError, ValueError) as exc:
             raise BodyError(400, "body", f"invalid OTLP protobuf: {exc}") from None
         return request
     if media in _JSON_TYPES:
+        if containers is not None:
+            receive.check_json_containers(body, containers)
         try:
             data = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
@@ -90,8 +112,9 @@ class OtlpRequest:
     """
 
     def __init__(self, contexts: TrajectoryContexts, metrics: Metrics, max_decompressed_bytes: int, max_batch_spans: int,
-                 redact: RedactKeys) -> None:
+                 redact: RedactKeys, hold: EngineHold | None = None) -> None:
         self.contexts = contexts
+        self.hold = hold
         self.redact = redact  # the collector's redact keys: OTLP attributes may carry secrets too
         self.metrics = metrics
         self.max_decompressed_bytes = max_decompressed_bytes
@@ -100,9 +123,11 @@ class OtlpRequest:
 
     def __call__(self, body: bytes, content_type: str | None, content_encoding: str | None) -> Validated:
         data = receive.decompress(body, content_encoding, self.max_decompressed_bytes)
-        self.translated = translated = translate(parse_request(data, content_type))
-        if translated.total > self.max_batch_spans:
-            raise EnvelopeError("resourceSpans", f"{translated.total} spans exceed TRACECAR_MAX_BATCH_SPANS={self.max_batch_spans}")
+        request = parse_request(data, content_type, self.max_batch_spans, receive.max_containers(self.max_decompressed_bytes))
+        spans = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+        if spans > self.max_batch_spans:  # OTLP/JSON (protobuf was counted on the wire): still before translating
+            raise too_many_spans(spans, self.max_batch_spans)
+        self.translated = translated = translate(request)
         for raw_span in translated.spans:
             redact_dotted(raw_span.get("attributes"), self.redact)
         validated = validate_batch({"worker": OTLP_WORKER_PREFIX.rstrip(":"), "spans": translated.spans},
@@ -123,9 +148,11 @@ class OtlpRequest:
         return validated
 
     def _join(self, validated: Validated) -> None:
-        """Spans of a tracecar trajectory take its worker, project and budget attributes."""
+        """Spans of a tracecar trajectory take its worker, project and budget attributes; a span
+        whose trajectory is not known yet waits for it (:mod:`.engine_hold`)."""
         found: dict[str, tuple[TrajectoryContext | None, str]] = {}
         joined: dict[str, int] = {}
+        validated.foreign_roots = {s["trace_id"] for s in validated.spans if s.get("parent_id") is None}
         for span in validated.spans:
             trace_id = span["trace_id"]
             if trace_id not in found:
@@ -134,6 +161,8 @@ class OtlpRequest:
             joined[source] = joined.get(source, 0) + 1
             if context is not None:
                 context.apply(span)
+            elif self.hold is not None and self.hold.should_hold(span, False, validated.foreign_roots):
+                validated.awaiting.add(span["span_id"])
             place_in_weave_tree(span)  # the trace state says where it goes, even before its trajectory is seen
         for source, count in joined.items():
             self.metrics.otlp_spans.labels(joined=source).inc(count)
@@ -197,13 +226,15 @@ async def _export(request: Request, collector: Any, read_body: Callable[[Request
     if not collector.ready:
         return status_response(503, "collector is not ready (starting or draining)", content_type, retry)
     otlp = OtlpRequest(collector.pipeline.contexts, metrics, settings.max_decompressed_bytes, settings.max_batch_spans,
-                       collector.pipeline.redact_keys)
+                       collector.pipeline.redact_keys, collector.pipeline.hold)
     try:
         collector.pipeline.check_capacity()
-        body = await read_body(request, settings.max_body_bytes)
-        if not body:
-            return encode(ExportTraceServiceResponse(), content_type, 200)
-        result = await collector.pipeline.ingest(body, content_type, request.headers.get("content-encoding"), receiver=otlp)
+        async with collector.pipeline.permit():  # before the body is read, as on /v1/spans: that is what bounds memory
+            body = await read_body(request, settings.max_body_bytes)
+            if not body:
+                return encode(ExportTraceServiceResponse(), content_type, 200)
+            result = await collector.pipeline.ingest(body, content_type, request.headers.get("content-encoding"),
+                                                     receiver=otlp)
     except Backpressure as exc:
         metrics.backpressure.labels(bound=exc.bound).inc()
         return status_response(503, str(exc), content_type, retry)

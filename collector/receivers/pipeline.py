@@ -29,7 +29,7 @@ from ..loudness import TokenizerFailures
 from ..metrics import Metrics
 from ..processors.decoding import TokenizerNotFound, TokenizerPolicy, TokenizerRegistry, decode_spans
 from ..processors.open_calls import OPEN_KIND, OpenCalls
-from ..processors.prompt_refs import PromptContexts, is_ref, resolve_refs
+from ..processors.prompt_refs import PromptContexts, is_ref, max_rebuilt_ids, resolve_refs
 from ..processors.sampling import Policies, TailSelector
 from ..processors.sampling.head import MEMBERSHIP, StepBudgetSampler
 from ..processors.span_work import ContextView, PayloadError, decode_v2, pack_payload, serialize_spans
@@ -38,6 +38,7 @@ from ..settings import CollectorSettings
 from ..spool.store import Spool, SpoolFull, SpoolRow
 from ..types import Span
 from .client_drops import ClientDrops, parse_dropped
+from .engine_hold import EngineHold
 from .joins import TrajectoryContexts
 from .worker_pool import (
     PrepareOrder,
@@ -96,6 +97,8 @@ class IngestPipeline:
             on_failure=self._tokenizer_failed,
         )
         self.contexts = TrajectoryContexts(spool, settings.otlp_join_traces)
+        self.hold = EngineHold(spool, self.contexts, metrics, max_spans=settings.otlp_hold_max_spans,
+                               max_age_s=settings.otlp_hold_max_age_s)
         self.prompt_contexts = PromptContexts(settings.prompt_refs_max_bytes, on_evict=metrics.prompt_refs_evicted.inc)
         metrics.prompt_refs_bytes.set_function(lambda: self.prompt_contexts.bytes)
         self.tokenizer_failures = TokenizerFailures()  # each unloadable name logged once
@@ -219,6 +222,9 @@ class IngestPipeline:
         for rejection in too_big:  # over the size bound ("spans[i]"), or a part that cannot be stored
             m.spans_rejected.labels(reason="span_too_large" if "." not in rejection.field else _reason_label(rejection)).inc()
         m.decoded_tokens.inc(tokens)
+        if validated.awaiting:  # engine spans whose trajectory is not known yet: stored, owed to no exporter
+            for row in rows:
+                row.awaiting = row.span["span_id"] in validated.awaiting
         tail_dropped = 0
         try:
             try:
@@ -235,6 +241,8 @@ class IngestPipeline:
         except BaseException:
             self.sampler.forget(sampled.new_decisions)
             raise
+        if self.hold.enabled and (validated.awaiting or validated.foreign_roots or self.hold.traces):
+            await loop.run_in_executor(self.writer, self._settle_held, validated, rows, written.duplicate_ids)
         m.spans_accepted.inc(written.inserted)
         m.spans_duplicate.inc(written.duplicates)
         for warnings in validated.warnings.values():
@@ -247,6 +255,33 @@ class IngestPipeline:
             rejected=validated.rejected + too_big,
             warnings={k: v for k, v in validated.warnings.items()},
         )
+
+    def _settle_held(self, validated: Validated, rows: list[SpoolRow], duplicates: list[str]) -> None:
+        """After a write, on the writer thread: engine spans waiting for a trajectory this batch
+        brought are joined to it (or released, :mod:`.engine_hold`). The batch is committed
+        already: a failure here leaves them waiting (the age bound still applies)."""
+        again = set(duplicates)
+        held = [r.span["trace_id"] for r in rows if r.awaiting and r.span["span_id"] not in again]
+        try:
+            self.hold.after_write(validated.spans, held, validated.foreign_roots)
+        except Exception:  # noqa: BLE001 - never fails an acknowledged batch
+            log.exception("engine hold: settling waiting engine spans failed; they keep waiting")
+
+    async def run_hold(self) -> None:
+        """Releases engine spans that waited past TRACECAR_OTLP_HOLD_MAX_AGE_S, until cancelled."""
+        if not self.hold.enabled:
+            return
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(1.0, self.settings.otlp_hold_max_age_s / 4))
+            try:
+                released = await loop.run_in_executor(self.writer, self.hold.expire)
+            except Exception:  # noqa: BLE001 - e.g. a full disk: retried next tick
+                log.exception("engine hold: releasing expired engine spans failed; retrying")
+                continue
+            if released:
+                for callback in self.on_committed:
+                    callback()
 
     def _write(self, rows: list[SpoolRow], sampled: Any, selection: TailSelector | None) -> tuple[Any, int]:
         if selection is None:
@@ -282,7 +317,7 @@ class IngestPipeline:
             validated.rebuilt = _ref_paths(validated.spans)  # what a worker process is sent rebuilt (it re-parses the body)
             before = len(validated.rejected)
             validated.prompt_bases, resolved = resolve_refs(validated, self.prompt_contexts,
-                                                            max_ids=self.settings.max_decompressed_bytes // 2,
+                                                            max_ids=max_rebuilt_ids(self.settings.max_decompressed_bytes),
                                                             stored={sid for sid in batch_ids if sid in stored})
             self.metrics.prompt_refs.labels(outcome="resolved").inc(resolved)
             self.metrics.prompt_refs.labels(outcome="unresolved").inc(len(validated.rejected) - before)
@@ -346,7 +381,8 @@ class IngestPipeline:
     def _decode_and_serialize(self, validated: Validated, spans: list[Span]) -> tuple[list[SpoolRow], int, list[Rejection]]:
         batch = validated.batch
         tokens = 0
-        ends: dict[str, list[int]] = {}  # span id -> each response token's end offset (token view)
+        # span id -> each response token's end offset (token view); a node's, when it forwarded the batch (receivers/forwarded.py)
+        ends: dict[str, list[int]] = dict(getattr(validated, "carried_ends", None) or {})
         token2text = self.settings.token2text if batch.token2text is None else batch.token2text
         name = batch.tokenizer or self.settings.tokenizer
         if token2text and spans:
@@ -371,8 +407,14 @@ class IngestPipeline:
         if validated.batch.v < 2:
             return decode_spans(spans, tokenizer, validated.warnings, pieces=ends)
         outcomes: dict[str, int] = {}
+        remembered, set_texts = validated.remembered, self.prompt_contexts.set_texts
+
+        def own_texts(worker: str, span_id: str, text: str | None, response: str | None, tokenizer_name: str) -> None:
+            if span_id in remembered:  # a resend's texts are not those of the context the first copy left
+                set_texts(worker, span_id, text, response, tokenizer_name)
+
         tokens = decode_v2(spans, validated.batch.worker, validated.prompt_bases, tokenizer, name, validated.warnings, ends,
-                           self.prompt_contexts.get, self.prompt_contexts.set_texts, outcomes)
+                           self.prompt_contexts.get, own_texts, outcomes)
         for outcome, n in outcomes.items():
             self.metrics.prompt_text_joins.labels(outcome=outcome).inc(n)
         return tokens
@@ -515,6 +557,7 @@ class IngestPipeline:
                           {sid: validated.index_of[sid] for sid in ids}, name, v=batch.v, worker=batch.worker,
                           count_tokens=self.selection is not None)
         if batch.v >= 2:
+            order.remembered = {sid for sid in ids if sid in validated.remembered}
             for span in spans:
                 sid = span["span_id"]
                 for part, key in validated.rebuilt.get(sid, ()):
@@ -537,7 +580,8 @@ class IngestPipeline:
         by_id = {s["span_id"]: s for s in spans}
         validated.warnings.update(result.warnings)
         for sid, text, response in result.texts:
-            self.prompt_contexts.set_texts(worker, sid, text, response, tokenizer or "")
+            if sid in validated.remembered:  # only the contexts this batch's copies left (not a resend's)
+                self.prompt_contexts.set_texts(worker, sid, text, response, tokenizer or "")
         for outcome, n in result.outcomes.items():
             self.metrics.prompt_text_joins.labels(outcome=outcome).inc(n)
         rows = [SpoolRow(by_id[r.span_id], r.payload, r.warnings, tokens=r.tokens, inputs_at=r.inputs_at, output_at=r.output_at,

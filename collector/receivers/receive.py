@@ -23,6 +23,54 @@ _CHUNK = 256 * 1024
 _INFLATE_CHUNK = 4 * 1024 * 1024  # the largest piece of compressed input fed to zlib at once (after member 1)
 MAX_GZIP_MEMBERS = 4096  # members in one gzip body; above, 400 (each costs a few µs of Python)
 EXT_INT32_ARRAY = 1  # msgpack ext type: packed little-endian int32 token ids
+#: the least one parsed object or array costs in memory (an empty dict is 64 bytes, a list 56): a
+#: body of tiny containers (``{}`` is 2 bytes of JSON, 1 of msgpack) parses to 30-60 times its size
+CONTAINER_BYTES = 64
+
+
+def max_containers(max_decompressed_bytes: int) -> int:
+    """Objects and arrays one body may parse into: together at most twice the decompressed bound
+    in memory (the README's memory bound allows each decode thread four bodies' worth)."""
+    return max(1024, 2 * max_decompressed_bytes // CONTAINER_BYTES)
+
+
+def too_many_containers(found: int | None, limit: int) -> BodyError:
+    held = f"{found} JSON/msgpack objects and arrays, more than {limit}" if found is not None else \
+        f"more than {limit} JSON/msgpack objects and arrays"
+    return BodyError(413, "body", f"body holds {held} "
+                                  f"(2 x TRACECAR_MAX_DECOMPRESSED_BYTES / {CONTAINER_BYTES} bytes each, the least one "
+                                  "costs parsed); split the batch")
+
+
+def check_json_containers(body: bytes | bytearray, limit: int) -> None:
+    """Refuses, before parsing, a JSON body that may hold more than ``limit`` objects and arrays.
+
+    Counts ``{`` and ``[`` bytes (about 0.6 ms per MiB; only in bodies over ``2 * limit`` bytes,
+    since each takes two bytes at least, so a batch of usual size pays nothing): an upper bound on what the
+    parser builds (a brace inside a string counts too, so the bound errs on the generous side
+    of memory; a body needs one every 32 bytes on average to reach it)."""
+    if len(body) <= 2 * limit:  # each takes two bytes at least ("{}"): a body this small cannot hold more
+        return
+    found = body.count(b"{")
+    if found <= limit:
+        found += body.count(b"[")
+    if found > limit:
+        raise too_many_containers(found, limit)
+
+
+class _ContainerBudget:
+    """msgpack's object and list hooks: counts containers as they are built, refusing past ``limit``."""
+
+    __slots__ = ("left", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.left, self.limit = limit, limit
+
+    def __call__(self, value: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise too_many_containers(None, self.limit)
+        return value
 
 
 def unpack_ext(code: int, data: bytes) -> Any:
@@ -151,10 +199,16 @@ def _too_big(limit: int) -> BodyError:
     return BodyError(413, "body", f"decompressed body exceeds TRACECAR_MAX_DECOMPRESSED_BYTES={limit}")
 
 
-def parse(body: bytes | bytearray, content_type: str | None) -> Any:
-    """Parses JSON or msgpack by Content-Type; anything else is a 415 naming what is accepted."""
+def parse(body: bytes | bytearray, content_type: str | None, containers: int | None = None) -> Any:
+    """Parses JSON or msgpack by Content-Type; anything else is a 415 naming what is accepted.
+
+    ``containers``: the most objects and arrays the parsed body may hold (413 above, found
+    before the parse for JSON, while parsing for msgpack), so that memory is bounded before
+    parsing, not checked after it (:func:`max_containers`)."""
     media = (content_type or "application/json").split(";")[0].strip().lower()
     if media in ("application/json", "text/json"):
+        if containers is not None:
+            check_json_containers(body, containers)
         try:
             return orjson.loads(body)
         except orjson.JSONDecodeError as exc:
@@ -162,11 +216,17 @@ def parse(body: bytes | bytearray, content_type: str | None) -> Any:
                 return _parse_wide_numbers(body, exc)
             raise BodyError(400, "body", f"invalid JSON: {exc}") from None
     if media in ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack"):
+        hooks: dict[str, Any] = {}
+        if containers is not None and len(body) > containers:  # each takes a byte at least
+            budget = _ContainerBudget(containers)
+            hooks = {"object_hook": budget, "list_hook": budget}
         try:
             return msgpack.unpackb(
                 body, raw=False, ext_hook=unpack_ext, strict_map_key=False,
-                unicode_errors="replace", max_bin_len=len(body), max_str_len=len(body),
+                unicode_errors="replace", max_bin_len=len(body), max_str_len=len(body), **hooks,
             )
+        except BodyError:
+            raise
         except Exception as exc:  # noqa: BLE001 - msgpack raises several types for bad input
             raise BodyError(400, "body", f"invalid msgpack: {exc}") from None
     raise BodyError(415, "Content-Type", f"unsupported content type {media!r}; use application/json or application/msgpack")

@@ -70,6 +70,7 @@ class WorkOrder:
     rebuilt: dict[str, list[tuple[str, str, bytes]]] = field(default_factory=dict)  # span -> (part, key, int64s)
     bases: dict[Any, Any] = field(default_factory=dict)  # prompt_refs.Base by span (v2)
     contexts: dict[str, Any] = field(default_factory=dict)  # span_id -> span_work.ContextView (v2)
+    remembered: set[str] = field(default_factory=set)  # spans whose texts may update their contexts (v2)
 
 
 @dataclass
@@ -184,7 +185,7 @@ def parse_batch(body: bytes | bytearray, content_type: str | None, content_encod
     from . import receive
 
     plain = receive.decompress(body, content_encoding, max_decompressed_bytes)
-    raw = receive.parse(plain, content_type)
+    raw = receive.parse(plain, content_type, receive.max_containers(max_decompressed_bytes))
     spans = raw.get("spans") if isinstance(raw, dict) else None
     if isinstance(spans, list) and len(spans) > max_batch_spans:  # a size bound, like the body's: 413, so clients split
         raise receive.BodyError(413, "spans", f"{len(spans)} spans exceed TRACECAR_MAX_BATCH_SPANS={max_batch_spans}; split the batch")
@@ -350,6 +351,8 @@ def work(order: WorkOrder) -> WorkResult:
             views = order.contexts
 
             def set_texts(worker: str, span_id: str, text: str | None, response: str | None, name: str) -> None:
+                if span_id not in order.remembered:  # a resend: its context is the first copy's
+                    return
                 view = views.get(span_id)
                 if view is not None:  # later rounds of this batch join onto it
                     view.text, view.response_text, view.tokenizer = text, response, name

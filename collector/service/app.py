@@ -38,7 +38,7 @@ from ..trajectory_filter import TrajectoryFilter
 from ..viewer.group_export_api import build_router as build_group_export_router
 from ..viewer.index import SORTS
 from ..viewer.list_api import caught_up as viewer_list_caught_up
-from ..viewer.list_api import list_page
+from ..viewer.list_api import list_page, read_index
 from ..viewer.live_api import build_router as build_live_router
 from ..viewer.routes import build_router as build_viewer_router
 from ..viewer.search import QUERY_MAX_CHARS
@@ -48,6 +48,7 @@ from ..viewer.truth_api import build_router as build_truth_router
 from .auth import BearerAuth
 from .health import health_snapshot
 from .health_step import latest_experiment, step_health
+from .roles import NODE_HEADER, PROGRESS_HEADER, GatewayIntake, gateway_sinks, heartbeat_loop, wire_gateway_sinks
 
 log = logging.getLogger("tracecar.collector")
 LIST_SORT_PATTERN = "^(" + "|".join(SORTS) + ")$"  # the viewer list's sorts
@@ -72,6 +73,11 @@ class Collector:
             if hasattr(s, "trajectories") and s.trajectories is None:
                 s.trajectories = SpoolTrajectories(self.spool, s.name)  # kept_because, feedback targets
         self.pipeline = IngestPipeline(settings, self.spool, self.metrics)
+        wire_gateway_sinks(self.sinks, self.spool)  # a node's gateway sink reads its token offsets and progress here
+        self.intake = GatewayIntake(settings, self.pipeline.redact_keys, self.metrics.gateway_spans_received)
+        if self.intake.marks is not None and self.pipeline.selection is not None:  # a gateway's steps wait for lagging nodes
+            self.pipeline.selection.may_close = self.intake.marks.may_close
+        self._heartbeat_tasks: list[asyncio.Task[None]] = []
         self.auth_failures = AuthFailures(self.metrics.auth_failures)
         # one forwarder per exporter (fan-out), each sending through a watcher that logs its
         # outages (rate-limited) and feeds /readyz
@@ -110,6 +116,7 @@ class Collector:
         self._forward_tasks: list[asyncio.Task[None]] = []
         self._select_task: asyncio.Task[None] | None = None
         self._retention_task: asyncio.Task[None] | None = None
+        self._hold_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         if self.pipeline.pool is not None and self.settings.token2text:  # spawned now, warm in the background
@@ -117,8 +124,11 @@ class Collector:
         self._forward_tasks = [asyncio.create_task(f.run(), name=f"tracecar-forwarder-{f.name}") for f in self.forwarders]
         await asyncio.to_thread(self.retention.take_reserve)
         self._retention_task = asyncio.create_task(self.retention.run(), name="tracecar-retention")
+        self._hold_task = asyncio.create_task(self.pipeline.run_hold(), name="tracecar-engine-hold")
         if self.pipeline.selection is not None:  # tail-based budgets: decide held steps
             self._select_task = asyncio.create_task(self.pipeline.run_selection(), name="tracecar-selection")
+        self._heartbeat_tasks = [asyncio.create_task(heartbeat_loop(s, self.settings.gateway_heartbeat_s), name="tracecar-heartbeat")
+                                 for s in gateway_sinks(self.sinks)]  # a node: its progress to the gateway
         self.ready = True
         self.metrics.ready.set(1)
 
@@ -129,10 +139,18 @@ class Collector:
     async def stop(self) -> None:
         """Drains to the backend up to the deadline; whatever is left stays in the spool."""
         self.mark_unready()
+        for task in self._heartbeat_tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         if self._retention_task is not None:
             self._retention_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._retention_task
+        if self._hold_task is not None:
+            self._hold_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._hold_task
         if self._select_task is not None:
             self._select_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -245,11 +263,11 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
             index = viewer.trajectory_index
             await asyncio.to_thread(viewer_list_caught_up, index, settings.list_catch_up_s, collector.metrics.list_index_behind.inc)
             if experiment is None:
-                experiment = await asyncio.to_thread(latest_experiment, index)
+                experiment = await asyncio.to_thread(read_index, latest_experiment, index)
             decided = await collector.pipeline.decisions(experiment or None, step, validate)
             now = time.time()
             answer["step"] = await asyncio.to_thread(
-                step_health, collector.spool, index, experiment, step, validate, window_s=settings.live_window_s,
+                read_index, step_health, collector.spool, index, experiment, step, validate, window_s=settings.live_window_s,
                 max_scan_spans=settings.live_max_scan_spans, decisions=decided,
                 open_calls=lambda: collector.pipeline.open_calls.snapshot(now - settings.live_window_s))
         return _json(answer)
@@ -321,6 +339,23 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         rows = await asyncio.to_thread(collector.spool.dead_letters, limit, exporter)
         return {"count": await asyncio.to_thread(collector.spool.dead_count, exporter), "dead_letters": rows}
 
+    @app.post("/v1/cluster/heartbeat", dependencies=[Depends(auth)], include_in_schema=False)
+    async def heartbeat(request: Request) -> Any:
+        """A node collector's progress between its batches (service/roles.py NodeMarks); a gateway's only."""
+        node = request.headers.get(NODE_HEADER)
+        _, refusal = collector.intake.receiver(node if node is not None else "")
+        if refusal is not None or node is None:
+            status, body = refusal or (400, {"error": {"field": NODE_HEADER, "reason": "missing"}})
+            return _json(body, status_code=status)
+        collector.intake.delivered(node, request.headers.get(PROGRESS_HEADER))
+        return _json({"ok": True})
+
+    @app.get("/v1/cluster/nodes", dependencies=[Depends(auth)])
+    async def cluster_nodes() -> Any:
+        """A gateway's node collectors: how far each has acknowledged and delivered, when last heard."""
+        marks = collector.intake.marks
+        return _json({"role": settings.role, "nodes": marks.snapshot() if marks is not None else {}})
+
     # OTLP/HTTP in (vLLM/SGLang engine spans, any OpenTelemetry SDK): same pipeline, same token
     app.include_router(build_otlp_router(collector, auth, _read_body))
     # the local trajectory viewer (/ui/): read-only, same token
@@ -378,13 +413,20 @@ async def _ingest(request: Request, collector: Collector) -> tuple[int, Any, dic
     if not collector.ready:
         return (503, {"error": {"field": None, "reason": "collector is not ready (starting or draining)"}},
                 {"Retry-After": str(settings.retry_after_s)})
+    node = request.headers.get(NODE_HEADER)
+    receiver, refusal = collector.intake.receiver(node)  # a node's batch: a gateway's only
+    if refusal is not None:
+        return refusal[0], refusal[1], None
     try:
         collector.pipeline.check_capacity()
         async with collector.pipeline.permit():  # before the body is read: that is what bounds memory
             body = await _read_body(request, settings.max_body_bytes)
             if not body:
                 return 200, {"accepted": 0, "duplicates": 0, "sampled_out": 0, "rejected_count": 0, "rejected": [], "warnings": {}}, None
-            result = await collector.pipeline.ingest(body, request.headers.get("content-type"), request.headers.get("content-encoding"))
+            result = await collector.pipeline.ingest(body, request.headers.get("content-type"), request.headers.get("content-encoding"),
+                                                     receiver)
+            if receiver is not None:  # committed: how far that node has delivered now
+                collector.intake.delivered(node, request.headers.get(PROGRESS_HEADER))
     except ClientDisconnect:  # the client went away (or a body read timed out): nothing was stored
         collector.metrics.batches_rejected.labels(reason="client_disconnect").inc()
         return 400, {"error": {"field": "body", "reason": "client disconnected before the body was read"}}, None

@@ -185,6 +185,12 @@ def load_checked_settings(config_file: str | None = None, **overrides: Any) -> t
         raise ConfigError(_format_validation_error(exc, source + " and TRACECAR_* variables" if path else "TRACECAR_* variables")) from None
     except ValueError as exc:  # e.g. a TRACECAR_BUDGETS that is not JSON
         raise ConfigError(f"{source}: {str(exc).splitlines()[0]}") from None
+    from .roles import RoleError, check_role
+
+    try:
+        check_role(settings)  # node / gateway (the cluster tier): contradictions are one line
+    except RoleError as exc:
+        raise ConfigError(str(exc)) from None
     check_backend(settings)
     warnings = unknown_env_warnings()
     tokenizer_warning = check_tokenizer(settings)

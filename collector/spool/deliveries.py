@@ -120,6 +120,18 @@ def owe_held(conn: sqlite3.Connection, exporters: Sequence[str], trace_ids: Sequ
     return n
 
 
+def owe_seqs(conn: sqlite3.Connection, exporters: Sequence[str], seqs: Sequence[int]) -> int:
+    """Every exporter owes these spans (engine spans released from AWAITING); rows per exporter."""
+    n = 0
+    for i in range(0, len(seqs), 500):
+        chunk = list(seqs[i:i + 500])
+        for name in exporters:
+            added = conn.execute(f"INSERT OR IGNORE INTO deliveries (exporter, seq) SELECT ?, seq FROM spans"
+                                 f" WHERE seq IN ({_marks(len(chunk))})", (name, *chunk)).rowcount
+        n += added
+    return n
+
+
 def next_owed(conn: sqlite3.Connection, exporter: str, limit: int) -> list[tuple[int, bytes, int | None, int | None]]:
     """This exporter's oldest owed spans, through its own primary-key range."""
     return conn.execute(

@@ -31,6 +31,9 @@ from ..types import Span
 from . import deliveries
 
 PENDING, DONE, DEAD, HELD = 0, 1, 2, 3
+# an engine span whose trajectory (so its project) is not known yet: stored, owed to no exporter
+# (receivers.engine_hold); joined to its trajectory, or released as it is, later
+AWAITING = 4
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS spans (
@@ -146,6 +149,7 @@ class SpoolRow:
     inputs_at: int | None = None
     output_at: int | None = None
     token_arrays: bytes | None = None  # packed per-token arrays (processors.token_arrays), stored beside the payload
+    awaiting: bool = False  # an engine span stored AWAITING its trajectory (receivers.engine_hold)
 
     @property
     def size(self) -> int:
@@ -188,7 +192,7 @@ def _row_params(row: SpoolRow, state: int, now: float) -> tuple[Any, ...]:
         _attr(s, "sample_index"), _attr(s, "rollout_n"), None if validate is None else int(bool(validate)),
         s["start_time"], s["end_time"], int(s["exception"] is not None),
         reward if type(reward) in (int, float) else None,
-        row.size, HELD if row.held else state, now,
+        row.size, HELD if row.held else AWAITING if row.awaiting and state == PENDING else state, now,
         orjson.dumps(row.warnings).decode() if row.warnings else None, row.payload, row.tokens,
         row.inputs_at, row.output_at, _policy_version(s), row.token_arrays,
     )
@@ -237,6 +241,7 @@ class Spool:
         self._decision_read: sqlite3.Connection | None = None
         self._decision_lock = threading.Lock()
         self.pending_count = self.pending_bytes = self.stored_bytes = self.held_count = self.held_bytes = 0
+        self.awaiting_count = self.awaiting_bytes = 0
         self.disk_full_at: float | None = None  # monotonic time of the last write refused for a full disk
         self.recount()
 
@@ -303,11 +308,14 @@ class Spool:
                         [(r.size, r.tokens, r.span["trace_id"]) for r in fresh if r.span["span_id"] in late],
                     )
             new_bytes = sum(r.size for r in fresh)
-            held = [r for r in fresh if r.held]
+            held = [r for r in fresh if r.held or (r.awaiting and state == PENDING)]  # neither is pending
+            awaiting = [r for r in fresh if r.awaiting and not r.held and state == PENDING]
+            self.awaiting_count += len(awaiting)
+            self.awaiting_bytes += sum(r.size for r in awaiting)
             held_bytes = sum(r.size for r in held)
             self.stored_bytes += new_bytes
-            self.held_count += len(held)
-            self.held_bytes += held_bytes
+            self.held_count += len(held) - len(awaiting)
+            self.held_bytes += held_bytes - sum(r.size for r in awaiting)
             if state == PENDING:
                 self.pending_count += len(fresh) - len(held)
                 self.pending_bytes += new_bytes - held_bytes
@@ -440,7 +448,8 @@ class Spool:
     def trace_seen_unheld(self, trace_id: str) -> bool:
         """True if spans of this trace are stored but not held (it was never under a tail budget)."""
         with self._read_lock:
-            return self._read.execute("SELECT 1 FROM spans WHERE trace_id = ? AND state != 3 LIMIT 1", (trace_id,)).fetchone() is not None
+            return self._read.execute("SELECT 1 FROM spans WHERE trace_id = ? AND state NOT IN (3, 4) LIMIT 1",
+                                      (trace_id,)).fetchone() is not None
 
     def step_last_round(self, experiment: Any, validate: bool, step: int, policy_version: int | None = None) -> int:
         with self._read_lock:
@@ -594,12 +603,81 @@ class Spool:
         with self._write_lock:
             (self.pending_count, self.pending_bytes, self.stored_bytes, self.held_count,
              self.held_bytes) = self._write.execute(_COUNTS_SQL).fetchone()
+            self.awaiting_count, self.awaiting_bytes = self._write.execute(
+                "SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans WHERE state = 4").fetchone()
             if self.multi:
                 self.owed = deliveries.owed_counts(self._write, self.exporters)
 
     def owed_count(self, exporter: str) -> int:
         """Spans ``exporter`` has still to take (with one exporter: every pending span)."""
         return self.owed.get(exporter, 0) if self.multi else self.pending_count
+
+    # ---- engine spans awaiting their trajectory (receivers.engine_hold) ------------------------
+    def awaiting_traces(self) -> dict[str, int]:
+        """trace_id -> spans AWAITING their trajectory (what a restart rebuilds the hold from)."""
+        with self._read_lock:
+            return dict(self._read.execute("SELECT trace_id, COUNT(*) FROM spans WHERE state = 4 GROUP BY trace_id").fetchall())
+
+    def trajectory_state(self, trace_id: str, engine_worker_prefix: str) -> int | None:
+        """The state of a stored span of this trajectory that is not an engine span (HELD under a
+        tail budget, else pending or later), or None when none is stored."""
+        with self._read_lock:
+            row = self._read.execute(
+                "SELECT MIN(state = 3) FROM spans WHERE trace_id = ? AND state != 4 AND kind != 'annotation'"
+                " AND (worker IS NULL OR worker NOT LIKE ?)", (trace_id, engine_worker_prefix + "%")).fetchone()
+        return None if row is None or row[0] is None else HELD if row[0] else PENDING
+
+    def settle_awaiting(self, trace_id: str, target: int | None,
+                        patch: Callable[[dict[str, Any]], tuple[tuple[Any, ...], bytes, int, int]] | None) -> int:
+        """The AWAITING spans of one trajectory, in one transaction: to ``target`` (PENDING, or HELD
+        to share a tail decision), each payload and its index columns rewritten by ``patch`` first
+        when given (returns (worker, project, entity, experiment, step, sample_index, rollout_n,
+        validate), payload, inputs_at, output_at); ``target=None`` deletes them (their trajectory
+        was dropped by a budget). Returns the spans settled."""
+        if self.local_only:
+            target = DONE if target is not None else None
+        with self._write_lock:
+            with self._transaction() as conn:
+                rows = conn.execute("SELECT seq, payload, nbytes, token_arrays FROM spans WHERE trace_id = ? AND state = 4",
+                                    (trace_id,)).fetchall()
+                before = sum(r[2] for r in rows)
+                after = 0
+                seqs = [r[0] for r in rows]
+                if target is None:
+                    conn.executemany("DELETE FROM spans WHERE seq = ?", [(q,) for q in seqs])
+                else:
+                    for seq, payload, nbytes, arrays in rows:
+                        if patch is not None:
+                            columns, payload, inputs_at, output_at = patch(orjson.loads(payload))
+                            nbytes = len(payload) + (len(arrays) if arrays else 0)
+                            conn.execute("UPDATE spans SET worker = ?, project = ?, entity = ?, experiment = ?, step = ?,"
+                                         " sample_index = ?, rollout_n = ?, validate = ?, payload = ?, nbytes = ?,"
+                                         " inputs_at = ?, output_at = ? WHERE seq = ?",
+                                         (*columns, payload, nbytes, inputs_at, output_at, seq))
+                        after += nbytes
+                        conn.execute("UPDATE spans SET state = ? WHERE seq = ?", (target, seq))
+                owed = deliveries.owe_seqs(conn, self.exporters, seqs) if self.multi and target == PENDING else 0
+            self.awaiting_count -= len(rows)
+            self.awaiting_bytes -= before
+            self.stored_bytes += after - before
+            if target == PENDING:
+                self.pending_count += len(rows)
+                self.pending_bytes += after
+                self._owe(owed)
+            elif target == HELD:
+                self.held_count += len(rows)
+                self.held_bytes += after
+            elif target == DONE and self.on_stored is not None and rows:
+                self.on_stored(len(rows))
+        return len(rows)
+
+    def oldest_awaiting(self, limit: int, before: float | None = None) -> list[str]:
+        """Trace ids of the oldest AWAITING spans (received before ``before``), oldest first."""
+        where = " AND received_at < ?" if before is not None else ""
+        params: tuple[Any, ...] = (before, limit) if before is not None else (limit,)
+        with self._read_lock:
+            return [t for (t,) in self._read.execute(
+                f"SELECT trace_id FROM spans WHERE state = 4{where} GROUP BY trace_id ORDER BY MIN(seq) LIMIT ?", params)]
 
     # ---- retention of forwarded spans -----------------------------------------------------
     def used_bytes(self) -> int:

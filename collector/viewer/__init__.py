@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from ..metrics import Metrics
     from ..settings import CollectorSettings
     from ..spool.store import Spool
 
@@ -21,3 +22,4 @@ class StoreOwner(Protocol):
 
     settings: CollectorSettings
     spool: Spool
+    metrics: Metrics

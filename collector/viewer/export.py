@@ -21,12 +21,14 @@ Why the shape is what it is:
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import orjson
 
+from ..chat import chat_in, parse_template, strip_end
 from ..shape import RESPONSE_ID_KEYS, TOOL_METHODS, dict_or_empty, int_list, shape
 from ..spool.query import get_trajectory
 from ..spool.store import Spool
@@ -41,7 +43,22 @@ ROW_GROUP_ROWS = 500  # Parquet rows per row group (bounded by bytes too)
 ROW_GROUP_BYTES = 16 << 20
 JSONL_CHUNK_BYTES = 256 << 10
 SETTLE_TIMEOUT_S = 300.0  # how long an export waits for the trajectory index to catch up
-PROMPT_KEYS = ("raw_prompt", "messages")  # VERL's agent loops get the chat as kwargs["raw_prompt"]
+
+
+log = logging.getLogger("tracecar.export")
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+#: told of each trajectory an export leaves out, with why (its record or its line could not be written)
+OnSkip = Callable[[str, str], None]
+
+
+def _ids(value: Any) -> list[int] | None:
+    """A token-id column's value: a list of plain ints that each fit the column's int64, else None."""
+    ids = int_list(value)
+    return ids if ids is not None and INT64_MIN <= min(ids) and max(ids) <= INT64_MAX else None
+
+
+def _skip_reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:300]
 
 
 class IndexBehind(RuntimeError):
@@ -99,16 +116,19 @@ def _tool_name(span: dict[str, Any]) -> str:
 
 
 def _initial_messages(root: dict[str, Any], first_prompt: str | None) -> list[dict[str, Any]]:
-    """The chat the agent loop was given, when a span carries it; else the decoded first prompt."""
+    """The chat the agent loop was given, when a span recorded it (VERL: ``inputs.kwargs.raw_prompt``,
+    see :mod:`..chat`); else the decoded first prompt, its chat template undone where it is a known
+    one, else as one user message."""
     for span in _walk(root):
-        inputs = span.get("inputs")
-        if not isinstance(inputs, dict):
-            continue
-        for key in PROMPT_KEYS:
-            chat = inputs.get(key)
-            if isinstance(chat, list) and chat and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in chat):
-                return [_message(str(m["role"]), _json_text(m.get("content"))) for m in chat]
-    return [_message("user", first_prompt)] if first_prompt is not None else []
+        chat = chat_in(span.get("inputs"))
+        if chat is not None:
+            return [_message(str(m["role"]), _json_text(m.get("content"))) for m in chat]
+    if first_prompt is None:
+        return []
+    parsed = parse_template(first_prompt)
+    if parsed is None:
+        return [_message("user", first_prompt)]
+    return [_message(m["role"], m["content"]) for m in parsed]
 
 
 def _message(role: str, content: str | None, *, tool_calls: list[dict[str, Any]] | None = None,
@@ -121,17 +141,17 @@ def _token_arrays(root: dict[str, Any], spans: dict[Any, dict[str, Any]], turns:
     (VERL's ``AgentLoopOutput``: tool outputs included, masked 0), else the turns' ids joined."""
     for span in _walk(root):
         output = span.get("output")
-        if span.get("children") and isinstance(output, dict) and int_list(output.get("response_ids")) is not None:
-            return {"prompt_ids": int_list(output.get("prompt_ids")), "response_ids": output["response_ids"],
-                    "response_mask": int_list(output.get("response_mask"))}
+        if span.get("children") and isinstance(output, dict) and _ids(output.get("response_ids")) is not None:
+            return {"prompt_ids": _ids(output.get("prompt_ids")), "response_ids": output["response_ids"],
+                    "response_mask": _ids(output.get("response_mask"))}
     prompt, response = None, []
     for number, turn in enumerate(turns):
         span = spans.get(turn["span_id"]) or {}
         output = dict_or_empty(span.get("output"))
         inputs = dict_or_empty(span.get("inputs"))
         if number == 0:
-            prompt = int_list(output.get("prompt_ids")) or int_list(inputs.get("prompt_ids"))
-        response += next((ids for ids in (int_list(output.get(k)) for k in RESPONSE_ID_KEYS) if ids), [])
+            prompt = _ids(output.get("prompt_ids")) or _ids(inputs.get("prompt_ids"))
+        response += next((ids for ids in (_ids(output.get(k)) for k in RESPONSE_ID_KEYS) if ids), [])
     return {"prompt_ids": prompt, "response_ids": response or None, "response_mask": None}
 
 
@@ -148,10 +168,10 @@ def record(tree: dict[str, Any], summary: dict[str, Any], *, token_ids: bool = F
         calls = [{"id": e["span_id"], "type": "function",
                   "function": {"name": _tool_name(spans.get(e["span_id"]) or {}), "arguments": _json_text(e.get("arguments")) or "{}"}}
                  for e in tools]
-        assistant = _message("assistant", turn.get("response_text"), tool_calls=calls)
+        assistant = _message("assistant", strip_end(turn.get("response_text")), tool_calls=calls)
         if token_ids:
             output = (spans.get(turn["span_id"]) or {}).get("output") or {}
-            assistant["token_ids"] = next((int_list(output.get(k)) for k in RESPONSE_ID_KEYS if int_list(output.get(k))), None)
+            assistant["token_ids"] = next((_ids(output.get(k)) for k in RESPONSE_ID_KEYS if _ids(output.get(k))), None)
         messages.append(assistant)
         for event in tools:
             content = f"error: {event['error']}" if event.get("error") else _json_text(event.get("result"))
@@ -180,21 +200,44 @@ def record(tree: dict[str, Any], summary: dict[str, Any], *, token_ids: bool = F
 
 
 def records(spool: Spool, index: TrajectoryIndex, flt: ListFilter, *, token_ids: bool = False,
-            limit: int | None = None) -> Iterator[dict[str, Any]]:
-    """The selection's records, one trajectory read at a time (one dropped meanwhile is skipped)."""
+            limit: int | None = None, on_skip: OnSkip | None = None) -> Iterator[dict[str, Any]]:
+    """The selection's records, one trajectory read at a time (one dropped meanwhile is skipped).
+
+    A trajectory whose record cannot be built (a stored value no rule foresaw) is left out and
+    named to ``on_skip``: it costs that row, never the stream."""
     for summary in selected(index, flt, limit=limit):
         tree = get_trajectory(spool, summary["trace_id"])
-        if tree is not None:
-            yield record(tree, summary, token_ids=token_ids)
+        if tree is None:
+            continue
+        try:
+            row = record(tree, summary, token_ids=token_ids)
+        except Exception as exc:  # noqa: BLE001 - one trajectory's values must not tear the whole export
+            _skipped(on_skip, summary["trace_id"], exc)
+            continue
+        yield row
+
+
+def _skipped(on_skip: OnSkip | None, trace_id: Any, exc: BaseException) -> None:
+    reason = _skip_reason(exc)
+    if on_skip is not None:
+        on_skip(str(trace_id), reason)
+    else:
+        log.warning("export: trajectory %s left out: %s", trace_id, reason)
 
 
 # ---- writers -------------------------------------------------------------------------------------
-def jsonl_chunks(rows: Iterator[dict[str, Any]], chunk_bytes: int = JSONL_CHUNK_BYTES) -> Iterator[bytes]:
-    """One JSON object per line, yielded in chunks of about ``chunk_bytes``."""
+def jsonl_chunks(rows: Iterator[dict[str, Any]], chunk_bytes: int = JSONL_CHUNK_BYTES,
+                 on_skip: OnSkip | None = None) -> Iterator[bytes]:
+    """One JSON object per line, yielded in chunks of about ``chunk_bytes`` (a row orjson cannot
+    write is left out and named to ``on_skip``)."""
     buffer: list[bytes] = []
     size = 0
     for row in rows:
-        line = orjson.dumps(row, option=orjson.OPT_NON_STR_KEYS) + b"\n"
+        try:
+            line = orjson.dumps(row, option=orjson.OPT_NON_STR_KEYS) + b"\n"
+        except (orjson.JSONEncodeError, TypeError) as exc:
+            _skipped(on_skip, row.get("trace_id"), exc)
+            continue
         buffer.append(line)
         size += len(line)
         if size >= chunk_bytes:
@@ -261,8 +304,11 @@ class _Drain:
 
 
 def parquet_chunks(rows: Iterator[dict[str, Any]], *, token_ids: bool = False, row_group_rows: int = ROW_GROUP_ROWS,
-                   row_group_bytes: int = ROW_GROUP_BYTES) -> Iterator[bytes]:
-    """A Parquet file, yielded a row group at a time (footer last)."""
+                   row_group_bytes: int = ROW_GROUP_BYTES, on_skip: OnSkip | None = None) -> Iterator[bytes]:
+    """A Parquet file, yielded a row group at a time (footer last).
+
+    The schema is fixed up front; a row whose values do not fit it is found when its row group
+    is converted (the group is then converted row by row), left out and named to ``on_skip``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -272,9 +318,21 @@ def parquet_chunks(rows: Iterator[dict[str, Any]], *, token_ids: bool = False, r
     batch: list[dict[str, Any]] = []
     size = 0
 
+    def table() -> Any:
+        try:
+            return pa.Table.from_pylist(batch, schema=schema)
+        except Exception:  # noqa: BLE001 - one row does not fit: find it, keep the others
+            kept = []
+            for row in batch:
+                try:
+                    kept.append(pa.Table.from_pylist([row], schema=schema))
+                except Exception as exc:  # noqa: BLE001
+                    _skipped(on_skip, row.get("trace_id"), exc)
+            return pa.concat_tables(kept) if kept else schema.empty_table()
+
     def flush() -> bytes:
         nonlocal batch, size
-        writer.write_table(pa.Table.from_pylist(batch, schema=schema))
+        writer.write_table(table())
         batch, size = [], 0
         return drain.take()
 
@@ -283,7 +341,8 @@ def parquet_chunks(rows: Iterator[dict[str, Any]], *, token_ids: bool = False, r
             if row["sample_index"] is not None:
                 row["sample_index"] = str(row["sample_index"])
             batch.append(row)
-            size += sum(len(m["content"] or "") for m in row["messages"]) + len(row["attributes"])
+            size += sum(len(m["content"]) for m in row["messages"] if isinstance(m.get("content"), str))
+            size += len(row["attributes"]) if isinstance(row["attributes"], str) else 0
             if len(batch) >= row_group_rows or size >= row_group_bytes:
                 yield flush()
         if batch:
@@ -294,13 +353,14 @@ def parquet_chunks(rows: Iterator[dict[str, Any]], *, token_ids: bool = False, r
 
 
 def export_chunks(spool: Spool, index: TrajectoryIndex, flt: ListFilter, fmt: str, *, token_ids: bool = False,
-                  limit: int | None = None) -> Iterator[bytes]:
-    """The whole export as byte chunks (what the HTTP response streams and the CLI writes)."""
-    rows = records(spool, index, flt, token_ids=token_ids, limit=limit)
+                  limit: int | None = None, on_skip: OnSkip | None = None) -> Iterator[bytes]:
+    """The whole export as byte chunks (what the HTTP response streams and the CLI writes); a
+    trajectory that cannot be written costs its row only, named to ``on_skip``."""
+    rows = records(spool, index, flt, token_ids=token_ids, limit=limit, on_skip=on_skip)
     if fmt == "parquet":
-        yield from parquet_chunks(rows, token_ids=token_ids)
+        yield from parquet_chunks(rows, token_ids=token_ids, on_skip=on_skip)
     else:
-        yield from jsonl_chunks(rows)
+        yield from jsonl_chunks(rows, on_skip=on_skip)
 
 
 def parquet_available() -> bool:

@@ -8,6 +8,7 @@ the one summary table of the store, so there is no second query layer to keep in
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ import orjson
 from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.responses import Response, StreamingResponse
 
+from ..loudness import RateLimited
 from ..query_params import INT64_MAX, Int64, OptionalInt64, sample_index_filter
 from ..spool.query import get_trajectory
 from ..spool.store import Spool
@@ -22,9 +24,13 @@ from . import StoreOwner
 from .export import FORMATS, MEDIA_TYPES, IndexBehind, export_chunks, parquet_available, settle
 from .groups import GROUP_SORTS, build_groups
 from .index import ListFilter, TrajectoryIndex
+from .list_api import read_index
+from .node_scope import mark_partial_groups, node_scope
 from .search import QUERY_MAX_CHARS
 from .truth_api import TruthFilters
 
+log = logging.getLogger("tracecar.export")
+_skips = RateLimited(10.0)  # rows left out of exports: logged at once, then at most every 10 s with the count
 GROUP_SORT_PATTERN = "^(" + "|".join(GROUP_SORTS) + ")$"
 FORMAT_PATTERN = "^(" + "|".join(FORMATS) + ")$"
 MAX_STEP_TRAJECTORIES = 200_000  # one step's summaries are grouped in memory: bounded
@@ -79,9 +85,13 @@ def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[
                      diff: bool = True, limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0, le=INT64_MAX)) -> Any:
         """Per sample index of one step: rollouts ranked by reward, group stats, diffs against the best."""
         state = await asyncio.to_thread(fresh)
-        result = await asyncio.to_thread(groups_of_step, collector, index, experiment, step, validate, sort=sort,
+        result = await asyncio.to_thread(read_index, groups_of_step, collector, index, experiment, step, validate, sort=sort,
                                          sample_index=sample_index or None, limit=limit, offset=offset, diff=diff,
                                          truth=truth)
+        scope = node_scope(collector.settings)  # a node with a gateway: its groups may be partial
+        if scope is not None:
+            scope["partial_groups_on_page"] = mark_partial_groups(result["groups"])
+            result["scope"] = scope
         return _json({**result, "index": state})
 
     router.add_api_route("/v1/groups", groups, methods=["GET"], dependencies=[Depends(api_auth)])
@@ -107,14 +117,23 @@ def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[
         if format == "parquet" and not parquet_available():
             raise HTTPException(501, detail={"field": "format", "reason": "parquet needs pyarrow: pip install 'tracecar[export]'"})
         try:
-            await asyncio.to_thread(settle, index)
+            await asyncio.to_thread(read_index, settle, index)
         except IndexBehind as exc:
             raise HTTPException(503, detail={"field": None, "reason": str(exc)}, headers={"Retry-After": "10"}) from exc
         flt = ListFilter(experiment=experiment, step=step, step_min=step_min, step_max=step_max,
                          sample_index=sample_index_filter(sample_index), rollout_n=rollout_n, validate=validate,
                          kept_because=kept_because, reward_min=reward_min, reward_max=reward_max, has_error=has_error,
                          worker=worker, trained=trained, filtered_by=filtered_by, q=q, **truth)
-        chunks = export_chunks(collector.spool, index, flt, format, token_ids=token_ids, limit=limit)
+        skipped = collector.metrics.export_rows_skipped.labels(format=format)
+
+        def on_skip(trace_id: str, reason: str) -> None:  # the 200 is sent: the row is named in the log and counted
+            skipped.inc()
+            count = _skips.hit()
+            if count is not None:
+                log.warning("export: trajectory %s left out of a %s export (%d since the last such line): %s",
+                            trace_id, format, count, reason, extra={"event": "export_row_skipped", "trace_id": trace_id})
+
+        chunks = export_chunks(collector.spool, index, flt, format, token_ids=token_ids, limit=limit, on_skip=on_skip)
         filename = f"tracecar-export.{format}"
         return StreamingResponse(chunks, media_type=MEDIA_TYPES[format],
                                  headers={"Content-Disposition": f'attachment; filename="{filename}"',

@@ -21,6 +21,7 @@ from typing import Any
 
 import orjson
 
+from ..chat import last_user_message
 from ..shape import RESPONSE_ID_KEYS, int_list, numeric, shape
 from .truth import separation
 
@@ -230,7 +231,8 @@ def _group(key: Any, rows: list[dict[str, Any]], stats: GroupStats, load: Callab
         if tree is not None and diff:
             facts[row["trace_id"]], view = turn_facts(tree)
             if prompt is None and view["turns"] and view["turns"][0].get("prompt_text"):
-                prompt = view["turns"][0]["prompt_text"][:PREVIEW_CHARS]
+                text = view["turns"][0]["prompt_text"]
+                prompt = (last_user_message(text) or text)[:PREVIEW_CHARS]
         rollouts.append({
             "trace_id": row["trace_id"], "rollout_n": row.get("rollout_n"), "reward": row.get("reward"),
             "advantage": advantage, "turns": row.get("turns"), "tool_calls": row.get("tool_calls"),

@@ -41,8 +41,8 @@ from . import search, truth
 log = logging.getLogger("tracecar.collector.viewer")
 
 # 3: sample_index untyped; 4: engine spans never make a turn an aggregate; 5: what the trainer did; 6: previews;
-# 7: training truth (viewer/truth.py)
-INDEX_VERSION = "7"
+# 7: tool calls are real calls only (shape.is_tool); 8: training truth (viewer/truth.py)
+INDEX_VERSION = "8"
 ROOT = "root_seq IS NOT NULL"  # every query names it, so the partial indexes apply
 
 SCHEMA = f"""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import HTTPException
 
@@ -44,6 +44,17 @@ def index_unavailable(exc: Exception, on_behind: Callable[[], None] = lambda: No
 
 
 INDEX_ERRORS = (sqlite3.OperationalError, OSError)  # what a full disk raises from the index's writes
+T = TypeVar("T")
+
+
+def read_index(read: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Runs one blocking read of (or catch-up of) the trajectory index: every index-backed answer
+    (lists, facets, overview, groups, per-step health, export) goes through here, so a full disk
+    is one 503 + Retry-After naming it, never a 500 (the index lives beside the spool)."""
+    try:
+        return read(*args, **kwargs)
+    except INDEX_ERRORS as exc:
+        raise index_unavailable(exc) from None
 
 
 def caught_up(index: TrajectoryIndex, budget_s: float, on_behind: Callable[[], None] = lambda: None) -> dict[str, Any]:
@@ -77,7 +88,7 @@ def list_page(index: TrajectoryIndex, flt: TrajectoryFilter, *, sort: str, desce
               budget_s: float, on_behind: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """One page of summaries (with their prompt/response previews), the total, and the index's state."""
     state = caught_up(index, budget_s, on_behind)
-    page = index.list(flt, sort=sort, descending=descending, limit=limit, offset=offset)
+    page = read_index(index.list, flt, sort=sort, descending=descending, limit=limit, offset=offset)
     if flt.q:
         page["q"] = flt.q
     return {**page, "index": state}

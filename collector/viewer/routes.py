@@ -33,7 +33,7 @@ from ..shape import shape
 from ..spool.query import get_trajectory
 from . import StoreOwner
 from .index import SORTS, ListFilter, TrajectoryIndex
-from .list_api import INDEX_ERRORS, viewer_fresh
+from .list_api import INDEX_ERRORS, read_index, viewer_fresh
 from .search import QUERY_MAX_CHARS
 from .tokens import trajectory_tokens
 from .truth_api import TruthFilters, add_trainer_logprobs, add_truth
@@ -154,7 +154,7 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
     @guarded.get("/api/facets")
     async def facets() -> Any:
         state = await asyncio.to_thread(fresh)
-        return _json({**await asyncio.to_thread(index.facets), "index": state})
+        return _json({**await asyncio.to_thread(read_index, index.facets), "index": state})
 
     @guarded.get("/api/overview")
     async def overview(experiment: str | None = None,
@@ -165,10 +165,10 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
         """
         state = await asyncio.to_thread(fresh)
         if experiment is None:
-            known = (await asyncio.to_thread(index.facets))["experiments"]
+            known = (await asyncio.to_thread(read_index, index.facets))["experiments"]
             experiment = known[0]["experiment"] if known else None
         validate = {"train": False, "validation": True, "all": None}[split]
-        result = await asyncio.to_thread(index.overview, experiment or None, validate)
+        result = await asyncio.to_thread(read_index, index.overview, experiment or None, validate)
         return _json({**result, "split": split, "index": state})
 
     @guarded.get("/api/trajectories")
@@ -192,7 +192,8 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
         for key, value in truth.items():  # drift, reward_where, fate, refill, trained_other, lp_delta_min (truth_api.py)
             setattr(flt, key, value)
         state = await asyncio.to_thread(fresh)
-        page = await asyncio.to_thread(index.list, flt, sort=sort, descending=order == "desc", limit=limit, offset=offset)
+        page = await asyncio.to_thread(read_index, index.list, flt, sort=sort, descending=order == "desc", limit=limit,
+                                       offset=offset)
         return _json({**page, "index": state})
 
     @guarded.get("/api/trajectories/{trace_id}")

@@ -18,6 +18,7 @@ import sqlite3
 from collections.abc import Iterable
 from typing import Any
 
+from ..chat import last_user_message
 from ..text_query import MATCH_CLAUSE, QUERY_MAX_CHARS, fts_query  # noqa: F401 - the viewer's names for them
 
 STORED_CHARS = 2000  # per text: longer ones keep their first and last STORED_CHARS / 2 (both are searched)
@@ -112,7 +113,8 @@ def _tail(text: str | None) -> str | None:
 
 
 def attach(conn: sqlite3.Connection, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Adds ``prompt_preview`` and ``response_preview`` (their ends, LIST_CHARS each) to list rows."""
+    """Adds ``prompt_preview`` and ``response_preview`` (their ends, LIST_CHARS each) to list rows; a prompt
+    in a known chat template is previewed as its last user message."""
     if not rows:
         return rows
     ids = [r["trace_id"] for r in rows]
@@ -120,5 +122,6 @@ def attach(conn: sqlite3.Connection, rows: list[dict[str, Any]]) -> list[dict[st
         f"SELECT trace_id, prompt, response FROM previews WHERE trace_id IN ({','.join('?' * len(ids))})", ids)}
     for row in rows:
         prompt, response = found.get(row["trace_id"], (None, None))
-        row["prompt_preview"], row["response_preview"] = _tail(prompt), _tail(response)
+        # a templated prompt's question (its last user message) rather than the template's markup
+        row["prompt_preview"], row["response_preview"] = _tail(last_user_message(prompt) or prompt), _tail(response)
     return rows

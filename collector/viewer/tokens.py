@@ -4,7 +4,10 @@ Read from the packed per-token arrays the collector stored at ingest (processors
 and the decoded ``response_text`` in the payload, cut at the offsets token_pieces computed, so
 the pieces always join to the text the conversation view shows. Per span that carried arrays:
 a turn (an LLM call) or the agent loop's whole output (VERL's ``AgentLoopOutput``: every turn
-plus tool output, the tool tokens outside the loss mask).
+plus tool output, the tool tokens outside the loss mask). Every answer says whether each token's
+text is exactly its own (``exact``, per span and for the whole answer): offsets are exact for
+byte-level BPE, WordPiece, Metaspace and byte-fallback decoders; only an odd decoder on a long
+sequence gets approximated ones, and the viewer then says so.
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ def span_tokens(span_id: str, name: str, start_time: float | None, aggregate: bo
     return {
         "span_id": span_id, "name": name, "start_time": start_time, "aggregate": aggregate,
         "text": text if ends is not None else None, "text_note": None if ends is not None else _why_no_text(text, arrays),
+        # False: the pieces join to the text but are approximated (a decoder token_pieces cannot
+        # place exactly); None: no text to cut
+        "exact": (arrays.exact if ends is not None else None),
         "sources": arrays.keys or {}, "has": {k: getattr(arrays, k) is not None for k in ("logprobs", "mask", "entropy")},
         "count": len(tokens), "outside_mask": sum(1 for t in tokens if t.get("mask") == 0),
         "mean_logprob": sum(logprobs) / len(logprobs) if logprobs else None,
@@ -85,4 +91,5 @@ def trajectory_tokens(spool: Spool, trace_id: str, lowest: int = LOWEST) -> dict
              for r in rows]
     pool = [s for s in spans if s["aggregate"]] or spans
     everywhere = [{**t, "span_id": s["span_id"]} for s in pool for t in s["tokens"]]
-    return {"trace_id": trace_id, "spans": spans, "lowest": _lowest(everywhere, lowest)}
+    return {"trace_id": trace_id, "exact": all(s["exact"] is not False for s in spans), "spans": spans,
+            "lowest": _lowest(everywhere, lowest)}

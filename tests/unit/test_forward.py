@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
-from tracecar.collector.exporters.forward import Forwarder, SendResult, Sink
+from tracecar.collector.exporters.forward import Forwarder, SendResult, Sink, translating
 from tracecar.collector.metrics import Metrics
 from tracecar.collector.spool.store import Spool, SpoolRow
 
@@ -119,3 +119,52 @@ def test_keep_forwarded_false_deletes_what_the_backend_has(tmp_path: Path) -> No
     spool = spool_with(tmp_path, "a", "b")
     drain(spool, ScriptedSink(), keep_forwarded=False)
     assert states(spool) == {} and spool.pending_count == 0
+
+
+class TranslatingSink(ScriptedSink):
+    """Its translation raises for any batch holding one of ``poison`` (as OtlpSink's encode does)."""
+
+    def __init__(self, *poison: str) -> None:
+        super().__init__()
+        self.poison = set(poison)
+
+    async def send(self, spans: Sequence[Mapping[str, Any]]) -> SendResult:
+        ids = [s["span_id"] for s in spans]
+        self.sent.append(ids)
+        with translating():
+            if self.poison & set(ids):
+                raise OverflowError("int too big to convert")
+        return SendResult(delivered=ids)
+
+
+def test_a_span_the_translation_cannot_take_is_isolated_and_dead_lettered_and_never_retried(tmp_path: Path) -> None:
+    ids = [f"s{i}" for i in range(8)]
+    spool = spool_with(tmp_path, *ids)
+    sink = TranslatingSink("s5")
+    metrics = Metrics()
+    forwarder = drain(spool, sink, metrics, seconds=2.0)
+    assert states(spool) == {**{sid: 1 for sid in ids}, "s5": 2}
+    [dead] = spool.dead_letters()
+    assert dead["span_id"] == "s5" and "OverflowError: int too big to convert" in dead["reason"]
+    assert dead["reason"].startswith("scripted: could not translate")
+    # one pass: the batch, then halves in order down to the culprit; nothing is sent again after
+    assert sink.sent == [ids, ids[:4], ids[4:], ["s4", "s5"], ["s4"], ["s5"], ["s6", "s7"]]
+    assert metrics.dead_lettered.labels(exporter="scripted")._value.get() == 1
+    assert forwarder.last_error is None and spool.pending_count == 0
+
+
+def test_isolating_stops_at_a_retryable_half_so_a_trace_still_arrives_in_order(tmp_path: Path) -> None:
+    spool = spool_with(tmp_path, "a", "b", "c", "d")
+
+    class Sink(TranslatingSink):
+        async def send(self, spans: Sequence[Mapping[str, Any]]) -> SendResult:
+            ids = [s["span_id"] for s in spans]
+            if ids == ["a", "b"] and not self.sent.count(["a", "b"]):
+                self.sent.append(ids)
+                return SendResult(retryable=ids, retry_reason="503")
+            return await super().send(spans)
+
+    sink = Sink("d")
+    drain(spool, sink, seconds=2.0)
+    assert sink.sent[:2] == [["a", "b", "c", "d"], ["a", "b"]]  # c, d wait with the retried half
+    assert states(spool) == {"a": 1, "b": 1, "c": 1, "d": 2}

@@ -47,3 +47,26 @@ def test_lists_that_did_not_grow_are_sent_as_they_are_and_subclasses_untouched()
 def test_no_list_arguments_costs_no_lengths() -> None:
     record = _record(object(), "r3", "not a list", request=None)
     assert record.list_lens is None
+
+
+def test_shallow_copies_dict_arguments_at_the_call_in_their_places() -> None:
+    """TRACECAR_SNAPSHOT=shallow: each dict argument's top-level keys as at the call (one copy kept bare,
+    several in a list; an empty one too), lists by length, the caller's own objects left alone."""
+    empty, params, nested = {}, {"temperature": 1.0, "extra": {"seed": 0}}, {"a": 1}
+    prompt = [1, 2]
+    record = SpanRecord("generate", KIND_OP, 1.0, None, {}, _LazySignature(generate), (object(), "r", prompt, empty),
+                        {"params": params, "nested": nested}, True)
+    empty["filled"] = True
+    params["temperature"] = 0.0
+    params["extra"]["seed"] = 7  # below the top level: shows its later state (documented)
+    nested["b"] = 2
+    prompt.append(3)
+    inputs = record.to_wire()["inputs"]
+    assert inputs["extra"] == {} and inputs["prompt_ids"] == [1, 2]
+    assert inputs["options"] == {"params": {"temperature": 1.0, "extra": {"seed": 7}}, "nested": {"a": 1}}
+    assert empty == {"filled": True} and params["temperature"] == 0.0  # the caller's objects are its own
+    one = SpanRecord("generate", KIND_OP, 1.0, None, {}, _LazySignature(generate), (object(), "r", [1], params), None, True)
+    assert type(one.dict_copies) is dict  # one copy kept bare
+    refs = SpanRecord("generate", KIND_OP, 1.0, None, {}, _LazySignature(generate), (object(), "r", [1], params), None)
+    params["late"] = True
+    assert refs.dict_copies is None and refs.to_wire()["inputs"]["extra"]["late"] is True  # refs: as sent

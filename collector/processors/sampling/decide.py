@@ -21,7 +21,9 @@ is already kept (first fit: a unit that does not fit is skipped, the next one is
 3. ``reward_spread``: the ``keep_spread_groups`` groups with the widest reward spread
    (max - min > 0 over at least two rewarded rollouts), kept whole.
 4. ``fill``: everything else in order of ``blake2b(seed, experiment, step, sample_index)`` (then
-   rollout_n), so several collectors and reruns choose the same samples.
+   rollout_n), so several collectors and reruns choose the same samples. Where a count is the only
+   limit this is a uniform draw (a bottom-k of the hash): each unit the fill kept carries its
+   inclusion probability k/n (:func:`uniform_fill`).
 
 A unit dropped carries the limit that stopped it in the fill pass. Later rounds (trajectories
 that arrive after their step was decided) start from the earlier rounds' usage, so budgets stay
@@ -69,6 +71,8 @@ class Verdict:
     keep: bool
     rule: str | None = None
     reason: str | None = None
+    # kept by a uniform fill: the chance it had (k of the n units left to the fill); see uniform_fill
+    inclusion_probability: float | None = None
 
 
 @dataclass
@@ -169,6 +173,23 @@ def trajectory_cost(c: Candidate, cap: int | None) -> int:
 def scaled_limits(limits: dict[str, int], share: float) -> dict[str, int]:
     """A rule's quota: ``share`` of each limit, rounded up (any share > 0 allows one)."""
     return {name: math.ceil(share * value) for name, value in limits.items()}
+
+
+def uniform_fill(budget: Budget) -> bool:
+    """Whether the fill is a uniform draw: a bottom-k of the sample hash, k set by a count alone.
+
+    True when the only limit is ``max_trajectories_per_step`` over single trajectories, or
+    ``max_groups_per_step`` over whole groups, with no per-trajectory cap: every unit then costs
+    one, so the fill keeps the first k units in hash order, and each of the n units left to it
+    had the same chance k/n (a simple random sample). Byte and token limits (first fit skips
+    larger units) or a per-worker sample count make the chance depend on the unit.
+    """
+    limits = set(budget.limits())
+    if budget.max_trajectory_bytes is not None or not limits:
+        return False
+    if budget.group_unit:
+        return limits == {"max_groups_per_step"}
+    return limits == {"max_trajectories_per_step"}
 
 
 def decide(candidates: Iterable[Candidate], budget: Budget, experiment: Any, step: int,
@@ -292,14 +313,20 @@ def decide(candidates: Iterable[Candidate], budget: Budget, experiment: Any, ste
                 spread_want -= 1
 
     # 4. fill by hash
-    for unit in open_units:
-        if id(unit) in kept:
-            continue
+    left = [unit for unit in open_units if id(unit) not in kept]
+    filled = []
+    for unit in left:
         why = usage.blocked_by(unit, limits)
         if why is None:
             keep(unit, "fill")
+            filled.append(unit)
         else:
             for c in unit.members:
                 verdicts[c.trace_id] = Verdict(c.trace_id, False, reason=why)
+    if filled and uniform_fill(budget):  # stamped so step and group statistics can be re-weighted
+        chance = round(len(filled) / len(left), 6)
+        for unit in filled:
+            for c in unit.members:
+                verdicts[c.trace_id].inclusion_probability = chance
     return [verdicts[c.trace_id] for c in candidates], usage
 

@@ -89,6 +89,10 @@ class TailSelector:
         self.metrics = metrics
         self.clock = clock
         self.waits = Waits(settings.reward_wait_s, settings.step_idle_s, settings.decision_wait_s)
+        # a gateway's guard (service/roles.py NodeMarks): may a step close on next_step / idle / shutdown
+        # now, or is a node collector still delivering what it acknowledged? (count, decision_wait and
+        # held_limit never wait for it)
+        self.may_close: Callable[[OpenStep], bool] = lambda step: True
         self.max_held = settings.max_held_trajectories
         self.open: dict[StepKey, OpenStep] = {}
         self.trace_step: dict[str, OpenStep] = {}
@@ -302,6 +306,8 @@ class TailSelector:
                     why = "shutdown" if step.all_complete(now, self.waits) else None
                 else:
                     why = step.ready(now, self.waits, self.latest)
+                if why in ("next_step", "idle", "shutdown") and not self.may_close(step):
+                    why = None
                 if why is not None:
                     ready.append((step, why))
             held = len(self.trace_step) + len(self.loose)
@@ -370,6 +376,14 @@ class TailSelector:
         rule_of = {v.trace_id: v.rule for v in verdicts if v.keep}
         if not rule_of:
             return [], {}, set()
+        chance_of = {v.trace_id: v.inclusion_probability for v in verdicts if v.keep and v.inclusion_probability is not None}
+
+        def mark(root: dict[str, Any], trace_id: str) -> None:
+            attributes = root.setdefault("attributes", {})
+            attributes["kept_because"] = rule_of[trace_id]
+            if trace_id in chance_of:  # a uniform fill's draw (decide.uniform_fill): its chance, for re-weighting
+                attributes["inclusion_probability"] = chance_of[trace_id]
+
         big = [t for t in rule_of if cap is not None and step.trajs[t].nbytes + KEPT_MARK_BYTES > cap]
         big_set = set(big)
         small = [t for t in rule_of if t not in big_set]
@@ -378,7 +392,7 @@ class TailSelector:
         truncated: set[str] = set()
         for span_id, trace_id, payload in self.spool.held_payloads(small, roots_only=True):
             root = orjson.loads(payload)
-            root.setdefault("attributes", {})["kept_because"] = rule_of[trace_id]
+            mark(root, trace_id)
             new = orjson.dumps(root, option=_OPTS)
             patches.append((span_id, new))
             sizes[trace_id] = step.trajs[trace_id].nbytes + len(new) - len(payload)
@@ -392,7 +406,7 @@ class TailSelector:
                 root = next((s for s in spans if s["span_id"] == trace_id), None)
                 if root is None:
                     continue
-                root.setdefault("attributes", {})["kept_because"] = rule_of[trace_id]
+                mark(root, trace_id)
                 assert cap is not None
                 original = {sid: p for sid, p in stored}
                 measured = sum(len(orjson.dumps(s, option=_OPTS)) for s in spans)

@@ -686,6 +686,8 @@
           (s.has.mask ? ", " + fmt.int(s.outside_mask) + " outside the loss mask" : "") +
           (s.mean_logprob !== null ? ", mean logprob " + s.mean_logprob.toFixed(3) + " over generated tokens" : "") +
           (s.text_note ? " — " + s.text_note : "")),
+        s.exact === false ? h("p", { class: "badge bad", "data-testid": "token-inexact" },
+          "Token boundaries approximated: the pieces join to the decoded text, but a token's own text may be shown on a neighbour.") : null,
         h("div", { class: "legend" }, "p(token): ", [0, 1, 2, 3, 4, 5].map((b) => h("span", { class: "tok lp" + b }, ["≥.9", ".7", ".5", ".3", ".1", "<.1"][b])),
           s.has.mask ? h("span", { class: "tok out" }, "tool output (not trained on)") : null),
         truthUi ? truthUi.tokenLegend(kit, view) : null,

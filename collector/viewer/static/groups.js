@@ -83,6 +83,9 @@ window.tracecarGroups = (() => {
     return h("div", { "data-testid": "groups" },
       h("h1", null, "Groups of step " + page.step + " ", h("span", { class: "muted" }, kit.fmt.exp(page.experiment) + (page.validate ? " · validation" : ""))),
       controls,
+      page.scope ? h("p", { class: "bad", "data-testid": "groups-scope" }, "Node " + page.scope.node + ": " + page.scope.note +
+        " (" + page.scope.gateway + "/ui/#/groups)" + (page.scope.partial_groups_on_page ? "; " + page.scope.partial_groups_on_page +
+        " group(s) on this page miss rollouts that ran elsewhere." : ".")) : null,
       h("p", { "data-testid": "groups-summary" }, page.total_groups + " groups, " + page.trajectories + " rollouts; ",
         h("span", { class: page.all_equal_groups ? "bad" : "" }, page.all_equal_groups + " with zero spread"),
         " (every rollout rewarded the same: GRPO learns nothing from them)" + (page.unscored_groups ? "; " + page.unscored_groups + " without rewards" : "") + "."),

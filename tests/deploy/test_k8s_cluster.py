@@ -1,0 +1,131 @@
+"""deploy/k8s-cluster: a gateway Deployment + Service, the training pods' sidecars as node collectors.
+
+Validated statically, like deploy/k8s: the files parsed, each collector's environment built
+into the collector's own settings and checked with the checks ``tracecar serve`` runs
+(service/roles.py: the role's contradictions; config_check: the exporters), the Service's
+selector and ports against the Deployment, the node's gateway URL against the Service. The
+overlay is rendered by ``kubectl kustomize`` when it is installed; otherwise the base pod's
+sidecar is patched here by the same rule (env merged by name, ``$patch: delete`` removes).
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+from typing import Any
+
+import pytest
+import yaml
+
+from .manifests import DATA_DIR, REPO, build_settings, container_port, k8s_env, k8s_env_item, looks_secret
+
+CLUSTER_DIR = REPO / "deploy" / "k8s-cluster"
+GATEWAY_YAML = CLUSTER_DIR / "gateway.yaml"
+NODE_PATCH = CLUSTER_DIR / "node-sidecar.yaml"
+
+
+@pytest.fixture(scope="module")
+def gateway_docs() -> dict[str, dict[str, Any]]:
+    return {d["kind"]: d for d in yaml.safe_load_all(GATEWAY_YAML.read_text()) if d}
+
+
+@pytest.fixture(scope="module")
+def gateway_container(gateway_docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    (container,) = gateway_docs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _checked(settings: Any) -> None:
+    """What ``tracecar serve`` checks before it starts (a failure is its one-line error)."""
+    from tracecar.collector.service.config_check import check_backend
+    from tracecar.collector.service.roles import check_role
+
+    check_role(settings)
+    check_backend(settings)
+
+
+def _merge_env(base: list[dict[str, Any]], patch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Strategic merge of a container's env (merge key: name; ``$patch: delete`` removes)."""
+    out = {item["name"]: item for item in copy.deepcopy(base)}
+    for item in patch:
+        if item.get("$patch") == "delete":
+            out.pop(item["name"], None)
+        else:
+            out[item["name"]] = item
+    return list(out.values())
+
+
+@pytest.fixture(scope="module")
+def node_sidecar(sidecar: dict[str, Any]) -> dict[str, Any]:
+    """The base's sidecar with the overlay's patch applied."""
+    patch = yaml.safe_load(NODE_PATCH.read_text())
+    (patched,) = [c for c in patch["spec"]["initContainers"] if c["name"] == sidecar["name"]]
+    node = copy.deepcopy(sidecar)
+    node["env"] = _merge_env(sidecar.get("env") or [], patched["env"])
+    return node
+
+
+def test_gateway_is_one_recreated_replica_behind_its_service(gateway_docs: dict[str, dict[str, Any]],
+                                                             gateway_container: dict[str, Any]) -> None:
+    assert {"Deployment", "Service", "PersistentVolumeClaim"} <= set(gateway_docs)
+    deployment, service = gateway_docs["Deployment"], gateway_docs["Service"]
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"  # one writer of the store
+    labels = spec["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    assert service["spec"]["selector"].items() <= labels.items()
+    (port,) = service["spec"]["ports"]
+    assert container_port(gateway_container, port["targetPort"]) == 9470
+    volumes = {v["name"]: v for v in spec["template"]["spec"]["volumes"]}
+    data = next(m for m in gateway_container["volumeMounts"] if m["mountPath"] == DATA_DIR)
+    assert volumes[data["name"]]["persistentVolumeClaim"]["claimName"] == gateway_docs["PersistentVolumeClaim"]["metadata"]["name"]
+    for probe, path in (("startupProbe", "/healthz"), ("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        assert gateway_container[probe]["httpGet"]["path"] == path
+        assert container_port(gateway_container, gateway_container[probe]["httpGet"]["port"]) == 9470
+    sc = gateway_container["securityContext"]
+    assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
+
+
+def test_gateway_settings_are_a_valid_gateway_with_the_credentials(gateway_container: dict[str, Any],
+                                                                    gateway_docs: dict[str, dict[str, Any]], settings_cls: type,
+                                                                    secret_env_names: set[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = build_settings(settings_cls, k8s_env(gateway_container), monkeypatch)
+    assert settings.role == "gateway" and settings.gateway_url is None
+    assert settings.host == "0.0.0.0" and settings.token is not None and str(settings.data_dir) == DATA_DIR
+    assert settings.effective_exporters == ["weave"] and settings.max_trajectories_per_step == 256
+    _checked(settings)
+    for item in gateway_container["env"]:
+        if looks_secret(item["name"], secret_env_names):
+            assert "secretKeyRef" in item["valueFrom"], item["name"]
+    grace = gateway_docs["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > settings.shutdown_drain_s + 5
+
+
+def test_node_sidecar_forwards_to_the_gateway_service_without_credentials(node_sidecar: dict[str, Any],
+                                                                          gateway_docs: dict[str, dict[str, Any]],
+                                                                          gateway_container: dict[str, Any], settings_cls: type,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = build_settings(settings_cls, k8s_env(node_sidecar), monkeypatch)
+    service = gateway_docs["Service"]
+    assert settings.role == "node"
+    assert settings.gateway_url == f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    assert settings.effective_exporters == ["gateway"] and settings.wandb_api_key is None
+    _checked(settings)  # no W&B key, no exporter, no tail budget on a node with a gateway
+    token = k8s_env_item(node_sidecar, "TRACECAR_GATEWAY_TOKEN") or k8s_env_item(node_sidecar, "TRACECAR_TOKEN")
+    assert token is not None
+    assert token["valueFrom"]["secretKeyRef"] == k8s_env_item(gateway_container, "TRACECAR_TOKEN")["valueFrom"]["secretKeyRef"]
+    assert k8s_env_item(node_sidecar, "TRACECAR_NODE_NAME")["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl")
+def test_the_cluster_overlay_renders_with_kustomize(node_sidecar: dict[str, Any]) -> None:
+    out = subprocess.run(["kubectl", "kustomize", str(CLUSTER_DIR)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert {"Deployment", "Service", "PersistentVolumeClaim", "Pod"} <= {d["kind"] for d in docs}
+    pod = next(d for d in docs if d["kind"] == "Pod")
+    rendered = next(c for c in pod["spec"]["initContainers"] if c["name"] == node_sidecar["name"])
+    assert sorted(rendered["env"], key=lambda i: i["name"]) == sorted(node_sidecar["env"], key=lambda i: i["name"])
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == rendered["image"]

@@ -1,0 +1,80 @@
+"""The cluster tier, really started: a gateway and node collectors, each its own process and data dir.
+
+``start_cluster`` runs ``python -m tracecar.collector`` once as ``TRACECAR_ROLE=gateway`` and N
+times as nodes with ``TRACECAR_GATEWAY_URL`` set, all on 127.0.0.1; ``Cluster.stop`` stops them.
+Nothing here imports pytest (bench scripts may use it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.support.collector import ProcessCollector, collector_env, scrape_metric
+from tests.support.processes import free_port, stop_process
+
+
+def process_collector(data_dir: Path, port: int | None = None, **settings: Any) -> ProcessCollector:
+    """A collector process (not started) on 127.0.0.1 with its own data dir and ``settings`` (TRACECAR_* names or
+    setting names; see collector_env)."""
+    port = port or free_port()
+    return ProcessCollector(url=f"http://127.0.0.1:{port}", env=collector_env(port, data_dir, **settings))
+
+
+@dataclass
+class Cluster:
+    gateway: ProcessCollector
+    nodes: list[ProcessCollector] = field(default_factory=list)
+
+    @property
+    def all(self) -> list[ProcessCollector]:
+        return [self.gateway, *self.nodes]
+
+    def stop(self) -> None:
+        for pc in self.all:
+            if pc.proc is not None and pc.proc.poll() is None:
+                stop_process(pc.proc, grace_s=20)
+
+    def owed(self, node: ProcessCollector) -> float:
+        """Spans a node still owes its gateway (its delivery cursor's backlog)."""
+        return scrape_metric(node.url, "tracecar_exporter_pending", exporter="gateway")
+
+    def wait_drained(self, timeout: float = 60.0) -> None:
+        """Until every node has delivered everything to the gateway."""
+        wait_until(lambda: all(self.owed(n) == 0 for n in self.nodes if n.proc is not None and n.proc.poll() is None),
+                   timeout, "nodes drained to the gateway")
+
+
+def start_cluster(root: Path, nodes: int, gateway: dict[str, Any] | None = None, node: dict[str, Any] | None = None,
+                  start: bool = True) -> Cluster:
+    """A gateway (data dir ``root/gateway``) and ``nodes`` node collectors (``root/node<i>``) feeding it."""
+    gw = process_collector(root / "gateway", role="gateway", log_level="warning", **(gateway or {}))
+    cluster = Cluster(gw)
+    for i in range(nodes):
+        cluster.nodes.append(process_collector(root / f"node{i}", role="node", gateway_url=gw.url, node_name=f"node{i}",
+                                               log_level="warning", forward_retry_max_s=2, **(node or {})))
+    if start:
+        try:
+            for pc in cluster.all:
+                pc.start()
+        except BaseException:
+            cluster.stop()
+            raise
+    return cluster
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str, poll_s: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    raise TimeoutError(f"not reached within {timeout}s: {what}")

@@ -1,0 +1,114 @@
+"""Global budgets exactly equal to one collector that saw everything (issue 26, stage B).
+
+The same VERL-shaped workload (tests/cluster_workload.py: 10 prompts × 4 rollouts over 8 workers,
+so most GRPO groups are split across workers and nodes) runs through one collector and through
+four node collectors and a gateway, each its own process and data dir on 127.0.0.1. Every tail
+rule is on: N per step with error, best/worst and spread quotas (``exp-traj``), whole groups per
+step (``exp-group``), a uniform choice (``exp-uniform``: the seeded hash fill alone). The
+decisions, the kept sets and the GRPO groups (stats, advantages, all-equal flags) must be equal.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.cluster_workload import EXPERIMENTS, PER_STEP, ROLLOUT_N, STEPS, TAIL_BUDGETS, batches, kept_set, node_of, post, workload
+from tests.support.cluster import Cluster, process_collector, start_cluster, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+NODES = 4
+
+
+def decided(url: str, headers: dict[str, str] | None = None) -> bool:
+    """Every step of every experiment decided (all its trajectories have a decision, no round open)."""
+    for experiment in EXPERIMENTS:
+        for step in STEPS:
+            answer = httpx.get(url + "/v1/decisions", params={"experiment": experiment, "step": step}, headers=headers,
+                               timeout=30).json()
+            if len(answer["decisions"]) != PER_STEP or answer["open"]:
+                return False
+    return True
+
+
+def groups(url: str, experiment: str, step: int) -> dict[str, Any]:
+    answer = httpx.get(url + "/v1/groups", params={"experiment": experiment, "step": step, "limit": 1000}, timeout=30).json()
+    answer.pop("index", None)  # the viewer index's own progress, not the answer
+    return answer
+
+
+def listed(url: str, **params: Any) -> list[str]:
+    page = httpx.get(url + "/v1/trajectories", params={"limit": 1000, "sort": "start", **params}, timeout=30).json()
+    return sorted(t["trace_id"] for t in page["trajectories"])
+
+
+def feed(single_url: str | None, cluster: Cluster | None) -> None:
+    """Each worker's batches in VERL's order: to the single collector, and to the worker's node."""
+    with httpx.Client() as client:
+        for worker, spans in batches(workload()):
+            if single_url is not None:
+                post(client, single_url, worker, spans)
+            if cluster is not None:
+                post(client, cluster.nodes[node_of(worker, NODES)].url, worker, spans)
+
+
+def assert_same_as_single(single_url: str, gateway_url: str) -> None:
+    """Decisions, kept sets and groups equal; groups whole at the gateway."""
+    for experiment in EXPERIMENTS:
+        for step in STEPS:
+            want = kept_set(single_url, experiment, step)
+            got = kept_set(gateway_url, experiment, step)
+            assert got == want, (experiment, step)
+            kept = sorted(t for t, (keep, _) in want.items() if keep)
+            assert kept and len(kept) < PER_STEP  # the budget chose
+            assert listed(gateway_url, experiment=experiment, step=step) == kept
+            assert groups(gateway_url, experiment, step) == groups(single_url, experiment, step)
+    rules = {rule for e in EXPERIMENTS for s in STEPS for keep, rule in kept_set(single_url, e, s).values() if keep}
+    assert {"error", "reward_max", "reward_min", "reward_spread", "fill"} <= rules  # every rule took part
+    reasons = {reason for e in EXPERIMENTS for s in STEPS for keep, reason in kept_set(single_url, e, s).values() if not keep}
+    assert {"max_trajectories_per_step", "max_bytes_per_step", "max_tokens_per_step"} <= reasons
+    for step in STEPS:  # the uniform choice: each kept trajectory stamped with its chance (10 of 40), the same at the gateway
+        for trace_id, (keep, _) in kept_set(single_url, "exp-uniform", step).items():
+            if keep:
+                roots = [httpx.get(f"{url}/v1/trajectories/{trace_id}", timeout=30).json()["root"]["attributes"]
+                         for url in (single_url, gateway_url)]
+                assert roots[0]["inclusion_probability"] == roots[1]["inclusion_probability"] == 0.25
+        kept_traj = [t for t, (keep, _) in kept_set(single_url, "exp-traj", step).items() if keep]
+        root = httpx.get(f"{gateway_url}/v1/trajectories/{kept_traj[0]}", timeout=30).json()["root"]["attributes"]
+        assert "inclusion_probability" not in root  # under a token limit the fill is not a uniform draw
+    for step in STEPS:  # exp-group keeps whole groups, whole at the gateway though split over nodes
+        answer = groups(gateway_url, "exp-group", step)
+        assert answer["groups"] and all(g["n"] == ROLLOUT_N for g in answer["groups"])
+
+
+def test_four_nodes_and_a_gateway_keep_exactly_what_one_collector_keeps(tmp_path: Path) -> None:
+    single = process_collector(tmp_path / "single", log_level="warning", **TAIL_BUDGETS).start()
+    cluster = start_cluster(tmp_path, NODES, gateway=TAIL_BUDGETS)
+    try:
+        trajectories = workload()
+        split = {(t.experiment, t.step, t.sample_index) for t in trajectories
+                 if len({node_of(u.worker, NODES) for u in trajectories
+                         if (u.experiment, u.step, u.sample_index) == (t.experiment, t.step, t.sample_index)}) > 1}
+        assert len(split) >= 10  # groups whose rollouts ran on different nodes
+        feed(single.url, cluster)
+        wait_until(lambda: decided(single.url), 120, "the single collector decided every step")
+        cluster.wait_drained()
+        wait_until(lambda: decided(cluster.gateway.url), 120, "the gateway decided every step")
+        assert_same_as_single(single.url, cluster.gateway.url)
+        # a node's own view has part of a split group; the gateway's has it whole
+        experiment, step, sample = sorted(split)[0]
+        node_groups = [g for n in cluster.nodes for g in groups(n.url, experiment, step)["groups"]
+                       if str(g["sample_index"]) == str(sample)]
+        assert len(node_groups) > 1 and all(g["n"] < ROLLOUT_N for g in node_groups)
+        # ... and says so: its scope names the gateway, groups list the rollouts that ran elsewhere
+        answer = groups(cluster.nodes[1].url, experiment, step)
+        assert answer["scope"]["gateway"] == cluster.gateway.url and answer["scope"]["node"] == "node1"
+        assert answer["scope"]["partial_groups_on_page"] >= 1
+        assert any(g["rollouts_missing"] for g in answer["groups"])
+        assert "scope" not in groups(cluster.gateway.url, experiment, step)
+    finally:
+        cluster.stop()
+        single.terminate()

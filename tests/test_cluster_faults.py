@@ -1,0 +1,108 @@
+"""Faults in the cluster tier (issue 26, stage D): nothing acknowledged lost, nothing delivered twice,
+budgets still exact.
+
+Four node collectors and a gateway (each its own ``python -m tracecar.collector`` process and
+data dir on 127.0.0.1); the gateway decides the tail budgets and forwards to a loopback Weave
+stand-in (tests/support/weave_stub.py). A feeder posts the VERL-shaped workload one trajectory
+per batch, each batch retried until a node acknowledges it (as the client does), while the test
+SIGKILLs a node mid-step (restarted on its spool), SIGKILLs the gateway mid-step (restarted), and
+then keeps the gateway down for ``OUTAGE_S`` under load (the nodes keep acknowledging into their
+spools). Afterwards: the nodes' spools drain, every acknowledged span of a kept trajectory is at
+the gateway and in Weave exactly once, and the decisions equal one collector's that saw the same
+workload without faults.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.cluster_workload import EXPERIMENTS, STEPS, TAIL_BUDGETS, Feeder, batches, kept_set, workload
+from tests.conftest import FAKE_WANDB_KEY
+from tests.support.cluster import process_collector, start_cluster, wait_until
+from tests.support.collector import metric_value
+from tests.test_cluster_budgets import NODES, decided, feed
+
+pytestmark = pytest.mark.timeout(300)
+OUTAGE_S = 12.0
+
+
+def assert_exact_and_once(single_url: str, gateway_url: str, feeder: Feeder, weave_calls: Callable[[], list[str]],
+                          headers: dict[str, str] | None = None) -> tuple[set[str], list[str]]:
+    """Decisions equal the fault-free single collector's; every acknowledged span of a kept trajectory is at
+    the gateway; each kept call reached Weave exactly once. Returns (kept trace ids, Weave's call span ids)."""
+    assert feeder.errors == []
+    kept: set[str] = set()
+    for experiment in EXPERIMENTS:
+        for step in STEPS:
+            want = kept_set(single_url, experiment, step)
+            assert kept_set(gateway_url, experiment, step, headers) == want, (experiment, step)
+            kept |= {t for t, (keep, _) in want.items() if keep}
+    acked = set(feeder.acked)
+    wanted = {s["span_id"]: t.trace_id for t in workload() if t.trace_id in kept for s in [*t.spans, t.reward]}
+    assert set(wanted) <= acked
+    for trace_id in kept:
+        tree = httpx.get(f"{gateway_url}/v1/trajectories/{trace_id}", headers=headers, timeout=30).json()
+        assert tree["span_count"] == sum(1 for s, t in wanted.items() if t == trace_id and not s.endswith("-r")), trace_id
+    wait_until(lambda: metric_value(httpx.get(gateway_url + "/metrics", timeout=10).text, "tracecar_spool_depth") == 0,
+               120, "the gateway drained to Weave")
+    delivered = weave_calls()
+    assert len(delivered) == len(set(delivered)), "a call reached Weave twice"
+    assert set(delivered) == {s for s in wanted if not s.endswith("-r")}
+    assert metric_value(httpx.get(gateway_url + "/metrics", timeout=10).text, "tracecar_dead_letters") == 0
+    return kept, delivered
+
+
+def test_nodes_and_gateway_killed_and_down_lose_nothing_and_deliver_once(tmp_path: Path, faulty_weave_stub: Any) -> None:
+    stub = faulty_weave_stub
+    weave = {"TRACECAR_BACKEND": "weave", "WANDB_API_KEY": FAKE_WANDB_KEY, "WF_TRACE_SERVER_URL": stub.url,
+             "TRACECAR_WANDB_ENTITY": "ent", "TRACECAR_WANDB_PROJECT": "proj", "forward_retry_initial_s": 0.05,
+             "forward_retry_max_s": 0.5}
+    single = process_collector(tmp_path / "single", log_level="warning", **TAIL_BUDGETS).start()
+    cluster = start_cluster(tmp_path, NODES, gateway={**TAIL_BUDGETS, **weave})
+    feeder: Feeder | None = None
+    try:
+        feed(single.url, None)  # the reference: one collector, no faults
+        plan = list(batches(workload(), per_trajectory=True))
+        feeder = Feeder([n.url for n in cluster.nodes], plan, pace_s=0.03)
+        feeder.start()
+        gateway, victim = cluster.gateway, cluster.nodes[1]
+
+        wait_until(lambda: feeder.progress() >= 0.15, 120, "15% fed")
+        victim.kill()  # a node SIGKILLed mid-step: what it acknowledged is in its spool
+        victim.start()
+
+        wait_until(lambda: feeder.progress() >= 0.35, 120, "35% fed")
+        gateway.kill()  # the gateway SIGKILLed mid-step, with steps held
+        time.sleep(1.0)
+        gateway.start()
+
+        wait_until(lambda: feeder.progress() >= 0.5, 120, "50% fed")
+        gateway.kill()  # down for a while, under load
+        down_at, acked_at_down = time.monotonic(), len(feeder.acked)
+        time.sleep(OUTAGE_S)
+        acked_while_down = len(feeder.acked) - acked_at_down
+        owed_while_down = sum(cluster.owed(n) for n in cluster.nodes)
+        gateway.start()
+        outage_s = time.monotonic() - down_at
+
+        feeder.join(180)
+        assert not feeder.is_alive() and feeder.done_batches == len(plan)
+        assert acked_while_down > 50 and owed_while_down > 0  # the nodes kept acknowledging into their spools
+        cluster.wait_drained(120)
+        wait_until(lambda: decided(gateway.url), 120, "the gateway decided every step")
+
+        kept, delivered = assert_exact_and_once(single.url, gateway.url, feeder, stub.delivered)
+        print(f"\ncluster faults: batches={len(plan)} failed_posts={feeder.failed_posts} outage={outage_s:.1f}s "
+              f"acked_while_down={acked_while_down} owed_while_down={owed_while_down:.0f} kept={len(kept)} "
+              f"weave_calls={len(delivered)}")
+    finally:
+        if feeder is not None:
+            feeder.stop.set()
+        cluster.stop()
+        single.terminate()
