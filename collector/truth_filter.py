@@ -40,12 +40,16 @@ def parse_where(text: str) -> list[tuple[str, str, float]]:
 
 FATES = ("trained", "filtered", "evicted", "not_reached")
 _NOTED = "trace_id IN (SELECT trace_id FROM truth WHERE fate = ?)"
+_ROWED = "trace_id IN (SELECT trace_id FROM truth WHERE tt_mismatch IS NOT NULL)"
 _EVICTED = "trace_id NOT IN (SELECT trace_id FROM truth WHERE fate = 'evicted')"
 FATE_CLAUSES = {  # as viewer/truth.py's fate_of decides it: evicted over trained over filtered
     "evicted": ("trace_id IN (SELECT trace_id FROM truth WHERE fate = 'evicted')", []),
-    "trained": (f"(trained = 1 OR {_NOTED}) AND {_EVICTED}", ["trained"]),
-    "filtered": (f"(trained = 0 OR {_NOTED}) AND {_EVICTED}", ["filtered"]),
-    "not_reached": ("trained IS NULL AND trace_id NOT IN (SELECT trace_id FROM truth WHERE fate IS NOT NULL)", []),
+    # a trainer row (trainer_tokens) says it was trained on too
+    "trained": (f"(trained = 1 OR {_NOTED} OR {_ROWED}) AND {_EVICTED}", ["trained"]),
+    "filtered": (f"(trained = 0 OR {_NOTED}) AND NOT (COALESCE(trained, 0) = 1 OR {_NOTED} OR {_ROWED}) AND {_EVICTED}",
+                 ["filtered", "trained"]),
+    "not_reached": ("trained IS NULL AND trace_id NOT IN (SELECT trace_id FROM truth WHERE fate IS NOT NULL"
+                    " OR tt_mismatch IS NOT NULL)", []),
 }
 
 

@@ -244,3 +244,22 @@ def test_truth_meets_at_the_gateway_when_rollouts_and_the_trainer_use_different_
         assert other["tt_mismatch"] is False and abs(other["lp_max"] - 0.3) < 1e-5  # the engine's logprobs came along
     finally:
         cluster.stop()
+
+
+def test_each_fate_filter_lists_exactly_the_rows_showing_that_fate(start_collector, tracer_to, deepseek_tokenizer_path):
+    col, made = truth_run(start_collector, tracer_to, deepseek_tokenizer_path)
+    notes = [{"trained": True}, {"trained": False, "filtered_by": "overlong"}, {"fate": "filtered", "fate_reason": "dapo"},
+             {"fate": "evicted", "fate_reason": "stale"}, {"trained": True, "fate": "evicted", "fate_reason": "failure"},
+             {"fate": "trained"}, {}, {"refill_of": "g0"}]
+    for trace_id, note in zip(made["ids"].values(), notes):
+        if note:
+            annotate(trace_id, **note)
+    assert made["tracer"].flush(30)
+    rows = get(col, "/v1/trajectories", limit=100)["trajectories"]
+    shown = {t["trace_id"]: t["fate"] for t in rows}
+    assert sorted(shown.values()) == sorted(["trained", "filtered", "filtered", "evicted", "evicted", "trained",
+                                             "not_reached", "not_reached"])
+    for fate in ("trained", "filtered", "evicted", "not_reached"):
+        listed = {t["trace_id"] for t in get(col, "/v1/trajectories", fate=fate, limit=100)["trajectories"]}
+        assert listed == {t for t, f in shown.items() if f == fate}, fate
+    assert get(col, "/v1/health", step=1)["step"]["fates"]["not_reached"] == 2

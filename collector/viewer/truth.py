@@ -456,7 +456,7 @@ def fate_of(row: dict[str, Any], found: dict[str, Any]) -> dict[str, Any]:
     note = found.get("fate")
     if note == "evicted":
         fate = "evicted"
-    elif row.get("trained") is True or row.get("trained") == 1 or note == "trained":
+    elif row.get("trained") is True or row.get("trained") == 1 or note == "trained" or found.get("tt_mismatch") is not None:
         fate = "trained"
     elif row.get("trained") is False or row.get("trained") == 0 or note == "filtered":
         fate = "filtered"
@@ -557,7 +557,8 @@ def step_trainer(conn: sqlite3.Connection, where: str, params: list[Any]) -> dic
             "logprob_diff_p99": hist_quantile(hist, 0.99)}
 
 
-FATE_SQL = ("CASE WHEN x.fate = 'evicted' THEN 'evicted' WHEN t.trained = 1 OR x.fate = 'trained' THEN 'trained'"
+FATE_SQL = ("CASE WHEN x.fate = 'evicted' THEN 'evicted' WHEN t.trained = 1 OR x.fate = 'trained' OR x.tt_mismatch IS NOT NULL"
+            " THEN 'trained'"
             " WHEN t.trained = 0 OR x.fate = 'filtered' THEN 'filtered' ELSE 'not_reached' END")
 
 

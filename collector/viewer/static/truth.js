@@ -82,7 +82,7 @@ window.tracecarTruth = (() => {
         "drift " + t.drift_turns + "/" + t.drift_checked)
       : "";
     const parts = t.reward_components || {};
-    const fate = [t.fate === "evicted" || t.fate === "not_reached" || t.refill_of ? [fateBadge(kit, t), t.refill_of ? h("span", { class: "badge rule", "data-testid": "refill" }, "refill") : null] : null,
+    const fate = [t.fate === "evicted" || t.refill_of ? [fateBadge(kit, t), t.refill_of ? h("span", { class: "badge rule", "data-testid": "refill" }, "refill") : null] : null,
       t.tt_mismatch ? h("span", { class: "badge bad", "data-testid": "other-tokens-badge", title: "the trainer trained on other tokens than the rollout generated" }, "other tokens") : null,
       t.lp_max !== null && t.lp_max !== undefined && t.lp_max >= 0.1 ? h("span", { class: "badge bad", "data-testid": "lp-badge", title: "max |Δ logprob| rollout vs trainer" }, "Δlp " + t.lp_max.toFixed(2)) : null];
     return [h("td", null, drift), h("td", null, fate), ...columns(params).map((c) => h("td", { class: "num mono", "data-testid": "component-cell", "data-key": c },
@@ -140,7 +140,8 @@ window.tracecarTruth = (() => {
   function fateLine(kit, t) {
     const { h } = kit;
     const s = t.summary;
-    if (!s || !s.fate) return null;
+    // "never reached the trainer" is the absence of any note: said only where a trainer hook reported something else
+    if (!s || !s.fate || (s.fate === "not_reached" && !s.refill_of && (s.min_global_steps === null || s.min_global_steps === undefined))) return null;
     const bits = [versions(s), s.staleness !== null && s.staleness !== undefined ? "staleness " + s.staleness + " when trained" : null,
       s.evicted_at_step !== null && s.evicted_at_step !== undefined ? "evicted at step " + s.evicted_at_step : null].filter(Boolean);
     return h("div", { class: "fate-line", "data-testid": "fate-line" }, h("strong", null, "Fate: "), fateBadge(kit, s),
@@ -156,7 +157,8 @@ window.tracecarTruth = (() => {
     const reasons = [...new Set((g.rollouts || []).filter((r) => r.fate === "evicted" && r.fate_reason).map((r) => r.fate_reason))];
     const spans = (g.rollouts || []).filter((r) => r.min_global_steps !== null && r.min_global_steps !== undefined);
     const other = (g.rollouts || []).filter((r) => r.tt_mismatch);
-    if (!Object.keys(counts).length) return null;
+    if (!other.length && !Object.keys(counts).some((f) => f !== "not_reached")) return null;  // no trainer note in this group
+
     return h("div", { class: "muted", "data-testid": "group-fates" }, "fate: " + Object.entries(counts).map(([f, n]) => n + " " + FATE[f]).join(", ") +
       (reasons.length ? " (" + reasons.join(", ") + ")" : "") +
       (spans.length ? " · policy v" + Math.min(...spans.map((r) => r.min_global_steps)) + "–v" + Math.max(...spans.map((r) => r.max_global_steps ?? r.min_global_steps)) : ""),
