@@ -204,19 +204,22 @@ def cmd_trajectories(args: argparse.Namespace) -> None:
         "kept_because": args.kept_because, "worker": args.worker, "has_error": args.has_error,
         "reward_min": args.reward_min, "reward_max": args.reward_max, "sort": args.sort, "order": args.order,
         "limit": args.limit, "offset": args.offset, "trained": args.trained, "filtered_by": args.filtered_by,
-        "q": args.search, "attr": args.attr,
+        "q": args.search, "attr": args.attr, "drift": args.drift, "where": args.where, "fate": args.fate, "refill": args.refill,
+        "trained_other": args.trained_other, "lp_delta_min": args.lp_delta_min,
     }.items() if v is not None}
     _show(args, _get(args, "/v1/trajectories", params), print_trajectories)
 
 
 def print_trajectories(page: dict[str, Any]) -> None:
+    from .cli_truth import truth_words
+
     print(f"{page['total']} trajectories (showing {len(page['trajectories'])} from offset {page['offset']})")
     print(f"{'trace_id':34} {'experiment':20} {'step':>4} {'idx':>4} {'n':>3} {'spans':>5} {'reward':>7} {'err':>3}  trainer")
     for t in page["trajectories"]:
         reward = "" if t["reward"] is None else f"{t['reward']:.3f}"
         print(f"{t['trace_id']:34} {str(t['experiment'])[:20]:20} {t['step'] if t['step'] is not None else '':>4} "
               f"{t['sample_index'] if t['sample_index'] is not None else '':>4} {t['rollout_n'] if t['rollout_n'] is not None else '':>3} "
-              f"{t['span_count']:>5} {reward:>7} {'yes' if t['has_error'] else '':>3}  {trainer_status(t)}")
+              f"{t['span_count']:>5} {reward:>7} {'yes' if t['has_error'] else '':>3}  {trainer_status(t)}{truth_words(t)}")
         for role in ("prompt", "response"):  # a search's answer carries the texts it matched
             text = t.get(f"{role}_preview")
             if text:
@@ -424,6 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_args(p)
     p.set_defaults(func=cmd_quickstart)
 
+    from .cli_truth import add_list_arguments as add_truth_list_arguments
+
     p = sub.add_parser("trajectories", help="list stored trajectories, filtered")
     p.add_argument("--url")
     p.add_argument("--experiment")
@@ -447,6 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--search", metavar="WORDS", help="only trajectories whose first prompt or last response has all these words")
     p.add_argument("--attr", action="append", metavar="KEY=VALUE",
                    help="only trajectories whose root attribute KEY equals VALUE (repeatable; attributes.KEY works too)")
+    add_truth_list_arguments(p)  # --drift, --where (cli_truth.py)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_trajectories)
 
@@ -493,6 +499,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_proxy import add_parsers as add_proxy_parsers
 
     add_proxy_parsers(sub)  # proxy
+    from .cli_truth import add_parsers as add_truth_parsers
+
+    add_truth_parsers(sub)  # truth
     return parser
 
 

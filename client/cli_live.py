@@ -84,6 +84,8 @@ def _counts(by: dict[str, Any]) -> str:
 
 def print_step_health(s: dict[str, Any]) -> None:
     """The per-step part of ``/v1/health?step=N``."""
+    from .cli_truth import step_rows as truth_step_rows
+
     split = {None: "", False: " (training)", True: " (validation)"}[s["validate"]]
     print(f"\nstep {s['step']} of {s['experiment'] if s['experiment'] is not None else '(no experiment)'}{split}")
     trainer = s["trainer"]
@@ -96,6 +98,7 @@ def print_step_health(s: dict[str, Any]) -> None:
                      f"dropped {sampling['dropped']} ({_counts(sampling['dropped_by_reason'] or {})})"),
         ("kept by rule (stored)", _counts(s["kept_by_rule"])),
         ("trainer", f"trained {trainer['trained']}, dropped {trainer['dropped']} ({_counts(trainer['filtered_by'])})"),
+        *truth_step_rows(s),
     ]
     for label, text in rows:
         print(f"  {label:22} {text}")

@@ -45,14 +45,16 @@ def _settings(url: str | None, token: str | None) -> tuple[str | None, str | Non
     return (url.rstrip("/") if url else None), token
 
 
-def health(url: str | None = None, *, token: str | None = None, timeout_s: float = 2.0) -> dict[str, Any]:
+def health(url: str | None = None, *, token: str | None = None, timeout_s: float = 2.0, step: int | None = None) -> dict[str, Any]:
     """The collector's ``/v1/health`` totals, plus this process's own sender counters
-    (``this_process``, when tracing is on here). Raises on failure (see :func:`log_health`)."""
+    (``this_process``, when tracing is on here). Raises on failure (see :func:`log_health`).
+
+    ``step``: also that step's numbers (``answer["step"]``: stored, trainer, turn drift, ...)."""
     base, token = _settings(url, token)
     if not base:
         raise RuntimeError("no collector URL: set TRACECAR_URL or pass url=")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    response = httpx.get(base + "/v1/health", headers=headers, timeout=timeout_s)
+    response = httpx.get(base + "/v1/health", headers=headers, timeout=timeout_s, params={"step": step} if step is not None else None)
     response.raise_for_status()
     answer: dict[str, Any] = response.json()
     tracer = _tracer.active
@@ -83,23 +85,60 @@ def health_metrics(answer: dict[str, Any] | None = None, prefix: str = PREFIX, *
     for key in _SCALARS:
         if key in answer:
             out[prefix + key] = answer[key]
+    out.update(step_truth_metrics(answer.get("step"), prefix))
+    return out
+
+
+def step_truth_metrics(step: dict[str, Any] | None, prefix: str = PREFIX) -> dict[str, float]:
+    """A step's training truth (issue 29) as ``tracecar/step/...`` metrics: turn drift (multi-turn
+    trajectories whose turn k+1 prompt does not extend turn k's prompt + response, and their share)."""
+    if not isinstance(step, dict):
+        return {}
+    out: dict[str, float] = {}
+    drift = step.get("drift") or {}
+    if drift:
+        out[prefix + "step/multi_turn"] = drift.get("multi_turn", 0)
+        out[prefix + "step/drift_trajectories"] = drift.get("with_drift", 0)
+        out[prefix + "step/drift_share"] = drift.get("share") or 0.0
+        out[prefix + "step/drift_turns"] = drift.get("turns_drifted", 0)
+    trainer = step.get("trainer_vs_rollout") or {}
+    if trainer.get("compared"):
+        out[prefix + "step/trainer_compared"] = trainer["compared"]
+        out[prefix + "step/token_mismatch"] = trainer.get("with_token_mismatch", 0)
+        out[prefix + "step/token_mismatch_share"] = trainer.get("mismatch_share") or 0.0
+        for key in ("mean", "p99", "max"):
+            if trainer.get("logprob_diff_" + key) is not None:
+                out[prefix + "step/logprob_diff_" + key] = trainer["logprob_diff_" + key]
+    fates = step.get("fates") or {}
+    if fates:
+        for fate in ("trained", "filtered", "evicted", "not_reached"):
+            out[prefix + "step/fate/" + fate] = fates.get(fate, 0)
+        for reason, n in sorted((fates.get("evicted_by") or {}).items()):
+            out[prefix + "step/evicted/" + reason] = n
+        out[prefix + "step/refills"] = fates.get("refills", 0)
+        out[prefix + "step/multi_version"] = fates.get("multi_version", 0)
+        if fates.get("staleness_max") is not None:
+            out[prefix + "step/staleness_mean"] = fates["staleness_mean"]
+            out[prefix + "step/staleness_max"] = fates["staleness_max"]
     return out
 
 
 def log_health(step: int | None = None, *, run: Any = None, url: str | None = None, token: str | None = None,
-               timeout_s: float = 2.0, background: bool = False) -> dict[str, float] | None:
+               timeout_s: float = 2.0, background: bool = False, truth_step: int | None = None) -> dict[str, float] | None:
     """Logs the collector's health totals into the W&B run (``run``, else ``wandb.run``).
 
     With ``step`` the metrics go to that step (call it before the trainer logs a later one);
-    without, they join the run's next commit. Returns the metrics logged (None on failure, or
-    at once with ``background=True``). Never raises into the trainer.
+    without, they join the run's next commit. With a step, the rollouts of step ``truth_step``
+    (default: ``step``) add their training truth as ``tracecar/step/*`` (turn drift, ...).
+    Returns the metrics logged (None on failure, or at once with ``background=True``). Never
+    raises into the trainer.
     """
     if background:
         threading.Thread(target=log_health, args=(step,), daemon=True, name="tracecar-health",
-                         kwargs={"run": run, "url": url, "token": token, "timeout_s": timeout_s}).start()
+                         kwargs={"run": run, "url": url, "token": token, "timeout_s": timeout_s, "truth_step": truth_step}).start()
         return None
     try:
-        metrics = health_metrics(health(url, token=token, timeout_s=timeout_s))
+        metrics = health_metrics(health(url, token=token, timeout_s=timeout_s, step=truth_step if truth_step is not None else step))
     except Exception as exc:  # noqa: BLE001 - health is advisory: never break the trainer
         _warn(f"tracecar: could not read the collector's health: {type(exc).__name__}: {exc}")
         return None

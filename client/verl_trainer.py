@@ -12,6 +12,12 @@ ran, annotates every traced trajectory of the batch::
     trained             False when the mask left it no token (filtered_by="loss_mask"), else True
     policy_version      non_tensor_batch["min_global_steps"] (fully-async), when VERL set it
     trained_on_version  the trainer's global step
+    reward_extra_info   the reward's components per sample (``meta_info["reward_extra_keys"]``: what
+                        VERL's reward managers return beside the score, e.g. ``acc``, ``format``, ``pred``)
+    ground_truth        ``non_tensor_batch["reward_model"][i]["ground_truth"]`` when the dataset has one
+    fate                "trained", or "filtered" (``fate_reason="loss_mask"``) when the mask left no token
+    min/max_global_steps  the policy versions that generated it (VERL v1 async ``extra_fields``)
+    refill_of           the evicted group's uid, when this sample's group replaces one (verl_fate.py)
 
 The link is the trajectory id the worker-side adapter (tracecar.client.verl) puts in each
 ``AgentLoopOutput.extra_fields["tracecar_trace_id"]``; VERL carries every extra field into the
@@ -30,10 +36,12 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 import sys
 from typing import Any
 
 from . import tracer as _tracer
+from . import verl_fate, verl_tokens
 from .tracing import annotate
 
 TRACE_KEY = "tracecar_trace_id"
@@ -63,7 +71,41 @@ def _caller_step(depth: int = 2) -> int | None:
     return step if type(step) is int else None
 
 
-def annotate_batch(data: Any, step: int | None = None) -> int:
+_SCALARS = (bool, int, float, str)
+
+
+def _component(value: Any) -> Any:
+    """A reward component as JSON: scalars as themselves (numpy's unwrapped), anything else dropped."""
+    value = _plain(value)
+    return value if type(value) in _SCALARS else None
+
+
+def _reward_extras(data: Any, non_tensor: Any, n: int) -> list[dict[str, Any]]:
+    """Per sample, the reward manager's extra info (the keys VERL's ``extract_reward`` reads)."""
+    keys = list((getattr(data, "meta_info", None) or {}).get("reward_extra_keys") or [])
+    columns = {k: non_tensor[k] for k in keys if k in non_tensor and len(non_tensor[k]) == n}
+    out = []
+    for i in range(n):
+        info = {k: v for k, v in ((k, _component(c[i])) for k, c in columns.items()) if v is not None}
+        out.append(info)
+    return out
+
+
+def _ground_truths(non_tensor: Any, n: int) -> list[Any]:
+    models = non_tensor.get("reward_model")
+    if models is None or len(models) != n:
+        return [None] * n
+    out = []
+    for entry in models:
+        truth = entry.get("ground_truth") if isinstance(entry, dict) else None
+        truth = _plain(truth)
+        if hasattr(truth, "tolist"):
+            truth = truth.tolist()
+        out.append(truth if isinstance(truth, (str, int, float, list, dict)) else None)
+    return out
+
+
+def annotate_batch(data: Any, step: int | None = None, trainer_tokens: bool | str = False) -> int:
     """Annotates each traced trajectory of a batch after ``compute_advantage``; returns how many."""
     non_tensor = getattr(data, "non_tensor_batch", None) or {}
     ids = non_tensor.get(TRACE_KEY)
@@ -80,22 +122,56 @@ def annotate_batch(data: Any, step: int | None = None) -> int:
         mask = mask.to(advantages.dtype) if hasattr(mask, "to") else mask.astype(advantages.dtype)
         totals, counts = _vector((advantages * mask).sum(-1)), _vector(mask.sum(-1))
     versions = non_tensor.get("min_global_steps")
+    last_versions = non_tensor.get("max_global_steps")
+    uids = non_tensor.get("uid")
+    trace_ids = _vector(ids)
+    extras = _reward_extras(data, non_tensor, len(trace_ids))
+    truths = _ground_truths(non_tensor, len(trace_ids))
     done = 0
-    for i, trace_id in enumerate(_vector(ids)):
+    kept: list[tuple[int, str]] = []
+    for i, trace_id in enumerate(trace_ids):
         trace_id = _plain(trace_id)
         if not isinstance(trace_id, str) or not trace_id:
             continue  # not traced (sampled out in the worker)
         count = float(counts[i])
         version = _plain(versions[i]) if versions is not None else None
+        more: dict[str, Any] = {}
+        if extras[i]:
+            more["reward_extra_info"] = extras[i]
+        if truths[i] is not None:
+            more["ground_truth"] = truths[i]
+        more["fate"] = "trained" if count > 0 else "filtered"
+        if count <= 0:
+            more["fate_reason"] = "loss_mask"
+        for key, column in (("min_global_steps", versions), ("max_global_steps", last_versions)):
+            value = _plain(column[i]) if column is not None else None
+            if type(value) is int:
+                more[key] = value
+        refill = verl_fate.refill_of(_plain(uids[i])) if uids is not None else None
+        if refill is not None:
+            more["refill_of"] = refill[0]
         annotate(trace_id, advantage=float(totals[i]) / count if count else None, trained=count > 0,
                  filtered_by=None if count > 0 else "loss_mask", trained_on_version=step if type(step) is int else None,
-                 policy_version=version if type(version) is int else None)
+                 policy_version=version if type(version) is int else None, **more)
+        if count > 0:
+            kept.append((i, trace_id))
         done += 1
+    if trainer_tokens:
+        verl_tokens.submit(batch, kept, background=trainer_tokens != "sync")
     return done
 
 
-def hook_trainer(module: Any = None) -> bool:
+def _tokens_mode() -> bool | str:
+    value = os.environ.get("TRACECAR_VERL_TRAINER_TOKENS", "1").strip().lower()
+    return "sync" if value == "sync" else value not in ("0", "false", "no", "off")
+
+
+def hook_trainer(module: Any = None, trainer_tokens: bool | str | None = None) -> bool:
     """Wraps ``ray_trainer.compute_advantage`` (idempotent); False when VERL's trainer is not importable.
+
+    ``trainer_tokens`` (default ``TRACECAR_VERL_TRAINER_TOKENS``, on): also send each kept
+    trajectory's row of the batch (ids, mask, old_log_probs; tracecar.client.verl_tokens) from a
+    background thread; ``"sync"`` inline; False not at all.
 
     At its first call the wrapper configures the tracecar client from the environment
     (``TRACECAR_URL``) if this process has none yet: the trainer is not an agent-loop worker.
@@ -111,6 +187,7 @@ def hook_trainer(module: Any = None) -> bool:
     if getattr(original, _FLAG, False):
         return True
     configured = [False]
+    tokens = _tokens_mode() if trainer_tokens is None else trainer_tokens
 
     @functools.wraps(original)
     def compute_advantage(data: Any, *args: Any, **kwargs: Any) -> Any:
@@ -119,7 +196,7 @@ def hook_trainer(module: Any = None) -> bool:
             if _tracer.active is None and not configured[0]:  # first call: this process's client, from the env
                 configured[0] = True
                 _tracer.configure()
-            annotate_batch(result if result is not None else data, _caller_step())
+            annotate_batch(result if result is not None else data, _caller_step(), trainer_tokens=tokens)
         except Exception:  # noqa: BLE001 - tracing never fails a training step
             log.debug("tracecar.verl: trainer annotations not sent", exc_info=True)
         return result
@@ -127,6 +204,7 @@ def hook_trainer(module: Any = None) -> bool:
     setattr(compute_advantage, _FLAG, True)
     compute_advantage.__tracecar_original__ = original  # type: ignore[attr-defined]
     module.compute_advantage = compute_advantage
+    verl_fate.hook_replay_buffer()  # v1 trainers: evictions and refills (a no-op where the v1 buffer is absent)
     return True
 
 

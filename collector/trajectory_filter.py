@@ -12,7 +12,7 @@ Meanings, the same on every path:
 
 * ``experiment=""`` is the trajectories sent without an experiment name (``IS NULL``);
 * any other blank text filter (``worker``, ``kept_because``, ``filtered_by``, ``sample_index``,
-  ``q``) is no filter at all, as the viewer's empty fields send;
+  ``q``, ``reward_where``) is no filter at all, as the viewer's empty fields send;
 * ``sample_index`` matches the int and the string spelling of a number (VERL sends either);
 * ``q``: every word must occur in the first prompt or the last response (viewer/search.py);
 * ``attributes``: (key, value) pairs the root span's attributes must hold (``attr=key=value``, repeated or
@@ -29,7 +29,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from . import text_query
+from . import text_query, truth_filter
 
 TEXT_EQUALS = ("worker", "kept_because", "filtered_by")
 INT_EQUALS = ("step", "rollout_n")
@@ -71,6 +71,13 @@ class TrajectoryFilter:
     filtered_by: str | None = None
     q: str | None = None  # words searched in the first prompt and last response (viewer/search.py)
     attributes: tuple[tuple[str, str], ...] | None = None  # the root's attributes: ((key, value as text), ...)
+    # training truth (issue 29; truth_filter.py): only over the viewer index's trajectories
+    drift: bool | None = None  # a turn whose prompt does not extend the previous turn's prompt + response
+    reward_where: str | None = None  # reward components, e.g. "acc=0,format<1" (the query's where=)
+    fate: str | None = None  # trained, filtered, evicted, not_reached (truth_filter.FATES)
+    refill: bool | None = None  # a group that replaces an evicted one
+    trained_other: bool | None = None  # the trainer trained on other tokens than generated (ids or mask)
+    lp_delta_min: float | None = None  # |Δ logprob| rollout vs trainer reaches this on some token
 
     def active(self) -> set[str]:
         """The filters that constrain (blank text is no filter, except ``experiment``)."""
@@ -114,6 +121,10 @@ class TrajectoryFilter:
         for key, value in self.attributes or ():
             clauses.append(ATTRIBUTE_CLAUSE)
             params.extend([attribute_path(key), attribute_path(key), value])
+        truth, truth_params = truth_filter.where_clauses(self.drift, self.reward_where or None, self.fate or None, self.refill,
+                                                            self.trained_other, self.lp_delta_min)
+        clauses.extend(truth)
+        params.extend(truth_params)
         match = text_query.fts_query(self.q) if self.q else None
         if match is not None:
             clauses.append(text_query.MATCH_CLAUSE)
@@ -127,8 +138,8 @@ class TrajectoryFilter:
         call's marker may not carry ``validate``).
         """
         active = self.active()
-        if "q" in active or "attributes" in active:
-            raise ValueError("q= and attr= need the stored trajectories; filter in SQL")
+        if "q" in active or "attributes" in active or active & {"drift", "reward_where", "fate", "refill", "trained_other", "lp_delta_min"}:
+            raise ValueError("q=, attr=, drift= and where= need the trajectory index or the stored trajectories; filter in SQL")
         for name in active:
             value = getattr(self, name)
             column = next((c for n, c, _ in RANGES if n == name), name)

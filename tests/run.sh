@@ -44,7 +44,7 @@ if [ "${TRACECAR_TEST_VERL:-0}" = 1 ]; then
   # the adapter against real VERL; then the parity harnesses: VERL's own weave / mlflow backend vs
   # tracecar, read back from weave's own trace server / a real mlflow server (each skips without
   # .venv-weave52 / .venv-mlflow)
-  .venv-verl/bin/python -m pytest -p no:cacheprovider -q tests/test_verl_adapter.py tests/test_weave_parity.py \
+  .venv-verl/bin/python -m pytest -p no:cacheprovider -q tests/test_verl_adapter.py tests/test_truth_verl.py tests/test_weave_parity.py \
     tests/test_mlflow_parity.py tests/test_trl.py
 fi
 if [ "${TRACECAR_TEST_PY310:-0}" = 1 ]; then

@@ -391,6 +391,17 @@ def test_annotations_become_feedback_on_the_top_level_calls(weave_stub: WeaveStu
     assert not weave_stub.requests_to("/feedback/batch/create")
 
 
+def test_the_trainers_batch_rows_are_delivered_without_feedback(weave_stub: WeaveStub) -> None:
+    """Issue 29: an annotation carrying only output.trainer_tokens is read by tracecar; Weave gets no empty feedback."""
+    spans = trajectory()
+    row = {**_note(spans[0]["span_id"], "note3"), "attributes": {}, "output": {"trainer_tokens": {"response_ids": "AQAAAA=="}}}
+    reward = _note(spans[0]["span_id"], "note4")
+    res = run(send_once(weave_stub, spans + [row, reward]))
+    assert sorted(res.delivered) == sorted(s["span_id"] for s in [*spans, row, reward]) and not res.rejected
+    [req] = weave_stub.requests_to("/feedback/batch/create")
+    assert [i["payload"] for i in req.body["batch"]] == [{"reward": 0.75, "acc": 1}]
+
+
 def test_entity_is_required() -> None:
     with pytest.raises(ValueError):
         WeaveSink(api_key=API_KEY, entity="", project=PROJECT, server_url="http://127.0.0.1:1")

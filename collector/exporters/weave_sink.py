@@ -611,6 +611,9 @@ class WeaveSink:
         for pid, group in notes.items():
             items = []
             for s in group:
+                if not s.get("attributes") and isinstance(s.get("output"), dict) and "trainer_tokens" in s["output"]:
+                    elided.append(s["span_id"])  # the trainer's batch row (issue 29): read by tracecar, no feedback to give
+                    continue
                 found = targets.get(s["trace_id"])
                 if not found:
                     result.rejected[s["span_id"]] = (

@@ -19,6 +19,7 @@ from tracecar.client.redact import REDACTED, RedactKeys, redact_span, scrub_exce
 from tracecar.client.short_ids import WIRE_VERSION_IDS, expand_wire
 
 from ..types import Span, SpanKind
+from .trainer_compare import check as check_trainer_tokens
 
 _ID = Field(pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
 _INT_ATTRS = ("step", "rollout_n")
@@ -127,6 +128,11 @@ class SpanIn(BaseModel):
             raise ValueError("end_time: ends before it starts")
         if self.kind == "annotation":
             _check_trainer_attributes(self.attributes)
+            if isinstance(self.output, dict) and "trainer_tokens" in self.output:  # the trainer's batch row (issue 29)
+                try:
+                    check_trainer_tokens(self.output["trainer_tokens"])
+                except ValueError as exc:
+                    raise ValueError(f"output.trainer_tokens: {exc}") from None
         return self
 
 
@@ -137,6 +143,10 @@ def _described(value: Any) -> str:
         text = repr(value)
         return text if len(text) <= 40 else f"a number of {len(text)} characters"
     return f"a {type(value).__name__}"
+
+
+MAX_REWARD_COMPONENTS = 256
+FATES = ("trained", "filtered", "evicted")  # what became of a trajectory (issue 29); "never reached the trainer" is no note
 
 
 def _check_trainer_attributes(attrs: dict[str, Any]) -> None:
@@ -156,6 +166,22 @@ def _check_trainer_attributes(attrs: dict[str, Any]) -> None:
         value = attrs.get(key)
         if value is not None and (type(value) is not int or not _INT64[0] <= value <= _INT64[1]):
             raise ValueError(f"attributes.{key} must be a signed 64-bit integer, got {_described(value)}")
+    for key in ("min_global_steps", "max_global_steps", "evicted_at_step"):  # policy versions (VERL v1 async)
+        value = attrs.get(key)
+        if value is not None and (type(value) is not int or not _INT64[0] <= value <= _INT64[1]):
+            raise ValueError(f"attributes.{key} must be a signed 64-bit integer, got {_described(value)}")
+    fate = attrs.get("fate")
+    if fate is not None and fate not in FATES:
+        given = repr(fate[:32]) if isinstance(fate, str) else _described(fate)
+        raise ValueError(f"attributes.fate must be one of {', '.join(FATES)}, got {given}")
+    for key in ("fate_reason", "refill_of"):
+        value = attrs.get(key)
+        if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 256):
+            raise ValueError(f"attributes.{key} must be a string of 1 to 256 characters")
+    extra = attrs.get("reward_extra_info")  # the reward's components (VERL's reward_extra_info; issue 29)
+    if extra is not None and (not isinstance(extra, dict) or len(extra) > MAX_REWARD_COMPONENTS):
+        raise ValueError(f"attributes.reward_extra_info must be an object of at most {MAX_REWARD_COMPONENTS} components,"
+                         f" got {_described(extra) if not isinstance(extra, dict) else f'{len(extra)} components'}")
 
 
 class BatchIn(BaseModel):

@@ -54,6 +54,8 @@ from ..viewer.live_api import build_router as build_live_router
 from ..viewer.routes import build_router as build_viewer_router
 from ..viewer.search import QUERY_MAX_CHARS
 from ..viewer.tokens import trajectory_tokens
+from ..viewer.truth_api import TruthFilters, add_trainer_logprobs
+from ..viewer.truth_api import build_router as build_truth_router
 from .auth import BearerAuth
 from .health import health_snapshot
 from .health_step import latest_experiment, step_health
@@ -287,7 +289,7 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
 
     @app.get("/v1/trajectories", dependencies=[Depends(auth)])
     async def trajectories(
-        experiment: str | None = None, step: OptionalInt64 = None, step_min: OptionalInt64 = None,
+        truth: TruthFilters, experiment: str | None = None, step: OptionalInt64 = None, step_min: OptionalInt64 = None,
         step_max: OptionalInt64 = None, sample_index: str | None = Query(None, max_length=256), rollout_n: OptionalInt64 = None,
         validate: bool | None = None, kept_because: str | None = Query(None, max_length=256),
         worker: str | None = Query(None, max_length=256), has_error: bool | None = None,
@@ -307,7 +309,7 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
                                sample_index=sample_index_filter(sample_index), rollout_n=rollout_n, validate=validate,
                                kept_because=kept_because, reward_min=reward_min, reward_max=reward_max, has_error=has_error,
                                worker=worker, trained=trained, filtered_by=filtered_by, q=q,
-                               attributes=attribute_filters(attr))
+                               attributes=attribute_filters(attr), **truth)
         page = await asyncio.to_thread(list_page, viewer.trajectory_index, flt, sort=sort, descending=order == "desc",
                                        limit=limit, offset=offset, budget_s=settings.list_catch_up_s,
                                        on_behind=collector.metrics.list_index_behind.inc)
@@ -340,6 +342,7 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
     async def tokens(trace_id: str = Path(max_length=1024), lowest: int = Query(10, ge=0, le=1000)) -> Any:
         """The token view: per span with per-token data, each token's text, log-probability, mask, entropy."""
         found = await asyncio.to_thread(read_by_id, trace_id, lambda t: trajectory_tokens(collector.spool, t, lowest))
+        await asyncio.to_thread(add_trainer_logprobs, found, viewer.trajectory_index)
         return Response(await asyncio.to_thread(orjson.dumps, found), media_type="application/json")
 
     @app.get("/v1/decisions", dependencies=[Depends(auth)])
@@ -386,6 +389,7 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
     app.include_router(viewer)
     # GRPO groups and dataset export, over the viewer's trajectory index
     app.include_router(build_group_export_router(collector, viewer.trajectory_index, viewer.fresh, auth, viewer.viewer_auth))
+    app.include_router(build_truth_router(collector, viewer.trajectory_index, auth, settings.list_catch_up_s))
     # the same health answer for the viewer's overview (its token or cookie)
     app.add_api_route("/ui/api/health", health, methods=["GET"], dependencies=[Depends(viewer.viewer_auth)],
                       include_in_schema=False)

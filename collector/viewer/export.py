@@ -34,6 +34,7 @@ from ..spool.query import get_trajectory
 from ..spool.store import Spool
 from .groups import advantage_of
 from .index import ListFilter, TrajectoryIndex
+from .truth import TRUTH_COLUMNS, truth_fields
 
 FORMATS = ("jsonl", "parquet")
 MEDIA_TYPES = {"jsonl": "application/x-ndjson", "parquet": "application/vnd.apache.parquet"}
@@ -192,6 +193,7 @@ def record(tree: dict[str, Any], summary: dict[str, Any], *, token_ids: bool = F
         "prompt": first_prompt, "final_response": turns[-1].get("response_text") if turns else None,
         "messages": messages, "attributes": _json_text(view["attributes"]) or "{}", "metrics": _json_text(metrics) or "{}",
     }
+    out.update(truth_fields(summary))
     if token_ids:
         out.update(_token_arrays(root, spans, turns))
     return out
@@ -248,6 +250,9 @@ def jsonl_chunks(rows: Iterator[dict[str, Any]], chunk_bytes: int = JSONL_CHUNK_
 def parquet_schema(token_ids: bool) -> Any:
     import pyarrow as pa
 
+    kinds = {"int": pa.int64(), "str": pa.string(), "bool": pa.bool_(), "float": pa.float64()}
+    truth_columns = [(name, kinds[kind]) for name, kind in TRUTH_COLUMNS]
+
     call = pa.struct([("id", pa.string()), ("type", pa.string()),
                       ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
     message_fields = [("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.list_(call)),
@@ -261,7 +266,7 @@ def parquet_schema(token_ids: bool) -> Any:
         ("policy_version", pa.int64()), ("trained_on_version", pa.int64()), ("kept_because", pa.string()), ("has_error", pa.bool_()),
         ("turns", pa.int64()), ("tool_calls", pa.int64()), ("start_time", pa.float64()), ("duration", pa.float64()),
         ("prompt", pa.string()), ("final_response", pa.string()), ("messages", pa.list_(pa.struct(message_fields))),
-        ("attributes", pa.string()), ("metrics", pa.string()),
+        ("attributes", pa.string()), ("metrics", pa.string()), *truth_columns,
     ]
     if token_ids:
         fields += [("prompt_ids", pa.list_(pa.int64())), ("response_ids", pa.list_(pa.int64())),

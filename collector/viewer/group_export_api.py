@@ -27,6 +27,7 @@ from .index import ListFilter, TrajectoryIndex
 from .list_api import read_index
 from .node_scope import mark_partial_groups, node_scope
 from .search import QUERY_MAX_CHARS
+from .truth_api import TruthFilters
 
 log = logging.getLogger("tracecar.export")
 _skips = RateLimited(10.0)  # rows left out of exports: logged at once, then at most every 10 s with the count
@@ -68,25 +69,34 @@ def groups_of_step(collector: StoreOwner, index: TrajectoryIndex, experiment: st
         experiment = known[0]["experiment"] if known else None
     flt = ListFilter(experiment=experiment if experiment is not None else "", step=step, validate=validate)
     page = index.list(flt, sort="sample_index", descending=False, limit=MAX_STEP_TRAJECTORIES)
+    truncated = page["total"] > len(page["trajectories"])
+    truth = {k: v for k, v in (options.pop("truth", None) or {}).items() if v is not None}
+    if truth:  # groups with a rollout that matches the truth filters (drift, where, fate, trained_other...), kept whole
+        for key, value in truth.items():
+            setattr(flt, key, value)
+        hits = index.list(flt, sort="sample_index", descending=False, limit=MAX_STEP_TRAJECTORIES, previews=False)
+        keys = {(type(r["sample_index"]).__name__, r["sample_index"]) for r in hits["trajectories"]}
+        page["trajectories"] = [r for r in page["trajectories"] if (type(r["sample_index"]).__name__, r["sample_index"]) in keys]
     spool = collector.spool
     load = ((lambda trace_id: get_trajectory(spool, trace_id)) if options.get("diff", True)
             else (lambda trace_id: root_and_annotations(spool, trace_id)))
     result = build_groups(page["trajectories"], load, sampled_out=sampled_out_of_step(spool, experiment, step, validate), **options)
     return {"experiment": experiment, "step": step, "validate": validate,
-            "truncated": page["total"] > len(page["trajectories"]), **result}
+            "truncated": truncated, **result}
 
 
 def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[[], dict[str, Any]],
                  api_auth: Callable[..., Any], viewer_auth: Callable[..., Any]) -> APIRouter:
     router = APIRouter()
 
-    async def groups(step: Int64, experiment: str | None = None, validate: bool = False,
+    async def groups(truth: TruthFilters, step: Int64, experiment: str | None = None, validate: bool = False,
                      sort: str = Query("sample_index", pattern=GROUP_SORT_PATTERN), sample_index: str | None = Query(None, max_length=256),
                      diff: bool = True, limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0, le=INT64_MAX)) -> Any:
         """Per sample index of one step: rollouts ranked by reward, group stats, diffs against the best."""
         state = await asyncio.to_thread(fresh)
         result = await asyncio.to_thread(read_index, groups_of_step, collector, index, experiment, step, validate, sort=sort,
-                                         sample_index=sample_index or None, limit=limit, offset=offset, diff=diff)
+                                         sample_index=sample_index or None, limit=limit, offset=offset, diff=diff,
+                                         truth=truth)
         scope = node_scope(collector.settings)  # a node with a gateway: its groups may be partial
         if scope is not None:
             scope["partial_groups_on_page"] = mark_partial_groups(result["groups"])
@@ -99,8 +109,9 @@ def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[
 
     @router.get("/v1/export", dependencies=[Depends(api_auth)])
     async def export(
-        format: str = Query("jsonl", pattern=FORMAT_PATTERN), experiment: str | None = None, step: OptionalInt64 = None,
-        step_min: OptionalInt64 = None, step_max: OptionalInt64 = None, sample_index: str | None = Query(None, max_length=256),
+        truth: TruthFilters, format: str = Query("jsonl", pattern=FORMAT_PATTERN), experiment: str | None = None,
+        step: OptionalInt64 = None, step_min: OptionalInt64 = None, step_max: OptionalInt64 = None,
+        sample_index: str | None = Query(None, max_length=256),
         rollout_n: OptionalInt64 = None, validate: bool | None = None, kept_because: str | None = None,
         reward_min: float | None = None, reward_max: float | None = None, has_error: bool | None = None,
         worker: str | None = None, trained: bool | None = None, filtered_by: str | None = Query(None, max_length=256),
@@ -122,7 +133,8 @@ def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[
         flt = ListFilter(experiment=experiment, step=step, step_min=step_min, step_max=step_max,
                          sample_index=sample_index_filter(sample_index), rollout_n=rollout_n, validate=validate,
                          kept_because=kept_because, reward_min=reward_min, reward_max=reward_max, has_error=has_error,
-                         worker=worker, trained=trained, filtered_by=filtered_by, q=q, attributes=attribute_filters(attr))
+                         worker=worker, trained=trained, filtered_by=filtered_by, q=q, attributes=attribute_filters(attr),
+                         **truth)
         skipped = collector.metrics.export_rows_skipped.labels(format=format)
 
         def on_skip(trace_id: str, reason: str) -> None:  # the 200 is sent: the row is named in the log and counted

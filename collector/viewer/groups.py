@@ -23,6 +23,7 @@ import orjson
 
 from ..chat_preview import last_user_message
 from ..shape import RESPONSE_ID_KEYS, int_list, numeric, shape
+from .truth import separation
 
 GROUP_SORTS = ("sample_index", "spread", "zero_spread", "mean")
 PREVIEW_CHARS = 4000  # of the group's prompt, as decoded (what the rollouts are compared against)
@@ -261,6 +262,9 @@ def _group(key: Any, rows: list[dict[str, Any]], stats: GroupStats, load: Callab
             "tool_errors": row.get("tool_errors"), "has_error": row.get("has_error"),
             "kept_because": row.get("kept_because"), "duration": row.get("duration"),
             "response_tokens": row.get("response_tokens"),
+            "reward_components": row.get("reward_components") or {}, "drift_turns": row.get("drift_turns"),
+            **{k: row.get(k) for k in ("fate", "fate_reason", "refill_of", "min_global_steps", "max_global_steps", "staleness",
+                                  "tt_mismatch", "lp_max")},
         })
     ordered = rank(rollouts)
     best = ordered[0] if ordered and ordered[0]["reward"] is not None else None
@@ -274,4 +278,4 @@ def _group(key: Any, rows: list[dict[str, Any]], stats: GroupStats, load: Callab
             rollout["diff"] = None if rollout["is_best"] else diff_turns(facts[rollout["trace_id"]], facts[best["trace_id"]])
     return {"sample_index": key, **stats.as_dict(), "best": best["trace_id"] if best else None,
             "prompt_preview": prompt, "prompt_question": None if question is None else question[:QUESTION_CHARS],
-            "rollouts": ordered}
+            "rollouts": ordered, "separation": separation(ordered)}

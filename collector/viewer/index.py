@@ -36,13 +36,13 @@ import orjson
 from ..query_params import INT64_MAX, INT64_MIN
 from ..shape import is_engine_payload, is_tool, token_counts, token_output
 from ..trajectory_filter import TrajectoryFilter
-from . import search
+from . import search, truth
 
 log = logging.getLogger("tracecar.collector.viewer")
 
 # 3: sample_index untyped; 4: engine spans never make a turn an aggregate; 5: what the trainer did; 6: previews;
-# 7: tool calls are real calls only (shape.is_tool)
-INDEX_VERSION = "7"
+# 7: tool calls are real calls only (shape.is_tool); 8: training truth (viewer/truth.py)
+INDEX_VERSION = "8"
 ROOT = "root_seq IS NOT NULL"  # every query names it, so the partial indexes apply
 
 SCHEMA = f"""
@@ -249,6 +249,7 @@ class TrajectoryIndex:
         self._held_checked_at = 0.0
         self._indexed_since_analyze = 0
         self._indexed_at_analyze = 0
+        self._recent_turns = truth.RecentTurns()  # the last turns' ids, for the next turn's drift check
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def _db(self) -> sqlite3.Connection:
@@ -281,13 +282,15 @@ class TrajectoryIndex:
         conn.execute("ATTACH DATABASE ? AS spool", (_spool_uri(self.spool_path),))
         conn.executescript(SCHEMA)
         conn.executescript(search.SCHEMA)
+        conn.executescript(truth.SCHEMA)
         meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
         watermark = int(meta.get("watermark") or 0)
         if meta.get("version") != INDEX_VERSION or not self._same_spool(conn, watermark, meta.get("watermark_span")):
             conn.executescript("DROP TABLE trajectories; DROP TABLE llm_calls; DROP TABLE parents; DROP TABLE held;"
-                               " DELETE FROM meta;" + search.DROP)
+                               " DELETE FROM meta;" + search.DROP + truth.DROP)
             conn.executescript(SCHEMA)
             conn.executescript(search.SCHEMA)
+            conn.executescript(truth.SCHEMA)
             conn.execute("INSERT INTO meta (key, value) VALUES ('version', ?)", (INDEX_VERSION,))
             watermark = 0
         self._watermark = watermark
@@ -397,6 +400,8 @@ class TrajectoryIndex:
         llm_rows: list[tuple[Any, ...]] = []
         texts: list[tuple[Any, ...]] = []
         parent_ids: set[str] = set()
+        notes: list[tuple[str, int, bytes | None]] = []  # annotations: reward components (viewer/truth.py)
+        turns: list[tuple[int, str, str, Any, tuple[list[int], list[int]]]] = []  # LLM calls with prompt ids: drift
         for (seq, span_id, trace_id, parent_id, name, kind, worker, experiment, step, sample_index, rollout_n,
              validate, start, end, has_error, reward, _state, payload) in rows:
             delta = deltas.get(trace_id)
@@ -406,6 +411,7 @@ class TrajectoryIndex:
                 if reward is not None and (delta.ann_seq is None or seq > delta.ann_seq):
                     delta.ann_seq, delta.ann_reward = seq, reward
                 delta.trainer.update(_trainer_values(payload))  # rows come in seq order: later notes win
+                notes.append((trace_id, seq, payload))
                 continue
             delta.span_count += 1
             delta.has_error = max(delta.has_error, has_error)
@@ -421,6 +427,9 @@ class TrajectoryIndex:
             if token_output(kind, output) and isinstance(output, dict):
                 prompt_tokens, response_tokens = token_counts(span)
                 llm_rows.append((span_id, trace_id, prompt_tokens, response_tokens))
+                ids = truth.turn_ids(span)
+                if ids is not None:
+                    turns.append((seq, span_id, trace_id, start, ids))
                 texts.append((trace_id, start, output.get("prompt_text"), output.get("response_text")))
             elif is_tool(kind, name, output):
                 delta.tool_calls += 1
@@ -435,6 +444,9 @@ class TrajectoryIndex:
             conn.executemany(_TRAINER_UPDATE, [(*(d.trainer.get(k) for k in TRAINER_KEYS), t)
                                                for t, d in deltas.items() if d.trainer])
             search.note(conn, texts)
+            truth.note_annotations(conn, notes)
+            truth.note_turns(conn, sorted(turns), self._recent_turns)
+            truth.compare_pending(conn, [t for t, _, _ in notes], [t[2] for t in turns])
             conn.executemany("INSERT OR IGNORE INTO held (seq) VALUES (?)", add_held)
             conn.executemany("DELETE FROM held WHERE seq = ?", drop_held)
             if watermark is not None:
@@ -489,6 +501,8 @@ class TrajectoryIndex:
                 marks = ",".join("?" * len(chunk))
                 conn.execute(f"DELETE FROM trajectories WHERE trace_id IN ({marks})", chunk)
                 conn.execute(f"DELETE FROM llm_calls WHERE trace_id IN ({marks})", chunk)
+                for table in truth.TABLES:
+                    conn.execute(f"DELETE FROM {table} WHERE trace_id IN ({marks})", chunk)
             search.forget(conn, gone)
             conn.execute("COMMIT")
             self._cache.clear()
@@ -532,6 +546,7 @@ class TrajectoryIndex:
                 rows += self._rows(conn, sql, [*params, limit - len(rows), max(0, offset - with_key)])
             if previews:
                 search.attach(conn, rows)
+            truth.attach(conn, rows)
         return {"total": total, "limit": limit, "offset": offset, "sort": sort,
                 "order": "desc" if descending else "asc", "filters": flt.as_dict(), "trajectories": rows}
 
@@ -567,13 +582,33 @@ class TrajectoryIndex:
                                      " AND kept_because IS NOT NULL GROUP BY kept_because", params).fetchall())
             filtered = dict(conn.execute(f"SELECT filtered_by, COUNT(*) FROM trajectories WHERE {where}"
                                          " AND filtered_by IS NOT NULL GROUP BY filtered_by", params).fetchall())
+            drift = truth.step_truth(conn, where, params)
+            fates = truth.step_fates(conn, where, params)
+            trainer_vs_rollout = truth.step_trainer(conn, where, params)
         return {"trajectories": n, "spans": spans, "with_error": errors, "scored": scored, "kept_by_rule": kept,
-                "trainer": {"trained": trained, "dropped": dropped, "filtered_by": filtered}}
+                "trainer": {"trained": trained, "dropped": dropped, "filtered_by": filtered},
+                "drift": drift, "fates": fates, "trainer_vs_rollout": trainer_vs_rollout}
 
     def summary(self, trace_id: str) -> dict[str, Any] | None:
         with self._lock:
-            rows = self._rows(self._db(), f"SELECT {COLUMNS} FROM trajectories WHERE trace_id = ?", [trace_id])
+            conn = self._db()
+            rows = self._rows(conn, f"SELECT {COLUMNS} FROM trajectories WHERE trace_id = ?", [trace_id])
+            truth.attach(conn, rows)
         return rows[0] if rows else None
+
+    def trainer_detail(self, trace_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            return truth.trainer_detail(self._db(), trace_id)
+
+    def truth_detail(self, trace_id: str) -> dict[str, Any]:
+        """The trajectory's drift per compared turn (by span id), reward components and ground truth."""
+        with self._lock:
+            conn = self._db()
+            found = truth.truth_of(conn, [trace_id]).get(trace_id, {})
+            return {"turn_drift": truth.drift_of(conn, trace_id),
+                    "reward_components": truth.components_of(conn, [trace_id]).get(trace_id, {}),
+                    "ground_truth": found.get("ground_truth"), "drift_turns": found.get("drift_turns"),
+                    "drift_checked": found.get("drift_checked"), "trainer": truth.trainer_detail(conn, trace_id)}
 
     def facets(self) -> dict[str, Any]:
         """Experiments (latest first) with their step range and train/validation counts; rules."""
@@ -602,7 +637,8 @@ class TrajectoryIndex:
             trainer = [{"trained": None if t is None else bool(t), "filtered_by": f, "trajectories": n} for t, f, n in conn.execute(
                 f"SELECT trained, filtered_by, COUNT(*) FROM trajectories WHERE {ROOT} AND (trained IS NOT NULL"
                 " OR filtered_by IS NOT NULL) GROUP BY trained, filtered_by")]
-            result = {"experiments": order, "kept_because": rules, "trainer": trainer}
+            result = {"experiments": order, "kept_because": rules, "trainer": trainer,
+                      "reward_components": truth.component_keys(conn)}
             self._cache["facets"] = result
             return result
 
@@ -674,5 +710,8 @@ class TrajectoryIndex:
         """
         where, params = root_where(flt)
         with self._lock:
-            return self._rows(self._db(), f"SELECT rowid AS cursor, {COLUMNS} FROM trajectories NOT INDEXED"
-                                          f" WHERE {where} AND rowid > ? ORDER BY rowid LIMIT ?", [*params, after, limit])
+            conn = self._db()
+            rows = self._rows(conn, f"SELECT rowid AS cursor, {COLUMNS} FROM trajectories NOT INDEXED"
+                                    f" WHERE {where} AND rowid > ? ORDER BY rowid LIMIT ?", [*params, after, limit])
+            truth.attach(conn, rows, ground_truth=True)
+            return rows

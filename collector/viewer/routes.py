@@ -36,6 +36,7 @@ from .index import SORTS, ListFilter, TrajectoryIndex
 from .list_api import INDEX_ERRORS, read_index, viewer_fresh
 from .search import QUERY_MAX_CHARS
 from .tokens import trajectory_tokens
+from .truth_api import TruthFilters, add_trainer_logprobs, add_truth
 
 STATIC = Path(__file__).with_name("static")
 COOKIE = "tracecar_viewer"
@@ -172,7 +173,7 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
 
     @guarded.get("/api/trajectories")
     async def trajectories(
-        experiment: str | None = None, step: OptionalInt64 = None, step_min: OptionalInt64 = None,
+        truth: TruthFilters, experiment: str | None = None, step: OptionalInt64 = None, step_min: OptionalInt64 = None,
         step_max: OptionalInt64 = None, sample_index: str | None = Query(None, max_length=256), rollout_n: OptionalInt64 = None,
         validate: bool | None = None, kept_because: str | None = None, reward_min: float | None = None,
         reward_max: float | None = None, has_error: bool | None = None, worker: str | None = None,
@@ -189,6 +190,8 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
                          reward_min, reward_max, has_error, worker, trained, filtered_by or None)
         flt.q = q or None
         flt.attributes = attribute_filters(attr)
+        for key, value in truth.items():  # drift, reward_where, fate, refill, trained_other, lp_delta_min (truth_api.py)
+            setattr(flt, key, value)
         state = await asyncio.to_thread(fresh)
         page = await asyncio.to_thread(read_index, index.list, flt, sort=sort, descending=order == "desc", limit=limit,
                                        offset=offset)
@@ -206,6 +209,8 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
             view["summary"] = await asyncio.to_thread(index.summary, trace_id)
         except (HTTPException, *INDEX_ERRORS):
             view["summary"] = None
+        if view["summary"] is not None:
+            await asyncio.to_thread(add_truth, view, collector, index)
         if tree:
             view["tree"] = found["root"]
             view["tree_depth_cap"] = found["depth_cap"]
@@ -217,6 +222,7 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
         found = await asyncio.to_thread(trajectory_tokens, collector.spool, trace_id, lowest)
         if found is None:
             raise HTTPException(404, detail={"field": "trace_id", "reason": f"no trajectory {trace_id!r} in the store"})
+        await asyncio.to_thread(add_trainer_logprobs, found, index)
         return await asyncio.to_thread(_json, found)
 
     router.include_router(guarded)

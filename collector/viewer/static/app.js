@@ -116,6 +116,7 @@
   }
 
   const kit = { h, api, fmt, href, go, expKey, expParam }; // what groups.js draws with
+  const truthUi = window.tracecarTruth; // static/truth.js: drift, reward parts (issue 29)
 
   // ---- router ----------------------------------------------------------------------------
   function parseHash() {
@@ -258,7 +259,8 @@
         h("span", { class: "health-item", title: detail(sampling.dropped_by_reason), "data-testid": "health-step-sampling" },
           "sampling " + (sampling.mode || "—") + ": kept " + fmt.int(sampling.kept) + ", dropped " + fmt.int(sampling.dropped)),
         h("span", { class: "health-item", title: detail(st.trainer.filtered_by), "data-testid": "health-step-trainer" },
-          "trainer: " + fmt.int(st.trainer.trained) + " trained, " + fmt.int(st.trainer.dropped) + " dropped"));
+          "trainer: " + fmt.int(st.trainer.trained) + " trained, " + fmt.int(st.trainer.dropped) + " dropped"),
+        ...(truthUi ? truthUi.healthItems(kit, st) : []));
     }
     return { card, show };
   }
@@ -413,6 +415,7 @@
       h("label", { class: "attr-filter" }, "attributes", h("input", { type: "text", name: "attr", maxlength: "512", value: params.attr || "",
         placeholder: "key=value; key2=value2", title: "the root span's attributes: each key=value must hold (a dotted key reaches into a mapping)",
         "data-testid": "filter-attr" })),
+      truthUi ? truthUi.listFilters(kit, params, facets) : null,
       h("label", null, "errors", h("select", { name: "has_error" },
         [["", "any"], ["true", "with errors"], ["false", "without"]].map(([v, l]) => h("option", { value: v, selected: (params.has_error || "") === v }, l)))),
       h("label", null, "sort", h("select", { name: "sort" }, Object.entries(SORTABLE).map(([v, l]) => h("option", { value: v, selected: sort === v }, l)))),
@@ -455,7 +458,8 @@
         h("td", { class: "num" }, fmt.dur(t.duration)),
         h("td", { class: "num" + (t.has_error ? " bad" : "") }, t.has_error ? "error" : ""),
         h("td", { class: "num", "data-testid": "reward" }, fmt.reward(t.reward)),
-        h("td", { class: "trainer" }, trainerBadge(t, null) || ""));
+        h("td", { class: "trainer" }, trainerBadge(t, null) || ""),
+        truthUi ? truthUi.listCells(kit, t, params) : null);
       tr.addEventListener("click", (e) => { if (!e.target.closest("a, input")) go("/t/" + encodeURIComponent(t.trace_id)); });
       return tr;
     });
@@ -477,7 +481,7 @@
             h("span", { "data-testid": "preview-header" }, "last user message → last response")), h("th", null, "experiment"), head("step", "step", "num"),
           h("th", { class: "num" }, "sample"), h("th", { class: "num" }, "rollout"), h("th", null, ""), h("th", null, "kept because"),
           head("turns", "turns", "num"), head("tools", "tools", "num"), head("tokens", "resp. tokens", "num"), head("duration", "duration", "num"),
-          h("th", null, ""), head("reward", "reward", "num"), head("advantage", "trainer"))),
+          h("th", null, ""), head("reward", "reward", "num"), head("advantage", "trainer"), truthUi ? truthUi.listHeads(kit, params) : null)),
         h("tbody", null, rows))));
   }
 
@@ -585,6 +589,7 @@
         h("span", { class: "muted" }, tokens), turn.stop_reason ? h("span", { class: "badge" }, "stop: " + turn.stop_reason) : null,
         turn.error ? h("span", { class: "badge bad" }, "error") : null),
       h("div", { class: "body" },
+        truthUi ? truthUi.turnDrift(kit, turn) : null,
         (turn.engine || []).map(engineLine),
         h("div", { class: "label" }, first ? "prompt" : "new context since the previous turn"),
         textBlock(first ? turn.prompt_text : turn.new_context, "", noText),
@@ -662,14 +667,15 @@
     function draw() {
       const s = current;
       const box = h("div", { class: "tokens", "data-testid": "token-text" });
-      const els = s.tokens.map((tok) => h("span", { class: "tok" + shade(tok.logprob) + (tok.mask === 0 ? " out" : ""), "data-i": tok.i,
-        "data-testid": "token", title: tokenTitle(tok) }, tok.text === undefined ? "⟨" + tok.id + "⟩" : tok.text));
+      const els = s.tokens.map((tok) => h("span", { class: "tok" + shade(tok.logprob) + (tok.mask === 0 ? " out" : "") + (truthUi ? truthUi.tokenClass(tok) : ""), "data-i": tok.i,
+        "data-testid": "token", title: tokenTitle(tok) + (truthUi ? truthUi.tokenTitle(tok) : "") }, tok.text === undefined ? "⟨" + tok.id + "⟩" : tok.text));
       box.append(...els);
       const flash = (i) => { const el = els[i]; if (!el) return; el.scrollIntoView({ block: "center" }); el.classList.add("flash"); setTimeout(() => el.classList.remove("flash"), 1500); };
       const lowest = s.lowest.length
         ? h("table", { "data-testid": "lowest-tokens" },
           h("thead", null, h("tr", null, h("th", { class: "num" }, "#"), h("th", null, "token"), h("th", { class: "num" }, "logprob"),
-            h("th", { class: "num" }, "p"), s.has.entropy ? h("th", { class: "num" }, "entropy") : null, h("th", null, "context"))),
+            h("th", { class: "num" }, "p"), s.has.entropy ? h("th", { class: "num" }, "entropy") : null,
+            s.max_logprob_diff !== undefined && s.max_logprob_diff !== null ? h("th", { class: "num" }, "trainer") : null, h("th", null, "context"))),
           h("tbody", null, s.lowest.map((tok) => {
             const before = s.text ? s.text.slice(Math.max(0, tok.start - 30), tok.start) : "";
             const after = s.text ? s.text.slice(tok.end, tok.end + 30) : "";
@@ -677,6 +683,8 @@
               h("td", { class: "num" }, tok.i), h("td", { class: "mono" }, JSON.stringify(tok.text ?? tok.id)),
               h("td", { class: "num mono bad" }, tok.logprob.toFixed(3)), h("td", { class: "num mono" }, Math.exp(tok.logprob).toFixed(3)),
               s.has.entropy ? h("td", { class: "num mono" }, tok.entropy === null || tok.entropy === undefined ? "—" : tok.entropy.toFixed(3)) : null,
+              s.max_logprob_diff !== undefined && s.max_logprob_diff !== null ? h("td", { class: "num mono" + (truthUi ? truthUi.tokenClass(tok) : ""), "data-testid": "lowest-trainer" },
+                tok.trainer_logprob === undefined ? "—" : tok.trainer_logprob.toFixed(3)) : null,
               h("td", { class: "mono muted ctx" }, "…" + before, h("mark", null, tok.text ?? ""), after + "…"));
             return tr;
           })))
@@ -690,6 +698,7 @@
           "Token boundaries approximated: the pieces join to the decoded text, but a token's own text may be shown on a neighbour.") : null,
         h("div", { class: "legend" }, "p(token): ", [0, 1, 2, 3, 4, 5].map((b) => h("span", { class: "tok lp" + b }, ["≥.9", ".7", ".5", ".3", ".1", "<.1"][b])),
           s.has.mask ? h("span", { class: "tok out" }, "tool output (not trained on)") : null),
+        truthUi ? truthUi.tokenLegend(kit, view) : null,
         box,
         h("h3", null, "Lowest-probability tokens"), lowest);
     }
@@ -816,6 +825,7 @@
           kv([["duration", fmt.dur(t.duration)], ["turns", t.turn_count], ["tool calls", t.tool_calls + (t.tool_errors ? " (" + t.tool_errors + " failed)" : "")],
             ["response tokens", fmt.int(t.response_tokens)], ["spans", t.span_count], ["error", errorSaid(t)]]))),
       nav, why,
+      truthUi ? [truthUi.fateLine(kit, t), truthUi.rewardPanel(kit, t), truthUi.trainerPanel(kit, t)] : null,
       actions,
       h("h2", { class: "with-tools" }, "Conversation", foldAllButton()),
       t.before_first_turn.map(eventCard),

@@ -51,6 +51,7 @@ window.tracecarGroups = (() => {
       g.prompt_question ? h("div", { class: "prompt-question", "data-testid": "group-question" }, h("span", { class: "muted" }, "asked: "), g.prompt_question) : null,
       g.prompt_preview ? h("details", { class: "prompt", open: !g.prompt_question, "data-testid": "group-prompt" },
         h("summary", { class: "muted" }, g.prompt_question ? "the whole prompt (system prompt and chat template)" : "prompt"), h("pre", { class: "text" }, g.prompt_preview)) : null,
+      window.tracecarTruth ? [window.tracecarTruth.groupSeparation(kit, g), window.tracecarTruth.groupFates(kit, g)] : null,
       h("table", null,
         h("thead", null, h("tr", null, ["rank", "rollout", "reward", "advantage", "turns", "tools", "", "turns vs best", ""].map((c, i) =>
           h("th", { class: i <= 5 ? "num" : "" }, c)))),
@@ -65,7 +66,9 @@ window.tracecarGroups = (() => {
     const sort = params.sort || "spread";
     const offset = Number(params.offset || 0);
     const query = { experiment: params.experiment === undefined ? undefined : expParam(params.experiment), step: params.step,
-      validate: params.validate, sort, sample_index: params.sample_index, limit: PER_PAGE, offset };
+      validate: params.validate, sort, sample_index: params.sample_index, limit: PER_PAGE, offset,
+      // training truth (static/truth.js): groups with a matching rollout, whole
+      drift: params.drift, where: params.where, fate: params.fate, refill: params.refill, trained_other: params.trained_other, lp_delta_min: params.lp_delta_min };
     const page = await api("groups", query, ["experiment"]);
     const here = (extra) => href("/groups", { ...params, ...extra });
     const controls = h("div", { class: "controls" },
