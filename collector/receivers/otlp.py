@@ -38,7 +38,7 @@ from ..processors.validate import EnvelopeError, Rejection, Validated, validate_
 from ..types import Span
 from . import receive
 from .engine_hold import EngineHold
-from .joins import OTLP_WORKER_PREFIX, TrajectoryContext, TrajectoryContexts
+from .joins import OTLP_WORKER_PREFIX, TrajectoryContext, TrajectoryContexts, rekey, request_id_of
 from .otlp_translate import OtlpSpanIn, Translated, hex_ids_to_base64, translate
 from .otlp_wire import WireError, count_spans
 from .pipeline import Backpressure, IngestResult
@@ -120,6 +120,7 @@ class OtlpRequest:
         self.max_decompressed_bytes = max_decompressed_bytes
         self.max_batch_spans = max_batch_spans
         self.translated = Translated()
+        self.held_requests: dict[str, str] = {}  # own trace id -> request id of parentless engine spans that wait
 
     def __call__(self, body: bytes, content_type: str | None, content_encoding: str | None) -> Validated:
         data = receive.decompress(body, content_encoding, self.max_decompressed_bytes)
@@ -149,11 +150,29 @@ class OtlpRequest:
 
     def _join(self, validated: Validated) -> None:
         """Spans of a tracecar trajectory take its worker, project and budget attributes; a span
-        whose trajectory is not known yet waits for it (:mod:`.engine_hold`)."""
+        whose trajectory is not known yet waits for it (:mod:`.engine_hold`). A parentless engine
+        span that names its request (``gen_ai.request.id``) is first put under the call that sent
+        it (:func:`.joins.rekey`), or waits for that call."""
         found: dict[str, tuple[TrajectoryContext | None, str]] = {}
         joined: dict[str, int] = {}
-        validated.foreign_roots = {s["trace_id"] for s in validated.spans if s.get("parent_id") is None}
+        self.held_requests = {}
+        requests = self.contexts.requests
         for span in validated.spans:
+            if span.get("parent_id") is not None or (request_id := request_id_of(span)) is None:
+                continue
+            call = requests.lookup(request_id)
+            if call is not None:
+                rekey(span, call)
+                self.metrics.otlp_request_joins.labels(outcome="joined").inc()
+            elif self.hold is not None and self.hold.should_hold_request(span):
+                validated.awaiting.add(span["span_id"])
+                self.held_requests[span["trace_id"]] = request_id
+        validated.foreign_roots = {s["trace_id"] for s in validated.spans
+                                   if s.get("parent_id") is None and s["trace_id"] not in self.held_requests}
+        for span in validated.spans:
+            if span["trace_id"] in self.held_requests:
+                place_in_weave_tree(span)
+                continue
             trace_id = span["trace_id"]
             if trace_id not in found:
                 found[trace_id] = self.contexts.lookup(trace_id)

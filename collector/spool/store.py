@@ -631,8 +631,9 @@ class Spool:
                         patch: Callable[[dict[str, Any]], tuple[tuple[Any, ...], bytes, int, int]] | None) -> int:
         """The AWAITING spans of one trajectory, in one transaction: to ``target`` (PENDING, or HELD
         to share a tail decision), each payload and its index columns rewritten by ``patch`` first
-        when given (returns (worker, project, entity, experiment, step, sample_index, rollout_n,
-        validate), payload, inputs_at, output_at); ``target=None`` deletes them (their trajectory
+        when given (returns (trace_id, parent_id, worker, project, entity, experiment, step,
+        sample_index, rollout_n, validate), payload, inputs_at, output_at: an engine span joined by
+        its request id moves to its call's trace); ``target=None`` deletes them (their trajectory
         was dropped by a budget). Returns the spans settled."""
         if self.local_only:
             target = DONE if target is not None else None
@@ -650,7 +651,8 @@ class Spool:
                         if patch is not None:
                             columns, payload, inputs_at, output_at = patch(orjson.loads(payload))
                             nbytes = len(payload) + (len(arrays) if arrays else 0)
-                            conn.execute("UPDATE spans SET worker = ?, project = ?, entity = ?, experiment = ?, step = ?,"
+                            conn.execute("UPDATE spans SET trace_id = ?, parent_id = ?, worker = ?, project = ?, entity = ?,"
+                                         " experiment = ?, step = ?,"
                                          " sample_index = ?, rollout_n = ?, validate = ?, payload = ?, nbytes = ?,"
                                          " inputs_at = ?, output_at = ? WHERE seq = ?",
                                          (*columns, payload, nbytes, inputs_at, output_at, seq))
