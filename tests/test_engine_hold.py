@@ -336,3 +336,29 @@ def test_engine_spans_waiting_for_their_request_survive_a_restart_and_join_after
     assert sorted(s["attributes"]["gen_ai.request.id"] for s in engines) == sorted(sent)
     assert {s["project"] for s in engines} == {"proj-r"}
     assert _metric(second.url, "tracecar_otlp_request_joins_total", '{outcome="joined_late"}') == 1
+
+
+def test_in_a_local_store_an_early_engine_span_waits_for_its_call_and_the_viewer_never_lists_it_alone(start_collector,
+                                                                                                        tracer_to):
+    col = start_collector()  # backend=local: no exporter, the store is the destination
+    assert col.collector.spool.local_only
+    tracer = tracer_to(col.url, project="local-p", experiment="exp-l", open_markers=False, flush_interval_s=30)
+    engine = VllmEngine(col.url + "/v1/traces", resource=VERL_RESOURCE)
+    seen: list[dict[str, Any]] = []
+
+    def gate() -> None:  # stored, waiting: not in the viewer's list as a trajectory of its own
+        _wait(lambda: _metric(col.url, "tracecar_otlp_held_spans_waiting") == 1)
+        seen.extend(httpx.get(col.url + "/ui/api/trajectories", params={"limit": 100}, timeout=10).json()["trajectories"])
+
+    trace_id, sent = request_rollout(engine, gate)
+    assert seen == []
+    assert tracer.flush(10)
+    engine.flush()
+    engine.close()
+    _wait(lambda: httpx.get(f"{col.url}/v1/trajectories/{trace_id}", timeout=10).json().get("span_count") == 5)
+    listed = httpx.get(col.url + "/ui/api/trajectories", params={"limit": 100}, timeout=10).json()["trajectories"]
+    assert [t["trace_id"] for t in listed] == [trace_id] and listed[0]["span_count"] == 5
+    tree = httpx.get(f"{col.url}/ui/api/trajectories/{trace_id}", timeout=10).json()
+    assert sorted(e["request_id"] for t in tree["turns"] for e in t["engine"]) == sorted(sent)
+    assert _metric(col.url, "tracecar_otlp_request_joins_total", '{outcome="joined_late"}') == 1
+    assert col.collector.spool.awaiting_count == 0

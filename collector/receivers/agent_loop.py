@@ -58,8 +58,10 @@ _GATEWAY_OUTPUT = ("finish_reason", "prompt_tokens", "completion_tokens", "statu
 
 
 def is_protocol_span(span: dict[str, Any]) -> bool:
+    """A span of the protocol: one of its three names with its ``monitor.trace_source``, and an experiment."""
+    source = SOURCES.get(span["name"])
     attrs = span["attributes"]
-    return SOURCES.get(span["name"]) == attrs.get("monitor.trace_source") and isinstance(attrs.get("experiment_name"), str)
+    return source is not None and attrs.get("monitor.trace_source") == source and isinstance(attrs.get("experiment_name"), str)
 
 
 def trajectory_id(attrs: dict[str, Any]) -> str:

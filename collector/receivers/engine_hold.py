@@ -66,7 +66,10 @@ class EngineHold:
         self.metrics = metrics
         self.max_spans = max_spans
         self.max_age_s = max_age_s
-        self.enabled = max_spans > 0 and max_age_s > 0 and not spool.local_only
+        self.enabled = max_spans > 0 and max_age_s > 0
+        # by trace id only where a destination is at stake: in a local-only store a span with its trajectory's
+        # trace id is in that trajectory already; one that names only its request must still wait to get there
+        self.by_trace = self.enabled and not spool.local_only
         self._lock = threading.Lock()  # traces is read by receiver threads, written on the writer thread
         self.traces: dict[str, int] = spool.awaiting_traces() if self.enabled else {}
         # parentless engine spans waiting for the call that sent their request: request id -> their own
@@ -111,7 +114,7 @@ class EngineHold:
     def should_hold(self, span: Span, found: bool, foreign_roots: set[str]) -> bool:
         """An OTLP span whose trajectory is not known (``found`` False) and that names a parent waits,
         unless its trace's own root came in the same request (another producer's trace)."""
-        return self.enabled and not found and span.get("parent_id") is not None and span["trace_id"] not in foreign_roots
+        return self.by_trace and not found and span.get("parent_id") is not None and span["trace_id"] not in foreign_roots
 
     def waiting(self, trace_id: str) -> bool:
         with self._lock:

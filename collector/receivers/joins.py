@@ -21,15 +21,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+from tracecar.client.tracing import ENGINE_REQUESTS, MARK  # ids a call handed an engine; a span's place (Weave)
+
 from ..spool.store import Spool
 from ..types import Span
 
 OTLP_WORKER_PREFIX = "otlp:"  # the worker of OTLP spans that join no trajectory: otlp:<service.name>
-ENGINE_REQUESTS = "engine_request_ids"  # tracecar.client.tracing.ENGINE_REQUESTS: ids a call handed an engine
 REQUEST_ID = "gen_ai.request.id"  # vLLM's (and SGLang's) request id on its per-request span
 _PD_LEGS = ("_P", "_D")  # VERL's prefill/decode legs of one request: "<id>_P", "<id>_D" (PD disaggregation)
 _MAX_REQUEST_ID = 256
-MARK = "tracecar"  # tracecar.client.tracing.MARK: a span's place in its trajectory (for Weave)
 
 
 class TrajectoryContext(NamedTuple):
@@ -152,12 +152,14 @@ class EngineRequests:
     """Bounded LRU of engine request id → :class:`EngineRequest` (thread-safe).
 
     Fed by every validated ``/v1/spans`` batch; ``on_unmatched`` is called with the number of
-    request ids forgotten (evicted) before any engine span named them."""
+    request ids forgotten (evicted) before any engine span named them, once engine spans have
+    joined by request id at all (a job whose engine traces nothing is not told so per request)."""
 
     def __init__(self, max_requests: int, on_unmatched: Callable[[int], None] | None = None) -> None:
         self.max_requests = max_requests
         self.on_unmatched = on_unmatched
         self.recorded_any = False  # some client notes its engine requests: parentless engine spans may wait for them
+        self.matched_any = False  # some engine span named one: from then on a request never named is worth counting
         self._items: OrderedDict[str, tuple[EngineRequest, bool]] = OrderedDict()  # -> (call, matched)
         self._lock = threading.Lock()
 
@@ -184,7 +186,7 @@ class EngineRequests:
             while len(items) > self.max_requests:
                 _, (_, matched) = items.popitem(last=False)
                 evicted += not matched
-        if evicted and self.on_unmatched is not None:
+        if evicted and self.matched_any and self.on_unmatched is not None:  # not when the engine traces nothing at all
             self.on_unmatched(evicted)
 
     def lookup(self, request_id: str) -> EngineRequest | None:
@@ -198,6 +200,7 @@ class EngineRequests:
                 if found is not None:
                     if not found[1]:
                         self._items[key] = (found[0], True)
+                    self.matched_any = True
                     return found[0]
         return None
 

@@ -192,7 +192,7 @@ def _row_params(row: SpoolRow, state: int, now: float) -> tuple[Any, ...]:
         _attr(s, "sample_index"), _attr(s, "rollout_n"), None if validate is None else int(bool(validate)),
         s["start_time"], s["end_time"], int(s["exception"] is not None),
         reward if type(reward) in (int, float) else None,
-        row.size, HELD if row.held else AWAITING if row.awaiting and state == PENDING else state, now,
+        row.size, HELD if row.held else AWAITING if row.awaiting else state, now,
         orjson.dumps(row.warnings).decode() if row.warnings else None, row.payload, row.tokens,
         row.inputs_at, row.output_at, _policy_version(s), row.token_arrays,
     )
@@ -308,8 +308,8 @@ class Spool:
                         [(r.size, r.tokens, r.span["trace_id"]) for r in fresh if r.span["span_id"] in late],
                     )
             new_bytes = sum(r.size for r in fresh)
-            held = [r for r in fresh if r.held or (r.awaiting and state == PENDING)]  # neither is pending
-            awaiting = [r for r in fresh if r.awaiting and not r.held and state == PENDING]
+            held = [r for r in fresh if r.held or r.awaiting]  # neither is pending (nor stored for good, locally)
+            awaiting = [r for r in fresh if r.awaiting and not r.held]
             self.awaiting_count += len(awaiting)
             self.awaiting_bytes += sum(r.size for r in awaiting)
             held_bytes = sum(r.size for r in held)
