@@ -140,6 +140,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
         for cleanup in reversed(cleanups):
             cleanup()
         os.environ.pop("RL_INSIGHT_SERVER_URL", None)
+        os.environ.pop("OTEL_BSP_SCHEDULE_DELAY", None)  # other tests' engines keep the SDK's own schedule
 
 
 def _until(what: str, check: Any, timeout_s: float = 90, every_s: float = 0.3) -> Any:
