@@ -11,10 +11,10 @@ from .config import ClientConfig
 from .health import health, health_metrics, log_health
 from .traceparent import trace_headers, traceparent
 from .tracer import Tracer, configure, flush, get_tracer, shutdown
-from .tracing import annotate, announce_step, current_trajectory_id, rollout_trace_attr, rollout_trace_op
+from .tracing import annotate, announce_step, current_trajectory_id, engine_request, rollout_trace_attr, rollout_trace_op
 
 __all__ = [
-    "ClientConfig", "Tracer", "annotate", "announce_step", "configure", "current_trajectory_id", "flush",
+    "ClientConfig", "Tracer", "annotate", "announce_step", "configure", "current_trajectory_id", "engine_request", "flush",
     "get_tracer", "health", "health_metrics", "log_health", "rollout_trace_attr", "rollout_trace_op", "shutdown",
     "trace_headers", "traceparent",
 ]

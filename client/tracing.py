@@ -242,6 +242,34 @@ def announce_step(step: int, sample_indices: Any, *, validate: bool = False, **e
     tracer.emit(record)
 
 
+#: Attribute key of the request ids a call sent to an inference engine (:func:`engine_request`).
+ENGINE_REQUESTS = "engine_request_ids"
+_MAX_ENGINE_REQUESTS = 64  # per call: a resumed or retried generate sends a few, never more than this
+
+
+def engine_request(request_id: str) -> None:
+    """Notes that the current call sent request ``request_id`` to an inference engine.
+
+    vLLM names its per-request ``llm_request`` span's ``gen_ai.request.id`` after the id it was
+    given; with this note the collector joins that span to this call without any propagated
+    context (VERL's ``enable_otel`` sends none). Cheap (a context read and a small dict copy:
+    the call's attributes are shared with its parent by reference, so they are replaced, not
+    changed), never raises; a no-op outside a traced call.
+    """
+    record = _tracer.current.get()
+    if _tracer.active is None or record is None or record is _tracer.DISABLED or type(request_id) is not str:
+        return
+    attributes = record.attributes or {}
+    known = attributes.get(ENGINE_REQUESTS)
+    if type(known) is list:
+        if request_id in known or len(known) >= _MAX_ENGINE_REQUESTS:
+            return
+        ids = [*known, request_id]
+    else:
+        ids = [request_id]
+    record.attributes = {**attributes, ENGINE_REQUESTS: ids}
+
+
 def current_trajectory_id() -> str | None:
     """Id of the enclosing trajectory (to annotate it later), or None outside one."""
     span = _tracer.current.get()

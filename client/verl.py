@@ -386,6 +386,7 @@ def _activate(*, project, experiment, token2text: bool, max_samples, caller) -> 
         rewards = _hook_rewards(tc)
         _hook_membership(tc)
         _hook_trace_ids(tc)
+        _hook_engine_request_ids(tc)
         logger.info("tracecar.verl: active (project=%s experiment=%s, %d VERL ops, rewards %s)",
                     project, experiment, n, "hooked" if rewards else "not hooked")
 
@@ -500,6 +501,40 @@ def _hook_trace_ids(tc) -> bool:
     setattr(_agent_loop_postprocess, _SHIM_FLAG, True)
     worker_cls._agent_loop_postprocess = _agent_loop_postprocess
     _state.patched_names.append((worker_cls, "_agent_loop_postprocess", original))
+    return True
+
+
+def _hook_engine_request_ids(tc) -> bool:
+    """Note, on each traced ``generate``, the request id the engine is given (for ``enable_otel``).
+
+    VERL's ``LLMServerClient.generate`` hands the server a fresh id per turn
+    (``_vllm_request_id``: a uuid, or the caller's id under ``full_determinism``), which is what
+    vLLM's ``llm_request`` span carries as ``gen_ai.request.id``; ``request_id`` in the call's
+    inputs is the agent loop's sticky-session id, which the engine never sees. This wraps
+    ``_vllm_request_id`` to note the id it returns on the current call
+    (``tracecar.client.engine_request``), so the collector can join the engine span that VERL's
+    ``enable_otel`` sends without a parent context. The id returned is VERL's, unchanged.
+    """
+    module = sys.modules.get("verl.workers.rollout.llm_server")
+    client_cls: Any = getattr(module, "LLMServerClient", None)
+    original = getattr(client_cls, "_vllm_request_id", None)
+    note = getattr(tc, "engine_request", None)
+    if original is None or note is None or getattr(original, _SHIM_FLAG, False) or inspect.iscoroutinefunction(original):
+        return False
+
+    @functools.wraps(original)
+    def _vllm_request_id(self, *args, **kwargs):
+        request_id = original(self, *args, **kwargs)
+        if _state.active:
+            try:
+                note(request_id)
+            except Exception:  # noqa: BLE001 - tracing never fails a rollout
+                logger.debug("tracecar.verl: engine request id not noted", exc_info=True)
+        return request_id
+
+    setattr(_vllm_request_id, _SHIM_FLAG, True)
+    client_cls._vllm_request_id = _vllm_request_id
+    _state.patched_names.append((client_cls, "_vllm_request_id", original))
     return True
 
 

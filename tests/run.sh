@@ -9,7 +9,8 @@
 # With TRACECAR_TEST_VERL=1 it then runs the VERL adapter tests and the Weave parity harness
 # (tests/test_weave_parity.py, which also needs .venv-weave52) against the real verl package in
 # ./.venv-verl (CPU torch 2.13.0 from this machine's wheel directory; about 2 GB, 3 minutes), and TRL's GRPOTrainer
-# (tests/test_trl.py) in the same venv.
+# (tests/test_trl.py) and VERL's enable_otel through RL-Insight's discovery (tests/test_verl_enable_otel.py; its
+# multi-process part needs .venv-mlflow) in the same venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -45,7 +46,7 @@ if [ "${TRACECAR_TEST_VERL:-0}" = 1 ]; then
   # tracecar, read back from weave's own trace server / a real mlflow server (each skips without
   # .venv-weave52 / .venv-mlflow)
   .venv-verl/bin/python -m pytest -p no:cacheprovider -q tests/test_verl_adapter.py tests/test_truth_verl.py tests/test_weave_parity.py \
-    tests/test_mlflow_parity.py tests/test_trl.py
+    tests/test_mlflow_parity.py tests/test_trl.py tests/test_verl_enable_otel.py
 fi
 if [ "${TRACECAR_TEST_PY310:-0}" = 1 ]; then
   PY310=""  # a working 3.10: on PATH, or a pyenv install (its shim fails when 3.10 is not selected)

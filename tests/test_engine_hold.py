@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ import httpx
 import pytest
 
 from tests.test_otlp_receiver import VllmEngine
-from tracecar.client import rollout_trace_attr, rollout_trace_op, trace_headers
+from tracecar.client import engine_request, rollout_trace_attr, rollout_trace_op, trace_headers
 from tracecar.collector.exporters.forward import SendResult
 
 pytestmark = pytest.mark.timeout(120)
@@ -203,3 +204,161 @@ def test_engine_spans_first_share_a_tail_budgets_decision_with_their_trajectory(
     assert {s["trace_id"] for s in sink.spans} == {kept} and len(sink.spans) == 5  # its 2 engine spans with it
     assert {s["project"] for s in sink.spans} == {"p"}
     assert col.collector.spool.query("SELECT COUNT(*) AS n FROM spans WHERE state IN (3, 4)")[0]["n"] == 0
+
+
+# ---- engine spans without a parent context, joined by their request id (VERL's enable_otel) ----------
+VERL_RESOURCE = {"project": "proj-o", "experiment_name": "exp-o", "replica": "0"}  # what enable_otel puts on the resource
+
+
+def request_rollout(engine: VllmEngine, gate: Any = None, sample_index: int = 1) -> tuple[str, list[str]]:
+    """A trajectory of two generate calls, each noting the request id it hands the engine; the engine's
+    spans carry that id and no parent context. The first is exported and answered while its call runs
+    (before anything of the trajectory), the second only when the test flushes the engine."""
+    sent: list[str] = []
+
+    class Server:
+        @rollout_trace_op
+        async def generate(self, turn: int, prompt_ids: list[int]) -> dict[str, Any]:
+            request_id = uuid.uuid4().hex  # VERL's LLMServerClient._vllm_request_id: a fresh uuid per turn
+            engine_request(request_id)
+            sent.append(request_id)
+            engine.request(None, request_id, len(prompt_ids), 3, arrival=time.time())
+            if turn == 0:
+                engine.flush()
+                if gate is not None:
+                    gate()
+            return {"prompt_ids": prompt_ids, "response_ids": [7, 8, 9]}
+
+    async def trajectory() -> str:
+        with rollout_trace_attr(sample_index=sample_index, step=4, rollout_n=0, name="agent_loop") as root:
+            await Server().generate(0, [1, 2])
+            await Server().generate(1, [1, 2, 7, 8, 9, 4])
+        return root.span_id
+
+    return asyncio.run(trajectory()), sent
+
+
+def test_engine_spans_without_a_parent_context_join_the_call_that_sent_their_request(start_collector, tracer_to):
+    sink = RecordingSink()
+    col = start_collector(sink=sink)
+    tracer = tracer_to(col.url, project="grpo-proj", experiment="exp-o", worker_id="w3", open_markers=False,
+                       flush_interval_s=30)
+    engine = VllmEngine(col.url + "/v1/traces", resource=VERL_RESOURCE)
+
+    def gate() -> None:  # the first engine span is stored, waiting, handed to no exporter
+        _wait(lambda: _metric(col.url, "tracecar_otlp_held_spans_waiting") == 1)
+        time.sleep(0.3)
+        assert sink.spans == []
+
+    trace_id, sent = request_rollout(engine, gate)
+    assert tracer.flush(10)  # the trajectory: the first engine span joins it now
+    _wait(lambda: _metric(col.url, "tracecar_otlp_request_joins_total", '{outcome="joined_late"}') == 1)
+    engine.flush()  # the second arrives after its call: joined on arrival
+    engine.close()
+    _wait(lambda: len([s for s in sink.spans if s["trace_id"] == trace_id]) == 5)
+    generates = {s["attributes"]["engine_request_ids"][0]: s for s in sink.spans if s["name"].endswith("generate")}
+    assert list(generates) == sent or sorted(generates) == sorted(sent)
+    engines = [s for s in sink.spans if s["name"] == "llm_request"]
+    assert len(engines) == 2
+    for span in engines:
+        call = generates[span["attributes"]["gen_ai.request.id"]]
+        assert span["parent_id"] == call["span_id"] and span["trace_id"] == trace_id
+        assert (span["project"], span["worker"], span["attributes"]["step"]) == ("grpo-proj", "w3", 4)
+        assert span["attributes"]["otel"]["joined_by"] == "gen_ai.request.id"
+        # placed in Weave's tree as trace_headers' tracestate would have: a turn under its top-level generate
+        assert span["attributes"]["tracecar"] == {"root": call["span_id"], "turn": span["span_id"]}
+    assert _metric(col.url, "tracecar_otlp_request_joins_total", '{outcome="joined"}') == 1
+    assert _metric(col.url, "tracecar_otlp_held_spans_total", '{outcome="joined"}') == 1
+    assert _metric(col.url, "tracecar_otlp_held_spans_waiting") == 0
+    rows = col.collector.spool.query("SELECT trace_id, parent_id, state FROM spans WHERE name = 'llm_request'")
+    assert {r["trace_id"] for r in rows} == {trace_id} and all(r["state"] != 4 for r in rows)
+
+
+def test_an_engine_span_whose_call_never_comes_is_released_after_the_age_bound_and_counted(start_collector, tracer_to):
+    sink = RecordingSink()
+    col = start_collector(sink=sink, otlp_hold_max_age_s=1.0)
+    engine = VllmEngine(col.url + "/v1/traces", resource=VERL_RESOURCE)
+    engine.request(None, "never-sent-by-a-traced-call", 5, 2, arrival=time.time())
+    engine.flush()
+    engine.close()
+    _wait(lambda: _metric(col.url, "tracecar_otlp_held_spans_total", '{outcome="held"}') == 1)
+    _wait(lambda: len(sink.spans) == 1)
+    assert _metric(col.url, "tracecar_otlp_request_joins_total", '{outcome="engine_unmatched"}') == 1
+    assert _metric(col.url, "tracecar_otlp_held_spans_total", '{outcome="expired"}') == 1
+    assert sink.spans[0]["project"] is None and sink.spans[0]["parent_id"] is None  # as it came, not lost
+
+
+def test_a_parentless_engine_span_waits_only_where_a_request_join_can_come(start_collector, tracer_to):
+    sink = RecordingSink()
+    col = start_collector(sink=sink)
+    plain = VllmEngine(col.url + "/v1/traces")  # vLLM traced on its own: no VERL resource, no client noting requests
+    plain.request(None, "plain-1", 5, 2, arrival=time.time())
+    plain.flush()
+    _wait(lambda: len(sink.spans) == 1)  # its own trace, at once
+    assert _metric(col.url, "tracecar_otlp_held_spans_total", '{outcome="held"}') == 0
+    tracer = tracer_to(col.url, project="p", open_markers=False, flush_interval_s=30)
+    # the first trajectory of a client that notes its requests: its first engine span came before any such
+    # note reached the collector, so it could not know to wait (sent as it is); the second joins on arrival
+    cold, sent = request_rollout(plain)
+    _wait(lambda: len(sink.spans) == 2)
+    assert [s["trace_id"] for s in sink.spans if s["attributes"].get("gen_ai.request.id") == sent[0]] != [cold]
+    assert tracer.flush(10)
+    plain.flush()
+    _wait(lambda: len([s for s in sink.spans if s["trace_id"] == cold]) == 4)
+    warm, _ = request_rollout(plain, sample_index=2)  # from now on such spans wait for their call
+    assert tracer.flush(10)
+    plain.flush()
+    plain.close()
+    _wait(lambda: len([s for s in sink.spans if s["trace_id"] == warm]) == 5)
+    assert _metric(col.url, "tracecar_otlp_request_joins_total", '{outcome="joined_late"}') == 1
+    assert _metric(col.url, "tracecar_otlp_request_joins_total", '{outcome="engine_unmatched"}') == 0
+
+
+def test_engine_spans_waiting_for_their_request_survive_a_restart_and_join_after_it(start_collector, tracer_to, tmp_path):
+    data = tmp_path / "hold-requests"
+    first = start_collector(sink=RecordingSink(), data_dir=data)
+    tracer = tracer_to(first.url, project="proj-r", open_markers=False, flush_interval_s=30)
+    engine = VllmEngine(first.url + "/v1/traces", resource=VERL_RESOURCE)
+
+    def gate() -> None:
+        _wait(lambda: _metric(first.url, "tracecar_otlp_held_spans_waiting") == 1)
+
+    trace_id, sent = request_rollout(engine, gate)  # the trajectory's spans stay in the client
+    first.stop()
+    sink = RecordingSink()
+    second = start_collector(sink=sink, data_dir=data, port=first.settings.port)
+    assert _metric(second.url, "tracecar_otlp_held_spans_waiting") == 1
+    assert tracer.flush(20)
+    engine.flush()
+    engine.close()
+    _wait(lambda: len([s for s in sink.spans if s["trace_id"] == trace_id]) == 5)
+    engines = [s for s in sink.spans if s["name"] == "llm_request"]
+    assert sorted(s["attributes"]["gen_ai.request.id"] for s in engines) == sorted(sent)
+    assert {s["project"] for s in engines} == {"proj-r"}
+    assert _metric(second.url, "tracecar_otlp_request_joins_total", '{outcome="joined_late"}') == 1
+
+
+def test_in_a_local_store_an_early_engine_span_waits_for_its_call_and_the_viewer_never_lists_it_alone(start_collector,
+                                                                                                        tracer_to):
+    col = start_collector()  # backend=local: no exporter, the store is the destination
+    assert col.collector.spool.local_only
+    tracer = tracer_to(col.url, project="local-p", experiment="exp-l", open_markers=False, flush_interval_s=30)
+    engine = VllmEngine(col.url + "/v1/traces", resource=VERL_RESOURCE)
+    seen: list[dict[str, Any]] = []
+
+    def gate() -> None:  # stored, waiting: not in the viewer's list as a trajectory of its own
+        _wait(lambda: _metric(col.url, "tracecar_otlp_held_spans_waiting") == 1)
+        seen.extend(httpx.get(col.url + "/ui/api/trajectories", params={"limit": 100}, timeout=10).json()["trajectories"])
+
+    trace_id, sent = request_rollout(engine, gate)
+    assert seen == []
+    assert tracer.flush(10)
+    engine.flush()
+    engine.close()
+    _wait(lambda: httpx.get(f"{col.url}/v1/trajectories/{trace_id}", timeout=10).json().get("span_count") == 5)
+    listed = httpx.get(col.url + "/ui/api/trajectories", params={"limit": 100}, timeout=10).json()["trajectories"]
+    assert [t["trace_id"] for t in listed] == [trace_id] and listed[0]["span_count"] == 5
+    tree = httpx.get(f"{col.url}/ui/api/trajectories/{trace_id}", timeout=10).json()
+    assert sorted(e["request_id"] for t in tree["turns"] for e in t["engine"]) == sorted(sent)
+    assert _metric(col.url, "tracecar_otlp_request_joins_total", '{outcome="joined_late"}') == 1
+    assert col.collector.spool.awaiting_count == 0

@@ -46,9 +46,11 @@ TRACEPARENT = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-0[01]$")
 class VllmEngine:
     """vLLM's request tracing, reproduced with the same OpenTelemetry calls and names."""
 
-    def __init__(self, endpoint: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, endpoint: str, headers: dict[str, str] | None = None, resource: dict[str, str] | None = None) -> None:
+        # vLLM's init_tracer: Resource.create merges OTEL_RESOURCE_ATTRIBUTES (how VERL's enable_otel adds
+        # project / experiment_name / replica); ``resource`` stands for that variable here
         resource = Resource.create({"vllm.instrumenting_module_name": "vllm.llm_engine",
-                                    "vllm.process_id": str(os.getpid())})
+                                    "vllm.process_id": str(os.getpid()), **(resource or {})})
         self.provider = TracerProvider(resource=resource)
         self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, headers=headers)))
         self.tracer = self.provider.get_tracer("vllm.llm_engine")

@@ -50,7 +50,7 @@ import orjson
 import pydantic_core
 
 from tracecar.client.retry_after import parse_retry_after
-from tracecar.client.tracing import MARK  # the client's place mark on a span's attributes
+from tracecar.client.tracing import ENGINE_REQUESTS, MARK  # the client's place mark on a span's attributes
 
 from .forward import RawJSON, SendResult
 
@@ -348,6 +348,9 @@ def to_weave_call(
         turn = mark.get("turn")
         turn_id = weave_call_id(turn) if isinstance(turn, str) and turn else None
     attributes["tracecar"] = {"span_id": span_id, "trace_id": trace_id, "kind": span["kind"], "worker": span.get("worker")}
+    requests = attributes.pop(ENGINE_REQUESTS, None)  # the engine requests a call sent: tracecar's join key, not VERL's
+    if requests is not None:
+        attributes["tracecar"]["engine_request_ids"] = requests
     client = span.get("client")
     if isinstance(client, dict) and "weave" not in attributes:  # weave's capture_info keys, tracecar's values
         attributes["weave"] = {**client, "worker": span.get("worker")}

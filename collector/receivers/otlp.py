@@ -36,9 +36,9 @@ from tracecar.client.tracing import MARK  # the place mark the Weave sink reads
 from ..metrics import Metrics
 from ..processors.validate import EnvelopeError, Rejection, Validated, validate_batch
 from ..types import Span
-from . import receive
+from . import agent_loop, receive
 from .engine_hold import EngineHold
-from .joins import OTLP_WORKER_PREFIX, TrajectoryContext, TrajectoryContexts
+from .joins import OTLP_WORKER_PREFIX, TrajectoryContext, TrajectoryContexts, rekey, request_id_of
 from .otlp_translate import OtlpSpanIn, Translated, hex_ids_to_base64, translate
 from .otlp_wire import WireError, count_spans
 from .pipeline import Backpressure, IngestResult
@@ -120,6 +120,8 @@ class OtlpRequest:
         self.max_decompressed_bytes = max_decompressed_bytes
         self.max_batch_spans = max_batch_spans
         self.translated = Translated()
+        self.held_requests: dict[str, str] = {}  # own trace id -> request id of parentless engine spans that wait
+        self.protocol: dict[str, tuple[str | None, str]] = {}  # RL-Insight agent-loop spans: span id -> (project, worker)
 
     def __call__(self, body: bytes, content_type: str | None, content_encoding: str | None) -> Validated:
         data = receive.decompress(body, content_encoding, self.max_decompressed_bytes)
@@ -130,8 +132,10 @@ class OtlpRequest:
         self.translated = translated = translate(request)
         for raw_span in translated.spans:
             redact_dotted(raw_span.get("attributes"), self.redact)
+        self.protocol = agent_loop.adapt(translated)  # RL-Insight's agent-loop spans: tracecar trajectories
+        # the bound was checked on the request's own spans; the reward annotations adapt() added come on top
         validated = validate_batch({"worker": OTLP_WORKER_PREFIX.rstrip(":"), "spans": translated.spans},
-                                   self.max_batch_spans, self.redact, span_model=OtlpSpanIn)
+                                   max(self.max_batch_spans, len(translated.spans)), self.redact, span_model=OtlpSpanIn)
         positions = translated.indices  # validated indices -> positions in the request
         for rejection in validated.rejected:
             rejection.index = positions[rejection.index]
@@ -142,6 +146,10 @@ class OtlpRequest:
         validated.index_of = {sid: positions[i] for sid, i in validated.index_of.items()}
         services = {translated.spans[i]["span_id"]: translated.services[i] for i in range(len(translated.spans))}
         for span in validated.spans:
+            own = self.protocol.get(span["span_id"])
+            if own is not None:  # a trajectory of its own making: its project, one worker for its budget
+                span["project"], span["worker"] = own[0], own[1][:256]
+                continue
             service = services.get(span["span_id"])
             span["worker"] = (OTLP_WORKER_PREFIX + service)[:256] if service else OTLP_WORKER_PREFIX.rstrip(":")
         self._join(validated)
@@ -149,11 +157,32 @@ class OtlpRequest:
 
     def _join(self, validated: Validated) -> None:
         """Spans of a tracecar trajectory take its worker, project and budget attributes; a span
-        whose trajectory is not known yet waits for it (:mod:`.engine_hold`)."""
+        whose trajectory is not known yet waits for it (:mod:`.engine_hold`). A parentless engine
+        span that names its request (``gen_ai.request.id``) is first put under the call that sent
+        it (:func:`.joins.rekey`), or waits for that call."""
         found: dict[str, tuple[TrajectoryContext | None, str]] = {}
         joined: dict[str, int] = {}
-        validated.foreign_roots = {s["trace_id"] for s in validated.spans if s.get("parent_id") is None}
+        self.held_requests = {}
+        requests = self.contexts.requests
+        protocol = self.protocol
         for span in validated.spans:
+            if span.get("parent_id") is not None or span["span_id"] in protocol or (request_id := request_id_of(span)) is None:
+                continue
+            call = requests.lookup(request_id)
+            if call is not None:
+                rekey(span, call)
+                self.metrics.otlp_request_joins.labels(outcome="joined").inc()
+            elif self.hold is not None and self.hold.should_hold_request(span):
+                validated.awaiting.add(span["span_id"])
+                self.held_requests[span["trace_id"]] = request_id
+        validated.foreign_roots = {s["trace_id"] for s in validated.spans if s.get("parent_id") is None
+                                   and s["trace_id"] not in self.held_requests and s["span_id"] not in protocol}
+        for span in validated.spans:
+            if span["span_id"] in protocol:  # RL-Insight's agent loop: it carries its own trajectory's attributes
+                continue
+            if span["trace_id"] in self.held_requests:
+                place_in_weave_tree(span)
+                continue
             trace_id = span["trace_id"]
             if trace_id not in found:
                 found[trace_id] = self.contexts.lookup(trace_id)

@@ -39,7 +39,7 @@ from ..spool.store import Spool, SpoolFull, SpoolRow
 from ..types import Span
 from .client_drops import ClientDrops, parse_dropped
 from .engine_hold import EngineHold
-from .joins import TrajectoryContexts
+from .joins import TrajectoryContexts, request_id_of
 from .worker_pool import (
     PrepareOrder,
     WorkerConfig,
@@ -264,8 +264,11 @@ class IngestPipeline:
         already: a failure here leaves them waiting (the age bound still applies)."""
         again = set(duplicates)
         held = [r.span["trace_id"] for r in rows if r.awaiting and r.span["span_id"] not in again]
+        # parentless ones wait for the call that sent their request (VERL's enable_otel), by its id
+        by_request = {r.span["trace_id"]: rid for r in rows if r.awaiting and r.span["span_id"] not in again
+                      and r.span.get("parent_id") is None and (rid := request_id_of(r.span)) is not None}
         try:
-            self.hold.after_write(validated.spans, held, validated.foreign_roots)
+            self.hold.after_write(validated.spans, held, validated.foreign_roots, by_request)
         except Exception:  # noqa: BLE001 - never fails an acknowledged batch
             log.exception("engine hold: settling waiting engine spans failed; they keep waiting")
 

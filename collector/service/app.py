@@ -40,6 +40,7 @@ from ..query_params import (
 from ..receivers.otlp import build_router as build_otlp_router
 from ..receivers.pipeline import Backpressure, IngestPipeline
 from ..receivers.receive import BodyError
+from ..receivers.rl_insight import build_router as build_rl_insight_router
 from ..settings import CollectorSettings
 from ..spool.query import get_trajectory
 from ..spool.retention import Retention
@@ -384,6 +385,8 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
 
     # OTLP/HTTP in (vLLM/SGLang engine spans, any OpenTelemetry SDK): same pipeline, same token
     app.include_router(build_otlp_router(collector, auth, _read_body))
+    # RL-Insight's service discovery (VERL's enable_otel, RL-Insight's SDK): their spans come to /v1/traces
+    app.include_router(build_rl_insight_router())
     # the local trajectory viewer (/ui/): read-only, same token
     viewer = build_viewer_router(collector, settings.token.get_secret_value() if settings.token else None)
     app.include_router(viewer)

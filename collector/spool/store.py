@@ -192,7 +192,7 @@ def _row_params(row: SpoolRow, state: int, now: float) -> tuple[Any, ...]:
         _attr(s, "sample_index"), _attr(s, "rollout_n"), None if validate is None else int(bool(validate)),
         s["start_time"], s["end_time"], int(s["exception"] is not None),
         reward if type(reward) in (int, float) else None,
-        row.size, HELD if row.held else AWAITING if row.awaiting and state == PENDING else state, now,
+        row.size, HELD if row.held else AWAITING if row.awaiting else state, now,
         orjson.dumps(row.warnings).decode() if row.warnings else None, row.payload, row.tokens,
         row.inputs_at, row.output_at, _policy_version(s), row.token_arrays,
     )
@@ -308,8 +308,8 @@ class Spool:
                         [(r.size, r.tokens, r.span["trace_id"]) for r in fresh if r.span["span_id"] in late],
                     )
             new_bytes = sum(r.size for r in fresh)
-            held = [r for r in fresh if r.held or (r.awaiting and state == PENDING)]  # neither is pending
-            awaiting = [r for r in fresh if r.awaiting and not r.held and state == PENDING]
+            held = [r for r in fresh if r.held or r.awaiting]  # neither is pending (nor stored for good, locally)
+            awaiting = [r for r in fresh if r.awaiting and not r.held]
             self.awaiting_count += len(awaiting)
             self.awaiting_bytes += sum(r.size for r in awaiting)
             held_bytes = sum(r.size for r in held)
@@ -631,8 +631,9 @@ class Spool:
                         patch: Callable[[dict[str, Any]], tuple[tuple[Any, ...], bytes, int, int]] | None) -> int:
         """The AWAITING spans of one trajectory, in one transaction: to ``target`` (PENDING, or HELD
         to share a tail decision), each payload and its index columns rewritten by ``patch`` first
-        when given (returns (worker, project, entity, experiment, step, sample_index, rollout_n,
-        validate), payload, inputs_at, output_at); ``target=None`` deletes them (their trajectory
+        when given (returns (trace_id, parent_id, worker, project, entity, experiment, step,
+        sample_index, rollout_n, validate), payload, inputs_at, output_at: an engine span joined by
+        its request id moves to its call's trace); ``target=None`` deletes them (their trajectory
         was dropped by a budget). Returns the spans settled."""
         if self.local_only:
             target = DONE if target is not None else None
@@ -650,7 +651,8 @@ class Spool:
                         if patch is not None:
                             columns, payload, inputs_at, output_at = patch(orjson.loads(payload))
                             nbytes = len(payload) + (len(arrays) if arrays else 0)
-                            conn.execute("UPDATE spans SET worker = ?, project = ?, entity = ?, experiment = ?, step = ?,"
+                            conn.execute("UPDATE spans SET trace_id = ?, parent_id = ?, worker = ?, project = ?, entity = ?,"
+                                         " experiment = ?, step = ?,"
                                          " sample_index = ?, rollout_n = ?, validate = ?, payload = ?, nbytes = ?,"
                                          " inputs_at = ?, output_at = ? WHERE seq = ?",
                                          (*columns, payload, nbytes, inputs_at, output_at, seq))

@@ -12,6 +12,8 @@ order, so "everything above the watermark" is exactly what is new. A stored span
 place only while it is *held* (state 3, awaiting a tail-based sampling decision, which then
 writes ``kept_because`` into the root or deletes the trajectory), so held spans are not indexed
 until released: their seqs wait in the ``held`` table and are re-read once their state moves.
+Engine spans awaiting their trajectory (state 4, ``receivers.engine_hold``: rewritten, perhaps moved
+to another trace, when it comes) wait there the same way.
 Spans deleted after forwarding (``keep_forwarded=false``) are pruned. Catching up happens on
 demand (each viewer request, bounded in time, then a background thread if there is a
 backlog), so an unused viewer costs nothing. The file is a cache: it is rebuilt when its
@@ -155,8 +157,10 @@ WHERE trace_id = ?
 """
 
 HELD = 3  # spool state of a span awaiting a tail-based sampling decision (tracecar.collector.processors.sampling)
+AWAITING = 4  # an engine span awaiting its trajectory (receivers.engine_hold): rewritten in place, maybe re-keyed, later
+_WAITING = (HELD, AWAITING)  # indexed once they move on, like held spans
 _COLUMNS = """seq, span_id, trace_id, parent_id, name, kind, worker, experiment, step, sample_index, rollout_n, validate,
-       start_time, end_time, has_error, reward, state, IIF(state = 3, NULL, payload)"""
+       start_time, end_time, has_error, reward, state, IIF(state IN (3, 4), NULL, payload)"""
 _SCAN = f"SELECT {_COLUMNS} FROM spool.spans WHERE seq > ? ORDER BY seq LIMIT ?"
 
 
@@ -369,8 +373,8 @@ class TrajectoryIndex:
         cursor.close()
         if not rows:
             return False
-        held = [(r[0],) for r in rows if r[16] == HELD]
-        self._apply(conn, [r for r in rows if r[16] != HELD], add_held=held, watermark=(rows[-1][0], rows[-1][1]))
+        held = [(r[0],) for r in rows if r[16] in _WAITING]
+        self._apply(conn, [r for r in rows if r[16] not in _WAITING], add_held=held, watermark=(rows[-1][0], rows[-1][1]))
         return True
 
     def _released(self, conn: sqlite3.Connection, everything: bool) -> None:
@@ -383,16 +387,16 @@ class TrajectoryIndex:
             self._held_checked_at = time.monotonic()
             candidates = [r[0] for r in conn.execute("SELECT seq FROM held")]
         else:
-            oldest = conn.execute("SELECT MIN(seq) FROM spool.spans WHERE state = 3").fetchone()[0]
+            oldest = conn.execute("SELECT MIN(seq) FROM spool.spans WHERE state IN (3, 4)").fetchone()[0]
             sql, params = ("SELECT seq FROM held", []) if oldest is None else ("SELECT seq FROM held WHERE seq < ?", [oldest])
             candidates = [r[0] for r in conn.execute(sql, params)]
         for i in range(0, len(candidates), 500):
             chunk = candidates[i:i + 500]
             rows = conn.execute(f"SELECT {_COLUMNS} FROM spool.spans WHERE seq IN ({','.join('?' * len(chunk))})", chunk).fetchall()
-            still = {r[0] for r in rows if r[16] == HELD}
+            still = {r[0] for r in rows if r[16] in _WAITING}
             done = [(seq,) for seq in chunk if seq not in still]
             if done:
-                self._apply(conn, [r for r in rows if r[16] != HELD], drop_held=done)
+                self._apply(conn, [r for r in rows if r[16] not in _WAITING], drop_held=done)
 
     def _apply(self, conn: sqlite3.Connection, rows: list[tuple[Any, ...]], *, add_held: Sequence[tuple[int]] = (),
                drop_held: Sequence[tuple[int]] = (), watermark: tuple[int, str] | None = None) -> None:
