@@ -338,8 +338,8 @@ def _configure_client(tc, **wanted: Any) -> Any:
         if dropped:
             logger.info("tracecar.verl: the client has no setting %s; not passed on", dropped)
         wanted = {k: v for k, v in wanted.items() if k in known}
-        current = tc.get_tracer() if hasattr(tc, "get_tracer") else None
-        if current is not None and getattr(current, "config", None) is not None:
+        current = tc.get_tracer() if hasattr(tc, "get_tracer") else None  # false while tracing is off
+        if current and getattr(current, "config", None) is not None:
             if not wanted:
                 return current
             return tc.configure(dataclasses.replace(current.config, **wanted))

@@ -103,7 +103,7 @@ def _run_tracecar(url: str, model_dir: Path, tokenizer: Any, data_dir: Path) -> 
             config.trainer.project_name = TRACECAR_PROJECT
             run_workload(config, tokenizer)
             active = get_tracer()
-            assert active is not None and active.flush(60)
+            assert active and active.flush(60)
             stats = active.stats()
         deadline = time.monotonic() + 120
         while "tracecar_spool_depth 0.0" not in httpx.get(collector_url + "/metrics").text:

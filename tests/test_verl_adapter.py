@@ -237,7 +237,7 @@ def flush() -> dict[str, Any]:
     from tracecar.client import get_tracer
 
     tracer = get_tracer()
-    assert tracer is not None, "the adapter should have configured the client from TRACECAR_URL"
+    assert tracer, "the adapter should have configured the client from TRACECAR_URL"
     assert tracer.flush(30)
     return tracer.stats()
 
@@ -795,4 +795,5 @@ def test_export_of_verl_agent_loops_carries_the_chat_they_were_given(adapter, st
     listed = httpx.get(f"{col.url}/ui/api/trajectories", params={"experiment": EXPERIMENT}).json()["trajectories"]
     assert sorted(t["prompt_preview"] for t in listed) == sorted([tool_chat[1]["content"]] * 2 + [plain_chat[1]["content"]] * 2)
     groups = httpx.get(f"{col.url}/v1/groups", params={"experiment": EXPERIMENT, "step": STEP}).json()["groups"]
-    assert [g["prompt_preview"] for g in groups] == [tool_chat[1]["content"], plain_chat[1]["content"]]
+    # a group shows the question its rollouts answer (the whole templated prompt is one click away)
+    assert [g["prompt_question"] for g in groups] == [tool_chat[1]["content"], plain_chat[1]["content"]]

@@ -216,7 +216,7 @@ def flush() -> None:
     from tracecar.client import tracer as tracer_module
 
     tracer = tracer_module.get_tracer()
-    assert tracer is not None and tracer.flush(30)
+    assert tracer and tracer.flush(30)
 
 
 def test_the_fetched_module_is_the_newest_shape(verl_latest):

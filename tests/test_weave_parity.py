@@ -116,7 +116,7 @@ def _run_tracecar(server_url: str, model_dir: Path, tokenizer: Any, data_dir: Pa
             config.trainer.project_name = f"{ENTITY}/{TRACECAR_PROJECT}"
             run_workload(config, tokenizer)
             active = get_tracer()
-            assert active is not None and active.flush(60)
+            assert active and active.flush(60)
             stats = active.stats()
         deadline = time.monotonic() + 120
         while "tracecar_spool_depth 0.0" not in httpx.get(url + "/metrics").text:

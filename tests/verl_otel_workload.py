@@ -86,7 +86,7 @@ async def run(url: str, k: int, model_dir: Path) -> list[dict[str, Any]]:
     from tracecar.client import get_tracer
 
     tracer = get_tracer()
-    assert tracer is not None and tracer.flush(30)
+    assert tracer and tracer.flush(30)
     engine.flush()
     engine.close()
     return seen
