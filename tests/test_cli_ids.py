@@ -38,6 +38,10 @@ def test_viewer_forms_prefixes_and_sampled_out_ids_in_show_and_tokens(start_coll
         assert shown.returncode == 0 and shown.stdout.startswith(f"trajectory {one} ("), (form, shown.stdout, shown.stderr)
         tokens = cli("tokens", "--url", col.url, form)
         assert tokens.returncode == 0 and tokens.stdout.startswith(f"trajectory {one}:"), (form, tokens.stdout, tokens.stderr)
+        truth = cli("truth", "--url", col.url, form)  # every command that takes an id reads it the same way
+        assert truth.returncode == 0 and one in truth.stdout, (form, truth.stdout, truth.stderr)
+        truth_api = httpx.get(col.url + "/v1/trajectories/" + form + "/truth")
+        assert truth_api.status_code == 200 and truth_api.json()["trace_id"] == one, truth_api.text
     api = httpx.get(col.url + "/v1/trajectories/" + viewer_form(one))
     assert api.status_code == 200 and api.json()["trace_id"] == one
 

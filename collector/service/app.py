@@ -45,7 +45,6 @@ from ..settings import CollectorSettings
 from ..spool.query import get_trajectory
 from ..spool.retention import Retention
 from ..spool.store import Spool
-from ..spool.trace_ids import resolve as resolve_trace_id
 from ..trajectory_filter import TrajectoryFilter
 from ..viewer.group_export_api import build_router as build_group_export_router
 from ..viewer.index import SORTS
@@ -55,6 +54,7 @@ from ..viewer.live_api import build_router as build_live_router
 from ..viewer.routes import build_router as build_viewer_router
 from ..viewer.search import QUERY_MAX_CHARS
 from ..viewer.tokens import trajectory_tokens
+from ..viewer.trajectory_ids import read_by_id as read_trajectory_by_id
 from ..viewer.truth_api import TruthFilters, add_trainer_logprobs
 from ..viewer.truth_api import build_router as build_truth_router
 from .auth import BearerAuth
@@ -317,21 +317,7 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         return _json(page)
 
     def read_by_id(trace_id: str, read: Callable[[str], Any]) -> Any:
-        """``read`` the trajectory ``trace_id`` names: the id, its viewer form (…000000e7) or a unique prefix;
-        a 404 says which trajectories match, or the sampling decision that dropped it."""
-        found = read(trace_id)
-        if found is not None:
-            return found
-        resolution = resolve_trace_id(collector.spool, trace_id)
-        found = read(resolution.trace_id) if resolution.trace_id is not None else None
-        if found is None:
-            detail: dict[str, Any] = {"field": "trace_id", "reason": resolution.reason or f"no trajectory {trace_id!r} in the store"}
-            if resolution.decision is not None:
-                detail["sampling_decision"] = resolution.decision
-            if resolution.candidates:
-                detail["candidates"] = resolution.candidates
-            raise HTTPException(404, detail=detail)
-        return found
+        return read_trajectory_by_id(collector.spool, trace_id, read)
 
     @app.get("/v1/trajectories/{trace_id}", dependencies=[Depends(auth)])
     async def trajectory(trace_id: str = Path(max_length=1024)) -> Any:

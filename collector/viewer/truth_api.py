@@ -25,6 +25,7 @@ from ..truth_filter import FATES, parse_where
 from . import StoreOwner
 from .index import TrajectoryIndex
 from .list_api import INDEX_ERRORS, caught_up
+from .trajectory_ids import read_by_id
 from .truth import decode_windows
 
 WHERE_MAX_CHARS = 1024
@@ -140,9 +141,8 @@ def build_router(collector: StoreOwner, index: TrajectoryIndex, api_auth: Callab
     async def truth(trace_id: str) -> Any:
         """Drift per turn, reward components and ground truth of one trajectory (issue 29)."""
         await asyncio.to_thread(caught_up, index, catch_up_s)
-        summary = await asyncio.to_thread(index.summary, trace_id)
-        if summary is None:
-            raise HTTPException(404, detail={"field": "trace_id", "reason": f"no trajectory {trace_id!r} in the index"})
+        summary = await asyncio.to_thread(read_by_id, collector.spool, trace_id, index.summary)  # the viewer's short ids too
+        trace_id = summary["trace_id"]
         turn_rows = await asyncio.to_thread(_turn_order, collector, trace_id)
         found = await asyncio.to_thread(trajectory_truth, index, trace_id, decoder_of(collector), turn_rows)
         return Response(orjson.dumps({"trace_id": trace_id, "summary": summary, **found}), media_type="application/json")
