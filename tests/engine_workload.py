@@ -183,3 +183,15 @@ def wait_delivered(url: str, spans: int, timeout_s: float = 120) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"forwarded {forwarded} of {spans}, {pending} pending, {waiting} waiting")
         time.sleep(0.2)
+
+
+def assert_engine_spans_came_first(url: str) -> None:
+    """The workload's point: some engine spans reached the collector before their trajectory, were
+    held, and all of them joined it (none sent to a default destination)."""
+    from tests.support.collector import scrape_metric
+
+    held = scrape_metric(url, "tracecar_otlp_held_spans_total", outcome="held")
+    joined = scrape_metric(url, "tracecar_otlp_held_spans_total", outcome="joined")
+    released = sum(scrape_metric(url, "tracecar_otlp_held_spans_total", outcome=o) for o in ("expired", "overflow", "foreign"))
+    assert held > 0, "no engine span arrived before its trajectory: the run did not test what it is for"
+    assert joined == held and released == 0, (held, joined, released)

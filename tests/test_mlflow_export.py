@@ -52,6 +52,7 @@ def mlflow_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
         try:
             manifest = workload.run_workers(col.url, WORKERS, work / "workers")
             workload.wait_delivered(col.url, len(manifest) * workload.SPANS_PER_TRAJECTORY)
+            workload.assert_engine_spans_came_first(col.url)
         finally:
             col.terminate()
         deadline = time.monotonic() + 90

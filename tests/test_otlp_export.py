@@ -83,6 +83,7 @@ def otlp_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
     try:
         manifest = workload.run_workers(source.url, 3, work / "workers")
         workload.wait_delivered(source.url, len(manifest) * workload.SPANS_PER_TRAJECTORY)
+        workload.assert_engine_spans_came_first(source.url)
         yield {"manifest": manifest, "destination": destination, "source": source}
     finally:
         for col in (source, destination):

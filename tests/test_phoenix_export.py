@@ -113,6 +113,7 @@ def phoenix_run(tmp_path_factory: pytest.TempPathFactory, deepseek_tokenizer_pat
         manifest = workload.run_workers(col.url, WORKERS, work / "workers")
         expected = len(manifest) * workload.SPANS_PER_TRAJECTORY
         workload.wait_delivered(col.url, expected)
+        workload.assert_engine_spans_came_first(col.url)
         by_project: dict[str, list[dict[str, Any]]] = {}
         deadline = time.monotonic() + 90  # Phoenix inserts from a queue
         while True:
