@@ -106,7 +106,7 @@ def test_compare_is_constant_time_and_a_wrong_token_stores_nothing(start_collect
     assert col.collector.spool.query("SELECT COUNT(*) AS n FROM spans")[0]["n"] == 2
 
 
-def test_loopback_by_default_and_an_open_bind_without_token_warns(monkeypatch, capfd):
+def test_loopback_by_default_and_an_open_bind_without_token_warns(monkeypatch, capfd, tmp_path):
     import logging
 
     from tracecar.collector.service import server
@@ -115,6 +115,7 @@ def test_loopback_by_default_and_an_open_bind_without_token_warns(monkeypatch, c
     for name in list(os.environ):
         if name.startswith("TRACECAR_"):
             monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)  # the default data dir (./tracecar-data) is this test's own
     assert CollectorSettings().host == "127.0.0.1"
 
     dummy = SimpleNamespace(run=lambda: None, collector=SimpleNamespace(spool=SimpleNamespace(pending_count=0)))

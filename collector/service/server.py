@@ -126,21 +126,24 @@ def serve(settings: CollectorSettings) -> None:
     it cannot be locked."""
     setup_logging(settings.log_level)
     lock = data_dir_lock.hold(settings.data_dir)
-    return_large_buffers_to_the_os()
-    if not _is_loopback(settings.host) and settings.token is None:
-        log.warning("binding to a non-loopback address without TRACECAR_TOKEN: anyone who can reach "
-                    f"{settings.host}:{settings.port} can write traces", extra={"event": "insecure_bind"})
-    server = build_server(settings)
-    server.data_dir_lock = lock
-    c = server.collector
-    log.info("tracecar collector starting", extra={
-        "event": "startup", "version": __version__, "bind": f"{settings.host}:{settings.port}",
-        "store": str(settings.spool_path), "backend": ",".join(settings.effective_exporters) or "local",
-        "exporters": settings.effective_exporters,
-        "token2text": settings.token2text, "tokenizer": settings.tokenizer,
-        "max_samples_per_step_per_worker": settings.max_samples_per_step_per_worker,
-        "spool_max_bytes": settings.spool_max_bytes, "auth": settings.token is not None,
-        "spool_depth_at_start": c.spool.pending_count,
-    })
-    tune_gc()
-    server.run()
+    try:
+        return_large_buffers_to_the_os()
+        if not _is_loopback(settings.host) and settings.token is None:
+            log.warning("binding to a non-loopback address without TRACECAR_TOKEN: anyone who can reach "
+                        f"{settings.host}:{settings.port} can write traces", extra={"event": "insecure_bind"})
+        server = build_server(settings)
+        server.data_dir_lock = lock
+        c = server.collector
+        log.info("tracecar collector starting", extra={
+            "event": "startup", "version": __version__, "bind": f"{settings.host}:{settings.port}",
+            "store": str(settings.spool_path), "backend": ",".join(settings.effective_exporters) or "local",
+            "exporters": settings.effective_exporters,
+            "token2text": settings.token2text, "tokenizer": settings.tokenizer,
+            "max_samples_per_step_per_worker": settings.max_samples_per_step_per_worker,
+            "spool_max_bytes": settings.spool_max_bytes, "auth": settings.token is not None,
+            "spool_depth_at_start": c.spool.pending_count,
+        })
+        tune_gc()
+        server.run()
+    finally:
+        lock.release()  # run() returns after the store is closed: the next collector may take the dir
