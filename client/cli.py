@@ -198,14 +198,15 @@ def _show(args: argparse.Namespace, page: dict[str, Any], printer: Callable[[dic
 
 
 def cmd_trajectories(args: argparse.Namespace) -> None:
+    from .cli_truth import list_params
+
     params = {k: v for k, v in {
         "experiment": args.experiment, "step": args.step, "step_min": args.step_min, "step_max": args.step_max,
         "sample_index": args.sample_index, "rollout_n": args.rollout_n, "validate": args.validate,
         "kept_because": args.kept_because, "worker": args.worker, "has_error": args.has_error,
         "reward_min": args.reward_min, "reward_max": args.reward_max, "sort": args.sort, "order": args.order,
         "limit": args.limit, "offset": args.offset, "trained": args.trained, "filtered_by": args.filtered_by,
-        "q": args.search, "attr": args.attr, "drift": args.drift, "where": args.where, "fate": args.fate, "refill": args.refill,
-        "trained_other": args.trained_other, "lp_delta_min": args.lp_delta_min,
+        "q": args.search, "attr": args.attr, **list_params(args),
     }.items() if v is not None}
     _show(args, _get(args, "/v1/trajectories", params), print_trajectories)
 
@@ -450,9 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--search", metavar="WORDS", help="only trajectories whose first prompt or last response has all these words")
-    p.add_argument("--attr", action="append", metavar="KEY=VALUE",
-                   help="only trajectories whose root attribute KEY equals VALUE (repeatable; attributes.KEY works too)")
-    add_truth_list_arguments(p)  # --drift, --where (cli_truth.py)
+    add_truth_list_arguments(p)  # --attr, --drift, --where, ... (cli_truth.py: also on groups and export)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_trajectories)
 

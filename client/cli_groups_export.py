@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 
+from .cli_truth import add_list_arguments, list_params
+
 
 def _cli() -> Any:
     from . import cli  # the shared URL/token/printing helpers (imported late: cli imports us)
@@ -99,7 +101,7 @@ def cmd_groups(args: argparse.Namespace) -> None:
     cli = _cli()
     params = {k: v for k, v in {
         "step": args.step, "experiment": args.experiment, "validate": args.validate, "sort": args.sort,
-        "sample_index": args.sample_index, "limit": args.limit, "offset": args.offset,
+        "sample_index": args.sample_index, "limit": args.limit, "offset": args.offset, **list_params(args),
     }.items() if v is not None}
     cli._show(args, cli._get(args, "/v1/groups", params), print_groups)
 
@@ -119,6 +121,7 @@ def cmd_export(args: argparse.Namespace) -> None:
         "kept_because": args.kept_because, "reward_min": args.reward_min, "reward_max": args.reward_max,
         "has_error": args.has_error, "rollout_n": args.rollout_n, "worker": args.worker, "trained": args.trained,
         "filtered_by": args.filtered_by, "q": args.search, "limit": args.limit, "token_ids": "true" if args.token_ids else None,
+        **list_params(args),
     }.items() if v is not None}
     partial = args.output + ".partial"
     written = 0
@@ -164,6 +167,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--sample-index", help="only this group (int or string)")
     p.add_argument("--limit", type=int, default=50, help="groups per page")
     p.add_argument("--offset", type=int, default=0)
+    add_list_arguments(p)  # only groups with a rollout that matches, shown whole
     p.add_argument("--url")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_groups)
@@ -188,6 +192,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--filtered-by", help="only trajectories this trainer filter dropped (annotate(filtered_by=...))")
     p.add_argument("--search", metavar="WORDS", help="only trajectories whose first prompt or last response has all these words")
     p.add_argument("--limit", type=int, help="at most this many trajectories")
+    add_list_arguments(p)
     p.add_argument("--token-ids", action="store_true", help="include prompt/response token ids and the response mask")
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait for the next bytes of the stream")
     p.add_argument("--url")

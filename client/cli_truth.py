@@ -146,7 +146,9 @@ def add_parsers(sub: Any) -> None:
 
 
 def add_list_arguments(p: argparse.ArgumentParser) -> None:
-    """``tracecar trajectories``' truth filters."""
+    """The attribute and truth filters of ``tracecar trajectories``, ``groups`` and ``export``."""
+    p.add_argument("--attr", action="append", metavar="KEY=VALUE",
+                   help="only trajectories whose root attribute KEY equals VALUE (repeatable; attributes.KEY works too)")
     p.add_argument("--drift", choices=["true", "false"], help="a turn whose prompt does not extend the previous turn (true), "
                                                             "or multi-turn without (false)")
     p.add_argument("--where", metavar="CONDITIONS", help="reward components, e.g. 'acc=0,format<1'")
@@ -154,3 +156,10 @@ def add_list_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refill", choices=["true", "false"], help="a group that replaces an evicted one")
     p.add_argument("--trained-other", choices=["true", "false"], help="the trainer trained on other tokens than generated")
     p.add_argument("--lp-delta-min", type=float, metavar="X", help="|Δ logprob| rollout vs trainer reaches X on a token")
+
+
+def list_params(args: argparse.Namespace) -> dict[str, Any]:
+    """The truth filters as query parameters: one mapping for ``trajectories``, ``groups`` and ``export``,
+    so the three commands filter alike (what the API's truth_filters() reads)."""
+    return {"attr": args.attr, "drift": args.drift, "where": args.where, "fate": args.fate, "refill": args.refill,
+            "trained_other": args.trained_other, "lp_delta_min": args.lp_delta_min}

@@ -6,6 +6,7 @@ viewer's list filters with it in Debian's Chromium (screenshot in artifacts/view
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 
@@ -63,6 +64,20 @@ def test_attribute_filters_in_the_api_cli_export_and_viewer(start_collector, tra
     cli = subprocess.run([sys.executable, "-m", "tracecar.client.cli", "trajectories", "--url", col.url, "--experiment", "attrs",
                           "--attr", "tool=search", "--attr", "sandbox=true"], capture_output=True, text=True, timeout=60)
     assert cli.returncode == 0 and cli.stdout.startswith("1 trajectories") and ids[3] in cli.stdout, cli.stdout + cli.stderr
+    # the same filters on the CLI's export and groups (one argument set: cli_truth.add_list_arguments)
+    out = tmp_path / "search.jsonl"
+    cli = subprocess.run([sys.executable, "-m", "tracecar.client.cli", "export", "--url", col.url, "-o", str(out),
+                          "--experiment", "attrs", "--attr", "tool=search", "--attr", "sandbox=true"],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0 and "wrote 1 trajectories" in cli.stdout, cli.stdout + cli.stderr
+    assert [json.loads(line)["trace_id"] for line in out.read_text().splitlines()] == [ids[3]]
+    cli = subprocess.run([sys.executable, "-m", "tracecar.client.cli", "groups", "--url", col.url, "--experiment", "attrs",
+                          "--step", "1", "--attr", "tool=calc", "--json"], capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    assert sorted(g["sample_index"] for g in json.loads(cli.stdout)["groups"]) == [0, 1]
+    cli = subprocess.run([sys.executable, "-m", "tracecar.client.cli", "groups", "--url", col.url, "--step", "1", "--attr", "tool"],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode != 0 and "attr" in cli.stderr and "key=value" in cli.stderr, cli.stdout + cli.stderr
 
     with _browser() as pw:
         b = Page(pw, tmp_path, col.url)

@@ -71,7 +71,7 @@ def groups_of_step(collector: StoreOwner, index: TrajectoryIndex, experiment: st
     page = index.list(flt, sort="sample_index", descending=False, limit=MAX_STEP_TRAJECTORIES)
     truncated = page["total"] > len(page["trajectories"])
     truth = {k: v for k, v in (options.pop("truth", None) or {}).items() if v is not None}
-    if truth:  # groups with a rollout that matches the truth filters (drift, where, fate, trained_other...), kept whole
+    if truth:  # groups with a rollout that matches the truth or attribute filters (drift, where, fate, attr...), kept whole
         for key, value in truth.items():
             setattr(flt, key, value)
         hits = index.list(flt, sort="sample_index", descending=False, limit=MAX_STEP_TRAJECTORIES, previews=False)
@@ -91,12 +91,14 @@ def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[
 
     async def groups(truth: TruthFilters, step: Int64, experiment: str | None = None, validate: bool = False,
                      sort: str = Query("sample_index", pattern=GROUP_SORT_PATTERN), sample_index: str | None = Query(None, max_length=256),
-                     diff: bool = True, limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0, le=INT64_MAX)) -> Any:
-        """Per sample index of one step: rollouts ranked by reward, group stats, diffs against the best."""
+                     diff: bool = True, limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0, le=INT64_MAX),
+                     attr: list[str] | None = ATTR_QUERY) -> Any:
+        """Per sample index of one step: rollouts ranked by reward, group stats, diffs against the best.
+        The list's truth and attribute filters keep the groups with a matching rollout, whole."""
         state = await asyncio.to_thread(fresh)
         result = await asyncio.to_thread(read_index, groups_of_step, collector, index, experiment, step, validate, sort=sort,
                                          sample_index=sample_index or None, limit=limit, offset=offset, diff=diff,
-                                         truth=truth)
+                                         truth={**truth, "attributes": attribute_filters(attr) or None})
         scope = node_scope(collector.settings)  # a node with a gateway: its groups may be partial
         if scope is not None:
             scope["partial_groups_on_page"] = mark_partial_groups(result["groups"])
