@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import FaultKit
 from tests.test_viewer import demo_collector, get
-from tracecar.client.quickstart import wait_for_decisions
+from tracecar.client.cli.quickstart import wait_for_decisions
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.test_viewer import Page, _browser, demo_collector, expect, get
-from tracecar.client.quickstart import wait_for_decisions
+from tracecar.client.cli.quickstart import wait_for_decisions
 
 pytestmark = pytest.mark.timeout(240)
 BUDGET = dict(max_trajectories_per_step=16, step_idle_s=1)

@@ -22,21 +22,21 @@ PACKAGE = "tracecar.collector"
 LAYERS = {"": 0, "spool": 1, "processors": 2, "exporters": 2, "receivers": 3, "viewer": 3, "service": 4, "__main__": 5}
 
 
-def module_name(path: Path) -> tuple[str, bool]:
-    parts = list(path.relative_to(COLLECTOR).with_suffix("").parts)
+def module_name(path: Path, folder: Path = COLLECTOR, package: str = PACKAGE) -> tuple[str, bool]:
+    parts = list(path.relative_to(folder).with_suffix("").parts)
     is_package = parts[-1] == "__init__"
     if is_package:
         parts = parts[:-1]
-    return ".".join([PACKAGE, *parts]), is_package
+    return ".".join([package, *parts]), is_package
 
 
-def modules() -> dict[str, Path]:
-    return {module_name(p)[0]: p for p in COLLECTOR.rglob("*.py") if "__pycache__" not in p.parts}
+def modules(folder: Path = COLLECTOR, package: str = PACKAGE) -> dict[str, Path]:
+    return {module_name(p, folder, package)[0]: p for p in folder.rglob("*.py") if "__pycache__" not in p.parts}
 
 
-def imports_of(path: Path, known: set[str]) -> set[str]:
-    """The tracecar.collector modules ``path`` imports (a ``from pkg import mod`` names the module)."""
-    name, is_package = module_name(path)
+def imports_of(path: Path, known: set[str], folder: Path = COLLECTOR, package_name: str = PACKAGE) -> set[str]:
+    """The package's modules ``path`` imports (a ``from pkg import mod`` names the module)."""
+    name, is_package = module_name(path, folder, package_name)
     package = name if is_package else name.rsplit(".", 1)[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -52,7 +52,7 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
             targets = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in known else source for alias in node.names]
         else:
             continue
-        found.update(t for t in targets if t == PACKAGE or t.startswith(PACKAGE + "."))
+        found.update(t for t in targets if t == package_name or t.startswith(package_name + "."))
     return found
 
 
@@ -62,10 +62,10 @@ def component(module: str) -> str:
     return first if first in LAYERS else ""
 
 
-def graph() -> dict[str, set[str]]:
-    found = modules()
+def graph(folder: Path = COLLECTOR, package: str = PACKAGE) -> dict[str, set[str]]:
+    found = modules(folder, package)
     known = set(found)
-    return {name: imports_of(path, known) - {name} for name, path in found.items()}
+    return {name: imports_of(path, known, folder, package) - {name} for name, path in found.items()}
 
 
 def test_every_collector_folder_has_a_layer() -> None:
@@ -96,8 +96,7 @@ def test_the_checker_sees_imports_of_every_kind() -> None:
     assert f"{PACKAGE}.spool.store" in edges[f"{PACKAGE}.viewer"]  # under TYPE_CHECKING
 
 
-def test_no_import_cycle() -> None:
-    edges = graph()
+def cycles_in(edges: dict[str, set[str]]) -> list[list[str]]:
     state: dict[str, int] = {}
     cycles: list[list[str]] = []
 
@@ -113,13 +112,60 @@ def test_no_import_cycle() -> None:
     for start in sorted(edges):
         if start not in state:
             visit(start, [start])
+    return cycles
+
+
+def test_no_import_cycle() -> None:
+    cycles = cycles_in(graph())
     assert cycles == [], "\n".join(" -> ".join(c) for c in cycles)
+
+
+CLIENT_PACKAGE = "tracecar.client"
+#: the old flat paths job configs name (model.external_lib, Ray setup hooks): kept as the same modules
+KEPT_PATHS = {"verl": "integrations.verl", "verl_trainer": "integrations.verl_trainer",
+              "ray_collectors": "integrations.ray_collectors"}
+
+
+def test_the_client_reads_as_core_cli_and_integrations_without_cycles() -> None:
+    """client/: the tracing core at the top, the command in cli/ (its subcommands share cli/common.py, never
+    the parser's module (command.py)), the frameworks in integrations/; no import cycle, lazy imports counted."""
+    client = ROOT / "client"
+    edges = graph(client, CLIENT_PACKAGE)
+    cycles = cycles_in(edges)
+    assert cycles == [], "\n".join(" -> ".join(c) for c in cycles)
+    core = {m for m in edges if m.count(".") == 2 and m.rsplit(".", 1)[1] not in {*KEPT_PATHS, "cli", "integrations"}}
+    assert {m.rsplit(".", 1)[1] for m in core} >= {"tracing", "tracer", "sender", "wire", "spans"}
+    upward = sorted(f"{m} imports {t}" for m in core for t in edges[m]
+                    if t.startswith((f"{CLIENT_PACKAGE}.cli", f"{CLIENT_PACKAGE}.integrations")))
+    assert upward == [], "the tracing core imports neither the command nor an integration:\n" + "\n".join(upward)
+    into_main = sorted(m for m, targets in edges.items() if f"{CLIENT_PACKAGE}.cli.command" in targets)
+    assert into_main == [f"{CLIENT_PACKAGE}.cli", f"{CLIENT_PACKAGE}.cli.__main__"]
+
+
+def test_the_paths_job_configs_name_still_work() -> None:
+    """``model.external_lib=tracecar.client.verl``, ``worker_process_setup_hook=tracecar.client.verl.install`` and
+    ``...ray_collectors.configure_from_node`` keep working, in a fresh interpreter, as the very same modules."""
+    import subprocess
+    import sys
+
+    code = ("import importlib\n"
+            f"for old, new in {KEPT_PATHS!r}.items():\n"
+            "    a = importlib.import_module('tracecar.client.' + old)\n"
+            "    b = importlib.import_module('tracecar.client.' + new)\n"
+            "    assert a is b, (old, a, b)\n"
+            "import tracecar.client.verl as v\n"
+            "from tracecar.client.ray_collectors import configure_from_node\n"
+            "from tracecar.client.verl_trainer import hook_trainer\n"
+            "assert callable(v.install) and callable(configure_from_node) and callable(hook_trainer)\n"
+            "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
 
 
 def test_the_thin_client_imports_the_collector_only_lazily() -> None:
     """``pip install tracecar`` (no collector extra) must import: the client names the collector inside functions only."""
     eager = []
-    for path in (ROOT / "client").glob("*.py"):
+    for path in (ROOT / "client").rglob("*.py"):
         for node in ast.parse(path.read_text()).body:  # module level only
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PACKAGE):
                 eager.append(f"{path.name}: from {node.module}")

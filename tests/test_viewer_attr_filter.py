@@ -64,7 +64,7 @@ def test_attribute_filters_in_the_api_cli_export_and_viewer(start_collector, tra
     cli = subprocess.run([sys.executable, "-m", "tracecar.client.cli", "trajectories", "--url", col.url, "--experiment", "attrs",
                           "--attr", "tool=search", "--attr", "sandbox=true"], capture_output=True, text=True, timeout=60)
     assert cli.returncode == 0 and cli.stdout.startswith("1 trajectories") and ids[3] in cli.stdout, cli.stdout + cli.stderr
-    # the same filters on the CLI's export and groups (one argument set: cli_truth.add_list_arguments)
+    # the same filters on the CLI's export and groups (one argument set: cli/truth.py add_list_arguments)
     out = tmp_path / "search.jsonl"
     cli = subprocess.run([sys.executable, "-m", "tracecar.client.cli", "export", "--url", col.url, "-o", str(out),
                           "--experiment", "attrs", "--attr", "tool=search", "--attr", "sandbox=true"],

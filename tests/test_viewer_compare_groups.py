@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.test_viewer import Page, _browser, demo_collector, expect, get
-from tracecar.client.quickstart import wait_for_decisions
+from tracecar.client.cli.quickstart import wait_for_decisions
 
 pytestmark = pytest.mark.timeout(240)
 

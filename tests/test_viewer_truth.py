@@ -125,7 +125,7 @@ def test_page_shows_fate_policy_versions_and_refills(start_collector, tracer_to,
 
 
 def trainer_row(prompt: list[int], response: list[int], mask: list[int], old: list[float]) -> dict[str, str]:
-    """A trainer_tokens row as tracecar.client.verl_tokens packs it (little-endian base64 arrays)."""
+    """A trainer_tokens row as tracecar.client.integrations.verl_tokens packs it (little-endian base64 arrays)."""
     import base64
     import sys
     from array import array

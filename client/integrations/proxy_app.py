@@ -47,7 +47,7 @@ WARN_INTERVAL_S = 60.0
 
 
 class ProxyApp:
-    """The ASGI application (run by uvicorn, see :func:`tracecar.client.cli_proxy.serve_proxy`)."""
+    """The ASGI application (run by uvicorn, see :func:`tracecar.client.cli.proxy.serve_proxy`)."""
 
     def __init__(self, config: ProxyConfig, tracer: Tracer) -> None:
         self.config = config

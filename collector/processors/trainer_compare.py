@@ -1,6 +1,6 @@
 """What the trainer trained on, against what the rollout generated (issue 29 item 2).
 
-The trainer hook (tracecar.client.verl_tokens) sends, for each trajectory the trainer kept, its
+The trainer hook (tracecar.client.integrations.verl_tokens) sends, for each trajectory the trainer kept, its
 row of VERL's batch: ``prompt_ids`` / ``response_ids`` (the trained sequence), ``mask``
 (``response_mask``: the tokens the loss covers), ``old_log_probs`` (and ``ref_log_prob``,
 ``entropy`` when present), as little-endian base64 arrays in an annotation's

@@ -26,9 +26,9 @@ import threading
 import time
 from typing import Any
 
-from . import tracer as _tracer
-from .spans import KIND_ANNOTATION, SpanRecord
-from .tracing import _now, _TraceRef
+from .. import tracer as _tracer
+from ..spans import KIND_ANNOTATION, SpanRecord
+from ..tracing import _now, _TraceRef
 
 log = logging.getLogger("tracecar.verl")
 

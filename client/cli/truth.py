@@ -13,9 +13,9 @@ from typing import Any
 
 
 def _cli() -> Any:
-    from . import cli  # shared URL/token/error helpers (imported late: cli imports us)
+    from . import common
 
-    return cli
+    return common
 
 
 def _text(value: Any, ids: Any) -> str:
@@ -134,7 +134,7 @@ def step_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
 
 def cmd_truth(args: argparse.Namespace) -> None:
     cli = _cli()
-    cli._show(args, cli._get(args, f"/v1/trajectories/{args.trace_id}/truth"), print_truth)
+    cli.show(args, cli.get_json(args, f"/v1/trajectories/{args.trace_id}/truth"), print_truth)
 
 
 def add_parsers(sub: Any) -> None:

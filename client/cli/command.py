@@ -7,49 +7,15 @@ install still gets a working ``tracecar demo`` and query commands.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
-import time
-from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
-import httpx
-
-from . import __version__
-
-DEFAULT_URL = "http://127.0.0.1:9470"
-# GET /v1/trajectories' sorts (the collector's viewer index, collector/viewer/index.py SORTS; a test keeps them equal)
-LIST_SORTS = ("start", "reward", "turns", "duration", "step", "sample_index", "rollout_n", "tools", "tokens", "spans",
-              "advantage")
-
-
-def _url(args: argparse.Namespace) -> str:
-    """The collector URL as the client would use it (``host:port`` gets ``http://``, said once)."""
-    from .loud import check_url
-
-    raw = (args.url or os.environ.get("TRACECAR_URL") or DEFAULT_URL).strip().rstrip("/")
-    url, warning = check_url(raw)
-    if url is None:
-        _fail((warning or "").removeprefix("tracecar: ").replace("tracing is off", "give --url or TRACECAR_URL as http://HOST:PORT"))
-    if warning and args.url:  # from TRACECAR_URL, the client said it already when it was imported
-        print(warning.replace("TRACECAR_URL=", "--url "), file=sys.stderr)
-    return url
-
-
-def _headers() -> dict[str, str]:
-    token = os.environ.get("TRACECAR_TOKEN")
-    return {"Authorization": f"Bearer {token}"} if token else {}
-
-
-def _need_collector() -> None:
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError:
-        sys.exit("tracecar: this command needs the collector's dependencies: pip install '.[collector]' in the tracecar "
-                 "repository, or 'tracecar-*.whl[collector]' (README: Installing into a VERL image)")
+from .. import __version__
+from .common import DEFAULT_URL, fail, get_json, need_collector, show
+from .demo import cmd_demo
+from .lists import LIST_SORTS, cmd_trajectories
 
 
 def _checked_settings(config_file: str | None, **overrides: Any) -> Any:
@@ -57,15 +23,15 @@ def _checked_settings(config_file: str | None, **overrides: Any) -> Any:
     from tracecar.collector.service.config_check import ConfigError, load_checked_settings
 
     if config_file is not None and not config_file.strip():
-        _fail("--config was given an empty file name", 2)
+        fail("--config was given an empty file name", 2)
     try:
         return load_checked_settings(config_file, **overrides)
     except ConfigError as exc:
-        _fail(str(exc), 2)
+        fail(str(exc), 2)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    _need_collector()
+    need_collector()
     import logging
 
     from tracecar.collector.logs import setup_logging
@@ -81,7 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from .quickstart import data_dir_hint, port_in_use
 
     if settings.port and port_in_use(settings.port, settings.host):
-        _fail(f"port {settings.port} on {settings.host} is already in use (another collector?): stop it, or set "
+        fail(f"port {settings.port} on {settings.host} is already in use (another collector?): stop it, or set "
               f"--port N / TRACECAR_PORT=N (0 picks a free one){data_dir_hint(settings.data_dir)}")
     if args.parent_pid is not None:
         _stop_with_parent(args.parent_pid)
@@ -91,7 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     try:
         serve(settings)
     except DataDirError as exc:  # in use by another collector, or cannot be locked at all
-        _fail(str(exc))
+        fail(str(exc))
 
 
 def _stop_with_parent(parent_pid: int) -> None:
@@ -100,159 +66,27 @@ def _stop_with_parent(parent_pid: int) -> None:
     a watch thread everywhere)."""
     import signal
 
-    from .lifeline import die_with_parent, parent_is_gone
+    from ..lifeline import die_with_parent, parent_is_gone
 
     if parent_is_gone(parent_pid):
-        _fail(f"--parent-pid {parent_pid} is not the process that started this one (its parent is {os.getppid()})", 2)
+        fail(f"--parent-pid {parent_pid} is not the process that started this one (its parent is {os.getppid()})", 2)
     die_with_parent(parent_pid, lambda: os.kill(os.getpid(), signal.SIGTERM))
 
 
 def cmd_config(args: argparse.Namespace) -> None:
-    _need_collector()
+    need_collector()
     settings, warnings = _checked_settings(args.config)
     for line in warnings:
         print(f"tracecar: warning: {line}", file=sys.stderr)
     print(json.dumps(settings.masked(), indent=2, default=str))
 
 
-def cmd_demo(args: argparse.Namespace) -> None:
-    from . import tracer
-    from .demo import run_demo
-
-    experiment = args.experiment or os.environ.get("TRACECAR_EXPERIMENT") or "demo"
-    project = args.project or os.environ.get("TRACECAR_PROJECT") or "tracecar-demo"
-    _get(args, "/healthz")  # one line now if the collector is not there, not 30 s of retries
-    tr = tracer.configure(url=_url(args), experiment=experiment, project=project)
-    started = time.perf_counter()
-    n = asyncio.run(run_demo(args.steps, args.samples, args.rollout_n, args.seed))
-    drained = tracer.flush(30)
-    stats = tr.stats() if tr else {}
-    print(f"demo: {n} trajectories in {time.perf_counter() - started:.2f}s; sent {stats.get('sent', 0)} spans, "
-          f"dropped {stats.get('dropped_total', 0)} {stats.get('dropped', {})}{'' if drained else ' (flush timed out)'}")
-    if not drained or stats.get("dropped_total", 0) or not stats.get("sent"):
-        sys.exit(1)
-
-
-def _fail(message: str, code: int = 1) -> NoReturn:
-    print(f"tracecar: {message}", file=sys.stderr)
-    sys.exit(code)
-
-
-def describe_http_error(response: httpx.Response) -> str:
-    """An error answer as a sentence: the status, the field and the reason, and what to do."""
-    status = response.status_code
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    detail = None
-    if isinstance(body, dict):
-        err = body.get("error", body.get("detail"))
-        if isinstance(err, dict):
-            field, reason = err.get("field"), err.get("reason")
-            detail = f"{field}: {reason}" if field and reason else reason or field
-        elif isinstance(err, list):  # FastAPI's query validation: [{"loc": [...], "msg": ...}]
-            detail = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', [])[1:]) or 'request'}: {e.get('msg')}"
-                               for e in err if isinstance(e, dict))
-        elif err is not None:
-            detail = str(err)
-    if detail is None:
-        detail = (response.text or response.reason_phrase or "").strip()[:200] or "no details"
-    hint = {401: " (set TRACECAR_TOKEN to the collector's token)", 403: " (set TRACECAR_TOKEN to the collector's token)",
-            404: "", 503: " (the collector is starting, draining, or full: retry shortly)"}.get(status, "")
-    return f"the collector answered HTTP {status} {response.reason_phrase}: {detail}{hint}"
-
-
-def describe_transport_error(url: str, exc: Exception) -> str:
-    """Why a request never got an answer, with the fix."""
-    if isinstance(exc, (httpx.UnsupportedProtocol, httpx.InvalidURL)) or "://" not in url:
-        return f"{url!r} is not a collector URL: give it as http://HOST:PORT (--url or TRACECAR_URL)"
-    if isinstance(exc, httpx.ConnectError):
-        return (f"cannot reach the collector at {url} ({exc or 'connection refused'}): is it running? "
-                "Start one with `tracecar serve`, or point --url / TRACECAR_URL at it")
-    if isinstance(exc, httpx.TimeoutException):
-        return f"the collector at {url} did not answer in time ({type(exc).__name__}): is it overloaded or behind a firewall?"
-    return f"request to the collector at {url} failed: {type(exc).__name__}: {exc}"
-
-
-def _get(args: argparse.Namespace, path: str, params: dict[str, Any] | None = None) -> Any:
-    base = _url(args)
-    try:
-        response = httpx.get(base + path, params=params, headers=_headers(), timeout=30)
-    except (httpx.HTTPError, httpx.InvalidURL) as exc:
-        _fail(describe_transport_error(base, exc))
-    if response.status_code >= 400:
-        _fail(describe_http_error(response))
-    try:
-        return response.json()
-    except ValueError:
-        _fail(f"the server at {base} answered {path} with something that is not JSON: is it a tracecar collector?")
-
-
-def _show(args: argparse.Namespace, page: dict[str, Any], printer: Callable[[dict[str, Any]], None]) -> None:
-    """``--json`` prints the API's answer as is; otherwise the command's own table."""
-    if args.json:
-        print(json.dumps(page, indent=2))
-    else:
-        printer(page)
-
-
-def cmd_trajectories(args: argparse.Namespace) -> None:
-    from .cli_truth import list_params
-
-    params = {k: v for k, v in {
-        "experiment": args.experiment, "step": args.step, "step_min": args.step_min, "step_max": args.step_max,
-        "sample_index": args.sample_index, "rollout_n": args.rollout_n, "validate": args.validate,
-        "kept_because": args.kept_because, "worker": args.worker, "has_error": args.has_error,
-        "reward_min": args.reward_min, "reward_max": args.reward_max, "sort": args.sort, "order": args.order,
-        "limit": args.limit, "offset": args.offset, "trained": args.trained, "filtered_by": args.filtered_by,
-        "q": args.search, "attr": args.attr, **list_params(args),
-    }.items() if v is not None}
-    _show(args, _get(args, "/v1/trajectories", params), print_trajectories)
-
-
-def print_trajectories(page: dict[str, Any]) -> None:
-    from .cli_truth import truth_words
-
-    print(f"{page['total']} trajectories (showing {len(page['trajectories'])} from offset {page['offset']})")
-    print(f"{'trace_id':34} {'experiment':20} {'step':>4} {'idx':>4} {'n':>3} {'spans':>5} {'reward':>7} {'err':>3}  trainer")
-    for t in page["trajectories"]:
-        reward = "" if t["reward"] is None else f"{t['reward']:.3f}"
-        print(f"{t['trace_id']:34} {str(t['experiment'])[:20]:20} {t['step'] if t['step'] is not None else '':>4} "
-              f"{t['sample_index'] if t['sample_index'] is not None else '':>4} {t['rollout_n'] if t['rollout_n'] is not None else '':>3} "
-              f"{t['span_count']:>5} {reward:>7} {'yes' if t['has_error'] else '':>3}  {trainer_status(t)}{truth_words(t)}")
-        for role in ("prompt", "response"):  # a search's answer carries the texts it matched
-            text = t.get(f"{role}_preview")
-            if text:
-                print(f"    {role:8} {one_line(text, 100)}")
-
-
-def one_line(text: str, chars: int) -> str:
-    """A preview on one line: its beginning (the last user message), or its end when it is already an end ("…")."""
-    line = " ".join(text.split())
-    if len(line) <= chars:
-        return line
-    return "…" + line[-(chars - 1):] if line.startswith("…") else line[:chars - 1] + "…"
-
-
-def trainer_status(t: dict[str, Any]) -> str:
-    """What the trainer did with it (client.annotate), in a few words; empty when not told."""
-    if t.get("trained") is None and t.get("filtered_by") is None:
-        return ""
-    words = ["trained" if t.get("trained") else f"dropped ({t.get('filtered_by') or 'by the trainer'})"]
-    if t.get("advantage") is not None:
-        words.append(f"adv {t['advantage']:+.3f}")
-    if t.get("policy_version") is not None and t.get("trained_on_version") is not None:
-        words.append(f"staleness {t['trained_on_version'] - t['policy_version']}")
-    return ", ".join(words)
-
-
 def cmd_show(args: argparse.Namespace) -> None:
-    from .cli_show import limit_of, print_tree
+    from .show import limit_of, print_tree
 
     if args.max_chars < 0:
-        _fail("--max-chars must be 0 (no cut) or more", 2)
-    tree = _get(args, f"/v1/trajectories/{args.trace_id}")
+        fail("--max-chars must be 0 (no cut) or more", 2)
+    tree = get_json(args, f"/v1/trajectories/{args.trace_id}")
     if args.json:
         print(json.dumps(tree, indent=2))
         return
@@ -261,10 +95,10 @@ def cmd_show(args: argparse.Namespace) -> None:
 
 def cmd_decisions(args: argparse.Namespace) -> None:
     params = {k: v for k, v in {"step": args.step, "experiment": args.experiment, "validate": args.validate}.items() if v is not None}
-    page = _get(args, "/v1/decisions", params)
+    page = get_json(args, "/v1/decisions", params)
     if args.experiment is None:
         page = _default_experiment(args, params, page)
-    _show(args, page, print_decisions)
+    show(args, page, print_decisions)
 
 
 def _has_decisions(page: dict[str, Any]) -> bool:
@@ -288,7 +122,7 @@ def _default_experiment(args: argparse.Namespace, params: dict[str, Any], page: 
     rest = f"; also: {', '.join(repr(e) for e in others[1:])}" if others[1:] else ""
     print(f"tracecar: no --experiment given: showing {chosen!r}, the newest experiment with decisions at step "
           f"{args.step}{rest} (--experiment NAME for another)", file=sys.stderr)
-    return dict(_get(args, "/v1/decisions", {**params, "experiment": chosen}))
+    return dict(get_json(args, "/v1/decisions", {**params, "experiment": chosen}))
 
 
 def _experiment_label(experiment: str | None) -> str:
@@ -343,7 +177,7 @@ def cmd_dead_letters(args: argparse.Namespace) -> None:
     params: dict[str, Any] = {"limit": args.limit}
     if args.exporter:
         params["exporter"] = args.exporter
-    print(json.dumps(_get(args, "/v1/dead-letters", params), indent=2))
+    print(json.dumps(get_json(args, "/v1/dead-letters", params), indent=2))
 
 
 def cmd_quickstart(args: argparse.Namespace) -> None:
@@ -428,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_args(p)
     p.set_defaults(func=cmd_quickstart)
 
-    from .cli_truth import add_list_arguments as add_truth_list_arguments
+    from .truth import add_list_arguments as add_truth_list_arguments
 
     p = sub.add_parser("trajectories", help="list stored trajectories, filtered")
     p.add_argument("--url")
@@ -451,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--search", metavar="WORDS", help="only trajectories whose first prompt or last response has all these words")
-    add_truth_list_arguments(p)  # --attr, --drift, --where, ... (cli_truth.py: also on groups and export)
+    add_truth_list_arguments(p)  # --attr, --drift, --where, ... (cli/truth.py: also on groups and export)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_trajectories)
 
@@ -459,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("trace_id", help="the id, its viewer form (…000000e7) or a unique prefix")
     p.add_argument("--url")
     p.add_argument("--json", action="store_true")
-    from .cli_show import add_arguments as add_show_arguments
+    from .show import add_arguments as add_show_arguments
 
     add_show_arguments(p)
     p.set_defaults(func=cmd_show)
@@ -486,19 +320,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exporter", help="only this exporter's dead letters (a TRACECAR_EXPORTERS name)")
     p.set_defaults(func=cmd_dead_letters)
 
-    from .cli_groups_export import add_parsers as add_groups_export_parsers
+    from .groups_export import add_parsers as add_groups_export_parsers
 
     add_groups_export_parsers(sub)  # groups, export
-    from .cli_tokens import add_parsers as add_tokens_parsers
+    from .tokens import add_parsers as add_tokens_parsers
 
     add_tokens_parsers(sub)  # tokens
-    from .cli_live import add_parsers as add_live_parsers
+    from .live import add_parsers as add_live_parsers
 
     add_live_parsers(sub)  # live, health
-    from .cli_proxy import add_parsers as add_proxy_parsers
+    from .proxy import add_parsers as add_proxy_parsers
 
     add_proxy_parsers(sub)  # proxy
-    from .cli_truth import add_parsers as add_truth_parsers
+    from .truth import add_parsers as add_truth_parsers
 
     add_truth_parsers(sub)  # truth
     return parser

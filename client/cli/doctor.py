@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from .loud import check_url
+from ..loud import check_url
 
 DOCTOR_EXPERIMENT = "tracecar-doctor"
 
@@ -53,7 +53,7 @@ class Doctor:
         return self.http.get(self.url + path, params={k: v for k, v in params.items() if v is not None})
 
     def run(self) -> int:
-        from .cli import describe_http_error, describe_transport_error
+        from .common import describe_http_error, describe_transport_error
 
         r = self.report
         try:
@@ -167,8 +167,8 @@ class Doctor:
 
     def check_spans(self) -> str | None:
         """Sends one trajectory through the real client and reads it back."""
-        from . import tracer
-        from .tracing import rollout_trace_attr, rollout_trace_op
+        from .. import tracer
+        from ..tracing import rollout_trace_attr, rollout_trace_op
 
         worker = f"tracecar-doctor:{os.getpid()}"
         tr = tracer.configure(url=self.url, token=self.token, experiment=DOCTOR_EXPERIMENT, worker_id=worker,

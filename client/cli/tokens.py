@@ -13,9 +13,9 @@ from typing import Any
 
 
 def _cli() -> Any:
-    from . import cli  # shared URL/token/error helpers (imported late: cli imports us)
+    from . import common
 
-    return cli
+    return common
 
 
 def render(span: dict[str, Any], below: float) -> str:
@@ -62,7 +62,7 @@ def print_tokens(view: dict[str, Any], below: float, show_text: bool) -> None:
 
 def cmd_tokens(args: argparse.Namespace) -> None:
     cli = _cli()
-    view = cli._get(args, f"/v1/trajectories/{args.trace_id}/tokens", {"lowest": args.lowest})
+    view = cli.get_json(args, f"/v1/trajectories/{args.trace_id}/tokens", {"lowest": args.lowest})
     if args.json:
         print(json.dumps(view, indent=2, ensure_ascii=False))
     else:

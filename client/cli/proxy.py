@@ -14,8 +14,8 @@ import sys
 from dataclasses import replace
 from typing import Any, NoReturn
 
-from .config import ClientConfig, default_worker_id
-from .loud import check_url
+from ..config import ClientConfig, default_worker_id
+from ..loud import check_url
 
 
 def _fail(message: str) -> NoReturn:
@@ -25,8 +25,8 @@ def _fail(message: str) -> NoReturn:
 
 def build_proxy(args: argparse.Namespace) -> tuple[Any, Any]:
     """(ProxyConfig, Tracer) from the flags over the environment; a misconfiguration is one line and exit 2."""
-    from .integrations.proxy_config import ProxyConfig, ProxyConfigError
-    from .tracer import Tracer
+    from ..integrations.proxy_config import ProxyConfig, ProxyConfigError
+    from ..tracer import Tracer
 
     try:
         config = ProxyConfig.from_env(upstream=args.upstream, host=args.host, port=args.port)
@@ -53,7 +53,7 @@ def serve_proxy(config: Any, tracer: Any) -> None:
     try:
         import uvicorn
 
-        from .integrations.proxy_app import ProxyApp  # httptools: its upstream client's parser
+        from ..integrations.proxy_app import ProxyApp  # httptools: its upstream client's parser
     except ImportError as exc:
         _fail(f"needs uvicorn and httptools ({exc}): pip install 'tracecar[proxy]'")
 

@@ -23,8 +23,10 @@ from typing import Any
 
 import httpx
 
-from .cli import _fail, _get, _need_collector, cmd_demo, print_trajectories
-from .lifeline import set_parent_death_signal
+from ..lifeline import set_parent_death_signal
+from .common import fail, get_json, need_collector
+from .demo import cmd_demo
+from .lists import print_trajectories
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
@@ -93,20 +95,20 @@ def _is_our_collector(url: str, pid: int) -> bool:
 
 def run_quickstart(args: argparse.Namespace) -> None:
     """Collector on the embedded store + a demo rollout feeding it, then list what landed."""
-    _need_collector()
+    need_collector()
     raw_port = args.port if args.port is not None else os.environ.get("TRACECAR_PORT") or 9470
     try:
         port = int(raw_port)
     except ValueError:
-        _fail(f"TRACECAR_PORT={raw_port!r} is not a port number", 2)
+        fail(f"TRACECAR_PORT={raw_port!r} is not a port number", 2)
     if port != 0 and port_in_use(port):
-        _fail(f"port {port} on 127.0.0.1 is already in use (another collector?): stop it, or pick another port "
+        fail(f"port {port} on 127.0.0.1 is already in use (another collector?): stop it, or pick another port "
               f"with --port N or TRACECAR_PORT=N (0 picks a free one){data_dir_hint(args.data_dir)}")
     from tracecar.collector.data_dir_lock import DataDirInUse, holder_of
 
     holder = holder_of(args.data_dir)
     if holder is not None:  # said here, before the collector's log in that dir is appended to
-        _fail(str(DataDirInUse(args.data_dir, holder, options="--data-dir")))
+        fail(str(DataDirInUse(args.data_dir, holder, options="--data-dir")))
     if port == 0:
         port = _free_port()
         print(f"port 0: using free port {port}")
@@ -134,12 +136,12 @@ def run_quickstart(args: argparse.Namespace) -> None:
         while time.monotonic() < deadline:
             if server.poll() is not None:
                 tail = _last_line(log_path)
-                _fail(f"the collector exited with code {server.returncode}: {tail} (full log: {log_path})")
+                fail(f"the collector exited with code {server.returncode}: {tail} (full log: {log_path})")
             if _is_our_collector(url, server.pid):
                 break
             time.sleep(0.2)
         else:
-            _fail(f"the collector did not become ready within 60 s; see {log_path}")
+            fail(f"the collector did not become ready within 60 s; see {log_path}")
         print(f"collector ready at {url} (pid {server.pid}, store: {os.path.abspath(args.data_dir)}/spool.sqlite3, "
               f"logs: {os.path.abspath(log_path)})")
         experiment = args.experiment or time.strftime("demo-%Y%m%d-%H%M%S")
@@ -150,7 +152,7 @@ def run_quickstart(args: argparse.Namespace) -> None:
         cmd_demo(demo)
         if args.budget:
             print(describe_sampling(wait_for_decisions(url, experiment, args.steps), args.budget))
-        listed = _get(demo, "/v1/trajectories", {"experiment": experiment, "limit": 10, "sort": "reward"})
+        listed = get_json(demo, "/v1/trajectories", {"experiment": experiment, "limit": 10, "sort": "reward"})
         print_trajectories(listed)
         print_hints(url, experiment, args, listed.get("trajectories") or [])
         if args.exit:

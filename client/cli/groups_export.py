@@ -14,13 +14,13 @@ from typing import Any
 
 import httpx
 
-from .cli_truth import add_list_arguments, list_params
+from .truth import add_list_arguments, list_params
 
 
 def _cli() -> Any:
-    from . import cli  # the shared URL/token/printing helpers (imported late: cli imports us)
+    from . import common
 
-    return cli
+    return common
 
 
 def _fmt(value: Any, width: int, digits: int = 3) -> str:
@@ -103,7 +103,7 @@ def cmd_groups(args: argparse.Namespace) -> None:
         "step": args.step, "experiment": args.experiment, "validate": args.validate, "sort": args.sort,
         "sample_index": args.sample_index, "limit": args.limit, "offset": args.offset, **list_params(args),
     }.items() if v is not None}
-    cli._show(args, cli._get(args, "/v1/groups", params), print_groups)
+    cli.show(args, cli.get_json(args, "/v1/groups", params), print_groups)
 
 
 def _format_of(args: argparse.Namespace) -> str:
@@ -126,7 +126,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     partial = args.output + ".partial"
     written = 0
     try:
-        with httpx.stream("GET", cli._url(args) + "/v1/export", params=params, headers=cli._headers(),
+        with httpx.stream("GET", cli.collector_url(args) + "/v1/export", params=params, headers=cli.auth_headers(),
                           timeout=httpx.Timeout(30, read=args.timeout)) as response:
             if response.status_code >= 400:
                 response.read()
@@ -138,7 +138,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     except httpx.HTTPError as exc:  # the stream broke off: a partial file would look like a whole dataset
         with contextlib.suppress(OSError):
             os.unlink(partial)
-        sys.exit(f"tracecar: export from {cli._url(args)} failed: {exc or type(exc).__name__}; nothing written to {args.output}")
+        sys.exit(f"tracecar: export from {cli.collector_url(args)} failed: {exc or type(exc).__name__}; nothing written to {args.output}")
     os.replace(partial, args.output)
     rows = _count_rows(args.output, fmt)
     print(f"wrote {'' if rows is None else f'{rows} trajectories, '}{written} bytes of {fmt} to {args.output}")

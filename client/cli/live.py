@@ -13,9 +13,9 @@ from typing import Any
 
 
 def _cli() -> Any:
-    from . import cli  # the shared URL/token/printing helpers (imported late: cli imports us)
+    from . import common
 
-    return cli
+    return common
 
 
 def _age(seconds: float | None) -> str:
@@ -63,7 +63,7 @@ def cmd_live(args: argparse.Namespace) -> None:
         if i:
             time.sleep(args.watch)
             print()
-        cli._show(args, cli._get(args, "/v1/live", params), print_live)
+        cli.show(args, cli.get_json(args, "/v1/live", params), print_live)
 
 
 def print_health(answer: dict[str, Any]) -> None:
@@ -84,7 +84,7 @@ def _counts(by: dict[str, Any]) -> str:
 
 def print_step_health(s: dict[str, Any]) -> None:
     """The per-step part of ``/v1/health?step=N``."""
-    from .cli_truth import step_rows as truth_step_rows
+    from .truth import step_rows as truth_step_rows
 
     split = {None: "", False: " (training)", True: " (validation)"}[s["validate"]]
     print(f"\nstep {s['step']} of {s['experiment'] if s['experiment'] is not None else '(no experiment)'}{split}")
@@ -108,7 +108,7 @@ def cmd_health(args: argparse.Namespace) -> None:
     cli = _cli()
     params = {k: v for k, v in {"step": args.step, "experiment": args.experiment, "validate": args.validate}.items()
               if v is not None}
-    cli._show(args, cli._get(args, "/v1/health", params), print_health)
+    cli.show(args, cli.get_json(args, "/v1/health", params), print_health)
 
 
 def add_parsers(sub: Any) -> None:

@@ -28,7 +28,7 @@ import threading
 from collections import OrderedDict, deque
 from typing import Any
 
-from .tracing import annotate
+from ..tracing import annotate
 
 _MODULE = "verl.trainer.ppo.v1.replay_buffer"
 _FLAG = "__tracecar_fate_hook__"

@@ -1,0 +1,5 @@
+"""``python -m tracecar.client.cli``."""
+
+from .command import main
+
+main()
