@@ -99,6 +99,30 @@ def test_reward_wait_passes_without_a_reward(tmp_path):
     h.close()
 
 
+def test_a_count_close_on_an_expired_reward_wait_waits_for_the_nodes(tmp_path):
+    """At a gateway, a reward not arrived may sit in a node's spool (the gateway was down longer than
+    reward_wait_s): a count close that rests on the wait's expiry asks the node watermarks, as next_step and
+    idle do; with every reward in, the count closes at once (found by the 60 s gateway outage test)."""
+    h = Harness(tmp_path, max_trajectories_per_step=10, reward_wait_s=1.0, trajectories_per_step=2)
+    nodes_caught_up = [False]
+    h.selector.may_close = lambda step: nodes_caught_up[0]
+    a, b = Spec(step=1, sample_index=0, reward=1.0), Spec(step=1, sample_index=1)
+    feed_all(h, [a, b])  # b's reward is still in a node's spool
+    h.clock.advance(5.0)
+    assert h.selector.tick() == 0 and decisions(h, 1) == {}  # the wait expired, but a node is behind
+    h.feed([{**spans_of(Spec(step=1, sample_index=1, reward=0.5, trace_id=b.trace_id))[-1]}])  # the node delivers it
+    nodes_caught_up[0] = True
+    h.selector.tick()
+    d = decisions(h, 1)
+    assert d[b.trace_id]["reward"] == 0.5 and {x["closed_by"] for x in d.values()} == {"count"}
+    c, e = Spec(step=2, sample_index=0, reward=1.0), Spec(step=2, sample_index=1, reward=0.0)
+    nodes_caught_up[0] = False
+    feed_all(h, [c, e])
+    h.selector.tick()  # every reward in: the count alone closes it, whatever the nodes
+    assert {x["closed_by"] for x in decisions(h, 2).values()} == {"count"}
+    h.close()
+
+
 def test_idle_count_and_decision_wait(tmp_path):
     h = Harness(tmp_path, max_trajectories_per_step=10, step_idle_s=10, decision_wait_s=100, trajectories_per_step=3)
     feed_all(h, [Spec(step=1, sample_index=i, reward=1.0) for i in range(2)])

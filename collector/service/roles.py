@@ -190,7 +190,9 @@ class NodeMarks:
     has reported D at or past its barrier, and was heard within ``silent_s`` (a silent node may have
     acknowledged more since). So a step never closes while a node still holds trajectories it
     acknowledged before the gateway wanted to close — what one collector that saw the workers
-    directly would already have had. A node not heard from for ``lost_s`` is no longer waited for.
+    directly would already have had. No barrier is taken while a live node is silent (its last A may be
+    stale), nor from the marks a restarted gateway reloads before each node reports again. A node not
+    heard from for ``lost_s`` is no longer waited for.
     ``count`` and ``decision_wait`` close steps whatever the nodes do. The nodes' names and marks are
     kept in ``cluster-nodes.json`` in the data dir, so a restarted gateway waits for the nodes it
     knew until they report again.
@@ -214,7 +216,9 @@ class NodeMarks:
             known = {}
         now = self.clock()
         for node, (acked, delivered) in known.items() if isinstance(known, dict) else ():
-            self.marks[str(node)] = [int(acked), int(delivered), now]  # waited for until it reports again
+            # waited for (within lost_s) but not heard: what it acknowledged while this gateway was down is
+            # unknown until it reports again, so no step closes on its stale marks (a 60 s outage did that)
+            self.marks[str(node)] = [int(acked), int(delivered), now - silent_s]
         self._saved = set(self.marks)
 
     def heard(self, node: str, progress: tuple[int, int] | None) -> None:
@@ -250,6 +254,8 @@ class NodeMarks:
         key = (step.key, step.round)
         barrier = self.barriers.get(key)
         if barrier is None:
+            if any(now - m[2] >= self.silent_s for m in live.values()):
+                return False  # a barrier from a silent node's last report would be too low: wait until it reports
             barrier = self.barriers[key] = {n: int(m[0]) for n, m in live.items()}
             if len(self.barriers) > 100_000:  # steps decided by count/decision_wait leave theirs: bounded
                 self.barriers.pop(next(iter(self.barriers)))

@@ -306,7 +306,11 @@ class TailSelector:
                     why = "shutdown" if step.all_complete(now, self.waits) else None
                 else:
                     why = step.ready(now, self.waits, self.latest)
-                if why in ("next_step", "idle", "shutdown") and not self.may_close(step):
+                # what depends on what has arrived by now (a node may still hold it): the watermarks decide;
+                # a count close too while it rests on the reward wait's expiry (rewards may sit in a node's spool)
+                waits_for_arrivals = why in ("next_step", "idle", "shutdown") or (
+                    why == "count" and step.rewarded_rooted < step.rooted)
+                if waits_for_arrivals and not self.may_close(step):
                     why = None
                 if why is not None:
                     ready.append((step, why))
