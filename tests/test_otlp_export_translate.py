@@ -275,3 +275,14 @@ def test_each_message_part_is_cut_at_the_content_bound():
     assert user["parts"][0]["content"] == "x" * 20 + "…[truncated by tracecar: 30 chars]"
     assert orjson.loads(a["gen_ai.output.messages"])[0]["parts"][0]["content"] == "y" * 20 + "…[truncated by tracecar: 30 chars]"
     assert a["llm.input_messages.1.message.content"] == user["parts"][0]["content"]
+
+
+def test_an_llm_call_that_raised_still_shows_the_messages_it_was_given():
+    span = {**_generate({"messages": [{"role": "user", "content": "hi"}]}, {}), "output": None,
+            "exception": "RuntimeError: engine dead"}
+    a = _attrs(to_otlp_span(span, content=True, openinference=True))
+    assert a["openinference.span.kind"] == "LLM" and a["gen_ai.operation.name"] == "chat"
+    assert orjson.loads(a["gen_ai.input.messages"]) == [{"role": "user", "parts": [{"type": "text", "content": "hi"}]}]
+    assert a["llm.input_messages.0.message.content"] == "hi" and "gen_ai.output.messages" not in a
+    token_ids_only = {**span, "inputs": {"prompt_ids": [1, 2]}}  # nothing decoded: no conversation is made up
+    assert not [k for k in _attrs(to_otlp_span(token_ids_only, content=True, openinference=True)) if "messages" in k]

@@ -142,6 +142,9 @@ def genai_attributes(span: Mapping[str, Any], *, aggregates: bool, content: bool
         out["gen_ai.agent.name"] = name
     elif role == "LLM" and not isinstance(output, dict):  # an LLM call that raised: a chat all the same
         out["gen_ai.operation.name"] = "chat"
+        messages = input_messages(span.get("inputs"), None, max_content_chars) if content else None
+        if messages is not None:  # the messages it was given, when it was given messages (no decoded prompt)
+            out["gen_ai.input.messages"] = orjson.dumps(messages, default=str).decode()
     elif role == "LLM" and isinstance(output, dict):
         out["gen_ai.operation.name"] = "chat"
         prompt_tokens, response_tokens = token_counts(dict(span))
@@ -247,8 +250,9 @@ def openinference_attributes(span: Mapping[str, Any], *, aggregates: bool, engin
             out["llm.token_count.completion"] = response_tokens
         if prompt_tokens is not None and response_tokens is not None:
             out["llm.token_count.total"] = prompt_tokens + response_tokens
-        result = span.get("output")
-        if content and isinstance(result, dict):  # the conversation, as Phoenix's LLM view lists it
+        raw = span.get("output")
+        result: Mapping[str, Any] = raw if isinstance(raw, dict) else {}
+        if content:  # the conversation, as Phoenix's LLM view lists it
             asked = input_messages(span.get("inputs"), result.get("prompt_text"), max_content_chars)
             answer = output_messages(result.get("response_text"), result.get("stop_reason", result.get("finish_reason")),
                                      max_content_chars)
