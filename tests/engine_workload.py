@@ -10,7 +10,8 @@ processes (``proj-a``, ``proj-b``), so each exporter must file every trajectory 
 
 Each process runs ``TRAJECTORIES`` trajectories concurrently, each with ``SPANS_PER_TRAJECTORY``
 spans: ``agent_loop`` → ``ToolAgentLoop.run`` → two ``LLMServerClient.generate`` turns (each
-causing one ``llm_request``), ``HermesToolParser.extract_tool_calls``, ``SearchTool.execute``
+causing one ``llm_request``; their decoded prompts are the chat so far in Qwen's template, the
+first answer a Hermes tool call), ``HermesToolParser.extract_tool_calls``, ``SearchTool.execute``
 (a tool call, with its helper ``SearchTool.lookup``) and ``ToolAgentLoop.format_tool_response``
 (a helper whose name contains "tool"). In even trajectories the first engine span is exported
 and answered while its ``generate`` still runs and the client has sent nothing of the
@@ -39,6 +40,11 @@ SPANS_PER_TRAJECTORY = 10  # agent_loop, run, 2 generate, 2 llm_request, parser,
 ENGINE_SPANS_PER_TRAJECTORY = 2
 TOOL_CALLS_PER_TRAJECTORY = 1
 ROOT = Path(__file__).resolve().parents[1]
+# each turn's decoded prompt as Qwen's chat template renders it (VERL decodes what the model read)
+TOOL_CALL = '<tool_call>\n{"name": "search", "arguments": {"q": "four"}}\n</tool_call>'
+FIRST_PROMPT = "<|im_start|>system\nYou add.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+SECOND_PROMPT = (FIRST_PROMPT + TOOL_CALL + "<|im_end|>\n<|im_start|>user\n<tool_response>\nfour-0, four-1\n"
+                 "</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
 
 def project_of(k: int) -> str:
@@ -87,7 +93,9 @@ class LLMServerClient:
         await asyncio.sleep(0.01)
         if fail:
             raise RuntimeError("engine dead")
-        return {"prompt_ids": prompt_ids, "response_ids": [7, 8, 9], "prompt_text": "2+2?", "response_text": "4"}
+        second = len(prompt_ids) > 4
+        return {"prompt_ids": prompt_ids, "response_ids": [7, 8, 9], "prompt_text": SECOND_PROMPT if second else FIRST_PROMPT,
+                "response_text": "4<|im_end|>" if second else TOOL_CALL + "<|im_end|>"}
 
 
 class HermesToolParser:

@@ -10,6 +10,10 @@ reaches an exporter), the spool's serialisation into a real SQLite spool, then
 * every exporter (``weave``, ``otlp``, ``mlflow``, real sinks on an in-memory HTTP transport)
   through the forwarder's shared path (``Forwarder._send_isolating``): every span ends
   delivered or rejected with a reason, and nothing raises out of the batch;
+* the ``gateway`` sink (a node collector forwarding to its gateway), whose in-memory gateway
+  answers what the real one does: each body goes through the gateway's own receive stage
+  (``ForwardedRequest``: decompression, parsing, validation, the node's fields restored) and
+  is answered with its rejections, so every span a node stored must also pass its gateway;
 * the dataset export (``record`` → JSONL and Parquet writers): a whole, readable file, every
   trajectory a row or a named, counted skip.
 """
@@ -30,12 +34,16 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from tracecar.client.redact import DEFAULT
 from tracecar.collector.exporters.forward import Forwarder, Sink, span_from_row
+from tracecar.collector.exporters.gateway_sink import GatewaySink
 from tracecar.collector.exporters.otlp_sink import MlflowSink, OtlpSink
 from tracecar.collector.exporters.weave_sink import WeaveSink
 from tracecar.collector.metrics import Metrics
 from tracecar.collector.processors.span_work import serialize_spans
-from tracecar.collector.processors.validate import MAX_TIME_S, validate_batch
+from tracecar.collector.processors.validate import MAX_TIME_S, EnvelopeError, validate_batch
+from tracecar.collector.receivers.forwarded import ForwardedRequest
+from tracecar.collector.receivers.receive import BodyError
 from tracecar.collector.spool.query import get_trajectory
 from tracecar.collector.spool.store import Spool
 from tracecar.collector.viewer.export import jsonl_chunks, parquet_chunks, record
@@ -96,9 +104,26 @@ def _ok(request: httpx.Request) -> httpx.Response:
     return httpx.Response(200, json={})
 
 
+def _gateway(request: httpx.Request) -> httpx.Response:
+    """A gateway's answer to a node's batch: its own receive stage, answered as service/app.py answers."""
+    receive = ForwardedRequest(request.headers["x-tracecar-node"], 64 << 20, 100_000, DEFAULT)
+    try:
+        validated = receive(request.content, request.headers.get("content-type"), request.headers.get("content-encoding"))
+    except BodyError as exc:
+        return httpx.Response(exc.status, json={"error": {"field": exc.field, "reason": exc.reason}})
+    except EnvelopeError as exc:
+        return httpx.Response(400, json={"error": {"field": exc.field, "reason": exc.reason}})
+    rejected = [r.as_dict() for r in validated.rejected]
+    return httpx.Response(422 if rejected and not validated.spans else 200,
+                          json={"accepted": len(validated.spans), "rejected_count": len(rejected), "rejected": rejected})
+
+
 def _sinks() -> list[Sink]:
     transport = httpx.MockTransport(_ok)
     return [
+        GatewaySink("http://gateway.invalid", node="node-fuzz", client=httpx.AsyncClient(
+            transport=httpx.MockTransport(_gateway),
+            headers={"Content-Type": "application/json", "Content-Encoding": "zstd", "X-Tracecar-Node": "node-fuzz"})),
         WeaveSink(api_key="k" * 40, entity="ent", project="proj", server_url="http://weave.invalid", publish_ops=False,
                   transport=transport),
         OtlpSink("http://otlp.invalid/v1/traces", content=True, client=httpx.AsyncClient(transport=transport)),
@@ -144,6 +169,8 @@ def test_no_exception_escapes_a_span_in_any_exporter_or_export_writer(spool: Spo
             answered = set(result.delivered) | set(result.rejected)
             assert answered == {s["span_id"] for s in spans} and not result.retryable, (sink.name, result)
             assert all(isinstance(reason, str) and reason for reason in result.rejected.values())
+            if sink.name == "gateway":  # what the node took and stored, its gateway takes too: nothing lost between them
+                assert not result.rejected, result.rejected
 
     asyncio.run(through_every_exporter())
 

@@ -1,12 +1,14 @@
 """Switching VERL's ``trace.backend`` from ``mlflow`` to ``tracecar`` changes nothing a user sees in MLflow.
 
 The same VERL workload (tests/verl_parity_workload.py: VERL's own agent loops, tools, a failing
-tool, nested sync and async ops, a validation batch) runs twice:
+tool, nested sync and async ops, a validation batch) runs twice, each time in three worker
+processes at once (as a VERL job's AgentLoopWorkers are Ray actors, one process each):
 
 (a) traced by VERL's real ``verl.utils.rollout_trace`` mlflow backend: MLflow's SDK
-    (``mlflow-skinny``) in this process, ``MLFLOW_TRACKING_URI`` = a real ``mlflow server``;
-(b) traced by tracecar (``trace.backend=tracecar``): the client -> a real collector over HTTP ->
-    its ``mlflow`` exporter (OTLP to the server's ``/v1/traces``).
+    (``mlflow-skinny``) in each worker process, ``MLFLOW_TRACKING_URI`` = a real ``mlflow server``;
+(b) traced by tracecar (``trace.backend=tracecar``): the client in each worker process -> one real
+    collector over HTTP (``TRACECAR_WORKERS=2``) -> its ``mlflow`` exporter (OTLP to the server's
+    ``/v1/traces``).
 
 Both land in one ``mlflow server`` (SQLite, 127.0.0.1), each in the experiment VERL's
 ``mlflow.set_experiment(project_name)`` names, and are read back with MLflow's own client
@@ -43,14 +45,19 @@ if not have_mlflow():
     pytest.skip("needs MLflow's server venv: TRACECAR_MLFLOW_SERVER_PYTHON (tests/run.sh makes .venv-mlflow "
                 "with TRACECAR_TEST_OTLP_SERVERS=1)", allow_module_level=True)
 
-from verl.utils import rollout_trace as verl_rt  # noqa: E402
-
 from tests.test_verl_adapter import (  # noqa: E402  (the adapter tests' tiny model and VERL config)
-    hf_tokenizer,  # noqa: F401  (a fixture)
     model_dir,  # noqa: F401  (a fixture)
-    verl_config,
 )
-from tests.verl_parity_workload import SECRET, Env, diff, normalized, run_workload, start_collector  # noqa: E402
+from tests.verl_parity_workload import (  # noqa: E402
+    PROCESSES,
+    PROMPTS,
+    SECRET,
+    Env,
+    diff,
+    normalized,
+    run_processes,
+    start_collector,
+)
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -63,64 +70,42 @@ EXPERIMENT = "exp-verl"  # test_verl_adapter.verl_config's trainer.experiment_na
 # ---------------------------------------------------------------------------------------------
 
 
-def _run_verl_mlflow(url: str, model_dir: Path, tokenizer: Any) -> None:
-    """(a): VERL's own mlflow backend, in process."""
-    import tracecar.client.verl as tv
+def _run_verl_mlflow(url: str, model_dir: Path) -> None:
+    """(a): VERL's own mlflow backend, in each of the worker processes."""
+    from mlflow import MlflowClient
 
-    tv.uninstall()
-    verl_rt.RolloutTraceConfig.reset()
+    # each process's mlflow.set_experiment(project_name) creates the experiment when it finds none:
+    # three at once race (one is refused RESOURCE_ALREADY_EXISTS), so it exists before they start
+    with Env(**NO_TELEMETRY):
+        MlflowClient(tracking_uri=url).create_experiment(VERL_PROJECT)
     # MLflow's SDK exports each trace from a background queue, which on a loaded 2-core machine
     # left 3 to 5 of the 12 traces unread after 90 s; exporting as each root span ends changes
     # when a trace is sent, not what
-    with Env(MLFLOW_TRACKING_URI=url, TRACECAR_URL=None, MLFLOW_ENABLE_ASYNC_TRACE_LOGGING="false", **NO_TELEMETRY):
-        import mlflow
-
-        config = verl_config(model_dir, backend="mlflow")
-        config.trainer.project_name = VERL_PROJECT  # trace.project_name follows it
-        try:
-            run_workload(config, tokenizer)
-            assert verl_rt.RolloutTraceConfig.get_client() is mlflow, "VERL did not initialise mlflow"
-        finally:
-            verl_rt.RolloutTraceConfig.reset()
+    run_processes("mlflow", VERL_PROJECT, model_dir, dict(MLFLOW_TRACKING_URI=url, MLFLOW_ENABLE_ASYNC_TRACE_LOGGING="false",
+                                                          **NO_TELEMETRY))
 
 
-def _run_tracecar(url: str, model_dir: Path, tokenizer: Any, data_dir: Path) -> dict[str, Any]:
-    """(b): the same workload with trace.backend=tracecar -> a real collector -> its mlflow exporter."""
-    import tracecar.client.verl as tv
-    from tracecar.client import get_tracer, tracer
-
+def _run_tracecar(url: str, model_dir: Path, data_dir: Path) -> dict[str, Any]:
+    """(b): the same workload with trace.backend=tracecar in each worker process -> one real collector
+    (decoding in two worker processes of its own, TRACECAR_WORKERS=2) -> its mlflow exporter."""
     collector_url, server, thread = start_collector(
-        data_dir, backend="mlflow", mlflow_tracking_uri=url, token2text=True, tokenizer=str(model_dir))
-    tv.uninstall()
-    verl_rt.RolloutTraceConfig.reset()
-    env = dict(TRACECAR_URL=collector_url, TRACECAR_FLUSH_INTERVAL_S="0.02",
-               **{k: None for k in ("TRACECAR_PROJECT", "TRACECAR_EXPERIMENT", "TRACECAR_CLIENT_TOKENIZER",
-                                    "TRACECAR_VERL_WORKER_SAMPLING", "WANDB_RUN_ID", "TRACECAR_WANDB_RUN_ID")})
+        data_dir, backend="mlflow", mlflow_tracking_uri=url, token2text=True, tokenizer=str(model_dir), workers=2)
     try:
-        with Env(**env):
-            assert tv.install()
-            config = verl_config(model_dir, backend="tracecar")
-            config.trainer.project_name = TRACECAR_PROJECT
-            run_workload(config, tokenizer)
-            active = get_tracer()
-            assert active and active.flush(60)
-            stats = active.stats()
+        reports = run_processes("tracecar", TRACECAR_PROJECT, model_dir, dict(
+            TRACECAR_URL=collector_url, TRACECAR_FLUSH_INTERVAL_S="0.02", WANDB_RUN_ID=None))
         deadline = time.monotonic() + 120
         while "tracecar_spool_depth 0.0" not in httpx.get(collector_url + "/metrics").text:
             assert time.monotonic() < deadline, "the collector did not forward everything"
             time.sleep(0.2)
         metrics = httpx.get(collector_url + "/metrics").text
         dead = httpx.get(collector_url + "/v1/dead-letters").json()
-        return {"client": stats, "metrics": metrics, "dead": dead}
+        return {"clients": [r["client"] for r in reports], "metrics": metrics, "dead": dead}
     finally:
-        tv.uninstall()
-        verl_rt.RolloutTraceConfig.reset()
-        tracer.shutdown(5)
         server.should_exit = True
         thread.join(30)
 
 
-TRAJECTORIES = 12  # two batches (train, validate) of three prompts x n=2
+TRAJECTORIES = 12 * PROCESSES  # per worker process two batches (train, validate) of three prompts x n=2
 
 
 def _settled(url: str, experiment: str) -> list[dict[str, Any]]:
@@ -140,14 +125,14 @@ def _settled(url: str, experiment: str) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def experiments(model_dir: Path, hf_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def experiments(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     started = time.monotonic()
     with mlflow_server(tmp_path_factory.mktemp("mlflow-parity")) as url:
         up = time.monotonic()
-        _run_verl_mlflow(url, model_dir, hf_tokenizer)
+        _run_verl_mlflow(url, model_dir)
         verl = _settled(url, VERL_PROJECT)
         verl_done = time.monotonic()
-        collector = _run_tracecar(url, model_dir, hf_tokenizer, tmp_path_factory.mktemp("parity-collector"))
+        collector = _run_tracecar(url, model_dir, tmp_path_factory.mktemp("parity-collector"))
         ours = _settled(url, TRACECAR_PROJECT)
         print(f"mlflow parity: server up {up - started:.1f} s, VERL's run + read-back {verl_done - up:.1f} s, "
               f"tracecar's {time.monotonic() - verl_done:.1f} s")
@@ -269,8 +254,14 @@ def test_the_workload_is_what_it_claims(experiments: dict[str, Any]) -> None:
             "lookup", "ExplodeTool.execute"} <= names, names
     assert any(s["status"] == "SpanStatusCode.ERROR" for t in verl for s in t["spans"])
     assert {t["tags"].get("validate") for t in verl} == {"True", "False"}
-    assert len(verl) == TRAJECTORIES and sum(len(t["spans"]) for t in verl) > 60  # 2 batches x 6 trajectories
-    assert experiments["collector"]["client"]["dropped_total"] == 0
+    assert len(verl) == TRAJECTORIES and sum(len(t["spans"]) for t in verl) > 60 * PROCESSES  # 2 batches x 6 trajectories
+    assert all(c["dropped_total"] == 0 for c in experiments["collector"]["clients"])
+    # one worker process per AgentLoopWorker: each process's rollouts, in both experiments
+    indices = {t["tags"].get("sample_index") for t in verl}
+    assert indices == {t["tags"].get("sample_index") for t in experiments["tracecar"]} == {
+        str(i) for i in range(PROMPTS * PROCESSES)}
+    in_workers = re.search(r'^tracecar_batches_parsed_total\{where="worker"\} (\S+)$', experiments["collector"]["metrics"], re.M)
+    assert in_workers and float(in_workers.group(1)) > 0  # TRACECAR_WORKERS=2 did the work
     # (with or without the fan-out's exporter label)
     dead = re.findall(r"^tracecar_spans_dead_lettered_total(?:\{[^}]*\})? (\S+)$", experiments["collector"]["metrics"], re.M)
     assert dead and all(float(v) == 0 for v in dead), experiments["collector"]["dead"]

@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
 
@@ -119,7 +120,17 @@ def test_otlp_backend_delivers_every_worker_process_s_joined_tree_with_genai_con
             assert engine_span["attributes"]["otel"]["resource"]["vllm.instrumenting_module_name"] == "vllm.llm_engine"
         ok = [g for g in generates if not g["exception"]]
         assert all(g["attributes"]["gen_ai.usage.output_tokens"] == 3 for g in ok)
-        assert all('"content":"4"' in g["attributes"]["gen_ai.output.messages"] for g in ok)  # content on
+        for g in ok:  # content on: the whole conversation each turn read, in the semconv parts shape
+            asked = orjson.loads(g["attributes"]["gen_ai.input.messages"])
+            second = len(asked) > 2
+            assert [m["role"] for m in asked] == (["system", "user", "assistant", "tool"] if second else ["system", "user"])
+            assert asked[1]["parts"] == [{"type": "text", "content": "2+2?"}]
+            if second:
+                assert asked[2]["parts"] == [{"type": "tool_call", "name": "search", "arguments": {"q": "four"}}]
+                assert asked[3]["parts"] == [{"type": "tool_call_response", "response": "four-0, four-1"}]
+            [answer] = orjson.loads(g["attributes"]["gen_ai.output.messages"])
+            assert answer["parts"] == ([{"type": "text", "content": "4"}] if second else
+                                       [{"type": "tool_call", "name": "search", "arguments": {"q": "four"}}])
         assert len(ok) == (1 if entry["failed_turn"] else 2)
         [tool] = by_name["SearchTool.execute"]
         assert tool["attributes"]["gen_ai.operation.name"] == "execute_tool"

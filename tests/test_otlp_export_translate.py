@@ -197,3 +197,92 @@ def test_round_trip_through_a_collector_keeps_the_tree(start_collector, tracer_t
         {(b["span_id"], b["trace_id"], b["parent_id"], b["name"]) for b in back.values()}
     tree = httpx.get(f"{sink.url}/v1/trajectories/{root.span_id}", timeout=10).json()
     assert tree["root"]["span_id"] == exported[root.span_id] and tree["span_count"] == 4
+
+
+# Qwen2.5's chat template as it renders a multi-turn tool conversation (VERL's default tool
+# parser is Hermes: the model's tool calls are <tool_call> JSON, tool results <tool_response>)
+QWEN_PROMPT = ("<|im_start|>system\nYou are a calculator.<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n"
+               "<|im_start|>assistant\nLet me add.\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 2, \"b\": 3}}\n"
+               "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+               "<|im_start|>assistant\n")
+
+
+def _generate(inputs: dict[str, Any], output: dict[str, Any]) -> dict[str, Any]:
+    gen = next(s for s in _trajectory() if s["name"] == "LLMServerClient.generate")
+    return {**gen, "inputs": inputs, "output": {"token_ids": [3, 4], **output}}
+
+
+def test_input_messages_carry_the_whole_conversation_in_the_semconv_shape():
+    """gen_ai.input.messages: every turn the model read (semconv's gen-ai-input-messages.json:
+    role system/user/assistant/tool, typed parts), from the templated prompt; Phoenix's
+    llm.input_messages the same conversation."""
+    span = _generate({"prompt_ids": [1, 2]}, {"prompt_text": QWEN_PROMPT, "response_text": "It is 5.<|im_end|>",
+                                              "finish_reason": "stop"})
+    a = _attrs(to_otlp_span(span, content=True, openinference=True))
+    assert orjson.loads(a["gen_ai.input.messages"]) == [
+        {"role": "system", "parts": [{"type": "text", "content": "You are a calculator."}]},
+        {"role": "user", "parts": [{"type": "text", "content": "What is 2+3?"}]},
+        {"role": "assistant", "parts": [{"type": "text", "content": "Let me add."},
+                                        {"type": "tool_call", "name": "add", "arguments": {"a": 2, "b": 3}}]},
+        {"role": "tool", "parts": [{"type": "tool_call_response", "response": "5"}]},
+    ]
+    assert orjson.loads(a["gen_ai.output.messages"]) == [
+        {"role": "assistant", "parts": [{"type": "text", "content": "It is 5."}], "finish_reason": "stop"}]
+    assert [a[f"llm.input_messages.{i}.message.role"] for i in range(4)] == ["system", "user", "assistant", "tool"]
+    assert "llm.input_messages.4.message.role" not in a
+    assert a["llm.input_messages.2.message.content"] == "Let me add."
+    assert a["llm.input_messages.2.message.tool_calls.0.tool_call.function.name"] == "add"
+    assert orjson.loads(a["llm.input_messages.2.message.tool_calls.0.tool_call.function.arguments"]) == {"a": 2, "b": 3}
+    assert a["llm.input_messages.3.message.content"] == "5"
+    assert (a["llm.output_messages.0.message.role"], a["llm.output_messages.0.message.content"]) == ("assistant", "It is 5.")
+    off = _attrs(to_otlp_span(span, content=False, openinference=True))
+    assert not [k for k in off if k.startswith(("gen_ai.input", "gen_ai.output", "llm.input_messages", "llm.output_messages"))]
+
+
+def test_messages_the_call_was_given_win_over_its_prompt_text_and_tool_calls_come_out_as_parts():
+    """An OpenAI-style call (messages in its inputs, tool calls and results with ids); a response
+    that is a Hermes tool call."""
+    messages = [{"role": "system", "content": "sys"},
+                {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "u"}}]},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 1}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    span = _generate({"kwargs": {"messages": messages}}, {
+        "prompt_text": "ignored", "response_text": '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call><|im_end|>'})
+    a = _attrs(to_otlp_span(span, content=True, openinference=True))
+    assert orjson.loads(a["gen_ai.input.messages"]) == [
+        {"role": "system", "parts": [{"type": "text", "content": "sys"}]},
+        {"role": "user", "parts": [{"type": "text", "content": "look"}, {"type": "image_url", "image_url": {"url": "u"}}]},
+        {"role": "assistant", "parts": [{"type": "tool_call", "name": "add", "arguments": {"a": 1}, "id": "c1"}]},
+        {"role": "tool", "parts": [{"type": "tool_call_response", "response": "2", "id": "c1"}]},
+    ]
+    assert orjson.loads(a["gen_ai.output.messages"]) == [
+        {"role": "assistant", "parts": [{"type": "tool_call", "name": "add", "arguments": {"a": 2}}]}]
+    assert a["llm.input_messages.3.message.tool_call_id"] == "c1"
+    assert a["llm.output_messages.0.message.tool_calls.0.tool_call.function.name"] == "add"
+    # text in no known template, and a tool call that is not JSON: as they are
+    span = _generate({"prompt_ids": [1]}, {"prompt_text": "plain <b>", "response_text": "<tool_call>oops</tool_call>"})
+    a = _attrs(to_otlp_span(span, content=True))
+    assert orjson.loads(a["gen_ai.input.messages"]) == [{"role": "user", "parts": [{"type": "text", "content": "plain <b>"}]}]
+    assert orjson.loads(a["gen_ai.output.messages"])[0]["parts"] == [{"type": "text", "content": "<tool_call>oops</tool_call>"}]
+
+
+def test_each_message_part_is_cut_at_the_content_bound():
+    span = _generate({"prompt_ids": [1]}, {"prompt_text": QWEN_PROMPT.replace("What is 2+3?", "x" * 50),
+                                           "response_text": "y" * 50})
+    a = _attrs(to_otlp_span(span, content=True, max_content_chars=20, openinference=True))
+    [_, user, *_] = orjson.loads(a["gen_ai.input.messages"])
+    assert user["parts"][0]["content"] == "x" * 20 + "…[truncated by tracecar: 30 chars]"
+    assert orjson.loads(a["gen_ai.output.messages"])[0]["parts"][0]["content"] == "y" * 20 + "…[truncated by tracecar: 30 chars]"
+    assert a["llm.input_messages.1.message.content"] == user["parts"][0]["content"]
+
+
+def test_an_llm_call_that_raised_still_shows_the_messages_it_was_given():
+    span = {**_generate({"messages": [{"role": "user", "content": "hi"}]}, {}), "output": None,
+            "exception": "RuntimeError: engine dead"}
+    a = _attrs(to_otlp_span(span, content=True, openinference=True))
+    assert a["openinference.span.kind"] == "LLM" and a["gen_ai.operation.name"] == "chat"
+    assert orjson.loads(a["gen_ai.input.messages"]) == [{"role": "user", "parts": [{"type": "text", "content": "hi"}]}]
+    assert a["llm.input_messages.0.message.content"] == "hi" and "gen_ai.output.messages" not in a
+    token_ids_only = {**span, "inputs": {"prompt_ids": [1, 2]}}  # nothing decoded: no conversation is made up
+    assert not [k for k in _attrs(to_otlp_span(token_ids_only, content=True, openinference=True)) if "messages" in k]

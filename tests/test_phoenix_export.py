@@ -79,13 +79,32 @@ GRAPHQL = """
 query {
   projects { edges { node { name
     spans(first: 1000) { edges { node {
-      name spanKind statusCode parentId context { spanId traceId }
+      name spanKind statusCode parentId context { spanId traceId } attributes
       input { value mimeType } output { value mimeType }
       tokenCountPrompt tokenCountCompletion tokenCountTotal
     } } }
   } } }
 }
 """
+
+
+def oi_messages(attributes: dict[str, Any], which: str) -> list[dict[str, Any]]:
+    """OpenInference's ``llm.<which>.<i>.message.*`` (what Phoenix's LLM view lists), nested or flat."""
+    def flat(value: Any, prefix: str = "") -> dict[str, Any]:  # lists by index too (Phoenix nests indexed names)
+        if isinstance(value, list):
+            value = {str(i): v for i, v in enumerate(value)}
+        if not isinstance(value, dict):
+            return {prefix: value}
+        return {k: v for key, item in value.items() for k, v in flat(item, f"{prefix}.{key}" if prefix else key).items()}
+
+    nested = (attributes.get("llm") or {}).get(which)
+    if isinstance(nested, list):
+        return [flat(m.get("message", m)) for m in nested]
+    flat_attributes, out = flat(attributes), []
+    while f"llm.{which}.{len(out)}.message.role" in flat_attributes:
+        head = f"llm.{which}.{len(out)}.message."
+        out.append({k[len(head):]: v for k, v in flat_attributes.items() if k.startswith(head)})
+    return out
 
 
 def graphql_spans(url: str, project: str) -> list[dict[str, Any]]:
@@ -180,6 +199,12 @@ def test_phoenix_ui_fields_are_filled_for_every_span_kind(phoenix_run):
         assert llm and all(s["tokenCountPrompt"] in (4, 8) for s in llm)
         ok = [s for s in llm if s["statusCode"] != "ERROR"]
         assert all(s["tokenCountCompletion"] == 3 and s["tokenCountTotal"] == s["tokenCountPrompt"] + 3 for s in ok)
+        for s in ok:  # the conversation each turn read, as Phoenix's LLM view lists it: gen_ai.input.messages'
+            attributes = orjson.loads(s["attributes"])  # (here one user turn: token2text decodes the ids again)
+            asked = oi_messages(attributes, "input_messages")
+            genai = orjson.loads(_flat(attributes)["gen_ai.input.messages"])
+            assert asked and [m["role"] for m in asked] == [m["role"] for m in genai]
+            assert [m.get("content") for m in asked] == ["\n".join(p["content"] for p in m["parts"]) for m in genai]
         failed = [s for s in llm if s["statusCode"] == "ERROR"]
         assert failed and all(orjson.loads(s["output"]["value"]) == {"error": "RuntimeError: engine dead"} for s in failed)
         roots = [s for s in spans if s["name"] == "agent_loop"]

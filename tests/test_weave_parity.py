@@ -1,14 +1,16 @@
 """Switching VERL's ``trace.backend`` from ``weave`` to ``tracecar`` changes nothing a user sees in Weave.
 
-The same VERL-shaped workload runs twice through VERL's own, unmodified agent-loop code
+The same VERL-shaped workload runs twice through VERL's own, unmodified agent-loop code, each
+time in three worker processes at once (as a VERL job's AgentLoopWorkers are Ray actors, one
+process each; tests/verl_parity_workload.py ``run_processes``)
 (``AgentLoopWorker`` → ``ToolAgentLoop`` / ``SingleTurnAgentLoop`` → ``LLMServerClient``, the
 Hermes tool parser and ``BaseTool`` tools; tool calls, a failing tool, nested sync and async
 ops, typed outputs, a secret in the tools' kwargs, a validation batch):
 
-(a) traced by VERL's real ``verl.utils.rollout_trace`` weave backend: weave 0.54 in this
+(a) traced by VERL's real ``verl.utils.rollout_trace`` weave backend: weave 0.54 in each worker
     process, pointed at a loopback trace server;
-(b) traced by tracecar (``trace.backend=tracecar``): the client → a real collector over HTTP →
-    its Weave sink.
+(b) traced by tracecar (``trace.backend=tracecar``): the client in each worker process → one
+    real collector over HTTP → its Weave sink.
 
 Both land in weave's *own* trace server (weave 0.52.42's SQLite server, in its own venv, see
 ``weave_stub.WeaveSqliteServer``), in two projects, and are read back through weave's query API
@@ -43,15 +45,20 @@ from tests.support.weave_stub import WeaveSqliteServer, weave_server_python
 if weave_server_python() is None:
     pytest.skip("needs a venv with weave==0.52.42 (see weave_stub.weave_server_python)", allow_module_level=True)
 
-from verl.utils import rollout_trace as verl_rt  # noqa: E402
-
 from tests.test_verl_adapter import (  # noqa: E402  (the adapter tests' tiny model and VERL config)
     CHAT_TEMPLATE,  # noqa: F401
-    hf_tokenizer,  # noqa: F401  (a fixture)
     model_dir,  # noqa: F401  (a fixture)
-    verl_config,
 )
-from tests.verl_parity_workload import SECRET, STEP, Env, diff, normalized, run_workload, start_collector  # noqa: E402
+from tests.verl_parity_workload import (  # noqa: E402
+    PROCESSES,
+    PROMPTS,
+    SECRET,
+    STEP,
+    diff,
+    normalized,
+    run_processes,
+    start_collector,
+)
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -66,69 +73,30 @@ API_KEY = "p" * 40
 # ---------------------------------------------------------------------------------------------
 
 
-def _run_verl_weave(server_url: str, model_dir: Path, tokenizer: Any) -> None:
-    """(a): VERL's own weave backend, in process."""
-    import tracecar.client.verl as tv
-
-    tv.uninstall()
-    verl_rt.RolloutTraceConfig.reset()
-    env = dict(WANDB_BASE_URL=server_url, WF_TRACE_SERVER_URL=server_url, WANDB_API_KEY=API_KEY,
-               WEAVE_DISABLED="false", WEAVE_PRINT_CALL_LINK="false", WEAVE_IMPLICITLY_PATCH_INTEGRATIONS="false",
-               WANDB_ERROR_REPORTING="false",  # weave reports its own errors to Sentry otherwise: no traffic off loopback
-               TRACECAR_URL=None)
-    with Env(**env):
-        import weave
-
-        config = verl_config(model_dir, backend="weave")
-        config.trainer.project_name = f"{ENTITY}/{VERL_PROJECT}"  # trace.project_name follows it
-        try:
-            run_workload(config, tokenizer)
-            client = verl_rt.RolloutTraceConfig.get_client()
-            assert client is not None, "VERL did not initialise weave"
-            client.flush()
-        finally:
-            verl_rt.RolloutTraceConfig.reset()
-            weave.finish()
-            from opentelemetry import trace as otel  # weave.init installs a global OTel provider:
-
-            provider = otel.get_tracer_provider()  # flush it while its loopback server is up
-            if hasattr(provider, "shutdown"):
-                provider.shutdown()
+def _run_verl_weave(server_url: str, model_dir: Path) -> None:
+    """(a): VERL's own weave backend, in each of the worker processes."""
+    run_processes("weave", f"{ENTITY}/{VERL_PROJECT}", model_dir, dict(
+        WANDB_BASE_URL=server_url, WF_TRACE_SERVER_URL=server_url, WANDB_API_KEY=API_KEY,
+        WEAVE_DISABLED="false", WEAVE_PRINT_CALL_LINK="false", WEAVE_IMPLICITLY_PATCH_INTEGRATIONS="false",
+        WANDB_ERROR_REPORTING="false"))  # weave reports its own errors to Sentry otherwise: no traffic off loopback
 
 
-def _run_tracecar(server_url: str, model_dir: Path, tokenizer: Any, data_dir: Path) -> dict[str, Any]:
-    """(b): the same workload with trace.backend=tracecar → a real collector → its Weave sink."""
-    import tracecar.client.verl as tv
-    from tracecar.client import get_tracer, tracer
-
+def _run_tracecar(server_url: str, model_dir: Path, data_dir: Path) -> dict[str, Any]:
+    """(b): the same workload with trace.backend=tracecar in each worker process -> one real collector -> its Weave sink."""
     url, server, thread = start_collector(
         data_dir, backend="weave", wandb_api_key=API_KEY, wandb_entity=ENTITY, wandb_project="unused",
         weave_server_url=server_url, token2text=True, tokenizer=str(model_dir))
-    tv.uninstall()
-    verl_rt.RolloutTraceConfig.reset()
-    env = dict(TRACECAR_URL=url, TRACECAR_FLUSH_INTERVAL_S="0.02", WEAVE_DISABLED="true",
-               **{k: None for k in ("TRACECAR_PROJECT", "TRACECAR_EXPERIMENT", "TRACECAR_CLIENT_TOKENIZER",
-                                    "TRACECAR_VERL_WORKER_SAMPLING", "WANDB_RUN_ID", "TRACECAR_WANDB_RUN_ID")})
     try:
-        with Env(**env):
-            assert tv.install()
-            config = verl_config(model_dir, backend="tracecar")
-            config.trainer.project_name = f"{ENTITY}/{TRACECAR_PROJECT}"
-            run_workload(config, tokenizer)
-            active = get_tracer()
-            assert active and active.flush(60)
-            stats = active.stats()
+        reports = run_processes("tracecar", f"{ENTITY}/{TRACECAR_PROJECT}", model_dir, dict(
+            TRACECAR_URL=url, TRACECAR_FLUSH_INTERVAL_S="0.02", WEAVE_DISABLED="true", WANDB_RUN_ID=None))
         deadline = time.monotonic() + 120
         while "tracecar_spool_depth 0.0" not in httpx.get(url + "/metrics").text:
             assert time.monotonic() < deadline, "the collector did not forward everything"
             time.sleep(0.2)
         metrics = httpx.get(url + "/metrics").text
         dead = httpx.get(url + "/v1/dead-letters").json()
-        return {"client": stats, "metrics": metrics, "dead": dead}
+        return {"clients": [r["client"] for r in reports], "metrics": metrics, "dead": dead}
     finally:
-        tv.uninstall()
-        verl_rt.RolloutTraceConfig.reset()
-        tracer.shutdown(5)
         server.should_exit = True
         thread.join(30)
 
@@ -149,15 +117,15 @@ class Project:
 
 
 @pytest.fixture(scope="module")
-def projects(model_dir: Path, hf_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def projects(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from weave.trace_server_bindings.remote_http_trace_server import RemoteHTTPTraceServer
 
     python = weave_server_python()
     assert python is not None
     with WeaveSqliteServer(python) as server:
         try:
-            _run_verl_weave(server.url, model_dir, hf_tokenizer)
-            collector = _run_tracecar(server.url, model_dir, hf_tokenizer, tmp_path_factory.mktemp("parity-collector"))
+            _run_verl_weave(server.url, model_dir)
+            collector = _run_tracecar(server.url, model_dir, tmp_path_factory.mktemp("parity-collector"))
         except BaseException:
             print(server.log_tail())
             raise
@@ -245,7 +213,10 @@ def test_the_workload_is_what_it_claims(projects: dict[str, Any]) -> None:
             "AddTool.execute", "SearchTool.execute", "SearchTool.lookup", "SearchTool.rank", "ExplodeTool.execute"} <= ops
     assert any(exception_of(c) and exception_of(c)["type"] == "RuntimeError" for c in verl.calls)
     assert {c.attributes.get("validate") for c in verl.calls} == {True, False}
-    assert len(verl.calls) > 50 and projects["collector"]["client"]["dropped_total"] == 0
+    assert len(verl.calls) > 50 * PROCESSES and all(c["dropped_total"] == 0 for c in projects["collector"]["clients"])
+    # one worker process per AgentLoopWorker: each process's rollouts, in both projects
+    indices = {c.attributes.get("sample_index") for c in verl.calls}
+    assert indices == {c.attributes.get("sample_index") for c in projects["tracecar"].calls} == set(range(PROMPTS * PROCESSES))
     assert 'tracecar_spans_dead_lettered_total{exporter="weave"} 0.0' in projects["collector"]["metrics"], projects["collector"]["dead"]
 
 

@@ -5,15 +5,22 @@ VERL's own, unmodified agent-loop code (``AgentLoopWorker`` -> ``ToolAgentLoop``
 ``SingleTurnAgentLoop`` -> ``LLMServerClient``, the Hermes tool parser and ``BaseTool`` tools): tool
 calls, a failing tool, nested sync and async ops, typed outputs, a secret in the tools' kwargs, a
 validation batch. Used by tests/test_weave_parity.py and tests/test_mlflow_parity.py; needs the real
-``verl`` (``.venv-verl``).
+``verl`` (``.venv-verl``). Each harness runs it in ``PROCESSES`` worker processes at once
+(:func:`run_processes`; ``python -m tests.verl_parity_workload BACKEND PROJECT MODEL_DIR K``), as
+a VERL job's AgentLoopWorkers are, each with its own dataset indices, for VERL's backend and for
+tracecar alike.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +33,8 @@ from tests.test_verl_adapter import FakeLoadBalancer, _Remote
 
 SECRET = "sk-parity-secret-0123456789"
 STEP = 7
+PROMPTS = 3  # dataset prompts per batch (each n=2 rollouts), per worker process
+PROCESSES = 3  # worker processes each harness runs, for VERL's backend and for tracecar alike
 
 TOOL_CALLS = (
     '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
@@ -102,8 +111,9 @@ def make_worker(config: Any, tokenizer: Any) -> Any:
     return worker
 
 
-def make_batch(validate: bool) -> Any:
-    """Three prompts (two with tools, one without), n=2 rollouts each, interleaved as VERL does."""
+def make_batch(validate: bool, process: int = 0) -> Any:
+    """Three prompts (two with tools, one without), n=2 rollouts each, interleaved as VERL does;
+    worker process ``process`` takes the dataset indices ``3 * process`` … ``3 * process + 2``."""
     from verl.protocol import DataProto
 
     tool_prompt = [{"role": "user", "content": "What is 2+3? 数字 🙂"}]
@@ -116,19 +126,106 @@ def make_batch(validate: bool) -> Any:
         non_tensor_batch={
             "raw_prompt": np.array(raw, dtype=object),
             "agent_name": np.array(agents, dtype=object),
-            "index": np.array([0, 0, 1, 1, 2, 2]),
+            "index": np.array([0, 0, 1, 1, 2, 2]) + PROMPTS * process,
             "tools_kwargs": np.array([tools_kwargs] * 6, dtype=object),
         },
         meta_info={"global_steps": STEP, "validate": validate},
     )
 
 
-def run_workload(config: Any, tokenizer: Any) -> None:
+def run_workload(config: Any, tokenizer: Any, process: int = 0) -> None:
     config.actor_rollout_ref.rollout.prompt_length = 4096  # the tool schemas, byte by byte
     config.actor_rollout_ref.rollout.multi_turn.max_parallel_calls = 3  # all three tool calls of a turn
     worker = make_worker(config, tokenizer)
     for validate in (False, True):
-        asyncio.run(worker.generate_sequences(make_batch(validate)))
+        asyncio.run(worker.generate_sequences(make_batch(validate, process)))
+
+
+# ---------------------------------------------------------------------------------------------
+# many worker processes: a real VERL job's AgentLoopWorkers are Ray actors, one process each
+# ---------------------------------------------------------------------------------------------
+
+
+def run_processes(backend: str, project: str, model_dir: Path, env: dict[str, str | None], n: int = PROCESSES,
+                  timeout_s: float = 300) -> list[dict[str, Any]]:
+    """Runs the workload in ``n`` worker processes at once (``python -m tests.verl_parity_workload``),
+    each VERL's own ``AgentLoopWorker`` tracing with ``trace.backend=backend`` into ``project``, with
+    its own dataset indices; ``env`` is set (None: unset) on top of this process's environment.
+    Returns each process's report (for tracecar: its client's stats)."""
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("TRACECAR_")}
+    for key, value in env.items():
+        if value is None:
+            child_env.pop(key, None)
+        else:
+            child_env[key] = value
+    root = Path(__file__).resolve().parents[1]
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.verl_parity_workload", backend, project, str(model_dir), str(k)],
+                              cwd=root, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for k in range(n)]
+    reports, deadline = [], time.monotonic() + timeout_s
+    try:
+        for k, proc in enumerate(procs):
+            try:
+                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+                raise AssertionError(f"{backend} worker process {k} timed out:\n{err[-4000:]}") from None
+            assert proc.returncode == 0, f"{backend} worker process {k} failed:\n{err[-4000:]}"
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert sorted(r["process"] for r in reports) == list(range(n)) and len({r["pid"] for r in reports}) == n
+    return reports
+
+
+def _worker_main(backend: str, project: str, model_dir: Path, process: int) -> dict[str, Any]:
+    """One worker process: VERL's agent loops traced by ``backend``, flushed before it exits."""
+    from transformers import AutoTokenizer
+    from verl.utils import rollout_trace as verl_rt
+
+    from tests.test_verl_adapter import verl_config
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    config = verl_config(model_dir, backend=backend)
+    config.trainer.project_name = project  # trace.project_name follows it
+    report: dict[str, Any] = {"process": process, "pid": os.getpid()}
+    if backend == "tracecar":
+        import tracecar.client.verl as tv
+        from tracecar.client import get_tracer, tracer
+
+        assert tv.install()
+        run_workload(config, tokenizer, process)
+        active = get_tracer()
+        assert active and active.flush(60), "tracecar did not deliver"
+        report["client"] = active.stats()
+        tracer.shutdown(5)
+    elif backend == "weave":
+        import weave
+
+        run_workload(config, tokenizer, process)
+        client = verl_rt.RolloutTraceConfig.get_client()
+        assert client is not None, "VERL did not initialise weave"
+        client.flush()
+        weave.finish()
+        from opentelemetry import trace as otel  # weave.init installs a global OTel provider: flush it
+
+        provider = otel.get_tracer_provider()
+        if hasattr(provider, "shutdown"):
+            provider.shutdown()
+    else:
+        import mlflow
+
+        run_workload(config, tokenizer, process)
+        assert verl_rt.RolloutTraceConfig.get_client() is mlflow, "VERL did not initialise mlflow"
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(_worker_main(sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]))), flush=True)
 
 
 class Env:

@@ -25,8 +25,10 @@ GenAI conventions (``gen_ai.*``, the names of semantic-conventions 1.37):
   ``gen_ai.usage.input_tokens`` / ``output_tokens`` from its token ids; a tool call is
   ``execute_tool`` with ``gen_ai.tool.name``;
 * every span carries ``gen_ai.conversation.id`` = the trajectory id;
-* content (``gen_ai.input.messages`` / ``gen_ai.output.messages`` for LLM calls, and the
-  span's inputs and output as ``tracecar.inputs`` / ``tracecar.output`` JSON) only when asked.
+* content (``gen_ai.input.messages`` / ``gen_ai.output.messages`` for LLM calls: the whole
+  conversation the model read, system, user, assistant and tool turns, in the conventions'
+  parts shape (genai_messages.py); and the span's inputs and output as ``tracecar.inputs`` /
+  ``tracecar.output`` JSON) only when asked.
 
 tracecar's own attributes go under ``tracecar.`` (``tracecar.step``, ``tracecar.reward``...),
 nested values as OTLP arrays and key-value lists.
@@ -47,6 +49,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from tracecar.client.tracing import MARK  # the collector's place mark: internal, never exported
 
 from ..shape import call_role, token_counts
+from .genai_messages import input_messages, openinference_messages, output_messages
 
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 _KINDS = frozenset({"UNSPECIFIED", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER"})  # SpanKind names minus SPAN_KIND_
@@ -128,7 +131,8 @@ def role_of(span: Mapping[str, Any], aggregates: bool) -> str:
                      failed=bool(span.get("exception")))
 
 
-def genai_attributes(span: Mapping[str, Any], *, aggregates: bool, content: bool) -> dict[str, Any]:
+def genai_attributes(span: Mapping[str, Any], *, aggregates: bool, content: bool,
+                     max_content_chars: int = 1_000_000) -> dict[str, Any]:
     """The ``gen_ai.*`` attributes of one tracecar span (``aggregates``: it has tracecar children)."""
     kind, name, output = span.get("kind", ""), span.get("name", ""), span.get("output")
     out: dict[str, Any] = {"gen_ai.conversation.id": span.get("trace_id")}
@@ -138,6 +142,9 @@ def genai_attributes(span: Mapping[str, Any], *, aggregates: bool, content: bool
         out["gen_ai.agent.name"] = name
     elif role == "LLM" and not isinstance(output, dict):  # an LLM call that raised: a chat all the same
         out["gen_ai.operation.name"] = "chat"
+        messages = input_messages(span.get("inputs"), None, max_content_chars) if content else None
+        if messages is not None:  # the messages it was given, when it was given messages (no decoded prompt)
+            out["gen_ai.input.messages"] = orjson.dumps(messages, default=str).decode()
     elif role == "LLM" and isinstance(output, dict):
         out["gen_ai.operation.name"] = "chat"
         prompt_tokens, response_tokens = token_counts(dict(span))
@@ -148,15 +155,13 @@ def genai_attributes(span: Mapping[str, Any], *, aggregates: bool, content: bool
         stop = output.get("stop_reason", output.get("finish_reason"))
         if isinstance(stop, str):
             out["gen_ai.response.finish_reasons"] = [stop]
-        if content:
-            prompt, response = output.get("prompt_text"), output.get("response_text")
-            if isinstance(prompt, str):
-                out["gen_ai.input.messages"] = orjson.dumps([{"role": "user", "parts": [{"type": "text", "content": prompt}]}]).decode()
-            if isinstance(response, str):
-                message: dict[str, Any] = {"role": "assistant", "parts": [{"type": "text", "content": response}]}
-                if isinstance(stop, str):
-                    message["finish_reason"] = stop
-                out["gen_ai.output.messages"] = orjson.dumps([message]).decode()
+        if content:  # the conversation the model read and what it wrote (genai_messages.py)
+            messages = input_messages(span.get("inputs"), output.get("prompt_text"), max_content_chars)
+            if messages is not None:
+                out["gen_ai.input.messages"] = orjson.dumps(messages, default=str).decode()
+            answer = output_messages(output.get("response_text"), stop, max_content_chars)
+            if answer is not None:
+                out["gen_ai.output.messages"] = orjson.dumps(answer, default=str).decode()
     elif role == "TOOL":
         out["gen_ai.operation.name"] = "execute_tool"
         out["gen_ai.tool.name"] = tool_name(name)
@@ -245,6 +250,14 @@ def openinference_attributes(span: Mapping[str, Any], *, aggregates: bool, engin
             out["llm.token_count.completion"] = response_tokens
         if prompt_tokens is not None and response_tokens is not None:
             out["llm.token_count.total"] = prompt_tokens + response_tokens
+        raw = span.get("output")
+        result: Mapping[str, Any] = raw if isinstance(raw, dict) else {}
+        if content:  # the conversation, as Phoenix's LLM view lists it
+            asked = input_messages(span.get("inputs"), result.get("prompt_text"), max_content_chars)
+            answer = output_messages(result.get("response_text"), result.get("stop_reason", result.get("finish_reason")),
+                                     max_content_chars)
+            out.update(openinference_messages("llm.input_messages", asked or []))
+            out.update(openinference_messages("llm.output_messages", answer or []))
     elif role == "TOOL":
         out["tool.name"] = tool_name(span.get("name", ""))
     if content:
@@ -340,7 +353,8 @@ def to_otlp_span(span: Mapping[str, Any], *, aggregates: bool = False, content: 
         message, event = _exception_event(exception, out.end_time_unix_nano, span.get("exception_info"))
         out.status.code, out.status.message = trace_pb2.Status.STATUS_CODE_ERROR, message
         out.events.append(event)
-    values: dict[str, Any] = genai_attributes(span, aggregates=aggregates, content=content) if genai else {}
+    values: dict[str, Any] = (genai_attributes(span, aggregates=aggregates, content=content, max_content_chars=max_content_chars)
+                              if genai else {})
     values.update({f"tracecar.{k}": v for k, v in attrs.items()})
     for key in ("worker", "project", "kind"):
         if span.get(key) is not None:

@@ -23,6 +23,7 @@ from email.parser import BytesParser
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+VIEWER = "parity"  # the user the API key belongs to (W&B's viewer query; the author of feedback)
 COMPLETE = re.compile(r"^/v2/([^/]+)/([^/]+)/calls/complete$")
 
 #: More of weave's routes: one request model, one server method each.
@@ -114,7 +115,11 @@ def make_handler(server: Any, tsi: Any, validation: Any) -> type[BaseHTTPRequest
             return "application/json", server.objs_query(tsi.ObjQueryReq.model_validate_json(raw)).model_dump_json().encode()
         if path in JSON_ROUTES:
             model, method = JSON_ROUTES[path]
-            res = getattr(server, method)(getattr(tsi, model).model_validate_json(raw))
+            req = getattr(tsi, model).model_validate_json(raw)
+            for item in getattr(req, "batch", None) or [req]:  # W&B's server sets the feedback's author from the API key
+                if path.startswith("/feedback/") and hasattr(item, "wb_user_id") and item.wb_user_id is None:
+                    item.wb_user_id = VIEWER
+            res = getattr(server, method)(req)
             return "application/json", res.model_dump_json().encode()
         if path == "/threads/stream_query":
             req = tsi.ThreadsQueryReq.model_validate_json(raw)
@@ -128,7 +133,7 @@ def make_handler(server: Any, tsi: Any, validation: Any) -> type[BaseHTTPRequest
             name = variables.get("name") or variables.get("project") or "project"
             entity = variables.get("entityName") or variables.get("entity") or "entity"
             model = {"name": name, "entity": {"name": entity}}
-            data = {"viewer": {"username": "parity", "defaultEntity": {"name": os.environ.get("WEAVE_SERVER_DEFAULT_ENTITY", "entity")}},
+            data = {"viewer": {"username": VIEWER, "defaultEntity": {"name": os.environ.get("WEAVE_SERVER_DEFAULT_ENTITY", "entity")}},
                     "project": model, "upsertModel": {"model": model}}
             return "application/json", json.dumps({"data": data}).encode()
         return None
