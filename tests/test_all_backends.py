@@ -1,6 +1,7 @@
 """Issue 14's "done when": one VERL-shaped rollout with vLLM-shaped engine spans, traced once, lands
 joined in the local store, Weave (weave's own trace server), Phoenix and MLflow at the same time,
-and an outage of one of them is survived without loss or duplicates while the others keep taking.
+and an outage of one of them is survived without loss or duplicates while the others keep taking —
+also for three worker processes' rollouts sent during the outage (tests/engine_workload.py).
 
 Every server is real and on 127.0.0.1: weave 0.52.42's SQLite trace server (``.venv-weave52``),
 ``phoenix serve`` (``.venv-phoenix``) and ``mlflow server`` (``.venv-mlflow``), the venvs
@@ -19,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests import engine_workload as workload
 from tests.mlflow_kit import MLFLOW_PYTHON
 from tests.mlflow_kit import read_back as _read_back
 from tests.support import free_port, stop_process
@@ -74,21 +76,21 @@ class Phoenix:
             stop_process(self.proc, grace_s=30)
             self.proc = None
 
-    def spans(self) -> list[dict[str, Any]]:
+    def spans(self, project: str = PROJECT) -> list[dict[str, Any]]:
         # tracecar's project is the Phoenix project (resource attribute openinference.project.name)
-        r = httpx.get(f"{self.url}/v1/projects/{PROJECT}/spans", params={"limit": 1000}, timeout=10)
+        r = httpx.get(f"{self.url}/v1/projects/{project}/spans", params={"limit": 1000}, timeout=10)
         if r.status_code == 404:  # the project is made with its first span
             return []
         assert r.status_code == 200, r.text[:2000]
         return r.json().get("data", [])
 
 
-def _weave_calls(url: str) -> list[Any]:
+def _weave_calls(url: str, project: str = PROJECT) -> list[Any]:
     from weave.trace_server_bindings.remote_http_trace_server import RemoteHTTPTraceServer
 
     client = RemoteHTTPTraceServer(url)
     client.set_auth(("api", API_KEY))
-    return list(client.calls_query_stream({"project_id": f"{ENTITY}/{PROJECT}"}))
+    return list(client.calls_query_stream({"project_id": f"{ENTITY}/{project}"}))
 
 
 def _until(what: str, check: Any, timeout_s: float = 90, every_s: float = 1.0) -> Any:
@@ -130,7 +132,7 @@ def test_one_rollout_lands_joined_everywhere_and_an_outage_of_one_costs_nothing(
                 backend="weave", exporters=["weave", "otlp", "mlflow"], wandb_api_key=API_KEY, wandb_entity=ENTITY,
                 wandb_project=PROJECT, weave_server_url=weave_server.url,
                 otlp_endpoint=phoenix.url + "/v1/traces", otlp_content=True,
-                mlflow_tracking_uri=mlflow_server, mlflow_experiment_name=PROJECT,
+                mlflow_tracking_uri=mlflow_server,  # no experiment name: each trajectory to its project's, as VERL
                 forward_retry_initial_s=0.2, forward_retry_max_s=1.0,
             )
             tracer = tracer_to(col.url, project=PROJECT)
@@ -156,9 +158,12 @@ def test_one_rollout_lands_joined_everywhere_and_an_outage_of_one_costs_nothing(
             assert len(engine_calls) == 2 and all("generate" in by_id[c.parent_id].op_name for c in engine_calls)
             assert len({c.trace_id for c in calls}) == 1, [(c.op_name.split("/")[-1][:30], c.trace_id) for c in calls]
 
-            # Phoenix goes down; weave and MLflow keep taking the next trajectory meanwhile
+            # Phoenix goes down; weave and MLflow keep taking the next trajectory meanwhile, and three worker
+            # processes' rollouts (engine spans first in half of them, two projects: tests/engine_workload.py)
             phoenix.stop()
             second = _rollout(col.url, tracer)
+            manifest = workload.run_workers(col.url, 3, tmp_path / "workers")
+            per_project = {p: sum(1 for t in manifest if t["project"] == p) for p in workload.PROJECTS}
             _until("weave, phoenix down", lambda: len(_weave_calls(weave_server.url)) >= 2 * (SPANS_PER_ROLLOUT - 1))
             _until("mlflow, phoenix down", lambda: len(_read_back(mlflow_server, PROJECT)) >= 2, every_s=2)
             ready = httpx.get(col.url + "/readyz").json()
@@ -177,6 +182,18 @@ def test_one_rollout_lands_joined_everywhere_and_an_outage_of_one_costs_nothing(
             assert len(calls) == 2 * (SPANS_PER_ROLLOUT - 1) and len({c.id for c in calls}) == len(calls)
             traces = _read_back(mlflow_server, PROJECT)
             assert len(traces) == 2 and sum(len(t["spans"]) for t in traces) == 2 * SPANS_PER_ROLLOUT
+            for project, n in per_project.items():  # every worker process's spans, in its project, once, everywhere
+                want = n * workload.SPANS_PER_TRAJECTORY
+                got = _until(f"phoenix {project}", lambda p=project, w=want: len(s := phoenix.spans(p)) >= w and s, timeout_s=120)
+                assert len(got) == want and len({s["context"]["span_id"] for s in got}) == want, (project, len(got), want)
+                calls = _until(f"weave {project}", lambda p=project, w=want: len(c := _weave_calls(weave_server.url, p))
+                               >= w - n and c)
+                assert len(calls) == want - n and len({c.id for c in calls}) == len(calls)  # no call for rollout_trace_attr
+                traces = _until(f"mlflow {project}", lambda p=project: len(t := _read_back(mlflow_server, p)) >= n and t,
+                                every_s=2)
+                assert len(traces) == n and sum(len(t["spans"]) for t in traces) == want
+            workload.assert_engine_spans_came_first(col.url)
+            workload.wait_delivered(col.url, 0)
             ready = httpx.get(col.url + "/readyz").json()
             assert all(e["pending"] == 0 for e in ready["exporters"].values()), ready["exporters"]
     finally:
