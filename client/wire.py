@@ -488,6 +488,8 @@ def _splice_lists(container: dict[Any, Any], lists: list[bytes], flatten: Any, d
             lists.append(packed)
             new: Any = _Fragment(b"\x00" + bytes((len(lists),)))  # type: ignore[misc]
         elif kind is dict and depth == 0:
+            if list not in map(type, value.values()):  # no list one level down to splice (one C-level look)
+                continue
             new = _splice_lists(value, lists, flatten, 1)
             if new is value:
                 continue
