@@ -440,23 +440,27 @@ _Fragment = getattr(orjson, "Fragment", None)  # orjson >= 3.10: already-packed 
 _NUMBERS = (int, float)
 SPLICE_MIN_ITEMS = 16  # a shorter list costs less inline than packed apart
 _OMIT_IF_NONE = ("parent_id", "end_time", "output", "exception")
+_ABSENT = object()
 _MAX_SPLICED = 31  # placeholders are \x00 + one byte 1..31: control bytes, never in orjson's output
+#: the placeholders, made once (orjson writes a Fragment's bytes as they are)
+_PLACEHOLDERS = [_Fragment(b"\x00" + bytes((i,))) for i in range(1, _MAX_SPLICED + 1)] if _Fragment is not None else []
 
 
 def _pack_spliced(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> bytes | None:
     """Numeric lists packed apart and spliced in; the byte search over the rest; None: take the walk."""
     lists: list[bytes] = []
+    flatten = encoder.flatten
     shell = dict(wire)
     for key in ("inputs", "output"):
         value = shell.get(key)
         if type(value) is dict:
-            shell[key] = _splice_lists(value, lists, encoder.flatten, 0)
+            shell[key] = _splice_lists(value, lists, flatten, 0)
     for key in _OMIT_IF_NONE:  # the collector's defaults (SpanIn): sent only when they say something
-        if key in shell and shell[key] is None:
+        if shell.get(key, _ABSENT) is None:
             del shell[key]
     if shell.get("kind") == "op":
         del shell["kind"]
-    small = orjson.dumps(shell, default=encoder.flatten, option=_OPTIONS)
+    small = orjson.dumps(shell, default=flatten, option=_OPTIONS)
     if encoder.redact.might_hold(small, start_at=max(0, small.find(b'"attributes":'))):
         return None
     if not lists:
@@ -486,7 +490,7 @@ def _splice_lists(container: dict[Any, Any], lists: list[bytes], flatten: Any, d
             if b'"' in packed or packed.find(b"[", 1) != -1:
                 continue
             lists.append(packed)
-            new: Any = _Fragment(b"\x00" + bytes((len(lists),)))  # type: ignore[misc]
+            new: Any = _PLACEHOLDERS[len(lists) - 1]
         elif kind is dict and depth == 0:
             if list not in map(type, value.values()):  # no list one level down to splice (one C-level look)
                 continue
