@@ -365,15 +365,16 @@ def _restore_lists(
                 restored[i] = value[:n]
         elif kind is dict and copied:
             restored[i] = next(dicts)
-    kwargs = dict(kwargs)
-    for key, value in kwargs.items():
-        kind = type(value)
-        if kind is list:
-            n = next(lengths)
-            if len(value) != n:
-                kwargs[key] = value[:n]
-        elif kind is dict and copied:
-            kwargs[key] = next(dicts)
+    if kwargs:  # (none: the caller's empty dict is only read)
+        kwargs = dict(kwargs)
+        for key, value in kwargs.items():
+            kind = type(value)
+            if kind is list:
+                n = next(lengths)
+                if len(value) != n:
+                    kwargs[key] = value[:n]
+            elif kind is dict and copied:
+                kwargs[key] = next(dicts)
     return tuple(restored), kwargs
 
 

@@ -267,11 +267,17 @@ def value_shape(cls: type) -> ValueShape | None:
     return shape
 
 
-def _has_non_finite(values: Any) -> bool:
-    if not isinstance(values, dict):
-        return False
+_isfinite = math.isfinite
+#: exact types that are never an enum, a date or a non-finite number: skipped with one set lookup
+_INERT = frozenset({int, str, bool, type(None)})
+#: an attribute of these exact types is no date and no number (containers are not looked into)
+_ATTRIBUTE_INERT = _INERT | {dict, list, tuple}
+_DATES = (datetime.date, datetime.time)
+
+
+def _is_non_finite(value: Any) -> bool:
     # isinstance: np.float64 too, which orjson (through ``default``) would also write as null
-    return any(isinstance(v, float) and not math.isfinite(v) for v in values.values())
+    return isinstance(value, float) and not _isfinite(value)
 
 
 def ids_as_lists(values: dict[str, Any]) -> dict[str, Any]:
@@ -279,34 +285,95 @@ def ids_as_lists(values: dict[str, Any]) -> dict[str, Any]:
     out = values
     for key in ID_KEYS:
         ids = values.get(key)
-        if ids is not None and type(ids).__module__ == "numpy" and getattr(getattr(ids, "dtype", None), "kind", "") in "iu" \
-                and getattr(ids, "ndim", 0) == 1:
+        if ids is not None and _is_id_array(ids):
             if out is values:
                 out = dict(values)
             out[key] = ids.tolist()
     return out
 
 
+def _is_id_array(ids: Any) -> bool:
+    return type(ids).__module__ == "numpy" and getattr(getattr(ids, "dtype", None), "kind", "") in "iu" \
+        and getattr(ids, "ndim", 0) == 1
+
+
+def _weave_part(values: dict[str, Any], stringify: Any) -> tuple[dict[str, Any], bool]:
+    """Top-level ``inputs`` / ``output`` as the fast path writes them, in one pass over its values:
+    integer numpy arrays under :data:`ID_KEYS` as lists (:func:`ids_as_lists`), enums made weave's
+    :data:`ENUM_SCAN_DEPTH` levels down (:func:`_plain_enums`), and whether a top-level value is a
+    non-finite number; a copy only where a value changes. The same result as those three walks one
+    after another, at one look per value for the usual ones (numbers, texts, lists of ids)."""
+    out = values
+    non_finite = False
+    below = ENUM_SCAN_DEPTH - 1
+    for key, item in values.items():
+        kind = type(item)
+        if kind in _INERT:
+            continue
+        if kind is float:
+            if not _isfinite(item):
+                non_finite = True
+            continue
+        if kind is list or kind is tuple:
+            if not item or (type(item[0]) in _PLAIN_ITEMS and type(item[-1]) in _PLAIN_ITEMS):  # ids, logprobs, texts
+                continue
+            new = _plain_enums(item, below, stringify)
+        elif kind is dict:
+            new = _plain_enums(item, below, stringify)
+        elif key in ID_KEYS and _is_id_array(item):
+            new = item.tolist()
+        elif _is_plain_enum(item):
+            new = stringify(item)
+        else:
+            if _is_non_finite(item):
+                non_finite = True
+            continue
+        if new is not item:
+            if out is values:
+                out = dict(values)
+            out[key] = new
+    return out, non_finite
+
+
 def _fast_path_fits(wire: dict[str, Any], stringify: Any = None) -> bool:
-    """Unwraps packed id arrays in inputs/output back to lists and writes enums as weave does
-    (in place); False when a top-level non-finite number (which orjson would write as null) sends
-    the span through the walk."""
+    """Unwraps packed id arrays in inputs/output back to lists, writes enums as weave does and the
+    attributes' datetimes as ISO text (in place); False when a top-level non-finite number (which
+    orjson would write as null) sends the span through the walk."""
+    stringify = stringify or _repr
+    non_finite = _weave_attributes(wire)
     for part in ("output", "inputs"):
         value = wire.get(part)
         if type(value) is dict:
-            wire[part] = _plain_enums(ids_as_lists(value), ENUM_SCAN_DEPTH, stringify or _repr)
+            wire[part], found = _weave_part(value, stringify)
+            non_finite = non_finite or found
         elif isinstance(value, enum.Enum) or type(value) is list or type(value) is tuple:
-            wire[part] = _plain_enums({"": value}, ENUM_SCAN_DEPTH, stringify or _repr)[""]
-    return not (_has_non_finite(wire.get("output")) or _has_non_finite(wire.get("attributes"))
-                or _has_non_finite(wire.get("inputs")))
+            wire[part] = _plain_enums({"": value}, ENUM_SCAN_DEPTH, stringify)[""]
+        elif isinstance(value, dict) and any(map(_is_non_finite, value.values())):  # a dict subclass: looked at only
+            non_finite = True
+    return not non_finite
 
 
-def _weave_attributes(wire: dict[str, Any]) -> None:
-    """Attributes' datetimes as weave's ``to_jsonable_python`` writes them (ISO text), in place."""
+def _weave_attributes(wire: dict[str, Any]) -> bool:
+    """Attributes' datetimes as weave's ``to_jsonable_python`` writes them (ISO text), in place;
+    True when an attribute is a non-finite number."""
     attributes = wire.get("attributes")
-    if type(attributes) is dict and any(isinstance(v, (datetime.date, datetime.time)) for v in attributes.values()):
-        wire["attributes"] = {k: _attribute_text(v) if isinstance(v, (datetime.date, datetime.time)) else v
-                              for k, v in attributes.items()}
+    if not isinstance(attributes, dict):
+        return False
+    non_finite = dates = False
+    for value in attributes.values():
+        kind = type(value)
+        if kind in _ATTRIBUTE_INERT:
+            continue
+        if kind is float:
+            if not _isfinite(value):
+                non_finite = True
+        elif isinstance(value, _DATES):
+            dates = True
+        elif _is_non_finite(value):
+            non_finite = True
+    if dates and type(attributes) is dict:
+        wire["attributes"] = {k: _attribute_text(v) if isinstance(v, _DATES) else v for k, v in attributes.items()}
+    return non_finite
 
 
 def pack_span(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> bytes:
@@ -322,7 +389,6 @@ def pack_span(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> by
     (orjson would turn a NaN reward into null), or a result larger than the string bound goes
     through the bounded walk, which replaces those values, so a secret never leaves the worker.
     """
-    _weave_attributes(wire)
     if _fast_path_fits(wire, encoder.stringify):
         try:
             packed = _pack_spliced(wire, encoder, size_limit) if _Fragment is not None and encoder.redact.spliceable \
@@ -337,7 +403,6 @@ def pack_span(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> by
 def pack_span_legacy(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> bytes:
     """The previous packing (one dump, the byte search over all of it, default fields sent):
     kept so a benchmark can run it beside :func:`pack_span` in one run (``TRACECAR_PACKING=legacy``)."""
-    _weave_attributes(wire)
     if _fast_path_fits(wire, encoder.stringify):
         try:
             packed = orjson.dumps(wire, default=encoder.flatten, option=_OPTIONS)
@@ -375,23 +440,27 @@ _Fragment = getattr(orjson, "Fragment", None)  # orjson >= 3.10: already-packed 
 _NUMBERS = (int, float)
 SPLICE_MIN_ITEMS = 16  # a shorter list costs less inline than packed apart
 _OMIT_IF_NONE = ("parent_id", "end_time", "output", "exception")
+_ABSENT = object()
 _MAX_SPLICED = 31  # placeholders are \x00 + one byte 1..31: control bytes, never in orjson's output
+#: the placeholders, made once (orjson writes a Fragment's bytes as they are)
+_PLACEHOLDERS = [_Fragment(b"\x00" + bytes((i,))) for i in range(1, _MAX_SPLICED + 1)] if _Fragment is not None else []
 
 
 def _pack_spliced(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> bytes | None:
     """Numeric lists packed apart and spliced in; the byte search over the rest; None: take the walk."""
     lists: list[bytes] = []
+    flatten = encoder.flatten
     shell = dict(wire)
     for key in ("inputs", "output"):
         value = shell.get(key)
         if type(value) is dict:
-            shell[key] = _splice_lists(value, lists, encoder.flatten, 0)
+            shell[key] = _splice_lists(value, lists, flatten, 0)
     for key in _OMIT_IF_NONE:  # the collector's defaults (SpanIn): sent only when they say something
-        if key in shell and shell[key] is None:
+        if shell.get(key, _ABSENT) is None:
             del shell[key]
     if shell.get("kind") == "op":
         del shell["kind"]
-    small = orjson.dumps(shell, default=encoder.flatten, option=_OPTIONS)
+    small = orjson.dumps(shell, default=flatten, option=_OPTIONS)
     if encoder.redact.might_hold(small, start_at=max(0, small.find(b'"attributes":'))):
         return None
     if not lists:
@@ -421,8 +490,10 @@ def _splice_lists(container: dict[Any, Any], lists: list[bytes], flatten: Any, d
             if b'"' in packed or packed.find(b"[", 1) != -1:
                 continue
             lists.append(packed)
-            new: Any = _Fragment(b"\x00" + bytes((len(lists),)))  # type: ignore[misc]
+            new: Any = _PLACEHOLDERS[len(lists) - 1]
         elif kind is dict and depth == 0:
+            if list not in map(type, value.values()):  # no list one level down to splice (one C-level look)
+                continue
             new = _splice_lists(value, lists, flatten, 1)
             if new is value:
                 continue

@@ -7,6 +7,7 @@ counted, never raised into the caller.
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 import random
@@ -330,3 +331,67 @@ def test_a_span_that_fails_to_pack_is_dropped_and_counted_not_raised() -> None:
     finally:
         collector.server.shutdown()
         collector.server.server_close()
+
+
+# ---- the fast path's one-pass scan (issue 32: the sender's CPU) -------------------------------
+def _three_walks(span: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """What the fast path did before its scans were made one pass: the attributes' dates, then per
+    part ids_as_lists and _plain_enums, then the non-finite check over output, attributes, inputs."""
+    import datetime
+    import enum as enum_mod
+
+    span = copy.copy(span)
+    attributes = span.get("attributes")
+    dates = (datetime.date, datetime.time)
+    if type(attributes) is dict and any(isinstance(v, dates) for v in attributes.values()):
+        span["attributes"] = {k: wire._attribute_text(v) if isinstance(v, dates) else v for k, v in attributes.items()}
+    for part in ("output", "inputs"):
+        value = span.get(part)
+        if type(value) is dict:
+            span[part] = wire._plain_enums(wire.ids_as_lists(value), wire.ENUM_SCAN_DEPTH, ENCODER.stringify)
+        elif isinstance(value, enum_mod.Enum) or type(value) in (list, tuple):
+            span[part] = wire._plain_enums({"": value}, wire.ENUM_SCAN_DEPTH, ENCODER.stringify)[""]
+
+    def non_finite(values: Any) -> bool:
+        return isinstance(values, dict) and any(isinstance(v, float) and not math.isfinite(v) for v in values.values())
+
+    return span, not (non_finite(span.get("output")) or non_finite(span.get("attributes")) or non_finite(span.get("inputs")))
+
+
+def test_the_fast_paths_one_pass_scan_is_the_three_walks_it_replaced() -> None:
+    import datetime
+    import enum as enum_mod
+
+    class Color(enum_mod.Enum):
+        RED = "red"
+
+    class Level(enum_mod.IntEnum):
+        HIGH = 3
+
+    class Ratio(float, enum_mod.Enum):
+        HALF = 0.5
+        BAD = math.nan
+
+    when = datetime.datetime(2026, 12, 5, 7, 0, tzinfo=datetime.timezone.utc)
+    values = [1, "x", None, True, 0.5, math.nan, -math.inf, np.float64(math.nan), np.float64(2.0), Color.RED, Level.HIGH,
+              Ratio.HALF, Ratio.BAD, [1, 2, 3], [Color.RED, 1], [1, Color.RED, 2], (Color.RED,), [], {"a": Color.RED},
+              {"a": {"b": {"c": Color.RED}}}, {"a": {"b": {"c": {"d": Color.RED}}}}, np.arange(4), np.arange(4.0), when,
+              datetime.date(2026, 12, 5), {"t": when}]
+    rng = random.Random(32)
+    for _ in range(400):
+        span: dict[str, Any] = {"span_id": "s", "name": "n"}
+        for part in ("inputs", "output", "attributes"):
+            roll = rng.random()
+            if roll < 0.1:
+                span[part] = rng.choice(values)
+            elif roll < 0.15:
+                span[part] = None
+            elif roll < 0.2:
+                span[part] = collections.OrderedDict(reward=rng.choice(values))
+            else:
+                keys = rng.sample(["prompt_ids", "response_ids", "token_ids", "reward", "a", "b", "c"], rng.randint(0, 5))
+                span[part] = {k: rng.choice(values) for k in keys}
+        expected, fits = _three_walks(span)
+        got = copy.copy(span)
+        assert wire._fast_path_fits(got, ENCODER.stringify) is fits, span
+        assert repr(got) == repr(expected), span
