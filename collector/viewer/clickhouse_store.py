@@ -87,6 +87,7 @@ CREATE TABLE IF NOT EXISTS {TABLE} (
     INDEX words_tokens words TYPE tokenbf_v1(32768, 3, 0) GRANULARITY 4,
     INDEX words_ngrams words TYPE ngrambf_v1(3, 32768, 3, 0) GRANULARITY 4,
     INDEX trace_ids trace_id TYPE bloom_filter GRANULARITY 4,
+    INDEX rid_range rid TYPE minmax GRANULARITY 1,  -- export's keyset walk (rid > cursor): rids grow with the steps
     INDEX reward_range reward TYPE minmax GRANULARITY 4,
     INDEX start_range start_time TYPE minmax GRANULARITY 4,
     INDEX kept_set kept_because TYPE set(64) GRANULARITY 4
@@ -209,6 +210,7 @@ class ClickHouseStore:
         self._closed = False
         self._pending = 0
         self._synced = False
+        self._cache: dict[Any, Any] = {}  # facets and overviews until the next insert, as the index caches them
         self._run("CREATE DATABASE IF NOT EXISTS tracecar")
         self._run(SCHEMA)
         self._run(f"CREATE TABLE IF NOT EXISTS {META} (key String, value String, at DateTime64(6) DEFAULT now64(6))"
@@ -269,6 +271,7 @@ class ClickHouseStore:
                         f"SELECT rid, trace_id, experiment, validate, step FROM {TABLE} FINAL"
                         f" WHERE trace_id IN {bind(gone)}", bind)]
                 self._insert(batch)
+                self._cache.clear()
                 self._pending = self.index.forget_changed([r["trace_id"] for r in rows] + gone)
                 if self._pending == 0:
                     return True
@@ -390,6 +393,9 @@ class ClickHouseStore:
         return self.index.truth_detail(trace_id)
 
     def facets(self) -> dict[str, Any]:
+        cached = self._cache.get("facets")
+        if cached is not None:
+            return cached
         experiments: dict[Any, dict[str, Any]] = {}
         for r in self._select(f"SELECT experiment, validate, count() AS n, min(step) AS lo, max(step) AS hi FROM {TABLE} FINAL"
                               " WHERE deleted = 0 GROUP BY experiment, validate"):
@@ -411,10 +417,16 @@ class ClickHouseStore:
                    for r in self._select(f"SELECT trained AS t, filtered_by AS f, count() AS n FROM {TABLE} FINAL WHERE"
                                          " deleted = 0 AND (trained IS NOT NULL OR filtered_by IS NOT NULL) GROUP BY t, f"
                                          " ORDER BY t NULLS FIRST, f NULLS FIRST")]
-        return {"experiments": order, "kept_because": rules, "trainer": trainer,
-                "reward_components": self.index.reward_component_keys()}
+        result = {"experiments": order, "kept_because": rules, "trainer": trainer,
+                  "reward_components": self.index.reward_component_keys()}
+        self._cache["facets"] = result
+        return result
 
     def overview(self, experiment: str | None, validate: bool | None = False, bins: int = 12) -> dict[str, Any]:
+        key = ("overview", experiment, validate, bins)
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
         bind = _Params()
         clause = "deleted = 0 AND " + ("experiment IS NULL" if experiment is None else f"experiment = {bind(experiment)}")
         if validate is not None:
@@ -423,7 +435,9 @@ class ClickHouseStore:
                              " ORDER BY step NULLS FIRST, reward NULLS FIRST, kept_because NULLS FIRST, trace_id", bind)
         rows = [(r["step"], None if r["reward"] is None else float(r["reward"]), r["kept_because"], r["trace_id"], r["rid"])
                 for r in found]
-        return overview_of(rows, experiment, validate, bins)
+        result = overview_of(rows, experiment, validate, bins)
+        self._cache[key] = result
+        return result
 
     def page_after(self, flt: TrajectoryFilter, after: int = 0, limit: int = 500) -> builtins.list[dict[str, Any]]:
         if self._delegates(flt):
