@@ -124,6 +124,15 @@ def _null_test(sort: str) -> str:
     return "(sample_index_int IS NULL AND sample_index_str IS NULL)" if column == "sample_index" else f"{column} IS NULL"
 
 
+def _escaped(text: str) -> str:
+    """A parameter's text as ClickHouse reads parameters (its escaped format): a tab or a backslash in a
+    worker's or an experiment's name must match itself, not end or change the value."""
+    return text.translate(_ESCAPES)
+
+
+_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r", "\0": "\\0"})
+
+
 class _Params:
     """Named, typed ``{pN:Type}`` placeholders (chDB binds them; a value is never spliced into the SQL)."""
 
@@ -132,8 +141,11 @@ class _Params:
 
     def __call__(self, value: Any) -> str:
         name = f"p{len(self.values)}"
-        self.values[name] = int(value) if type(value) is bool else value
-        kind = "Array(String)" if type(value) is list else _PARAM_TYPES[type(value)]
+        if type(value) is list:  # an array parameter is a ClickHouse literal of quoted strings
+            self.values[name] = "[" + ",".join("'" + _escaped(str(v)).replace("'", "\\'") + "'" for v in value) + "]"
+            return "{" + f"{name}:Array(String)" + "}"
+        self.values[name] = int(value) if type(value) is bool else _escaped(value) if type(value) is str else value
+        kind = _PARAM_TYPES[type(value)]
         return "{" + f"{name}:{kind}" + "}"
 
 
