@@ -292,8 +292,9 @@ class ClickHouseStore:
 
     def refresh(self, budget_s: float = 0.3, *, all_held: bool = False) -> bool:
         deadline = time.monotonic() + budget_s
-        fresh = self.index.refresh(budget_s=budget_s, all_held=all_held)
-        return self._drain(deadline) and fresh
+        with self._lock:  # no change may land between a batch's read and its forget (it would be forgotten unsent)
+            fresh = self.index.refresh(budget_s=budget_s, all_held=all_held)
+            return self._drain(deadline) and fresh
 
     def catching_up(self) -> bool:
         thread = self._thread
