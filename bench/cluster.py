@@ -9,7 +9,11 @@ at the gateway), and CPU seconds per 1,000 spans of the collector, the gateway a
 (psutil, their process trees). Figures on a shared 2-core machine carry every process at once
 (feeders, nodes and gateway): compare the ratios. RATIOS last.
 
-    .venv/bin/python bench/cluster.py [--nodes 4] [--trajectories 600] [--rounds 2]
+``--clickhouse``: also round C, the same volume through a second cluster whose gateway keeps its
+read store in ClickHouse (embedded chDB, ``TRACECAR_STORE=clickhouse``), rounds A B C alternating:
+spans/s to queryable at the gateway and its CPU per 1,000 spans, chDB against SQLite.
+
+    .venv/bin/python bench/cluster.py [--nodes 4] [--trajectories 600] [--rounds 2] [--clickhouse]
 """
 
 from __future__ import annotations
@@ -123,20 +127,28 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--trajectories", type=int, default=600, help="per round")
     ap.add_argument("--rounds", type=int, default=2, help="pairs of rounds (A B)")
+    ap.add_argument("--clickhouse", action="store_true", help="round C: a second cluster, its gateway's store on chDB")
     args = ap.parse_args()
     print(f"load at start: {os.getloadavg()}")
     root = Path(tempfile.mkdtemp(prefix="tracecar-bench-cluster-"))
     single = process_collector(root / "single", log_level="warning").start()
     cluster = start_cluster(root, args.nodes)
+    chdb = start_cluster(root / "chdb", args.nodes, gateway={"store": "clickhouse"}) if args.clickhouse else None
     direct: list[dict[str, float]] = []
     tier: list[dict[str, float]] = []
+    tier_ch: list[dict[str, float]] = []
     try:
         for r in range(args.rounds):
             direct.append(round_direct(single, args.nodes, args.trajectories, r))
             print(f"A direct  {r}: " + ", ".join(f"{k}={v:.3f}" for k, v in direct[-1].items()))
             tier.append(round_cluster(cluster, args.trajectories, r))
             print(f"B cluster {r}: " + ", ".join(f"{k}={v:.3f}" for k, v in tier[-1].items()))
+            if chdb is not None:
+                tier_ch.append(round_cluster(chdb, args.trajectories, r))
+                print(f"C cluster, gateway on chDB {r}: " + ", ".join(f"{k}={v:.3f}" for k, v in tier_ch[-1].items()))
     finally:
+        if chdb is not None:
+            chdb.stop()
         cluster.stop()
         single.terminate()
     print(f"load at end: {os.getloadavg()}")
@@ -153,6 +165,12 @@ def main() -> None:
     print(f"  CPU-s per 1,000 spans: gateway {med(tier, 'gateway_cpu_per_1k'):.3f}, nodes (all) {med(tier, 'nodes_cpu_per_1k'):.3f},"
           f" one collector {med(direct, 'cpu_per_1k'):.3f}; gateway / one collector = "
           f"{med(tier, 'gateway_cpu_per_1k') / med(direct, 'cpu_per_1k'):.2f}")
+    if tier_ch:
+        print(f"  gateway on chDB / on SQLite: spans/s to queryable {med(tier_ch, 'queryable_rate'):.0f} / "
+              f"{med(tier, 'queryable_rate'):.0f} = {med(tier_ch, 'queryable_rate') / med(tier, 'queryable_rate'):.2f}; "
+              f"gateway CPU-s per 1,000 spans {med(tier_ch, 'gateway_cpu_per_1k'):.3f} / {med(tier, 'gateway_cpu_per_1k'):.3f} = "
+              f"{med(tier_ch, 'gateway_cpu_per_1k') / med(tier, 'gateway_cpu_per_1k'):.2f}; queryable "
+              f"{med(tier_ch, 'behind_s'):.2f} s after the last node acknowledgement")
 
 
 if __name__ == "__main__":

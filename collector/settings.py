@@ -112,6 +112,9 @@ class CollectorSettings(BudgetSettings, BaseSettings):
     forward_probe_s: float = Field(1.0, gt=0, description="While the spool is at its bound and the backend fails, probe it with a one-span batch this often instead of waiting out the backoff.")
     store_max_bytes: int | None = Field(4096 * MiB, ge=MiB, description="Bound on the store file (used SQLite pages): above it the oldest forwarded trajectories are evicted whole; unset: no bound (a full disk still evicts forwarded ones when forwarding to a backend).")
     store_reserve_bytes: int = Field(64 * MiB, ge=0, description="When forwarding (any backend but local): disk space held back in a preallocated file (data_dir/reserve), released on a full disk so forwarded trajectories can be evicted, then taken again; 0: none; else at least 8 MiB (less cannot let SQLite checkpoint its WAL on a full disk: refused at start).")
+    store: Literal["sqlite", "clickhouse"] = Field("sqlite", description="The read store every read API answers from (lists, groups, search, export, health): sqlite, the trajectory index beside the spool; clickhouse, embedded chDB under data_dir/clickhouse (pip install 'tracecar[clickhouse]'), fed from the index's change cursor in batches. The spool stays SQLite either way.")
+    store_url: SecretStr | None = Field(None, description="A ClickHouse server for the clickhouse store (clickhouse://...): not supported yet (refused at start); unset: embedded chDB.")
+    store_batch_rows: int = Field(5000, ge=1, le=1_000_000, description="clickhouse store: trajectories per insert (ClickHouse wants few large inserts).")
     store_max_age_s: float | None = Field(None, gt=0, description="Forwarded trajectories older than this (by arrival of their last span) are evicted whole; unset keeps them.")
     decisions_max_rows: int = Field(1_000_000, ge=1000, description="Bound on each table of sampling decisions (head budgets' per-sample rows, tail budgets' per-trajectory rows): above it the oldest rows are deleted.")
     forgotten_ids_max: int = Field(200_000, ge=0, description="Ids of deleted spans (forwarded with keep_forwarded=false, evicted, sampled out) kept so a client's resend stays a duplicate and is never forwarded twice; above it the oldest go (about 90 bytes each, counted in the store's size).")
@@ -160,6 +163,15 @@ class CollectorSettings(BudgetSettings, BaseSettings):
         if value is not None and len(set(value)) != len(value):
             raise ValueError("names an exporter twice")
         return value
+
+    @field_validator("store_url")
+    @classmethod
+    def _no_server_yet(cls, value: SecretStr | None) -> SecretStr | None:
+        """The server variant (clickhouse-connect) is designed, not built: said at start, not at the first read."""
+        if value is not None and value.get_secret_value():
+            raise ValueError("a ClickHouse server (clickhouse-connect) is not supported yet: unset TRACECAR_STORE_URL; "
+                             "TRACECAR_STORE=clickhouse keeps an embedded chDB store under TRACECAR_DATA_DIR/clickhouse")
+        return None
 
     @field_validator("store_reserve_bytes")
     @classmethod

@@ -7,6 +7,7 @@ clause with, can add a ``q=`` search without importing the viewer.
 from __future__ import annotations
 
 import re
+import unicodedata
 
 QUERY_MAX_CHARS = 256
 
@@ -29,3 +30,23 @@ def fts_query(text: str) -> str | None:
     quoted = ['"' + w.replace('"', '""') + '"' for w in words]
     quoted[-1] += "*"
     return " AND ".join(quoted)
+
+
+_TOKEN = re.compile(r"[^\W_]+", re.UNICODE)  # FTS5 unicode61: letters and digits; "_" separates
+
+
+def folded_words(text: str | None) -> list[str]:
+    """A text's words as FTS5's unicode61 tokenizer (remove_diacritics 2) sees them: lower case, no accents.
+
+    For a store without FTS5 (ClickHouse keeps ``" w1 w2 … "`` and matches words in it), so that a
+    search finds the same trajectories there.
+    """
+    if not text:
+        return []
+    plain = "".join(c for c in unicodedata.normalize("NFKD", text.lower()) if not unicodedata.combining(c))
+    return _TOKEN.findall(plain)
+
+
+def query_words(text: str) -> list[str]:
+    """The user's words as :func:`fts_query` reads them (every word must occur, the last may be a prefix), folded."""
+    return [w for word in _WORD.findall(text[:QUERY_MAX_CHARS]) for w in folded_words(word)]

@@ -6,6 +6,8 @@ four node collectors and a gateway, each its own process and data dir on 127.0.0
 rule is on: N per step with error, best/worst and spread quotas (``exp-traj``), whole groups per
 step (``exp-group``), a uniform choice (``exp-uniform``: the seeded hash fill alone). The
 decisions, the kept sets and the GRPO groups (stats, advantages, all-equal flags) must be equal.
+The gateway keeps its read store in ClickHouse (embedded chDB, ``TRACECAR_STORE=clickhouse``), the
+single collector in SQLite: its lists, searches, per-step health and exports must be equal too.
 """
 
 from __future__ import annotations
@@ -84,9 +86,31 @@ def assert_same_as_single(single_url: str, gateway_url: str) -> None:
         assert answer["groups"] and all(g["n"] == ROLLOUT_N for g in answer["groups"])
 
 
+def summaries(url: str, **params: Any) -> tuple[int, list[dict[str, Any]]]:
+    """A list's total and rows by trace id (the order of equal sort keys is arrival order, which differs)."""
+    page = httpx.get(url + "/v1/trajectories", params={"limit": 1000, **params}, timeout=30).json()
+    return page["total"], sorted(page["trajectories"], key=lambda t: t["trace_id"])
+
+
+def assert_same_reads(single_url: str, gateway_url: str) -> None:
+    """The gateway answers from ClickHouse (chDB) what the single collector answers from SQLite."""
+    state = httpx.get(gateway_url + "/v1/trajectories", params={"limit": 1}, timeout=30).json()["index"]
+    assert state["store"] == "clickhouse", state
+    for params in ({}, {"sort": "reward", "reward_min": 0.5}, {"has_error": "true"}, {"kept_because": "fill"},
+                   {"experiment": "exp-group", "step": 2}, {"q": "calculator"}):
+        assert summaries(gateway_url, **params) == summaries(single_url, **params), params
+    for experiment in EXPERIMENTS:
+        health = [httpx.get(url + "/v1/health", params={"experiment": experiment, "step": 1}, timeout=30).json()["step"]
+                  for url in (single_url, gateway_url)]
+        assert health[0] == health[1], experiment
+        exports = [sorted(httpx.get(url + "/v1/export", params={"experiment": experiment}, timeout=60).content.splitlines())
+                   for url in (single_url, gateway_url)]
+        assert exports[0] == exports[1] and exports[0], experiment
+
+
 def test_four_nodes_and_a_gateway_keep_exactly_what_one_collector_keeps(tmp_path: Path) -> None:
     single = process_collector(tmp_path / "single", log_level="warning", **TAIL_BUDGETS).start()
-    cluster = start_cluster(tmp_path, NODES, gateway=TAIL_BUDGETS)
+    cluster = start_cluster(tmp_path, NODES, gateway={**TAIL_BUDGETS, "store": "clickhouse"})  # the gateway on chDB
     try:
         trajectories = workload()
         split = {(t.experiment, t.step, t.sample_index) for t in trajectories
@@ -98,6 +122,7 @@ def test_four_nodes_and_a_gateway_keep_exactly_what_one_collector_keeps(tmp_path
         cluster.wait_drained()
         wait_until(lambda: decided(cluster.gateway.url), 120, "the gateway decided every step")
         assert_same_as_single(single.url, cluster.gateway.url)
+        assert_same_reads(single.url, cluster.gateway.url)
         # a node's own view has part of a split group; the gateway's has it whole
         experiment, step, sample = sorted(split)[0]
         node_groups = [g for n in cluster.nodes for g in groups(n.url, experiment, step)["groups"]

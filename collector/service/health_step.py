@@ -15,15 +15,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..read_store import ReadStore
 from ..spool.live import running_trajectories
 from ..spool.store import Spool
 from ..trajectory_filter import TrajectoryFilter
-from ..viewer.index import TrajectoryIndex
 
 DECISION_KEYS = ("mode", "budget", "kept", "dropped", "kept_by_rule", "dropped_by_reason")
 
 
-def latest_experiment(index: TrajectoryIndex) -> str | None:
+def latest_experiment(index: ReadStore) -> str | None:
     known = index.facets()["experiments"]
     return known[0]["experiment"] if known else None
 
@@ -38,7 +38,7 @@ def held_spans_of_step(spool: Spool, experiment: str | None, step: int, validate
     return int(spool.query(sql, params)[0]["n"])
 
 
-def step_health(spool: Spool, index: TrajectoryIndex, experiment: str | None, step: int, validate: bool | None, *,
+def step_health(spool: Spool, index: ReadStore, experiment: str | None, step: int, validate: bool | None, *,
                 window_s: float, max_scan_spans: int, open_calls: Callable[[], list[dict[str, Any]]],
                 decisions: dict[str, Any]) -> dict[str, Any]:
     """Blocking: the per-step part of ``/v1/health`` (``experiment`` None: the latest; "" none)."""

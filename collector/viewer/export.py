@@ -29,11 +29,12 @@ from typing import Any
 import orjson
 
 from ..chat import chat_in, parse_template, strip_end
+from ..read_store import ReadStore
 from ..shape import RESPONSE_ID_KEYS, TOOL_METHODS, dict_or_empty, int_list, shape
 from ..spool.query import get_trajectory
 from ..spool.store import Spool
 from .groups import advantage_of
-from .index import ListFilter, TrajectoryIndex
+from .index import ListFilter
 from .truth import TRUTH_COLUMNS, truth_fields
 
 FORMATS = ("jsonl", "parquet")
@@ -65,7 +66,7 @@ class IndexBehind(RuntimeError):
     """The trajectory index could not catch up with the store in time: an export would miss data."""
 
 
-def settle(index: TrajectoryIndex, timeout_s: float = SETTLE_TIMEOUT_S) -> dict[str, Any]:
+def settle(index: ReadStore, timeout_s: float = SETTLE_TIMEOUT_S) -> dict[str, Any]:
     """Indexes everything stored so far (an export must not silently miss what is not indexed yet)."""
     deadline = time.monotonic() + timeout_s
     while not index.refresh(budget_s=1.0):
@@ -76,7 +77,7 @@ def settle(index: TrajectoryIndex, timeout_s: float = SETTLE_TIMEOUT_S) -> dict[
     return index.status()
 
 
-def selected(index: TrajectoryIndex, flt: ListFilter, *, limit: int | None = None,
+def selected(index: ReadStore, flt: ListFilter, *, limit: int | None = None,
              page: int = PAGE_TRAJECTORIES) -> Iterator[dict[str, Any]]:
     """Summaries of the selection, page by page (keyset: stable while new trajectories arrive)."""
     cursor, count = 0, 0
@@ -199,7 +200,7 @@ def record(tree: dict[str, Any], summary: dict[str, Any], *, token_ids: bool = F
     return out
 
 
-def records(spool: Spool, index: TrajectoryIndex, flt: ListFilter, *, token_ids: bool = False,
+def records(spool: Spool, index: ReadStore, flt: ListFilter, *, token_ids: bool = False,
             limit: int | None = None, on_skip: OnSkip | None = None) -> Iterator[dict[str, Any]]:
     """The selection's records, one trajectory read at a time (one dropped meanwhile is skipped).
 
@@ -352,7 +353,7 @@ def parquet_chunks(rows: Iterator[dict[str, Any]], *, token_ids: bool = False, r
     yield drain.take()
 
 
-def export_chunks(spool: Spool, index: TrajectoryIndex, flt: ListFilter, fmt: str, *, token_ids: bool = False,
+def export_chunks(spool: Spool, index: ReadStore, flt: ListFilter, fmt: str, *, token_ids: bool = False,
                   limit: int | None = None, on_skip: OnSkip | None = None) -> Iterator[bytes]:
     """The whole export as byte chunks (what the HTTP response streams and the CLI writes); a
     trajectory that cannot be written costs its row only, named to ``on_skip``."""

@@ -18,12 +18,13 @@ from fastapi.responses import Response, StreamingResponse
 
 from ..loudness import RateLimited
 from ..query_params import ATTR_QUERY, INT64_MAX, Int64, OptionalInt64, attribute_filters, sample_index_filter
+from ..read_store import ReadStore
 from ..spool.query import get_trajectory
 from ..spool.store import Spool
 from . import StoreOwner
 from .export import FORMATS, MEDIA_TYPES, IndexBehind, export_chunks, parquet_available, settle
 from .groups import GROUP_SORTS, build_groups
-from .index import ListFilter, TrajectoryIndex
+from .index import ListFilter
 from .list_api import read_index
 from .node_scope import mark_partial_groups, node_scope
 from .search import QUERY_MAX_CHARS
@@ -61,7 +62,7 @@ def sampled_out_of_step(spool: Spool, experiment: str | None, step: int, validat
     return {str(r["sample_index"]): r["n"] for r in rows}
 
 
-def groups_of_step(collector: StoreOwner, index: TrajectoryIndex, experiment: str | None, step: int,
+def groups_of_step(collector: StoreOwner, index: ReadStore, experiment: str | None, step: int,
                    validate: bool, **options: Any) -> dict[str, Any]:
     """Blocking: the step's summaries from the index, grouped; trajectories read for the page only."""
     if experiment is None:  # as the overview: the latest experiment
@@ -85,7 +86,7 @@ def groups_of_step(collector: StoreOwner, index: TrajectoryIndex, experiment: st
             "truncated": truncated, **result}
 
 
-def build_router(collector: StoreOwner, index: TrajectoryIndex, fresh: Callable[[], dict[str, Any]],
+def build_router(collector: StoreOwner, index: ReadStore, fresh: Callable[[], dict[str, Any]],
                  api_auth: Callable[..., Any], viewer_auth: Callable[..., Any]) -> APIRouter:
     router = APIRouter()
 

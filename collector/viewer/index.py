@@ -89,6 +89,8 @@ CREATE TABLE IF NOT EXISTS llm_calls (
 CREATE INDEX IF NOT EXISTS llm_calls_trace ON llm_calls(trace_id);
 CREATE TABLE IF NOT EXISTS parents (parent_id TEXT PRIMARY KEY) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS held (seq INTEGER PRIMARY KEY);
+-- trajectories changed since a mirror (viewer/clickhouse_store.py) last took them: its durable cursor
+CREATE TABLE IF NOT EXISTS changed (trace_id TEXT PRIMARY KEY) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS traj_overview ON trajectories(experiment, validate, step, reward, kept_because, trace_id, root_seq) WHERE {ROOT};
 CREATE INDEX IF NOT EXISTS traj_filter ON trajectories(experiment, step, sample_index, rollout_n) WHERE {ROOT};
 CREATE INDEX IF NOT EXISTS traj_step ON trajectories(step) WHERE {ROOT};
@@ -226,6 +228,48 @@ def _latest_seq(conn: sqlite3.Connection) -> int:
     return int(row[0]) if row else 0
 
 
+def overview_of(rows: list[tuple[Any, ...]], experiment: str | None, validate: bool | None, bins: int) -> dict[str, Any]:
+    """The overview from ``(step, reward, kept_because, trace_id, tie-break)`` rows ordered by step, reward:
+    shared by every read store (collector/read_store.py)."""
+    by_step: dict[Any, list[tuple[Any, ...]]] = {}
+    for row in rows:
+        by_step.setdefault(row[0], []).append(row)
+    scored = [r[1] for r in rows if r[1] is not None]
+    low, high = (min(scored), max(scored)) if scored else (0.0, 1.0)
+    if high == low:
+        low, high = low - 0.5, high + 0.5
+    width = (high - low) / bins
+    steps = []
+    for step, group in by_step.items():
+        rewards = [(r[1], r[3]) for r in group if r[1] is not None]
+        values = [r for r, _ in rewards]
+        # ties broken by rowid, as the list's reward sort does, so best/worst are its two ends
+        scored_rows = [r for r in group if r[1] is not None]
+        worst_row = min(scored_rows, key=lambda r: (r[1], r[4]), default=None)
+        best_row = max(scored_rows, key=lambda r: (r[1], r[4]), default=None)
+        kept: dict[str, int] = {}
+        for r in group:
+            if r[2] is not None:
+                kept[r[2]] = kept.get(r[2], 0) + 1
+        hist = [0] * bins
+        for value in values:
+            hist[min(bins - 1, int((value - low) / width))] += 1
+        entry: dict[str, Any] = {"step": step, "trajectories": len(group), "scored": len(values), "kept": kept, "hist": hist}
+        if values:
+            assert worst_row is not None and best_row is not None  # the rows of those values
+            entry.update(
+                mean=sum(values) / len(values), min=values[0], max=values[-1],
+                p10=_quantile(values, 0.1), p25=_quantile(values, 0.25), p50=_quantile(values, 0.5),
+                p75=_quantile(values, 0.75), p90=_quantile(values, 0.9),
+                worst={"trace_id": worst_row[3], "reward": worst_row[1]},
+                best={"trace_id": best_row[3], "reward": best_row[1]},
+            )
+        steps.append(entry)
+    return {"experiment": experiment, "validate": validate, "trajectories": len(rows),
+            "bin_edges": [low + i * width for i in range(bins + 1)],
+            "rules": sorted({rule for s in steps for rule in s["kept"]}), "steps": steps}
+
+
 def _quantile(ordered: list[float], q: float) -> float:
     position = (len(ordered) - 1) * q
     low, high = math.floor(position), math.ceil(position)
@@ -236,8 +280,11 @@ class TrajectoryIndex:
     """Thread-safe; every method is blocking (callers run them with ``asyncio.to_thread``)."""
 
     def __init__(self, spool_path: Path, index_path: Path | None = None, *, prune_deleted: bool = False,
-                 chunk_rows: int = 5000, chunk_bytes: int = 32 << 20) -> None:
+                 chunk_rows: int = 5000, chunk_bytes: int = 32 << 20, track_changes: bool = False) -> None:
         self.spool_path = spool_path
+        # a mirror (the ClickHouse store) reads what changed from ``changed``; off, nothing is written there
+        # and any mirror's token is dropped, so a mirror that missed changes starts again (see mirror_token)
+        self.track_changes = track_changes
         self.index_path = index_path or spool_path.with_name("viewer-index.sqlite3")
         self.prune_deleted = prune_deleted  # the spool deletes forwarded spans (keep_forwarded=false)
         self.chunk_rows = chunk_rows
@@ -297,6 +344,9 @@ class TrajectoryIndex:
             conn.executescript(truth.SCHEMA)
             conn.execute("INSERT INTO meta (key, value) VALUES ('version', ?)", (INDEX_VERSION,))
             watermark = 0
+        if not self.track_changes:
+            conn.execute("DELETE FROM meta WHERE key = 'mirror'")
+            conn.execute("DELETE FROM changed")
         self._watermark = watermark
         return conn
 
@@ -451,6 +501,8 @@ class TrajectoryIndex:
             truth.note_annotations(conn, notes)
             truth.note_turns(conn, sorted(turns), self._recent_turns)
             truth.compare_pending(conn, [t for t, _, _ in notes], [t[2] for t in turns])
+            if self.track_changes:
+                conn.executemany("INSERT OR IGNORE INTO changed (trace_id) VALUES (?)", [(t,) for t in deltas])
             conn.executemany("INSERT OR IGNORE INTO held (seq) VALUES (?)", add_held)
             conn.executemany("DELETE FROM held WHERE seq = ?", drop_held)
             if watermark is not None:
@@ -508,6 +560,8 @@ class TrajectoryIndex:
                 for table in truth.TABLES:
                     conn.execute(f"DELETE FROM {table} WHERE trace_id IN ({marks})", chunk)
             search.forget(conn, gone)
+            if self.track_changes:
+                conn.executemany("INSERT OR IGNORE INTO changed (trace_id) VALUES (?)", [(t,) for t in gone])
             conn.execute("COMMIT")
             self._cache.clear()
 
@@ -518,6 +572,57 @@ class TrajectoryIndex:
             held = conn.execute("SELECT COUNT(*) FROM held").fetchone()[0]
             return {"indexed_seq": self._watermark, "latest_seq": latest, "behind_spans": max(0, latest - self._watermark),
                     "caught_up": latest <= self._watermark, "held_spans": held}
+
+    # ---- a mirror's cursor (viewer/clickhouse_store.py) -----------------------------------------
+    def mirror_token(self) -> str | None:
+        """The token a mirror last synced this index under; None after a rebuild or a run without tracking."""
+        with self._lock:
+            row = self._db().execute("SELECT value FROM meta WHERE key = 'mirror'").fetchone()
+            return None if row is None else str(row[0])
+
+    def restart_mirror(self, token: str) -> None:
+        """Marks every trajectory changed under a new mirror token (the mirror emptied itself first)."""
+        with self._lock:
+            conn = self._db()
+            conn.execute("BEGIN")
+            try:
+                conn.execute(f"INSERT OR IGNORE INTO changed (trace_id) SELECT trace_id FROM trajectories WHERE {ROOT}")
+                conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('mirror', ?)", (token,))
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+
+    def changed_rows(self, limit: int) -> tuple[builtins.list[dict[str, Any]], builtins.list[str]]:
+        """Up to ``limit`` changed trajectories: (rooted rows with ``rid``, ``prompt``, ``response``; ids gone or not rooted)."""
+        with self._lock:
+            conn = self._db()
+            ids = [r[0] for r in conn.execute("SELECT trace_id FROM changed LIMIT ?", (limit,))]
+            if not ids:
+                return [], []
+            marks = ",".join("?" * len(ids))
+            rows = self._rows(conn, f"SELECT t.rowid AS rid, {', '.join('t.' + c.strip() for c in COLUMNS.split(','))},"
+                                    f" p.prompt AS prompt, p.response AS response FROM trajectories t"
+                                    f" LEFT JOIN previews p ON p.trace_id = t.trace_id"
+                                    f" WHERE t.trace_id IN ({marks}) AND t.root_seq IS NOT NULL", ids)
+            found = {r["trace_id"] for r in rows}
+            return rows, [t for t in ids if t not in found]
+
+    def forget_changed(self, trace_ids: builtins.list[str]) -> int:
+        """Drops ids the mirror has taken (a later change marks them again); returns how many remain."""
+        with self._lock:
+            conn = self._db()
+            conn.executemany("DELETE FROM changed WHERE trace_id = ?", [(t,) for t in trace_ids])
+            return int(conn.execute("SELECT COUNT(*) FROM changed").fetchone()[0])
+
+    def attach_truth(self, rows: builtins.list[dict[str, Any]], ground_truth: bool = False) -> None:
+        """Training-truth columns for rows another store listed (the truth tables live in this index)."""
+        with self._lock:
+            truth.attach(self._db(), rows, ground_truth=ground_truth)
+
+    def reward_component_keys(self) -> builtins.list[dict[str, Any]]:
+        with self._lock:
+            return truth.component_keys(self._db())
 
     # ---- queries -----------------------------------------------------------------------------
     def list_sql(self, flt: ListFilter, sort: str, descending: bool, nulls: bool) -> tuple[str, list[Any]]:
@@ -586,12 +691,20 @@ class TrajectoryIndex:
                                      " AND kept_because IS NOT NULL GROUP BY kept_because", params).fetchall())
             filtered = dict(conn.execute(f"SELECT filtered_by, COUNT(*) FROM trajectories WHERE {where}"
                                          " AND filtered_by IS NOT NULL GROUP BY filtered_by", params).fetchall())
-            drift = truth.step_truth(conn, where, params)
-            fates = truth.step_fates(conn, where, params)
-            trainer_vs_rollout = truth.step_trainer(conn, where, params)
+            found = self._step_truth(conn, where, params)
         return {"trajectories": n, "spans": spans, "with_error": errors, "scored": scored, "kept_by_rule": kept,
-                "trainer": {"trained": trained, "dropped": dropped, "filtered_by": filtered},
-                "drift": drift, "fates": fates, "trainer_vs_rollout": trainer_vs_rollout}
+                "trainer": {"trained": trained, "dropped": dropped, "filtered_by": filtered}, **found}
+
+    @staticmethod
+    def _step_truth(conn: sqlite3.Connection, where: str, params: builtins.list[Any]) -> dict[str, Any]:
+        return {"drift": truth.step_truth(conn, where, params), "fates": truth.step_fates(conn, where, params),
+                "trainer_vs_rollout": truth.step_trainer(conn, where, params)}
+
+    def step_truth_counts(self, flt: ListFilter) -> dict[str, Any]:
+        """The training-truth part of :meth:`step_counts` (drift, fates, trainer vs rollout): its tables live here."""
+        where, params = root_where(flt)
+        with self._lock:
+            return self._step_truth(self._db(), where, params)
 
     def summary(self, trace_id: str) -> dict[str, Any] | None:
         with self._lock:
@@ -663,43 +776,7 @@ class TrajectoryIndex:
             if cached is not None:
                 return cached
             rows = self._db().execute(*self.overview_sql(experiment, validate)).fetchall()
-        by_step: dict[Any, list[tuple[Any, ...]]] = {}
-        for row in rows:
-            by_step.setdefault(row[0], []).append(row)
-        scored = [r[1] for r in rows if r[1] is not None]
-        low, high = (min(scored), max(scored)) if scored else (0.0, 1.0)
-        if high == low:
-            low, high = low - 0.5, high + 0.5
-        width = (high - low) / bins
-        steps = []
-        for step, group in by_step.items():
-            rewards = [(r[1], r[3]) for r in group if r[1] is not None]
-            values = [r for r, _ in rewards]
-            # ties broken by rowid, as the list's reward sort does, so best/worst are its two ends
-            scored_rows = [r for r in group if r[1] is not None]
-            worst_row = min(scored_rows, key=lambda r: (r[1], r[4]), default=None)
-            best_row = max(scored_rows, key=lambda r: (r[1], r[4]), default=None)
-            kept: dict[str, int] = {}
-            for r in group:
-                if r[2] is not None:
-                    kept[r[2]] = kept.get(r[2], 0) + 1
-            hist = [0] * bins
-            for value in values:
-                hist[min(bins - 1, int((value - low) / width))] += 1
-            entry: dict[str, Any] = {"step": step, "trajectories": len(group), "scored": len(values), "kept": kept, "hist": hist}
-            if values:
-                assert worst_row is not None and best_row is not None  # the rows of those values
-                entry.update(
-                    mean=sum(values) / len(values), min=values[0], max=values[-1],
-                    p10=_quantile(values, 0.1), p25=_quantile(values, 0.25), p50=_quantile(values, 0.5),
-                    p75=_quantile(values, 0.75), p90=_quantile(values, 0.9),
-                    worst={"trace_id": worst_row[3], "reward": worst_row[1]},
-                    best={"trace_id": best_row[3], "reward": best_row[1]},
-                )
-            steps.append(entry)
-        result = {"experiment": experiment, "validate": validate, "trajectories": len(rows),
-                  "bin_edges": [low + i * width for i in range(bins + 1)],
-                  "rules": sorted({rule for s in steps for rule in s["kept"]}), "steps": steps}
+        result = overview_of(rows, experiment, validate, bins)
         with self._lock:
             self._cache[key] = result
         return result

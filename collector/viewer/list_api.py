@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 from fastapi import HTTPException
 
 from ..loudness import RateLimited
+from ..read_store import ReadStore
 from ..trajectory_filter import TrajectoryFilter
-from .index import TrajectoryIndex
 
 _index_failures = RateLimited()  # a full disk fails every list request: say it once a minute, with the count
 
@@ -57,7 +57,7 @@ def read_index(read: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         raise index_unavailable(exc) from None
 
 
-def caught_up(index: TrajectoryIndex, budget_s: float, on_behind: Callable[[], None] = lambda: None) -> dict[str, Any]:
+def caught_up(index: ReadStore, budget_s: float, on_behind: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Lets the index catch up for up to ``budget_s``, then says how far behind it is."""
     try:
         fresh = index.refresh(budget_s=budget_s, all_held=True)
@@ -69,7 +69,7 @@ def caught_up(index: TrajectoryIndex, budget_s: float, on_behind: Callable[[], N
     return index.status()
 
 
-def viewer_fresh(index: TrajectoryIndex) -> dict[str, Any]:
+def viewer_fresh(index: ReadStore) -> dict[str, Any]:
     """The viewer's catch-up: index what arrived since the last request (bounded), then its state.
 
     A backlog (a big store opened for the first time) is left to the background thread, so
@@ -84,7 +84,7 @@ def viewer_fresh(index: TrajectoryIndex) -> dict[str, Any]:
     return index.status()
 
 
-def list_page(index: TrajectoryIndex, flt: TrajectoryFilter, *, sort: str, descending: bool, limit: int, offset: int,
+def list_page(index: ReadStore, flt: TrajectoryFilter, *, sort: str, descending: bool, limit: int, offset: int,
               budget_s: float, on_behind: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """One page of summaries (with their prompt/response previews), the total, and the index's state."""
     state = caught_up(index, budget_s, on_behind)

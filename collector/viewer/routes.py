@@ -29,12 +29,14 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Resp
 from ..bearer import bearer_matches
 from ..json_out import dumps_deep
 from ..query_params import ATTR_QUERY, INT64_MAX, OptionalInt64, attribute_filters, sample_index_filter
+from ..read_store import ReadStore
 from ..shape import shape
 from ..spool.query import get_trajectory
 from . import StoreOwner
-from .index import SORTS, ListFilter, TrajectoryIndex
+from .index import SORTS, ListFilter
 from .list_api import INDEX_ERRORS, read_index, viewer_fresh
 from .search import QUERY_MAX_CHARS
+from .stores import open_read_store
 from .tokens import trajectory_tokens
 from .truth_api import TruthFilters, add_trainer_logprobs, add_truth
 
@@ -97,7 +99,7 @@ def _json(payload: Any) -> Response:
 class ViewerRouter(APIRouter):
     """The viewer's routes, and what the group export API shares with them (set by :func:`build_router`)."""
 
-    trajectory_index: TrajectoryIndex
+    trajectory_index: ReadStore
     fresh: Callable[[], dict[str, Any]]
     viewer_auth: ViewerAuth
 
@@ -105,7 +107,7 @@ class ViewerRouter(APIRouter):
 def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
     """The viewer's routes for one collector; the trajectory index closes with the app."""
     settings = collector.settings
-    index = TrajectoryIndex(collector.spool.path,
+    index = open_read_store(collector.spool.path, settings,
                             prune_deleted=not collector.spool.local_only and not settings.keep_forwarded)
     auth = ViewerAuth(token)
     files = _static_files()

@@ -121,6 +121,10 @@ def attach(conn: sqlite3.Connection, rows: list[dict[str, Any]]) -> list[dict[st
     found = {t: (p, r) for t, p, r in conn.execute(
         f"SELECT trace_id, prompt, response FROM previews WHERE trace_id IN ({','.join('?' * len(ids))})", ids)}
     for row in rows:
-        prompt, response = found.get(row["trace_id"], (None, None))
-        row["prompt_preview"], row["response_preview"] = prompt_preview(prompt, LIST_CHARS), _tail(response)
+        row.update(previews_of(*found.get(row["trace_id"], (None, None))))
     return rows
+
+
+def previews_of(prompt: str | None, response: str | None) -> dict[str, str | None]:
+    """A list row's two previews from the stored (bounded) texts: every read store shows the same."""
+    return {"prompt_preview": prompt_preview(prompt, LIST_CHARS), "response_preview": _tail(response)}

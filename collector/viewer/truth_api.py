@@ -21,9 +21,9 @@ import orjson
 from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.responses import Response
 
+from ..read_store import ReadStore
 from ..truth_filter import FATES, parse_where
 from . import StoreOwner
-from .index import TrajectoryIndex
 from .list_api import INDEX_ERRORS, caught_up
 from .trajectory_ids import read_by_id
 from .truth import decode_windows
@@ -61,7 +61,7 @@ def decoder_of(collector: StoreOwner) -> Callable[[list[int]], str] | None:
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def trajectory_truth(index: TrajectoryIndex, trace_id: str, decode: Callable[[list[int]], str] | None,
+def trajectory_truth(index: ReadStore, trace_id: str, decode: Callable[[list[int]], str] | None,
                      turns: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Blocking: one trajectory's truth; ``turns`` (the conversation view's) gain their ``drift``."""
     found = index.truth_detail(trace_id)
@@ -85,7 +85,7 @@ def trajectory_truth(index: TrajectoryIndex, trace_id: str, decode: Callable[[li
     return found
 
 
-def add_trainer_logprobs(view: dict[str, Any] | None, index: TrajectoryIndex) -> None:
+def add_trainer_logprobs(view: dict[str, Any] | None, index: ReadStore) -> None:
     """Blocking: the token view's tokens gain the trainer's ``old_log_probs`` (``trainer_logprob``) and
     ``logprob_diff`` (trainer − rollout) where the trainer trained on them; each span its max |Δ|.
 
@@ -126,7 +126,7 @@ def add_trainer_logprobs(view: dict[str, Any] | None, index: TrajectoryIndex) ->
         span["max_logprob_diff"] = worst
 
 
-def add_truth(view: dict[str, Any], collector: StoreOwner, index: TrajectoryIndex) -> None:
+def add_truth(view: dict[str, Any], collector: StoreOwner, index: ReadStore) -> None:
     """Blocking: the viewer's trajectory page gains drift at each turn and the reward panel's data."""
     try:
         view["truth"] = trajectory_truth(index, view["trace_id"], decoder_of(collector), view.get("turns"))
@@ -134,7 +134,7 @@ def add_truth(view: dict[str, Any], collector: StoreOwner, index: TrajectoryInde
         view["truth"] = None
 
 
-def build_router(collector: StoreOwner, index: TrajectoryIndex, api_auth: Callable[..., Any], catch_up_s: float) -> APIRouter:
+def build_router(collector: StoreOwner, index: ReadStore, api_auth: Callable[..., Any], catch_up_s: float) -> APIRouter:
     router = APIRouter()
 
     @router.get("/v1/trajectories/{trace_id}/truth", dependencies=[Depends(api_auth)])

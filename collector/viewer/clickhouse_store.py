@@ -1,0 +1,467 @@
+"""The ClickHouse read store (``TRACECAR_STORE=clickhouse``): one wide row per trajectory in embedded chDB.
+
+Where one SQLite file stops being the right place to list, group, search and export a whole
+job's trajectories (a gateway's tens of millions of spans), the read side moves to ClickHouse
+(embedded chDB: ClickHouse's engine in-process, ``pip install 'tracecar[clickhouse]'``), as W&B
+Weave's own trace server does. What it stores and how it is fed:
+
+* **One wide row per trajectory** (``SCHEMA``): the promoted, typed columns every filter and sort
+  reads (experiment, validate, step, sample index, rollout, worker, reward, kept rule, the
+  trainer's values, turns, tokens, errors, times), the first prompt and last response (ZSTD) and
+  their folded words, in a ``ReplacingMergeTree(version, deleted)`` ordered by
+  ``(experiment, validate, step, trace_id)``: an experiment's steps and a step's groups are
+  ranges; a token bloom filter and an ngram bloom filter over the words serve ``q=`` search.
+* **Fed from the spool through the trajectory index, with its own cursor.** The SQLite index
+  (viewer/index.py) already folds spans into a trajectory's row once (rewards from annotations,
+  turns, tokens, previews) by the spool's ``seq``; with ``track_changes`` it also records each
+  changed trajectory in ``changed``, in the same transaction. This store drains that table in
+  batches of ``TRACECAR_STORE_BATCH_ROWS`` (one ``INSERT`` each, a newer ``version`` replacing
+  the older row; a pruned trajectory becomes a ``deleted`` row), then forgets what it inserted.
+  Nothing is parsed twice, and a restart resumes from what is left in ``changed``; a crash
+  between the insert and the forget inserts the same rows again, which the engine collapses. A
+  mirror token in both stores tells a ClickHouse table that missed changes (a rebuilt index, a
+  run with ``TRACECAR_STORE=sqlite``): it is emptied and filled again.
+* **What it answers**: lists (every sort, the base filters, ``q=``), counts, facets, overview,
+  a step's counts, export's keyset walk. The training-truth tables (drift, reward components,
+  the trainer's rows) stay in the index: their columns are attached to the rows this store
+  lists, and the filters on them (``drift=``, ``where=``, ``fate=``, ...) and ``attr=`` (it reads
+  the root's payload) are answered by the index for now. Spans (a trajectory's tree, its
+  tokens) stay in the spool for both stores.
+"""
+
+from __future__ import annotations
+
+import builtins  # ClickHouseStore.list shadows the builtin in its class
+import logging
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ..settings import CollectorSettings
+from ..text_query import folded_words, query_words
+from ..trajectory_filter import TEXT_EQUALS, TrajectoryFilter, sample_index_values
+from .index import NOT_NULL, SORTS, TrajectoryIndex, overview_of
+from .search import previews_of
+
+log = logging.getLogger("tracecar.collector.viewer.clickhouse")
+
+TABLE = "tracecar.trajectories"
+SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS {TABLE} (
+    rid Int64,
+    trace_id String,
+    name Nullable(String),
+    experiment Nullable(String),
+    validate Nullable(UInt8),
+    step Nullable(Int64),
+    sample_index_int Nullable(Int64),
+    sample_index_str Nullable(String),
+    rollout_n Nullable(Int64),
+    worker Nullable(String),
+    start_time Nullable(Float64),
+    end_time Nullable(Float64),
+    duration Nullable(Float64),
+    kept_because Nullable(String),
+    reward Nullable(Float64),
+    span_count Int64,
+    has_error UInt8,
+    turns Int64,
+    tool_calls Int64,
+    tool_errors Int64,
+    prompt_tokens Nullable(Int64),
+    response_tokens Int64,
+    advantage Nullable(Float64),
+    trained Nullable(UInt8),
+    filtered_by Nullable(String),
+    policy_version Nullable(Int64),
+    trained_on_version Nullable(Int64),
+    prompt Nullable(String) CODEC(ZSTD(3)),
+    response Nullable(String) CODEC(ZSTD(3)),
+    words String CODEC(ZSTD(3)),
+    version UInt64,
+    deleted UInt8,
+    INDEX words_tokens words TYPE tokenbf_v1(32768, 3, 0) GRANULARITY 4,
+    INDEX words_ngrams words TYPE ngrambf_v1(3, 32768, 3, 0) GRANULARITY 4,
+    INDEX trace_ids trace_id TYPE bloom_filter GRANULARITY 4,
+    INDEX rid_range rid TYPE minmax GRANULARITY 1,  -- export's keyset walk (rid > cursor): rids grow with the steps
+    INDEX reward_range reward TYPE minmax GRANULARITY 4,
+    INDEX start_range start_time TYPE minmax GRANULARITY 4,
+    INDEX kept_set kept_because TYPE set(64) GRANULARITY 4
+) ENGINE = ReplacingMergeTree(version, deleted)
+ORDER BY (experiment, validate, step, trace_id)
+SETTINGS allow_nullable_key = 1
+"""
+META = "tracecar.meta"
+# the list's columns, as the SQLite index answers them (index.COLUMNS), from this table's
+SELECT = ("trace_id, name, experiment, step, sample_index_int, sample_index_str, rollout_n, validate, worker, start_time,"
+          " end_time, duration, kept_because, reward, span_count, has_error, turns, tool_calls, tool_errors, prompt_tokens,"
+          " response_tokens, advantage, trained, filtered_by, policy_version, trained_on_version")
+FLOATS = ("start_time", "end_time", "duration", "reward", "advantage")
+# filters answered by the index (their tables, or the root's payload, live there): see the module docstring
+INDEX_ONLY = frozenset({"attributes", "drift", "reward_where", "fate", "refill", "trained_other", "lp_delta_min"})
+READ_SETTINGS = " SETTINGS output_format_json_quote_64bit_integers = 0, output_format_json_quote_denormals = 0"
+_PARAM_TYPES = {bool: "UInt8", int: "Int64", float: "Float64", str: "String"}
+
+
+class ClickHouseUnavailable(OSError):
+    """chDB refused a query or an insert (a full disk, a damaged part): every reader answers 503, as for the index."""
+
+
+def _sort_expr(sort: str, direction: str) -> str:
+    column = SORTS.get(sort, "start_time")
+    if column == "sample_index":  # SQLite's order of an untyped column: integers, then text (NULLs are their own segment)
+        return (f"isNull(sample_index_int) {direction}, sample_index_int {direction}, sample_index_str {direction},"
+                f" rid {direction}")
+    return f"{column} {direction}, rid {direction}"
+
+
+def _null_test(sort: str) -> str:
+    column = SORTS.get(sort, "start_time")
+    return "(sample_index_int IS NULL AND sample_index_str IS NULL)" if column == "sample_index" else f"{column} IS NULL"
+
+
+def _escaped(text: str) -> str:
+    """A parameter's text as ClickHouse reads parameters (its escaped format): a tab or a backslash in a
+    worker's or an experiment's name must match itself, not end or change the value."""
+    return text.translate(_ESCAPES)
+
+
+_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r", "\0": "\\0"})
+
+
+class _Params:
+    """Named, typed ``{pN:Type}`` placeholders (chDB binds them; a value is never spliced into the SQL)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+
+    def __call__(self, value: Any) -> str:
+        name = f"p{len(self.values)}"
+        if type(value) is list:  # an array parameter is a ClickHouse literal of quoted strings
+            self.values[name] = "[" + ",".join("'" + _escaped(str(v)).replace("'", "\\'") + "'" for v in value) + "]"
+            return "{" + f"{name}:Array(String)" + "}"
+        self.values[name] = int(value) if type(value) is bool else _escaped(value) if type(value) is str else value
+        kind = _PARAM_TYPES[type(value)]
+        return "{" + f"{name}:{kind}" + "}"
+
+
+def where(flt: TrajectoryFilter, bind: _Params) -> str:
+    """The filter over this table, meaning what TrajectoryFilter.where() means over the index's ``trajectories``."""
+    clauses = ["deleted = 0"]
+    active = flt.active()
+    if flt.experiment == "":
+        clauses.append("experiment IS NULL")
+    elif flt.experiment is not None:
+        clauses.append(f"experiment = {bind(flt.experiment)}")
+    for name in ("step", "rollout_n", *TEXT_EQUALS):
+        if name in active:
+            clauses.append(f"{name} = {bind(getattr(flt, name))}")
+    if "sample_index" in active:
+        assert flt.sample_index is not None
+        ors = [f"sample_index_int = {bind(v)}" if type(v) is int else f"sample_index_str = {bind(v)}"
+               for v in sample_index_values(flt.sample_index)]
+        clauses.append("(" + " OR ".join(ors) + ")")
+    for name, column, op in (("step_min", "step", ">="), ("step_max", "step", "<="),
+                             ("reward_min", "reward", ">="), ("reward_max", "reward", "<=")):
+        value = getattr(flt, name)
+        if value is not None:
+            clauses.append(f"{column} {op} {bind(float(value) if column == 'reward' else value)}")
+    for name in ("validate", "has_error", "trained"):
+        value = getattr(flt, name)
+        if value is not None:
+            clauses.append(f"{name} = {bind(bool(value))}")
+    words = query_words(flt.q) if flt.q else []
+    for i, word in enumerate(words):  # every word, the last as a prefix (as FTS5's query in text_query.fts_query)
+        if i == len(words) - 1:
+            clauses.append(f"position(words, {bind(' ' + word)}) > 0")
+        else:
+            clauses.append(f"hasToken(words, {bind(word)})")
+    return " AND ".join(clauses)
+
+
+def _row_out(row: dict[str, Any]) -> dict[str, Any]:
+    """A row as the SQLite index answers it (its types: bools, floats, the untyped sample index)."""
+    si_int, si_str = row.pop("sample_index_int"), row.pop("sample_index_str")
+    out: dict[str, Any] = {}
+    for key in ("trace_id", "name", "experiment", "step"):
+        out[key] = row[key]
+    out["sample_index"] = si_int if si_int is not None else si_str
+    for key, value in row.items():
+        if key in out:
+            continue
+        if key in FLOATS and value is not None:
+            value = float(value)
+        elif key in ("validate", "trained"):
+            value = None if value is None else bool(value)
+        elif key == "has_error":
+            value = bool(value)
+        out[key] = value
+    return out
+
+
+class ClickHouseStore:
+    """A :class:`~tracecar.collector.read_store.ReadStore` on embedded chDB, fed from the trajectory index's changes."""
+
+    def __init__(self, index: TrajectoryIndex, settings: CollectorSettings, path: Path | None = None) -> None:
+        try:
+            from chdb import session as chdb_session
+        except ImportError:
+            raise SystemExit("TRACECAR_STORE=clickhouse needs chDB: pip install 'tracecar[clickhouse]'") from None
+        index.track_changes = True
+        self.index = index
+        self.batch_rows = settings.store_batch_rows
+        self.path = path or Path(settings.data_dir) / "clickhouse"
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._session = chdb_session.Session(str(self.path))
+        self._lock = threading.RLock()  # one drain at a time; queries run beside it (chDB sessions are thread-safe)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._pending = 0
+        self._synced = False
+        self._cache: dict[Any, Any] = {}  # facets and overviews until the next insert, as the index caches them
+        self._run("CREATE DATABASE IF NOT EXISTS tracecar")
+        self._run(SCHEMA)
+        self._run(f"CREATE TABLE IF NOT EXISTS {META} (key String, value String, at DateTime64(6) DEFAULT now64(6))"
+                  " ENGINE = ReplacingMergeTree(at) ORDER BY key")
+
+    # ---- chDB ------------------------------------------------------------------------------------
+    def _run(self, sql: str, params: dict[str, Any] | None = None) -> bytes:
+        try:
+            result = self._session.query(sql, "JSONEachRow", params=params or None)
+        except Exception as exc:  # chDB raises its own error (or RuntimeError) for any failed statement
+            raise ClickHouseUnavailable(f"ClickHouse store: {str(exc).splitlines()[0][:300]}") from None
+        return bytes(result.bytes()) if result is not None else b""
+
+    def _select(self, sql: str, bind: _Params | None = None) -> builtins.list[dict[str, Any]]:
+        data = self._run(sql + READ_SETTINGS, bind.values if bind else None)
+        return [orjson.loads(line) for line in data.splitlines() if line]
+
+    def _insert(self, rows: builtins.list[dict[str, Any]]) -> None:
+        if rows:
+            self._run(f"INSERT INTO {TABLE} FORMAT JSONEachRow\n" + "\n".join(orjson.dumps(r).decode() for r in rows))
+
+    # ---- catching up ---------------------------------------------------------------------------
+    def _sync_token(self) -> None:
+        """Starts the table again when it missed changes (the index was rebuilt, or ran without tracking)."""
+        if self._synced:
+            return
+        found = self._select(f"SELECT value FROM {META} FINAL WHERE key = 'mirror'")
+        mine = found[0]["value"] if found else None
+        if mine is None or mine != self.index.mirror_token():
+            token = uuid.uuid4().hex
+            self._run(f"TRUNCATE TABLE {TABLE}")
+            self.index.restart_mirror(token)
+            self._run(f"INSERT INTO {META} (key, value) VALUES ('mirror', {{t:String}})", {"t": token})
+            log.info("clickhouse store filled again from the trajectory index", extra={"event": "clickhouse_store_resync"})
+        self._synced = True
+
+    def _drain(self, deadline: float) -> bool:
+        """Inserts changed trajectories in batches until none is left (True) or past ``deadline`` (False)."""
+        with self._lock:
+            self._sync_token()
+            while True:
+                rows, gone = self.index.changed_rows(self.batch_rows)
+                if not rows and not gone:
+                    self._pending = 0
+                    return True
+                version = time.time_ns()
+                batch = []
+                for row in rows:
+                    value = row.pop("sample_index")
+                    row["sample_index_int"] = value if type(value) is int else None
+                    row["sample_index_str"] = None if value is None or type(value) is int else str(value)
+                    row["words"] = " " + " ".join(folded_words(row["prompt"]) + folded_words(row["response"])) + " "
+                    row["version"], row["deleted"] = version, 0
+                    batch.append(row)
+                if gone:  # a deleted row must carry the sorting key of the row it replaces
+                    bind = _Params()
+                    batch += [{**old, "version": version, "deleted": 1} for old in self._select(
+                        f"SELECT rid, trace_id, experiment, validate, step FROM {TABLE} FINAL"
+                        f" WHERE trace_id IN {bind(gone)}", bind)]
+                self._insert(batch)
+                self._cache.clear()
+                self._pending = self.index.forget_changed([r["trace_id"] for r in rows] + gone)
+                if self._pending == 0:
+                    return True
+                if time.monotonic() >= deadline:
+                    return False
+
+    def refresh(self, budget_s: float = 0.3, *, all_held: bool = False) -> bool:
+        deadline = time.monotonic() + budget_s
+        with self._lock:  # no change may land between a batch's read and its forget (it would be forgotten unsent)
+            fresh = self.index.refresh(budget_s=budget_s, all_held=all_held)
+            return self._drain(deadline) and fresh
+
+    def catching_up(self) -> bool:
+        thread = self._thread
+        return self.index.catching_up() or (thread is not None and thread.is_alive())
+
+    def catch_up_in_background(self) -> None:
+        with self._lock:
+            if self._closed or (self._thread is not None and self._thread.is_alive()):
+                return
+            self._thread = threading.Thread(target=self._catch_up, name="tracecar-clickhouse-store", daemon=True)
+            self._thread.start()
+
+    def _catch_up(self) -> None:
+        try:
+            while not self._closed and not self.refresh(0.1):
+                time.sleep(0.005)
+        except Exception:  # noqa: BLE001 - a failed catch-up is retried by the next request
+            log.exception("clickhouse store catch-up failed")
+
+    def status(self) -> dict[str, Any]:
+        state = self.index.status()
+        return {**state, "caught_up": state["caught_up"] and self._pending == 0, "store": "clickhouse",
+                "store_pending": self._pending}
+
+    def close(self) -> None:
+        self._closed = True
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=10)
+        self.index.close()
+        with self._lock:
+            self._session.close()
+
+    # ---- queries ---------------------------------------------------------------------------------
+    def _delegates(self, flt: TrajectoryFilter) -> bool:
+        return bool(flt.active() & INDEX_ONLY)
+
+    def _page(self, flt: TrajectoryFilter, sort: str, descending: bool, nulls: bool, limit: int, offset: int,
+              extra: str = "") -> builtins.list[dict[str, Any]]:
+        bind = _Params()
+        clause = where(flt, bind)
+        direction = "DESC" if descending else "ASC"
+        column = SORTS.get(sort, "start_time")
+        if column in NOT_NULL:
+            order = _sort_expr(sort, direction)
+        elif nulls:
+            clause += f" AND {_null_test(sort)}"
+            order = f"rid {direction}"
+        else:
+            clause += f" AND NOT {_null_test(sort)}"
+            order = _sort_expr(sort, direction)
+        return self._select(f"SELECT {SELECT}{extra} FROM {TABLE} FINAL WHERE {clause} ORDER BY {order}"
+                            f" LIMIT {int(limit)} OFFSET {int(offset)}", bind)
+
+    def _count(self, flt: TrajectoryFilter, extra: str = "") -> int:
+        bind = _Params()
+        return int(self._select(f"SELECT count() AS n FROM {TABLE} FINAL WHERE {where(flt, bind)}{extra}", bind)[0]["n"])
+
+    def list(self, flt: TrajectoryFilter, *, sort: str = "start", descending: bool = True, limit: int = 50,
+             offset: int = 0, previews: bool = True) -> dict[str, Any]:
+        if self._delegates(flt):
+            return self.index.list(flt, sort=sort, descending=descending, limit=limit, offset=offset, previews=previews)
+        texts = ", prompt, response" if previews else ""
+        total = self._count(flt)
+        raw = self._page(flt, sort, descending, False, limit, offset, texts)
+        if len(raw) < limit and SORTS.get(sort, "start_time") not in NOT_NULL:
+            with_key = offset + len(raw) if raw else self._count(flt, f" AND NOT {_null_test(sort)}")
+            raw += self._page(flt, sort, descending, True, limit - len(raw), max(0, offset - with_key), texts)
+        rows = []
+        for row in raw:
+            prompt, response = row.pop("prompt", None), row.pop("response", None)
+            out = _row_out(row)
+            if previews:
+                out.update(previews_of(prompt, response))
+            rows.append(out)
+        self.index.attach_truth(rows)
+        return {"total": total, "limit": limit, "offset": offset, "sort": sort,
+                "order": "desc" if descending else "asc", "filters": flt.as_dict(), "trajectories": rows}
+
+    def step_counts(self, flt: TrajectoryFilter) -> dict[str, Any]:
+        if self._delegates(flt):
+            return self.index.step_counts(flt)
+        bind = _Params()
+        clause = where(flt, bind)
+        head = self._select(f"SELECT count() AS n_, sum(span_count) AS spans_, sum(has_error) AS errors_, count(reward) AS scored_,"
+                            f" countIf(trained = 1) AS trained_, countIf(trained = 0) AS dropped_ FROM {TABLE} FINAL"
+                            f" WHERE {clause}", bind)[0]
+        kept = {r["k"]: r["n"] for r in self._select(f"SELECT kept_because AS k, count() AS n FROM {TABLE} FINAL WHERE {clause}"
+                                                     " AND kept_because IS NOT NULL GROUP BY k", bind)}
+        filtered = {r["k"]: r["n"] for r in self._select(f"SELECT filtered_by AS k, count() AS n FROM {TABLE} FINAL WHERE"
+                                                         f" {clause} AND filtered_by IS NOT NULL GROUP BY k", bind)}
+        return {"trajectories": head["n_"], "spans": head["spans_"], "with_error": head["errors_"], "scored": head["scored_"],
+                "kept_by_rule": kept, "trainer": {"trained": head["trained_"], "dropped": head["dropped_"], "filtered_by": filtered},
+                **self.index.step_truth_counts(flt)}
+
+    def summary(self, trace_id: str) -> dict[str, Any] | None:
+        bind = _Params()
+        found = self._select(f"SELECT {SELECT} FROM {TABLE} FINAL WHERE trace_id = {bind(trace_id)} AND deleted = 0", bind)
+        if not found:  # a trajectory whose root has not arrived lives in the index only (as a running one)
+            return self.index.summary(trace_id)
+        rows = [_row_out(found[0])]
+        self.index.attach_truth(rows)
+        return rows[0]
+
+    def trainer_detail(self, trace_id: str) -> dict[str, Any] | None:
+        return self.index.trainer_detail(trace_id)
+
+    def truth_detail(self, trace_id: str) -> dict[str, Any]:
+        return self.index.truth_detail(trace_id)
+
+    def facets(self) -> dict[str, Any]:
+        cached = self._cache.get("facets")
+        if cached is not None:
+            return cached
+        experiments: dict[Any, dict[str, Any]] = {}
+        for r in self._select(f"SELECT experiment, validate, count() AS n, min(step) AS lo, max(step) AS hi FROM {TABLE} FINAL"
+                              " WHERE deleted = 0 GROUP BY experiment, validate"):
+            entry = experiments.setdefault(r["experiment"], {"experiment": r["experiment"], "trajectories": 0, "train": 0,
+                                                             "validation": 0, "step_min": None, "step_max": None})
+            entry["trajectories"] += r["n"]
+            entry["validation" if r["validate"] else "train"] += r["n"]
+            for key, value, pick in (("step_min", r["lo"], min), ("step_max", r["hi"], max)):
+                if value is not None:
+                    entry[key] = value if entry[key] is None else pick(entry[key], value)
+        latest = self._select(f"SELECT experiment FROM {TABLE} FINAL WHERE deleted = 0 AND start_time IS NOT NULL"
+                              " ORDER BY start_time DESC, rid DESC LIMIT 1")
+        order = sorted(experiments.values(),
+                       key=lambda e: (not latest or e["experiment"] != latest[0]["experiment"], str(e["experiment"])))
+        rules = [{"rule": r["k"], "trajectories": r["n"]} for r in self._select(
+            f"SELECT kept_because AS k, count() AS n FROM {TABLE} FINAL WHERE deleted = 0 AND kept_because IS NOT NULL"
+            " GROUP BY k ORDER BY k")]
+        trainer = [{"trained": None if r["t"] is None else bool(r["t"]), "filtered_by": r["f"], "trajectories": r["n"]}
+                   for r in self._select(f"SELECT trained AS t, filtered_by AS f, count() AS n FROM {TABLE} FINAL WHERE"
+                                         " deleted = 0 AND (trained IS NOT NULL OR filtered_by IS NOT NULL) GROUP BY t, f"
+                                         " ORDER BY t NULLS FIRST, f NULLS FIRST")]
+        result = {"experiments": order, "kept_because": rules, "trainer": trainer,
+                  "reward_components": self.index.reward_component_keys()}
+        self._cache["facets"] = result
+        return result
+
+    def overview(self, experiment: str | None, validate: bool | None = False, bins: int = 12) -> dict[str, Any]:
+        key = ("overview", experiment, validate, bins)
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        bind = _Params()
+        clause = "deleted = 0 AND " + ("experiment IS NULL" if experiment is None else f"experiment = {bind(experiment)}")
+        if validate is not None:
+            clause += f" AND validate = {bind(validate)}"
+        found = self._select(f"SELECT step, reward, kept_because, trace_id, rid FROM {TABLE} FINAL WHERE {clause}"
+                             " ORDER BY step NULLS FIRST, reward NULLS FIRST, kept_because NULLS FIRST, trace_id", bind)
+        rows = [(r["step"], None if r["reward"] is None else float(r["reward"]), r["kept_because"], r["trace_id"], r["rid"])
+                for r in found]
+        result = overview_of(rows, experiment, validate, bins)
+        self._cache[key] = result
+        return result
+
+    def page_after(self, flt: TrajectoryFilter, after: int = 0, limit: int = 500) -> builtins.list[dict[str, Any]]:
+        if self._delegates(flt):
+            return self.index.page_after(flt, after, limit)
+        bind = _Params()
+        clause = where(flt, bind)
+        found = self._select(f"SELECT rid AS cursor, {SELECT} FROM {TABLE} FINAL WHERE {clause} AND rid > {bind(int(after))}"
+                             f" ORDER BY rid LIMIT {int(limit)}", bind)
+        rows = []
+        for row in found:
+            cursor = row.pop("cursor")
+            rows.append({"cursor": cursor, **_row_out(row)})
+        self.index.attach_truth(rows, ground_truth=True)
+        return rows
