@@ -295,6 +295,7 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int,
         if type(output) is dict:
             targets += [("output", output, key) for key in OUTPUT_REF_KEYS if _is_ref(output.get(key))]
         failed, slices = None, {}
+        stored_as: list[tuple[str, str, str, int, int]] = []
         for part, holder, key in targets:
             rebuilt = _rebuild(holder[key], worker, contexts, span.get("trace_id"))
             if type(rebuilt) is not str:
@@ -305,7 +306,9 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int,
             if isinstance(rebuilt, str):
                 failed = (f"{part}.{key}", rebuilt)
                 break
+            value = holder[key]
             holder[key] = rebuilt[0]
+            stored_as.append((part, key, rebuilt[1], value.get("from", 0), rebuilt[3]))
             if part == "output":
                 slices[key] = (holder[key], rebuilt)
             if part == "inputs":
@@ -321,6 +324,8 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int,
             bases.pop(span["span_id"], None)
             continue
         kept.append(span)
+        if stored_as:
+            validated.store_refs[span["span_id"]] = stored_as
         resolved += bool(targets)
         whole = _whole_context(slices)
         if whole is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import orjson
@@ -19,6 +19,7 @@ import orjson
 from ..spool.store import SpoolRow
 from ..types import Span
 from .decoding import KnownPrefix, KnownSuffix, collect_jobs, decode_spans
+from .store_refs import StoreRefs, compact_span
 from .token_arrays import extract as extract_token_arrays
 from .token_arrays import strip_from_payload as strip_token_arrays
 from .token_pieces import ApproximateEnds
@@ -102,30 +103,48 @@ def pack_token_arrays(span: Span, ends: list[int] | None, warnings: dict[str, li
 
 
 def serialize_spans(spans: list[Span], warnings: dict[str, list[str]], index_of: dict[str, int], ends: dict[str, list[int]],
-                    *, max_span_bytes: int, count_tokens: bool, local_only: bool) -> tuple[list[SpoolRow], list[Rejection]]:
-    """Spool rows of the spans; a span over ``max_span_bytes`` or that cannot be stored is a rejection naming it."""
+                    *, max_span_bytes: int, count_tokens: bool, local_only: bool,
+                    store_refs: StoreRefs | None = None,
+                    view: Callable[[str], Any] | None = None) -> tuple[list[SpoolRow], list[Rejection]]:
+    """Spool rows of the spans; a span over ``max_span_bytes`` or that cannot be stored is a rejection naming it.
+
+    ``store_refs`` (see :mod:`.store_refs`): lists rebuilt from a reference whose span is stored
+    (earlier in this batch, or in the store) are stored as the reference; ``view(ref)`` gives the
+    referenced context's texts. A reference to a span of this batch that is refused is stored whole.
+    """
     rows, too_big = [], []
+    refused: set[str] = set()
     for span in spans:
         packed = pack_token_arrays(span, ends.get(span["span_id"]), warnings, local_only)
         notes = warnings.get(span["span_id"])
         if notes:
             span["warnings"] = notes
+        stored: Any = span
+        refs: list[str] | None = None
+        items = store_refs.get(span["span_id"]) if store_refs else None
+        if items and not any(r[2] in refused for r in items):
+            compact = compact_span(cast("dict[str, Any]", span), items, view or (lambda ref: None))
+            if compact is not None:
+                stored, refs = compact
         try:
-            payload, inputs_at, output_at = pack_payload(span)
+            payload, inputs_at, output_at = pack_payload(stored)
         except PayloadError as exc:  # e.g. nested past orjson's depth: the part at fault is named
             index = index_of[span["span_id"]]
             too_big.append(Rejection(index, span["span_id"], f"spans[{index}].{exc.field}", exc.reason))
+            refused.add(span["span_id"])
             continue
         except orjson.JSONEncodeError as exc:
             index = index_of[span["span_id"]]
             too_big.append(Rejection(index, span["span_id"], f"spans[{index}]", f"cannot be stored: {exc}"))
+            refused.add(span["span_id"])
             continue
         if len(payload) > max_span_bytes:
             index = index_of[span["span_id"]]
             too_big.append(Rejection(index, span["span_id"], f"spans[{index}]",
                                      f"{len(payload)} bytes exceed TRACECAR_MAX_SPAN_BYTES={max_span_bytes}"))
+            refused.add(span["span_id"])
             continue
-        row = SpoolRow(span, payload, notes, inputs_at=inputs_at, output_at=output_at, token_arrays=packed)
+        row = SpoolRow(span, payload, notes, inputs_at=inputs_at, output_at=output_at, token_arrays=packed, refs=refs)
         if count_tokens:  # for max_tokens_per_step: token ids the span carries
             row.tokens = sum(len(job.ids) for job in collect_jobs(span))
         rows.append(row)
