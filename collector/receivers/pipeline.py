@@ -593,7 +593,11 @@ class IngestPipeline:
                     order.rebuilt.setdefault(sid, []).append((part, key, packed))
             bases = {k: b for k, b in validated.prompt_bases.items() if (k if isinstance(k, str) else k[0]) in order.index_of}
             order.bases = bases
-            for sid in [*ids, *(b.ref for b in bases.values()), *referenced(order.store_refs)]:
+            wanted = [*ids, *(b.ref for b in bases.values()), *referenced(order.store_refs)]
+            for key, base in bases.items():  # an output repeating an earlier prompt: the turns it was built on
+                entry = self.prompt_contexts.get(batch.worker, base.ref) if not isinstance(key, str) else None
+                wanted += [sid for n, sid in entry.marks if n == base.start] if entry is not None else []
+            for sid in wanted:
                 entry = self.prompt_contexts.get(batch.worker, sid)
                 if entry is not None:
                     order.contexts[sid] = ContextView.of(entry)
