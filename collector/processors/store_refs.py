@@ -44,25 +44,31 @@ def refs_stored(refs: StoreRefs, trace_of: dict[str, str], batch_ids: set[str], 
     return out
 
 
-def _text_ref(text: str, base: str, prompt: str, starts: tuple[int, ...]) -> tuple[int, int, str] | None:
-    """(from, n, add) with text == base[from:n] + add, saving the most; None if nothing worth it."""
-    best: tuple[int, int, str] | None = None
-    for s in starts:
-        if s > len(base):
-            continue
-        if text.startswith(base[s:]) if s else text.startswith(base):
-            cand = (s, len(base), text[len(base) - s:])
-        elif base.startswith(text, s):
-            cand = (s, s + len(text), "")
-        elif s == 0 and prompt and text.startswith(prompt):
-            cand = (0, len(prompt), text[len(prompt):])
-        else:
-            continue
-        if best is None or len(cand[2]) < len(best[2]):
-            best = cand
-    if best is None or len(text) - len(best[2]) < MIN_SAVED:
+def _text_ref(text: str, prompt: str, then: str | None, start: int) -> tuple[int, int, str] | None:
+    """(from, n, add) with text == (prompt + then)[from:n] + add, or None; compared in place: the
+    base is never built (copying a long context's text each turn grew with the square of the turns)."""
+    lp = len(prompt)
+    whole = lp + (len(then) if then is not None else 0)
+    if start > whole:
         return None
-    return best
+    if start == 0:
+        if text.startswith(prompt):
+            if then is not None and text.startswith(then, lp):
+                return 0, whole, text[whole:]
+            if then is not None and len(text) < whole and then.startswith(text[lp:]):
+                return 0, len(text), ""
+            return 0, lp, text[lp:]
+        if prompt.startswith(text):
+            return 0, len(text), ""
+        return None
+    if then is None or start > lp:
+        return None
+    if prompt.endswith(text[:lp - start]) and len(text) >= lp - start:  # the rest of the prompt, then the response
+        if text.startswith(then, lp - start):
+            return start, whole, text[whole - start:]
+        if then.startswith(text[lp - start:]):
+            return start, start + len(text), ""
+    return None
 
 
 def compact_span(span: dict[str, Any], items: list[tuple[str, str, str, int, int]],
@@ -98,12 +104,13 @@ def compact_span(span: dict[str, Any], items: list[tuple[str, str, str, int, int
                 if type(prompt) is not str:
                     continue
                 then = getattr(ctx, "response_text", None)
-                base = prompt + then if type(then) is str else prompt
-                starts: tuple[int, ...] = (0,)
-                if key == "response_text" and type(own_prompt) is str and own_prompt and base.startswith(own_prompt):
-                    starts = (0, len(own_prompt))
-                found = _text_ref(text, base, prompt if type(then) is str else "", starts)
-                if found is None:
+                then = then if type(then) is str else None
+                found = None
+                if key == "response_text" and type(own_prompt) is str and own_prompt and len(own_prompt) <= len(prompt) \
+                        and prompt.startswith(own_prompt):
+                    found = _text_ref(text, prompt, then, len(own_prompt))
+                found = found or _text_ref(text, prompt, then, 0)
+                if found is None or len(text) - len(found[2]) < MIN_SAVED:
                     continue
                 new = parts.setdefault("output", dict(output))
                 new[key] = {REF_KEY: ref, "from": found[0], "n": found[1], "add": found[2]}
