@@ -109,6 +109,6 @@ class Metrics:
 
 
 def _dangling_count(where: str) -> float:
-    from .spool.full_payloads import DANGLING
+    from .loudness import DANGLING
 
     return float(DANGLING.counts.get(where, 0))

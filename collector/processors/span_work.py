@@ -8,14 +8,13 @@ references) comes in through the ``contexts`` lookup and goes back through ``set
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-import msgpack
 import orjson
 
+from ..spool.payload import PayloadError, pack_payload  # noqa: F401 - the pipeline's and engine_hold's names for them
 from ..spool.store import SpoolRow
 from ..types import Span
 from .decoding import KnownPrefix, KnownSuffix, collect_jobs, decode_spans
@@ -24,64 +23,6 @@ from .token_arrays import extract as extract_token_arrays
 from .token_arrays import strip_from_payload as strip_token_arrays
 from .token_pieces import ApproximateEnds
 from .validate import Rejection
-
-_DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
-_INPUTS_KEY, _OUTPUT_KEY = b'"inputs":', b',"output":'
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, (bytes, bytearray)):
-        return {"__bytes_b64__": base64.b64encode(bytes(value)).decode()}
-    if isinstance(value, msgpack.ExtType):
-        return {"__ext__": value.code, "data_b64": base64.b64encode(value.data).decode()}
-    return repr(value)
-
-
-class PayloadError(ValueError):
-    """A span part that cannot be serialised; ``field`` names it (``attributes``, ``inputs``, ``output``, ...)."""
-
-    def __init__(self, field_name: str, reason: str) -> None:
-        super().__init__(f"{field_name}: {reason}")
-        self.field = field_name
-        self.reason = reason
-
-    def __reduce__(self) -> Any:  # crosses process boundaries with both arguments
-        return type(self), (self.field, self.reason)
-
-
-def _dumps_part(value: Any, field_name: str) -> bytes:
-    try:
-        return orjson.dumps(value, default=_json_default, option=_DUMP_OPTS)
-    except orjson.JSONEncodeError as exc:
-        hint = " (nested deeper than the 254 levels a stored value may have)" if "Recursion" in str(exc) else ""
-        raise PayloadError(field_name, f"cannot be stored: {exc}{hint}") from None
-
-
-def _dumps_head(head: dict[str, Any]) -> bytes:
-    """The span's fields other than inputs/output; on failure, the field at fault is named."""
-    try:
-        return orjson.dumps(head, default=_json_default, option=_DUMP_OPTS)
-    except orjson.JSONEncodeError:
-        for key, value in head.items():  # only on failure: find which field it was
-            _dumps_part({key: value}, str(key))
-        raise
-
-
-def pack_payload(span: Span) -> tuple[bytes, int, int]:
-    """The span as one JSON object, with the byte offsets of its inputs and output values.
-
-    The object is ``{...every other field..., "inputs": I, "output": O}``: any reader can
-    parse it whole, and the forwarder can parse just the small head and splice ``I`` and ``O``
-    into the backend request as they are (they hold the token ids and decoded text: most of the
-    bytes, and most of the parsing time).
-    """
-    head = _dumps_head({k: v for k, v in span.items() if k != "inputs" and k != "output"})
-    inputs = _dumps_part(span["inputs"], "inputs")
-    output = _dumps_part(span["output"], "output")
-    prefix = head[:-1] + b"," + _INPUTS_KEY
-    inputs_at = len(prefix)
-    output_at = inputs_at + len(inputs) + len(_OUTPUT_KEY)
-    return prefix + inputs + _OUTPUT_KEY + output + b"}", inputs_at, output_at
 
 
 def pack_token_arrays(span: Span, ends: list[int] | None, warnings: dict[str, list[str]], local_only: bool) -> bytes | None:

@@ -23,9 +23,7 @@ alone (list filters, annotations, roots) need not come here.
 
 from __future__ import annotations
 
-import logging
 import sqlite3
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -33,9 +31,8 @@ import orjson
 
 from tracecar.client.prompt_delta import REF_KEY, as_ids, response_of
 
-from ..loudness import RateLimited
-
-log = logging.getLogger("tracecar.collector.spool")
+from ..loudness import DANGLING
+from .payload import pack_payload
 
 REFS_KEY = "$refs"  # top-level key of a stored span: the [part, key] paths stored as references
 _MARK = b'"$refs":['
@@ -43,26 +40,6 @@ MAX_CHAIN = 4096  # references followed from one span before giving up (a chain,
 
 # span_id -> (trace_id, payload) of stored spans
 Loader = Callable[[Sequence[str]], dict[str, tuple[str, bytes]]]
-
-
-class _Dangling:
-    """References that could not be rebuilt, by where they were found (write, read); process-wide."""
-
-    def __init__(self) -> None:
-        self.counts = {"write": 0, "read": 0}
-        self._lock = threading.Lock()
-        self._loud = RateLimited()
-
-    def hit(self, where: str, n: int, detail: str) -> None:
-        with self._lock:
-            self.counts[where] = self.counts.get(where, 0) + n
-        since = self._loud.hit()
-        if since is not None:
-            log.error("stored prompt reference cannot be rebuilt (%s): %s; %d such since the last message",
-                      where, detail, since, extra={"event": "prompt_ref_dangling", "where": where})
-
-
-DANGLING = _Dangling()
 
 
 def is_compact(payload: bytes | None) -> bool:
@@ -202,9 +179,7 @@ def full_spans(spans: Iterable[dict[str, Any]], load: Loader | None) -> None:
 
 
 def _pack(span: dict[str, Any]) -> tuple[bytes, int, int]:
-    from ..processors.span_work import pack_payload  # the very serialiser of the ingest path
-
-    return pack_payload(span)  # type: ignore[arg-type]
+    return pack_payload(span)  # type: ignore[arg-type]  # the very serialiser of the ingest path
 
 
 def full_rows(rows: Sequence[tuple[bytes | None, int | None, int | None]], load: Loader | None
