@@ -24,6 +24,8 @@ alone (list filters, annotations, roots) need not come here.
 from __future__ import annotations
 
 import sqlite3
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -85,6 +87,46 @@ def with_rows(rows: dict[str, tuple[str, bytes]], fallback: Loader | None) -> Lo
     return load
 
 
+class ContextCache:
+    """Contexts rebuilt by earlier reads, by (trace_id, span_id), bounded by their ids (least
+    recently used first out). A forwarder batch or an index chunk holds a turn or two of a
+    trajectory; without this each read would rebuild every earlier turn again (a chain), a cost
+    growing with the cube of the turns. Stored rows never change once referenced, so an entry
+    stays right; ``TRACECAR_STORE_PROMPT_REFS_CACHE_IDS`` sets the bound (0: off)."""
+
+    def __init__(self, max_ids: int) -> None:
+        self.max_ids = max_ids
+        self._entries: OrderedDict[tuple[Any, str], tuple[list[Any], str]] = OrderedDict()
+        self._ids = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[Any, str]) -> tuple[list[Any], str] | None:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+            return found
+
+    def put(self, key: tuple[Any, str], value: tuple[list[Any], str]) -> None:
+        n = len(value[0])
+        with self._lock:
+            if n > self.max_ids or key in self._entries:
+                return
+            self._entries[key] = value
+            self._ids += n
+            while self._ids > self.max_ids:
+                _, (ids, _) = self._entries.popitem(last=False)
+                self._ids -= len(ids)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._ids = 0
+
+
+CONTEXTS = ContextCache(1_000_000)  # the process's; the service sets its bound from the settings
+
+
 class _Resolver:
     """Rebuilds spans, memoising each referenced span's full context and texts."""
 
@@ -110,7 +152,7 @@ class _Resolver:
 
     def context(self, span_id: str, trace_id: Any, depth: int) -> tuple[list[Any], str] | None:
         """(ids, text) of a stored span's context, rebuilt; None when it cannot be."""
-        done = self.contexts.get(span_id)
+        done = self.contexts.get(span_id) or CONTEXTS.get((trace_id, span_id))
         if done is not None:
             return done
         span = self._span(span_id, trace_id)
@@ -128,6 +170,7 @@ class _Resolver:
         found = (prompt + response if response else prompt,
                  (text if type(text) is str else "") + (then if type(then) is str else ""))
         self.contexts[span_id] = found
+        CONTEXTS.put((trace_id, span_id), found)
         return found
 
     def expand(self, span: dict[str, Any], depth: int = 0) -> bool:
