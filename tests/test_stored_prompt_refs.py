@@ -218,3 +218,22 @@ def test_a_reference_to_a_span_the_store_lost_is_loud_never_silently_wrong(start
     assert any("no longer holds" in w for w in got["warnings"]), got
     assert DANGLING.counts["read"] == before + 1
     assert kit.metrics(col.url, "tracecar_stored_prompt_refs_dangling", where="read") >= 1
+
+
+def test_a_write_naming_a_span_the_store_lacks_is_counted(tmp_path):
+    """The spool checks every stored reference inside its write transaction (a trajectory evicted
+    between the ingest path's check and the write is the one way to miss one): counted, logged."""
+    from tracecar.collector.spool.store import Spool, SpoolRow
+
+    spool = Spool(tmp_path / "spool.sqlite3", local_only=True)
+    try:
+        span = {"span_id": "a" * 32, "trace_id": "b" * 32, "parent_id": "b" * 32, "name": "generate", "kind": "op",
+                "worker": "w", "start_time": 1.0, "end_time": 2.0, "attributes": {}, "exception": None}
+        before = DANGLING.counts["write"]
+        spool.write([SpoolRow(span, b"{}", None, refs=["c" * 32])])  # type: ignore[arg-type]
+        assert DANGLING.counts["write"] == before + 1
+        other = dict(span, span_id="d" * 32)
+        spool.write([SpoolRow(other, b"{}", None, refs=["a" * 32])])  # type: ignore[arg-type]  # stored, same trajectory
+        assert DANGLING.counts["write"] == before + 1
+    finally:
+        spool.close()
