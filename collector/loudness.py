@@ -204,3 +204,25 @@ class TokenizerFailures:
                     "give the collector the model's tokenizer.json (README: 'Giving the collector the tokenizer')%s",
                     source, error, tried, more,
                     extra={"event": "tokenizer_refused" if refused else "tokenizer_not_found", "tokenizer": name})
+
+
+class _Dangling:
+    """Stored prompt references (spool.full_payloads) that name a span the store does not hold, by
+    where they were found (write, read); process-wide, logged at most once a minute."""
+
+    def __init__(self) -> None:
+        self.counts = {"write": 0, "read": 0}
+        self._lock = threading.Lock()
+        self._loud = RateLimited()
+
+    def hit(self, where: str, n: int, detail: str) -> None:
+        with self._lock:
+            self.counts[where] = self.counts.get(where, 0) + n
+        since = self._loud.hit()
+        if since is not None:
+            logging.getLogger("tracecar.collector.spool").error(
+                "stored prompt reference cannot be rebuilt (%s): %s; %d such since the last message",
+                where, detail, since, extra={"event": "prompt_ref_dangling", "where": where})
+
+
+DANGLING = _Dangling()

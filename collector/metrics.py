@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -31,6 +32,9 @@ class Metrics:
         self.prompt_refs = Counter("tracecar_prompt_refs", "Wire-version-2 spans carrying prompt references, by outcome: resolved (the full lists rebuilt), unresolved (span refused by name; the client resends it in full).", ["outcome"], registry=r)
         self.prompt_refs_evicted = Counter("tracecar_prompt_refs_evicted", "Prompt contexts forgotten under TRACECAR_PROMPT_REFS_MAX_BYTES (a later reference to one is refused and resent in full).", registry=r)
         self.prompt_refs_bytes = Gauge("tracecar_prompt_refs_bytes", "Bytes of prompt contexts kept for references (bounded by TRACECAR_PROMPT_REFS_MAX_BYTES).", registry=r)
+        self.stored_prompt_refs_dangling = Gauge("tracecar_stored_prompt_refs_dangling", "Stored prompt references (TRACECAR_STORE_PROMPT_REFS) naming a span the store does not hold, by where they were found: write (stored anyway; its trajectory was evicted meanwhile) or read (shown as stored, with a warning on the span); counted since this process started, each logged rate-limited.", ["where"], registry=r)
+        for where in ("write", "read"):
+            self.stored_prompt_refs_dangling.labels(where=where).set_function(functools.partial(_dangling_count, where))
         self.prompt_text_joins = Counter("tracecar_prompt_text_joins", "Rebuilt prompts decoded as earlier text + the new ids (reused) or whole because the join was not safe (full).", ["outcome"], registry=r)
         self.workers = Gauge("tracecar_workers", "Worker processes decoding and serialising spans (TRACECAR_WORKERS), started and ready; 0 while they start (batches are then done in the ingest process) or with TRACECAR_WORKERS=1.", registry=r)
         self.worker_batches = Counter("tracecar_worker_batches", "Batches decoded and serialised, by where: worker (a worker process) or in_process (the ingest process: TRACECAR_WORKERS=1, nothing to decode, workers starting, or redone after a failure).", ["path"], registry=r)
@@ -102,3 +106,9 @@ class Metrics:
         self.spool_pending_bytes.set_function(pending_bytes)
         self.spool_file_bytes.set_function(file_bytes)
         self.dead_letters.set_function(dead)
+
+
+def _dangling_count(where: str) -> float:
+    from .loudness import DANGLING
+
+    return float(DANGLING.counts.get(where, 0))

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from tracecar.client import rollout_trace_attr, rollout_trace_op
 from tracecar.client.prompt_delta import PromptDeltas
 from tracecar.collector.processors.decoding import KnownPrefix, KnownSuffix, decode_spans
+from tracecar.collector.spool.full_payloads import full_payloads, spool_loader
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -237,6 +238,16 @@ def test_unresolvable_references_are_resent_in_full(start_collector, tracer_to, 
     assert kit.metrics(col.url, "tracecar_prompt_refs_total", outcome="unresolved") == refs["sent"]
 
 
+def _stored(col: Any, trace_id: str, whole: bool = True) -> dict[str, Any]:
+    """The trajectory's stored spans by id, as every reader gets them (references rebuilt), or as stored."""
+    spool = col.collector.pipeline.spool
+    rows = spool.query("SELECT span_id, payload FROM spans WHERE trace_id = ?", [trace_id])
+    payloads = [r["payload"] for r in rows]
+    if whole:
+        payloads = full_payloads(payloads, spool_loader(spool.query))
+    return {r["span_id"]: orjson.loads(p) for r, p in zip(rows, payloads)}
+
+
 def _span(kit: Any, trace: str, prompt: Any, output: Any = None, name: str = "generate") -> dict[str, Any]:
     return {"span_id": kit.new_id(), "trace_id": trace, "parent_id": trace, "name": name, "kind": "op",
             "start_time": 1.0, "end_time": 2.0, "attributes": {"step": 1}, "inputs": {"request_id": "r", "prompt_ids": prompt},
@@ -267,10 +278,11 @@ def test_the_wire_format_over_http_refs_in_batch_across_batches_and_refused(star
     assert reasons[over["span_id"]][1].startswith("unresolved prompt ref: n=114 exceeds the 113 ids")
     assert reasons[backwards["span_id"]] == ("spans[3].output.response_ids", "malformed prompt reference: from must be an integer from 0 to n")
 
-    rows = {row["span_id"]: row for row in col.collector.pipeline.spool.query(
-        "SELECT span_id, payload FROM spans WHERE trace_id = ?", [root])}
-    payloads = {sid: orjson.loads(row["payload"]) for sid, row in rows.items()}
+    payloads = _stored(col, root)
     assert set(payloads) == {first["span_id"], second["span_id"], third["span_id"], sliced["span_id"]}
+    raw = _stored(col, root, whole=False)  # the store keeps the references (spool.full_payloads rebuilds them)
+    assert raw[sliced["span_id"]]["$refs"] == [["output", "prompt_ids"], ["output", "response_ids"]]
+    assert raw[second["span_id"]]["inputs"]["prompt_ids"] == {"$ref": first["span_id"], "from": 0, "n": 110, "add": [1, 2, 3]}
     assert payloads[sliced["span_id"]]["output"] == {"prompt_ids": list(range(100)), "response_ids": [7] * 10 + [1, 2, 3, 8]}
     assert payloads[second["span_id"]]["inputs"]["prompt_ids"] == list(range(100)) + [7] * 10 + [1, 2, 3]
     assert payloads[third["span_id"]]["inputs"]["prompt_ids"] == list(range(50)) + [4]
@@ -288,8 +300,7 @@ def test_a_resend_with_other_ids_changes_no_later_rebuild(start_collector, kit):
     assert (answer["accepted"], answer["duplicates"]) == (1, 1), answer
     later = _span(kit, root, {"$ref": base["span_id"], "n": 3, "add": [8]})
     assert kit.post(col.url, [later], v=2).json()["accepted"] == 1
-    stored = {row["span_id"]: orjson.loads(row["payload"])["inputs"]["prompt_ids"] for row in col.collector.pipeline.spool.query(
-        "SELECT span_id, payload FROM spans WHERE trace_id = ?", [root])}
+    stored = {sid: span["inputs"]["prompt_ids"] for sid, span in _stored(col, root).items()}
     assert stored == {base["span_id"]: [1, 2, 3], same_batch["span_id"]: [1, 2, 3, 9], later["span_id"]: [1, 2, 3, 8]}
 
 
@@ -316,8 +327,7 @@ def test_old_format_batches_are_stored_as_sent(start_collector, kit):
     lookalike = _span(kit, root, {"$ref": full["span_id"], "n": 3, "add": []})
     answer = kit.post(col.url, [full, lookalike]).json()
     assert answer["accepted"] == 2 and answer["rejected"] == []
-    payloads = {row["span_id"]: orjson.loads(row["payload"]) for row in col.collector.pipeline.spool.query(
-        "SELECT span_id, payload FROM spans WHERE trace_id = ?", [root])}
+    payloads = _stored(col, root)
     assert payloads[full["span_id"]]["inputs"]["prompt_ids"] == list(range(300))
     assert payloads[lookalike["span_id"]]["inputs"]["prompt_ids"] == {"$ref": full["span_id"], "n": 3, "add": []}
 
@@ -503,6 +513,5 @@ def test_a_reference_resolves_only_within_its_worker_and_its_trajectory(start_co
     assert "belongs to another trajectory" in a["rejected"][0]["reason"], a
     assert b["accepted"] == 0 and "not known to this collector" in b["rejected"][0]["reason"], b
     assert c["accepted"] == 1 and not c["rejected"], c
-    stored = orjson.loads(col.collector.pipeline.spool.query("SELECT payload FROM spans WHERE span_id = ?",
-                                                             [same["span_id"]])[0]["payload"])
+    stored = _stored(col, same["trace_id"])[same["span_id"]]
     assert stored["inputs"]["prompt_ids"] == list(range(100, 200)) + [7]

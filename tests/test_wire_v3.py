@@ -19,6 +19,7 @@ from tracecar.client.prompt_delta import PromptDeltas
 from tracecar.client.redact import RedactKeys
 from tracecar.client.short_ids import expand, expand_wire, shorten, shorten_wire
 from tracecar.client.wire import WireEncoder, batch_body, pack_span
+from tracecar.collector.spool.full_payloads import conn_loader, full_payloads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -85,6 +86,8 @@ def spooled(data_dir: Any) -> dict[str, Any]:
 
     with sqlite3.connect(f"file:{data_dir}/spool.sqlite3?mode=ro", uri=True) as conn:
         rows = conn.execute("SELECT payload FROM spans").fetchall()
+        # as every reader gets them: stored prompt references rebuilt (spool.full_payloads)
+        rows = [(p,) for p in full_payloads([r[0] for r in rows], conn_loader(conn, "spans"))]
     out = {}
     for (payload,) in rows:
         span = orjson.loads(payload)

@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 
 from tests.support.collector import scrape_metric
 from tests.support.processes import pool_pids
+from tracecar.collector.spool.full_payloads import full_spans
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -120,6 +121,8 @@ def test_two_workers_store_exactly_what_one_process_stores(collector_process, ki
     assert stored[1] and stored[2] == stored[1]  # payload bytes, token arrays, warnings, token counts
     assert counted[1]["tokens"][""] > 0 and counted[2] == counted[1], counted  # counted in a worker = counted here
     spans = {sid: orjson.loads(row[0]) for sid, row in stored[2].items()}
+    assert any("$refs" in span for span in spans.values())  # growing prompts are stored as references ...
+    full_spans(spans.values(), None)  # ... and read whole (every reader goes through spool.full_payloads)
     plain, bad, arrays, envelope, empty = (spans[s["span_id"]] for s in bodies[0][0])
     assert plain["output"]["response_text"] == tok.decode(plain["output"]["token_ids"], skip_special_tokens=False)
     assert "outside the vocabulary" in " ".join(bad["warnings"]) and "not integers" in " ".join(bad["warnings"])

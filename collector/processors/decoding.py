@@ -251,7 +251,44 @@ def collect_jobs(span: Span, warnings: dict[str, list[str]] | None = None) -> li
     return jobs
 
 
-def _below_vocab(ids: list[Any], vocab: int) -> bool:
+_VOCAB_SIZES: dict[int, tuple[Any, int]] = {}  # id(tokenizer) -> (the tokenizer, kept so its id stays its, vocab size)
+
+
+def _vocab_size(tokenizer: Any) -> int:
+    """The vocabulary size with added tokens (``get_vocab_size`` builds it anew: ~0.15 ms a batch)."""
+    known = _VOCAB_SIZES.get(id(tokenizer))
+    if known is not None and known[0] is tokenizer:
+        return known[1]
+    size = int(tokenizer.get_vocab_size(with_added_tokens=True))
+    if len(_VOCAB_SIZES) >= 32:
+        _VOCAB_SIZES.clear()
+    _VOCAB_SIZES[id(tokenizer)] = (tokenizer, size)
+    return size
+
+
+def _known_upto(job: _Job, known: dict[Any, Any] | None) -> int:
+    """How many leading ids of the job are an earlier text's, decoded whole before (so in the
+    vocabulary): a rebuilt prompt's known prefix, an output repeating a known context. Checking
+    them again walked every turn's whole context, the one cost that grew with the square of the turns."""
+    if not known:
+        return 0
+    sid, n = job.span["span_id"], len(job.ids)
+    if job.source == "inputs.prompt_ids":
+        prefix = known.get(sid)
+        if not isinstance(prefix, KnownPrefix) or not 0 < prefix.length <= n:
+            return 0
+        then = prefix.then_len if prefix.then_text is not None and prefix.length + prefix.then_len <= n else 0
+        return prefix.length + then
+    hit = known.get((sid, job.source))
+    if job.source == "output.prompt_ids" and isinstance(hit, str):
+        return n
+    if job.source == "output.response_ids" and isinstance(hit, KnownSuffix) \
+            and hit.context.length + hit.context.then_len == hit.start + n:
+        return n
+    return 0
+
+
+def _below_vocab(ids: list[Any], vocab: int, known: int = 0) -> bool:
     """The one check on the fast path: tokenizers silently drops ids past the vocabulary.
 
     Every other fault is found by ``decode_batch`` itself, which checks each element's type in
@@ -260,6 +297,8 @@ def _below_vocab(ids: list[Any], vocab: int) -> bool:
     (A mixed list can also fail ``max`` here, with the same result.)
     """
     try:
+        if known:
+            return max(ids[known:]) < vocab if len(ids) > known else True
         return max(ids) < vocab if ids else True
     except TypeError:
         return False
@@ -314,11 +353,22 @@ def _joined(text: str, window: str, window_and_new: str) -> str | None:
     (byte-level BPE: a multi-byte character split there; Metaspace: the window, not the new
     ids, starts the decode, so a leading "▁" of the new ids keeps its space).
     """
-    if not window_and_new.startswith(window) or not text.endswith(window):
-        return None
-    if window.endswith(_REPLACEMENT) or window_and_new[len(window):len(window) + 1] == _REPLACEMENT:
-        return None
-    return text + window_and_new[len(window):]
+    return text + window_and_new[len(window):] if _join_ok(text.endswith(window), window, window_and_new) else None
+
+
+def _join_ok(ends_with_window: bool, window: str, window_and_new: str) -> bool:
+    """:func:`_joined`'s test alone (``ends_with_window``: the earlier text ends with ``window``),
+    so a long text is copied once, when the whole prompt's text is put together."""
+    if not ends_with_window or not window_and_new.startswith(window):
+        return False
+    return not (window.endswith(_REPLACEMENT) or window_and_new[len(window):len(window) + 1] == _REPLACEMENT)
+
+
+def _ends_with(head: str, tail: str, suffix: str) -> bool:
+    """(head + tail).endswith(suffix), without building head + tail."""
+    if len(suffix) <= len(tail):
+        return tail.endswith(suffix)
+    return suffix.endswith(tail) and head.endswith(suffix[:len(suffix) - len(tail)])
 
 
 class _Join:
@@ -342,13 +392,16 @@ class _Join:
         plan.extend((window, window + ids[start:]))
 
     def text(self, texts: list[str]) -> str | None:
-        prefix, text = self.prefix, self.prefix.text
+        prefix, then = self.prefix, ""
         if self.mid is not None:
             window, window_and_head, head = texts[self.mid:self.mid + 3]
-            if _joined(text, window, window_and_head) is None or window_and_head[len(window):] != head:
+            if not _join_ok(prefix.text.endswith(window), window, window_and_head) or window_and_head[len(window):] != head:
                 return None
-            text = text + (prefix.then_text or "")
-        return _joined(text, texts[self.at], texts[self.at + 1])
+            then = prefix.then_text or ""
+        window, window_and_new = texts[self.at], texts[self.at + 1]
+        if not _join_ok(_ends_with(prefix.text, then, window), window, window_and_new):
+            return None
+        return "".join((prefix.text, then, window_and_new[len(window):]))  # one copy of the long text
 
 
 @dataclass
@@ -363,7 +416,7 @@ class KnownSuffix:
 
 def _clean_cut(left: str, window: str, window_and_head: str, head: str) -> bool:
     """decode(x + y) == decode(x) + decode(y) at this cut, judged on windows around it."""
-    return _joined(left, window, window_and_head) is not None and window_and_head[len(window):] == head
+    return _join_ok(left.endswith(window), window, window_and_head) and window_and_head[len(window):] == head
 
 
 class _Suffix:
@@ -389,7 +442,7 @@ class _Suffix:
 
 
 def decode_spans(spans: list[Span], tokenizer: Tokenizer, warnings: dict[str, list[str]],
-                 known: dict[Any, KnownPrefix | KnownSuffix] | None = None, texts_out: dict[tuple[str, str], str] | None = None,
+                 known: dict[Any, KnownPrefix | KnownSuffix | str] | None = None, texts_out: dict[tuple[str, str], str] | None = None,
                  outcomes: dict[str, int] | None = None, pieces: dict[str, list[int]] | None = None) -> int:
     """Adds decoded text to each span in place; returns the number of tokens decoded.
 
@@ -409,15 +462,23 @@ def decode_spans(spans: list[Span], tokenizer: Tokenizer, warnings: dict[str, li
     jobs = [job for span in spans for job in collect_jobs(span, warnings)]
     if not jobs:
         return 0
-    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    vocab = _vocab_size(tokenizer)
     sequences: list[list[Any] | None] = [
-        job.ids if _below_vocab(job.ids, vocab) else _keep_in_vocab(job, job.ids, vocab, warnings) for job in jobs]
+        job.ids if _below_vocab(job.ids, vocab, _known_upto(job, known)) else _keep_in_vocab(job, job.ids, vocab, warnings)
+        for job in jobs]
     plan: list[list[Any]] = [ids if ids is not None else [] for ids in sequences]
     joins: list[_Join] = []
     suffixes: list[_Suffix] = []
+    reused: dict[int, str] = {}  # an output's prompt_ids that are exactly an earlier prompt: its text, not decoded
     if known:
         prompt_jobs = {job.span["span_id"]: i for i, job in enumerate(jobs) if job.source == "output.prompt_ids"}
         for i, job in enumerate(jobs):
+            if job.source == "output.prompt_ids":
+                earlier = known.get((job.span["span_id"], job.source))
+                if isinstance(earlier, str) and sequences[i] is job.ids:
+                    plan[i] = []
+                    reused[i] = earlier
+                continue
             if job.source == "output.response_ids":
                 cut = known.get((job.span["span_id"], job.source))
                 p = prompt_jobs.get(job.span["span_id"])
@@ -435,8 +496,11 @@ def decode_spans(spans: list[Span], tokenizer: Tokenizer, warnings: dict[str, li
     decoded_lens = [len(ids) for ids in plan]
     try:
         texts = cast("list[str | None]", tokenizer.decode_batch(plan, skip_special_tokens=False))
+        for i, known_text in reused.items():
+            texts[i] = known_text
     except Exception:  # noqa: BLE001 - one by one, so one bad sequence is named and the rest decoded
         joins, suffixes, decoded_lens = [], [], [len(ids) if ids is not None else 0 for ids in sequences]
+        reused = {}
         texts = []
         for i, job in enumerate(jobs):
             ids = sequences[i]
@@ -461,8 +525,8 @@ def decode_spans(spans: list[Span], tokenizer: Tokenizer, warnings: dict[str, li
         texts[suffix.job] = suffix.text(texts, texts[suffix.prompt_job])  # type: ignore[arg-type]
         if texts[suffix.job] is None:
             whole.append(suffix.job)
-    if outcomes is not None and (joins or suffixes):
-        outcomes["reused"] = outcomes.get("reused", 0) + len(joins) + len(suffixes) - len(whole)
+    if outcomes is not None and (joins or suffixes or reused):
+        outcomes["reused"] = outcomes.get("reused", 0) + len(joins) + len(suffixes) + len(reused) - len(whole)
         outcomes["full"] = outcomes.get("full", 0) + len(whole)
     if whole:  # a join was not safe: the whole list, as if no prefix were known
         for i, whole_text in zip(whole, tokenizer.decode_batch([jobs[i].ids for i in whole], skip_special_tokens=False)):

@@ -58,6 +58,9 @@ class Context:
     response_text: str | None = None
     tokenizer: str | None = None
     response: list[Any] | None = None  # the ids after ``ids`` (the span's response list)
+    # (L, span_id): the first L ids are exactly that earlier span's prompt (a turn built on it from
+    # its start), whose text is then known: an output repeating them reuses it, never decodes them again
+    marks: tuple[tuple[int, str], ...] = ()
     # bytes counted against the bound when remembered: what is subtracted when it goes (size is
     # not stable: a text's size grows once its UTF-8 form is cached, e.g. by serialising it)
     counted: int = field(default=0, repr=False, compare=False)
@@ -78,7 +81,7 @@ class Context:
     @property
     def size(self) -> int:
         texts = sum(sys.getsizeof(t) for t in (self.text, self.response_text) if t is not None)
-        return self.n_ids * _BYTES_PER_ID + texts + _ENTRY_OVERHEAD
+        return self.n_ids * _BYTES_PER_ID + texts + _ENTRY_OVERHEAD + 64 * len(self.marks)
 
     @classmethod
     def of(cls, prompt: list[Any], output: Any) -> Context:
@@ -295,6 +298,8 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int,
         if type(output) is dict:
             targets += [("output", output, key) for key in OUTPUT_REF_KEYS if _is_ref(output.get(key))]
         failed, slices = None, {}
+        stored_as: list[tuple[str, str, str, int, int]] = []
+        marks: tuple[tuple[int, str], ...] = ()
         for part, holder, key in targets:
             rebuilt = _rebuild(holder[key], worker, contexts, span.get("trace_id"))
             if type(rebuilt) is not str:
@@ -305,12 +310,16 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int,
             if isinstance(rebuilt, str):
                 failed = (f"{part}.{key}", rebuilt)
                 break
+            value = holder[key]
             holder[key] = rebuilt[0]
+            stored_as.append((part, key, rebuilt[1], value.get("from", 0), rebuilt[3]))
             if part == "output":
                 slices[key] = (holder[key], rebuilt)
             if part == "inputs":
                 _, ref, entry, n = rebuilt
                 prompt = rebuilt[0]
+                if stored_as[-1][3] == 0:  # the prompt starts with the ref's context: its known prefixes too
+                    marks = tuple(m for m in entry.marks if m[0] <= n) + (((entry.prompt_len, ref),) if n >= entry.prompt_len else ())
                 if n >= entry.prompt_len:
                     bases[span["span_id"]] = Base(worker, ref, entry.prompt_len,
                                                   with_response=n == entry.n_ids and entry.response_source is not None)
@@ -321,6 +330,8 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int,
             bases.pop(span["span_id"], None)
             continue
         kept.append(span)
+        if stored_as:
+            validated.store_refs[span["span_id"]] = stored_as
         resolved += bool(targets)
         whole = _whole_context(slices)
         if whole is not None:
@@ -329,7 +340,9 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int,
         # a resend of a known span keeps the first context: the store keeps the first copy (the
         # resend is dropped as a duplicate), and later references must rebuild what it holds
         if ids is not None and span["span_id"] not in stored and contexts.get(worker, span["span_id"]) is None:
-            contexts.remember(worker, span["span_id"], Context.of(ids, output), span.get("trace_id"))
+            context = Context.of(ids, output)
+            context.marks = marks
+            contexts.remember(worker, span["span_id"], context, span.get("trace_id"))
             validated.remembered.add(span["span_id"])
     for span in kept:
         if span.get("kind") == "trajectory":

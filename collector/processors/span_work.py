@@ -8,79 +8,21 @@ references) comes in through the ``contexts`` lookup and goes back through ``set
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-import msgpack
 import orjson
 
+from ..spool.payload import PayloadError, pack_payload  # noqa: F401 - the pipeline's and engine_hold's names for them
 from ..spool.store import SpoolRow
 from ..types import Span
 from .decoding import KnownPrefix, KnownSuffix, collect_jobs, decode_spans
+from .store_refs import StoreRefs, compact_span
 from .token_arrays import extract as extract_token_arrays
 from .token_arrays import strip_from_payload as strip_token_arrays
 from .token_pieces import ApproximateEnds
 from .validate import Rejection
-
-_DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
-_INPUTS_KEY, _OUTPUT_KEY = b'"inputs":', b',"output":'
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, (bytes, bytearray)):
-        return {"__bytes_b64__": base64.b64encode(bytes(value)).decode()}
-    if isinstance(value, msgpack.ExtType):
-        return {"__ext__": value.code, "data_b64": base64.b64encode(value.data).decode()}
-    return repr(value)
-
-
-class PayloadError(ValueError):
-    """A span part that cannot be serialised; ``field`` names it (``attributes``, ``inputs``, ``output``, ...)."""
-
-    def __init__(self, field_name: str, reason: str) -> None:
-        super().__init__(f"{field_name}: {reason}")
-        self.field = field_name
-        self.reason = reason
-
-    def __reduce__(self) -> Any:  # crosses process boundaries with both arguments
-        return type(self), (self.field, self.reason)
-
-
-def _dumps_part(value: Any, field_name: str) -> bytes:
-    try:
-        return orjson.dumps(value, default=_json_default, option=_DUMP_OPTS)
-    except orjson.JSONEncodeError as exc:
-        hint = " (nested deeper than the 254 levels a stored value may have)" if "Recursion" in str(exc) else ""
-        raise PayloadError(field_name, f"cannot be stored: {exc}{hint}") from None
-
-
-def _dumps_head(head: dict[str, Any]) -> bytes:
-    """The span's fields other than inputs/output; on failure, the field at fault is named."""
-    try:
-        return orjson.dumps(head, default=_json_default, option=_DUMP_OPTS)
-    except orjson.JSONEncodeError:
-        for key, value in head.items():  # only on failure: find which field it was
-            _dumps_part({key: value}, str(key))
-        raise
-
-
-def pack_payload(span: Span) -> tuple[bytes, int, int]:
-    """The span as one JSON object, with the byte offsets of its inputs and output values.
-
-    The object is ``{...every other field..., "inputs": I, "output": O}``: any reader can
-    parse it whole, and the forwarder can parse just the small head and splice ``I`` and ``O``
-    into the backend request as they are (they hold the token ids and decoded text: most of the
-    bytes, and most of the parsing time).
-    """
-    head = _dumps_head({k: v for k, v in span.items() if k != "inputs" and k != "output"})
-    inputs = _dumps_part(span["inputs"], "inputs")
-    output = _dumps_part(span["output"], "output")
-    prefix = head[:-1] + b"," + _INPUTS_KEY
-    inputs_at = len(prefix)
-    output_at = inputs_at + len(inputs) + len(_OUTPUT_KEY)
-    return prefix + inputs + _OUTPUT_KEY + output + b"}", inputs_at, output_at
 
 
 def pack_token_arrays(span: Span, ends: list[int] | None, warnings: dict[str, list[str]], local_only: bool) -> bytes | None:
@@ -102,30 +44,48 @@ def pack_token_arrays(span: Span, ends: list[int] | None, warnings: dict[str, li
 
 
 def serialize_spans(spans: list[Span], warnings: dict[str, list[str]], index_of: dict[str, int], ends: dict[str, list[int]],
-                    *, max_span_bytes: int, count_tokens: bool, local_only: bool) -> tuple[list[SpoolRow], list[Rejection]]:
-    """Spool rows of the spans; a span over ``max_span_bytes`` or that cannot be stored is a rejection naming it."""
+                    *, max_span_bytes: int, count_tokens: bool, local_only: bool,
+                    store_refs: StoreRefs | None = None,
+                    view: Callable[[str], Any] | None = None) -> tuple[list[SpoolRow], list[Rejection]]:
+    """Spool rows of the spans; a span over ``max_span_bytes`` or that cannot be stored is a rejection naming it.
+
+    ``store_refs`` (see :mod:`.store_refs`): lists rebuilt from a reference whose span is stored
+    (earlier in this batch, or in the store) are stored as the reference; ``view(ref)`` gives the
+    referenced context's texts. A reference to a span of this batch that is refused is stored whole.
+    """
     rows, too_big = [], []
+    refused: set[str] = set()
     for span in spans:
         packed = pack_token_arrays(span, ends.get(span["span_id"]), warnings, local_only)
         notes = warnings.get(span["span_id"])
         if notes:
             span["warnings"] = notes
+        stored: Any = span
+        refs: list[str] | None = None
+        items = store_refs.get(span["span_id"]) if store_refs else None
+        if items and not any(r[2] in refused for r in items):
+            compact = compact_span(cast("dict[str, Any]", span), items, view or (lambda ref: None))
+            if compact is not None:
+                stored, refs = compact
         try:
-            payload, inputs_at, output_at = pack_payload(span)
+            payload, inputs_at, output_at = pack_payload(stored)
         except PayloadError as exc:  # e.g. nested past orjson's depth: the part at fault is named
             index = index_of[span["span_id"]]
             too_big.append(Rejection(index, span["span_id"], f"spans[{index}].{exc.field}", exc.reason))
+            refused.add(span["span_id"])
             continue
         except orjson.JSONEncodeError as exc:
             index = index_of[span["span_id"]]
             too_big.append(Rejection(index, span["span_id"], f"spans[{index}]", f"cannot be stored: {exc}"))
+            refused.add(span["span_id"])
             continue
         if len(payload) > max_span_bytes:
             index = index_of[span["span_id"]]
             too_big.append(Rejection(index, span["span_id"], f"spans[{index}]",
                                      f"{len(payload)} bytes exceed TRACECAR_MAX_SPAN_BYTES={max_span_bytes}"))
+            refused.add(span["span_id"])
             continue
-        row = SpoolRow(span, payload, notes, inputs_at=inputs_at, output_at=output_at, token_arrays=packed)
+        row = SpoolRow(span, payload, notes, inputs_at=inputs_at, output_at=output_at, token_arrays=packed, refs=refs)
         if count_tokens:  # for max_tokens_per_step: token ids the span carries
             row.tokens = sum(len(job.ids) for job in collect_jobs(span))
         rows.append(row)
@@ -142,10 +102,12 @@ class ContextView:
     text: str | None = None
     response_text: str | None = None
     tokenizer: str | None = None
+    marks: tuple[tuple[int, str], ...] = ()
 
     @classmethod
     def of(cls, entry: Any) -> ContextView:
-        return cls(entry.prompt_len, entry.n_ids, entry.response_source, entry.text, entry.response_text, entry.tokenizer)
+        return cls(entry.prompt_len, entry.n_ids, entry.response_source, entry.text, entry.response_text, entry.tokenizer,
+                   tuple(getattr(entry, "marks", ())))
 
 
 # (worker, span_id) -> the context remembered for that span, or None
@@ -156,6 +118,19 @@ SetTexts = Callable[[str, str, "str | None", "str | None", str], None]
 
 def _n_ids(entry: Any) -> int:
     return int(entry.n_ids)
+
+
+def prefix_text(worker: str, entry: Any, length: int, name: str, lookup: Lookup) -> str | None:
+    """The text of the first ``length`` ids of a context when they are exactly a prompt whose text is
+    known (its own, or an earlier turn's it was built on: ``marks``), decoded with tokenizer ``name``."""
+    if entry.prompt_len == length and entry.text is not None and entry.tokenizer == name:
+        return str(entry.text)
+    for n, span_id in getattr(entry, "marks", ()):
+        if n == length:
+            earlier = lookup(worker, span_id)
+            if earlier is not None and earlier.prompt_len == length and earlier.text is not None and earlier.tokenizer == name:
+                return str(earlier.text)
+    return None
 
 
 def decode_v2(spans: list[Span], worker: str, bases: dict[Any, Any], tokenizer: Any, name: str,
@@ -195,6 +170,10 @@ def decode_v2(spans: list[Span], worker: str, bases: dict[Any, Any], tokenizer: 
                     and entry.tokenizer == name):
                 context = KnownPrefix(entry.prompt_len, entry.text, _n_ids(entry) - entry.prompt_len, entry.response_text)
                 known[(sid, "output.response_ids")] = KnownSuffix(context, base.start)
+            if entry is not None and base is not None:  # the output's prompt_ids: an earlier prompt, text known
+                text = prefix_text(worker, entry, base.start, name, lookup)
+                if text is not None:
+                    known[(sid, "output.prompt_ids")] = text
         texts: dict[tuple[str, str], str] = {}
         tokens += decode_spans(now, tokenizer, warnings, known=known, texts_out=texts, outcomes=outcomes, pieces=ends)
         for span in now:

@@ -231,6 +231,9 @@ class Validated:
     # v2: spans whose prompt context this batch remembered: only their decoded texts are kept for later
     # references (a resend of a known span, stored or in flight, must not change what they rebuild)
     remembered: set[str] = field(default_factory=set)
+    # v2: per span, (part, key, ref span, from, n) of each list rebuilt from a reference: stored as one
+    # (tracecar.collector.processors.store_refs)
+    store_refs: dict[str, list[tuple[str, str, str, int, int]]] = field(default_factory=dict)
     # OTLP: engine spans stored AWAITING their trajectory, and traces whose own root this request brought
     # (tracecar.collector.receivers.engine_hold)
     awaiting: set[str] = field(default_factory=set)

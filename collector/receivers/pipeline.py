@@ -33,6 +33,7 @@ from ..processors.prompt_refs import PromptContexts, is_ref, max_rebuilt_ids, re
 from ..processors.sampling import Policies, TailSelector
 from ..processors.sampling.head import MEMBERSHIP, StepBudgetSampler
 from ..processors.span_work import ContextView, PayloadError, decode_v2, pack_payload, serialize_spans
+from ..processors.store_refs import StoreRefs, referenced, refs_stored
 from ..processors.validate import Rejection, Validated, parents_to_look_up, reject_foreign_children
 from ..settings import CollectorSettings
 from ..spool.store import Spool, SpoolFull, SpoolRow
@@ -110,6 +111,10 @@ class IngestPipeline:
             metrics.bind_selection(lambda: spool.held_count, lambda: spool.held_bytes,
                                    lambda: self.selection.held_trajectories if self.selection else 0,
                                    lambda: len(self.selection.open) if self.selection else 0)
+        # stored prompt references (processors.store_refs): only where a referenced span stays as long as
+        # its trajectory (no per-span deletion after forwarding) and no tail budget rewrites held spans
+        self.store_refs = (settings.store_prompt_refs and (spool.local_only or settings.keep_forwarded)
+                           and self.selection is None)
         if self.selection is None and not settings.budgets and settings.validation_budget is None:
             self.sampler = StepBudgetSampler(settings.max_samples_per_step_per_worker, spool.load_decisions,
                                              seed=settings.sampling_seed, load_trace=spool.load_trace_decision)
@@ -403,7 +408,7 @@ class IngestPipeline:
                     self.metrics.decode_failures.labels(reason=f"tokenizer_{exc.reason}").inc()
                     self.tokenizer_failures.failed(name, exc, configured=batch.tokenizer is None, worker=batch.worker)
                     tokens = self._decode_with_default(validated, spans, name, exc, ends)
-        rows, too_big = self._serialize(validated, spans, ends)
+        rows, too_big = self._serialize(validated, spans, ends, self._store_plan(validated, spans))
         self.prompt_contexts.release_ended()  # this batch's finished trajectories: decoded, no later turn reads them
         return rows, tokens, too_big
 
@@ -447,9 +452,23 @@ class IngestPipeline:
         return 0
 
     def _serialize(self, validated: Validated, spans: list[Span],
-                   ends: dict[str, list[int]] | None = None) -> tuple[list[SpoolRow], list[Rejection]]:
+                   ends: dict[str, list[int]] | None = None, plan: StoreRefs | None = None) -> tuple[list[SpoolRow], list[Rejection]]:
+        worker, contexts = validated.batch.worker, self.prompt_contexts
         return serialize_spans(spans, validated.warnings, validated.index_of, ends or {}, max_span_bytes=self.settings.max_span_bytes,
-                               count_tokens=self.selection is not None, local_only=self.spool.local_only)
+                               count_tokens=self.selection is not None, local_only=self.spool.local_only,
+                               store_refs=plan, view=lambda ref: contexts.get(worker, ref))
+
+    def _store_plan(self, validated: Validated, spans: list[Span]) -> StoreRefs | None:
+        """The lists to store as references (processors.store_refs): those whose referenced span is
+        kept in this batch or stored in the same trajectory (one indexed lookup)."""
+        if not self.store_refs or not validated.store_refs:
+            return None
+        refs = {s["span_id"]: validated.store_refs[s["span_id"]] for s in spans if s["span_id"] in validated.store_refs}
+        if not refs:
+            return None
+        batch_ids = {s["span_id"] for s in spans}
+        stored = self._stored_traces(sorted(referenced(refs) - batch_ids))
+        return refs_stored(refs, {s["span_id"]: s["trace_id"] for s in spans}, batch_ids, stored)
 
     # ---- the same work in a worker process (receivers/worker_pool.py) --------------------------
     async def _decode_and_serialize_somewhere(self, validated: Validated, spans: list[Span], body: bytes | bytearray,
@@ -564,6 +583,7 @@ class IngestPipeline:
                           count_tokens=self.selection is not None)
         if batch.v >= 2:
             order.remembered = {sid for sid in ids if sid in validated.remembered}
+            order.store_refs = self._store_plan(validated, spans) or {}
             for span in spans:
                 sid = span["span_id"]
                 for part, key in validated.rebuilt.get(sid, ()):
@@ -573,7 +593,11 @@ class IngestPipeline:
                     order.rebuilt.setdefault(sid, []).append((part, key, packed))
             bases = {k: b for k, b in validated.prompt_bases.items() if (k if isinstance(k, str) else k[0]) in order.index_of}
             order.bases = bases
-            for sid in [*ids, *(b.ref for b in bases.values())]:
+            wanted = [*ids, *(b.ref for b in bases.values()), *referenced(order.store_refs)]
+            for key, base in bases.items():  # an output repeating an earlier prompt: the turns it was built on
+                entry = self.prompt_contexts.get(batch.worker, base.ref) if not isinstance(key, str) else None
+                wanted += [sid for n, sid in entry.marks if n == base.start] if entry is not None else []
+            for sid in wanted:
                 entry = self.prompt_contexts.get(batch.worker, sid)
                 if entry is not None:
                     order.contexts[sid] = ContextView.of(entry)
@@ -591,7 +615,7 @@ class IngestPipeline:
         for outcome, n in result.outcomes.items():
             self.metrics.prompt_text_joins.labels(outcome=outcome).inc(n)
         rows = [SpoolRow(by_id[r.span_id], r.payload, r.warnings, tokens=r.tokens, inputs_at=r.inputs_at, output_at=r.output_at,
-                         token_arrays=r.token_arrays) for r in result.rows]
+                         token_arrays=r.token_arrays, refs=r.refs) for r in result.rows]
         return rows, result.tokens, result.too_big
 
     # ---- tail-based decisions -------------------------------------------------------------

@@ -71,6 +71,7 @@ class WorkOrder:
     bases: dict[Any, Any] = field(default_factory=dict)  # prompt_refs.Base by span (v2)
     contexts: dict[str, Any] = field(default_factory=dict)  # span_id -> span_work.ContextView (v2)
     remembered: set[str] = field(default_factory=set)  # spans whose texts may update their contexts (v2)
+    store_refs: dict[str, list[tuple[str, str, str, int, int]]] = field(default_factory=dict)  # stored as references (v2)
 
 
 @dataclass
@@ -82,6 +83,7 @@ class RowOut:
     token_arrays: bytes | None
     tokens: int
     warnings: list[str] | None
+    refs: list[str] | None = None  # spans the payload refers to (processors.store_refs)
 
 
 @dataclass
@@ -360,9 +362,11 @@ def work(order: WorkOrder) -> WorkResult:
 
             result.tokens = decode_v2(spans, order.worker, order.bases, tokenizer, order.tokenizer, warnings, ends,
                                       lambda worker, span_id: views.get(span_id), set_texts, result.outcomes)
+    views = order.contexts
     rows, result.too_big = serialize_spans(spans, warnings, order.index_of, ends, max_span_bytes=cfg.max_span_bytes,
-                                           count_tokens=order.count_tokens, local_only=cfg.local_only)
-    result.rows = [RowOut(r.span["span_id"], r.payload, r.inputs_at, r.output_at, r.token_arrays, r.tokens, r.warnings)
+                                           count_tokens=order.count_tokens, local_only=cfg.local_only,
+                                           store_refs=order.store_refs, view=views.get)
+    result.rows = [RowOut(r.span["span_id"], r.payload, r.inputs_at, r.output_at, r.token_arrays, r.tokens, r.warnings, r.refs)
                    for r in rows]
     return result
 

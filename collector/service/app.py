@@ -42,6 +42,7 @@ from ..receivers.pipeline import Backpressure, IngestPipeline
 from ..receivers.receive import BodyError
 from ..receivers.rl_insight import build_router as build_rl_insight_router
 from ..settings import CollectorSettings
+from ..spool.full_payloads import CONTEXTS as STORED_CONTEXTS
 from ..spool.query import get_trajectory
 from ..spool.retention import Retention
 from ..spool.store import Spool
@@ -79,6 +80,7 @@ class Collector:
         if len(set(names)) != len(names):
             raise RuntimeError(f"two exporters share a name ({', '.join(names)}): each needs its own delivery cursor")
         self.sink = self.sinks[0]
+        STORED_CONTEXTS.max_ids = settings.store_prompt_refs_cache_ids
         self.spool = Spool(settings.spool_path, local_only=local_only, sync=settings.spool_sync,
                            exporters=() if local_only else names)
         for s in self.sinks:

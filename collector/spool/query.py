@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 
+from .full_payloads import full_spans, spool_loader
 from .store import Spool
 
 
@@ -43,6 +44,7 @@ def get_trajectory(spool: Spool, trace_id: str, max_depth: int = 64) -> dict[str
             annotations.append(span)
         else:
             spans[row["span_id"]] = span
+    full_spans([*spans.values(), *annotations], spool_loader(spool.query))  # stored prompt references, rebuilt
     root = spans.get(trace_id)
     if root is None:  # a root from another OTLP producer keeps its own span id
         root = next((s for s in spans.values() if s["parent_id"] is None), None)

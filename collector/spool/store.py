@@ -29,6 +29,7 @@ import orjson
 
 from ..types import Span
 from . import deliveries
+from .full_payloads import DANGLING, full_rows, is_compact, spool_loader
 
 PENDING, DONE, DEAD, HELD = 0, 1, 2, 3
 # an engine span whose trajectory (so its project) is not known yet: stored, owed to no exporter
@@ -150,6 +151,7 @@ class SpoolRow:
     output_at: int | None = None
     token_arrays: bytes | None = None  # packed per-token arrays (processors.token_arrays), stored beside the payload
     awaiting: bool = False  # an engine span stored AWAITING its trajectory (receivers.engine_hold)
+    refs: list[str] | None = None  # spans its payload refers to (stored prompt references, spool.full_payloads)
 
     @property
     def size(self) -> int:
@@ -283,6 +285,8 @@ class Spool:
             with self._transaction() as conn:
                 known = self._existing_ids(conn, [r.span["span_id"] for r in rows])
                 fresh = [r for r in rows if r.span["span_id"] not in known]
+                if any(r.refs for r in fresh):
+                    self._check_refs(conn, fresh)
                 last_seq = conn.execute("SELECT COALESCE(MAX(seq), 0) FROM spans").fetchone()[0] if self.multi else 0
                 conn.executemany(
                     "INSERT INTO spans (span_id, trace_id, parent_id, name, kind, worker, project, entity,"
@@ -503,10 +507,15 @@ class Spool:
         """
         with self._read_lock:
             if self.multi:
-                return deliveries.next_owed(self._read, self._cursor(exporter), limit)
-            return self._read.execute(
-                "SELECT seq, payload, inputs_at, output_at FROM spans WHERE state = 0 ORDER BY seq LIMIT ?", (limit,)
-            ).fetchall()
+                rows = deliveries.next_owed(self._read, self._cursor(exporter), limit)
+            else:
+                rows = self._read.execute(
+                    "SELECT seq, payload, inputs_at, output_at FROM spans WHERE state = 0 ORDER BY seq LIMIT ?", (limit,)
+                ).fetchall()
+        if not any(is_compact(r[1]) for r in rows):
+            return rows
+        full = full_rows([(p, a, b) for _, p, a, b in rows], spool_loader(self.query))  # stored prompt references, rebuilt
+        return [(r[0], *f) for r, f in zip(rows, full)]  # type: ignore[misc]
 
     def _cursor(self, exporter: str | None) -> str:
         if exporter not in self.exporters:
@@ -779,6 +788,25 @@ class Spool:
             except sqlite3.Error:
                 pass
         self.checkpoint()
+
+    @staticmethod
+    def _check_refs(conn: sqlite3.Connection, fresh: Sequence[SpoolRow]) -> None:
+        """Every span a stored reference names is in this write or stored in the same trajectory
+        (the ingest path made sure; a trajectory evicted meanwhile is the one way to miss): a miss
+        is counted and logged (spool.full_payloads.DANGLING), never silent."""
+        batch = {r.span["span_id"]: r.span["trace_id"] for r in fresh}
+        wanted = sorted({ref for r in fresh for ref in r.refs or () if ref not in batch})
+        found: dict[str, str] = {}
+        for i in range(0, len(wanted), 500):
+            chunk = wanted[i:i + 500]
+            found.update(conn.execute(f"SELECT span_id, trace_id FROM spans WHERE span_id IN ({','.join('?' * len(chunk))})",
+                                      chunk).fetchall())
+        for r in fresh:
+            trace = r.span["trace_id"]
+            missing = [ref for ref in r.refs or () if batch.get(ref, found.get(ref)) != trace]
+            if missing:
+                DANGLING.hit("write", len(missing), f"span {r.span['span_id']!r} of trajectory {trace!r} refers to "
+                             f"{missing[:3]}, not stored")
 
     # ---- reading -------------------------------------------------------------------------
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 from ..loudness import RateLimited
 from ..query_params import ATTR_QUERY, INT64_MAX, Int64, OptionalInt64, attribute_filters, sample_index_filter
 from ..read_store import ReadStore
+from ..spool.full_payloads import full_spans, spool_loader
 from ..spool.query import get_trajectory
 from ..spool.store import Spool
 from . import StoreOwner
@@ -49,6 +50,7 @@ def root_and_annotations(spool: Spool, trace_id: str) -> dict[str, Any] | None:
     if not rows:
         return None
     spans = [orjson.loads(r["payload"]) for r in rows]
+    full_spans(spans, spool_loader(spool.query))  # a root or annotation another client sent with a prompt reference
     root: dict[str, Any] = next((s for k, s in zip((r["kind"] for r in rows), spans) if k != "annotation"), {"attributes": {}})
     return {"trace_id": trace_id, "root": root, "annotations": [s for r, s in zip(rows, spans) if r["kind"] == "annotation"]}
 

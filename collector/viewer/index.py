@@ -37,6 +37,7 @@ import orjson
 
 from ..query_params import INT64_MAX, INT64_MIN
 from ..shape import is_engine_payload, is_tool, token_counts, token_output
+from ..spool.full_payloads import conn_loader, full_spans, is_compact, with_rows
 from ..trajectory_filter import TrajectoryFilter
 from . import search, truth
 
@@ -456,6 +457,7 @@ class TrajectoryIndex:
         parent_ids: set[str] = set()
         notes: list[tuple[str, int, bytes | None]] = []  # annotations: reward components (viewer/truth.py)
         turns: list[tuple[int, str, str, Any, tuple[list[int], list[int]]]] = []  # LLM calls with prompt ids: drift
+        full = self._full(conn, rows)
         for (seq, span_id, trace_id, parent_id, name, kind, worker, experiment, step, sample_index, rollout_n,
              validate, start, end, has_error, reward, _state, payload) in rows:
             delta = deltas.get(trace_id)
@@ -471,7 +473,7 @@ class TrajectoryIndex:
             delta.has_error = max(delta.has_error, has_error)
             if parent_id is not None and not is_engine_payload(payload):  # an engine span never makes a turn an aggregate
                 parent_ids.add(parent_id)
-            span = self._parse(payload, root=parent_id is None)
+            span = full.get(seq) or self._parse(payload, root=parent_id is None)
             if parent_id is None:
                 duration = end - start if start is not None and end is not None else None
                 kept = _label((span.get("attributes") or {}).get("kept_because"))
@@ -530,6 +532,23 @@ class TrajectoryIndex:
         conn.execute("ANALYZE main")
         self._indexed_at_analyze += self._indexed_since_analyze
         self._indexed_since_analyze = 0
+
+    @staticmethod
+    def _full(conn: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> dict[int, dict[str, Any]]:
+        """The chunk's spans stored with prompt references, parsed and rebuilt whole (by seq)."""
+        compact: dict[int, dict[str, Any]] = {}
+        for row in rows:
+            if is_compact(row[17]):
+                try:
+                    span = orjson.loads(row[17])
+                except orjson.JSONDecodeError:
+                    continue
+                if isinstance(span, dict):
+                    compact[row[0]] = span
+        if compact:
+            held = {row[1]: (row[2], row[17]) for row in rows if row[17]}
+            full_spans(compact.values(), with_rows(held, conn_loader(conn)))
+        return compact
 
     @staticmethod
     def _parse(payload: bytes | None, root: bool) -> dict[str, Any]:

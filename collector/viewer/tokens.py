@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from ..processors.token_arrays import TokenArrays
+from ..spool.full_payloads import full_payloads, spool_loader
 from ..spool.store import Spool
 
 LOWEST = 10
@@ -87,8 +88,9 @@ def trajectory_tokens(spool: Spool, trace_id: str, lowest: int = LOWEST) -> dict
         " FROM spans s WHERE s.trace_id = ? AND s.token_arrays IS NOT NULL ORDER BY s.start_time, s.seq", [trace_id])
     if not rows and not spool.query("SELECT 1 AS x FROM spans WHERE trace_id = ? LIMIT 1", [trace_id]):
         return None
-    spans = [span_tokens(r["span_id"], r["name"], r["start_time"], bool(r["aggregate"]), r["payload"], r["token_arrays"], lowest)
-             for r in rows]
+    payloads = full_payloads([r["payload"] for r in rows], spool_loader(spool.query))  # stored prompt references, rebuilt
+    spans = [span_tokens(r["span_id"], r["name"], r["start_time"], bool(r["aggregate"]), p or b"{}", r["token_arrays"], lowest)
+             for r, p in zip(rows, payloads)]
     pool = [s for s in spans if s["aggregate"]] or spans
     everywhere = [{**t, "span_id": s["span_id"]} for s in pool for t in s["tokens"]]
     return {"trace_id": trace_id, "exact": all(s["exact"] is not False for s in spans), "spans": spans,

@@ -37,6 +37,7 @@ from ..processors.drift import compare
 from ..processors.token_arrays import TokenArrays
 from ..processors.trainer_compare import HIST_BINS, TrainerTokens, Turn, compare_trainer, hist_quantile
 from ..shape import RESPONSE_ID_KEYS, dict_or_empty, int_list
+from ..spool.full_payloads import conn_loader, full_spans
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS truth (
@@ -282,7 +283,10 @@ def _stored_turn(conn: sqlite3.Connection, seq: int | None) -> tuple[list[int], 
         span = orjson.loads(row[0])
     except orjson.JSONDecodeError:
         return None
-    return turn_ids(span) if isinstance(span, dict) else None
+    if not isinstance(span, dict):
+        return None
+    full_spans([span], conn_loader(conn))  # stored prompt references, rebuilt
+    return turn_ids(span)
 
 
 def note_turns(conn: sqlite3.Connection, turns: list[tuple[int, str, str, Any, tuple[list[int], list[int]]]],
@@ -337,6 +341,8 @@ def _turns_with_logprobs(conn: sqlite3.Connection, trace_id: str) -> list[Turn]:
             span = orjson.loads(row[0])
         except orjson.JSONDecodeError:
             continue
+        if isinstance(span, dict):
+            full_spans([span], conn_loader(conn))  # stored prompt references, rebuilt
         ids = turn_ids(span) if isinstance(span, dict) else None
         if ids is None:
             continue
