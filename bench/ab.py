@@ -48,9 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-from common import BENCH, PY, REPO, Service, clean_env, free_port, header, machine_note, median, start_service, table
+from common import BENCH, PY, REPO, Service, clean_env, free_port, header, machine_note, median, start_service, table, tree_cpu
 from feed import BodyMaker, post_loop
 
 DEAD_PROXY = "http://127.0.0.1:9"  # any stray non-loopback request fails here
@@ -139,18 +137,6 @@ def start_side_collector(side: Side, data_dir: Path, **settings: Any) -> Service
     return start_service(f"collector {side.label}", [side.python, "-m", "tracecar.client.cli", "serve"],
                          f"http://127.0.0.1:{port}/readyz", data_dir / f"collector-{port}.log", timeout=120,
                          env=env, cwd=str(data_dir))
-
-
-def tree_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of a process and its live children, and of the children it reaped."""
-    proc = psutil.Process(pid)
-    total = sum(proc.cpu_times()[:4])
-    for child in proc.children(recursive=True):
-        try:
-            total += sum(child.cpu_times()[:2])
-        except psutil.Error:
-            pass
-    return total
 
 
 @contextmanager

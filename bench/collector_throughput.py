@@ -58,6 +58,7 @@ from common import (
     start_collector,
     start_stub,
     table,
+    tree_cpu,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,17 +137,6 @@ class Sampler:
         return {"seconds": dt, "spans_per_s": (b["accepted"] - a["accepted"]) / dt,
                 "tokens_per_s": (b["tokens"] - a["tokens"]) / dt, "forwarded_per_s": (b["forwarded"] - a["forwarded"]) / dt,
                 "collector_cores": (b["cpu"] - a["cpu"]) / dt}
-
-
-def tree_cpu(proc: psutil.Process) -> float:
-    """CPU seconds of the collector and its worker processes (live children are not in cpu_times' children_*)."""
-    total = sum(proc.cpu_times()[:4])  # its own, and children it has reaped
-    for child in proc.children(recursive=True):
-        try:
-            total += sum(child.cpu_times()[:2])
-        except psutil.Error:
-            pass
-    return total
 
 
 def wait_forwarded(url: str, timeout: float) -> float:

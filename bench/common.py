@@ -199,3 +199,18 @@ def scrape(url: str) -> Metrics:
         for s in family.samples:
             m.samples.setdefault(s.name, []).append((dict(s.labels), s.value))
     return m
+
+
+def tree_cpu(process: int | Any) -> float:
+    """CPU seconds (user + system) of a process (a pid or psutil.Process), the children it reaped, and its
+    live children (worker pools): what a collector costs, whatever it runs in."""
+    import psutil
+
+    proc = process if isinstance(process, psutil.Process) else psutil.Process(process)
+    total = sum(proc.cpu_times()[:4])
+    for child in proc.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.Error:
+            pass
+    return total

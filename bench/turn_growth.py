@@ -33,12 +33,11 @@ from typing import Any
 
 import httpx
 import orjson
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tracecar.client.prompt_delta import PromptDeltas  # noqa: E402
 
-from common import median, scrape_metric, services, start_collector  # noqa: E402
+from common import median, scrape_metric, services, start_collector, tree_cpu  # noqa: E402
 
 WORDS = ("the model calls the tool with arguments and reads the answer step reward rollout policy gradient "
          "python print sum range value error 数字 计算 结果 🙂 naïve café").split()
@@ -109,17 +108,6 @@ def body(spans: list[dict[str, Any]]) -> bytes:
     return orjson.dumps({"v": 2, "worker": "bench-w", "project": None, "entity": None, "tokenizer": None, "spans": spans})
 
 
-def cpu_s(pid: int) -> float:
-    proc = psutil.Process(pid)
-    total = sum(proc.cpu_times()[:2])
-    for child in proc.children(recursive=True):
-        try:
-            total += sum(child.cpu_times()[:2])
-        except psutil.Error:
-            pass
-    return total
-
-
 def stored_bytes(data: Path, traces: list[str]) -> int:
     with sqlite3.connect(f"file:{data / 'spool.sqlite3'}?mode=ro", uri=True) as conn:
         marks = ",".join("?" * len(traces))
@@ -129,18 +117,18 @@ def stored_bytes(data: Path, traces: list[str]) -> int:
 def one(col: Any, data: Path, bodies: list[bytes], traces: list[str], client: httpx.Client) -> dict[str, float]:
     """Posts the trajectories' bodies; collector CPU, stored bytes, decoded tokens, read-back CPU per trajectory."""
     tokens = scrape_metric(col.url, "tracecar_decoded_tokens_total")
-    before = cpu_s(col.pid)
+    before = tree_cpu(col.pid)
     for b in bodies:
         answer = client.post(col.url + "/v1/spans", content=b, headers={"Content-Type": "application/json"})
         if answer.status_code != 200 or answer.json()["rejected_count"]:
             raise SystemExit(f"refused: {answer.status_code} {answer.text[:300]}")
-    ingest = cpu_s(col.pid) - before
+    ingest = tree_cpu(col.pid) - before
     decoded = scrape_metric(col.url, "tracecar_decoded_tokens_total") - tokens
-    before = cpu_s(col.pid)
+    before = tree_cpu(col.pid)
     for trace in traces:
         if client.get(f"{col.url}/v1/trajectories/{trace}").status_code != 200:
             raise SystemExit(f"trajectory {trace} not readable")
-    read = cpu_s(col.pid) - before
+    read = tree_cpu(col.pid) - before
     n = len(traces)
     return {"cpu_ms": ingest * 1000 / n, "bytes": stored_bytes(data, traces) / n, "tokens": decoded / n,
             "read_ms": read * 1000 / n}
