@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -20,8 +21,12 @@ BUILD_LOG: list[str] = []
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # built from a copy without build/ (setuptools would pack a stale build/lib of an earlier build into it)
+    source = tmp_path_factory.mktemp("source") / "tracecar"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info", "__pycache__",
+                                                                  "tracecar-data", ".ruff_cache", ".mypy_cache"))
     # -v shows the backend's own output, so test_build_prints_no_setuptools_warnings can read it
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-v", "-w", str(out), str(ROOT)],
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-v", "-w", str(out), str(source)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     BUILD_LOG.append(done.stdout + done.stderr)
@@ -61,6 +66,11 @@ def test_import_names_are_namespaced(wheel: Path) -> None:
     top = {n.split("/")[0] for n in names if not n.startswith("tracecar-")}
     assert top == {"tracecar"}  # never a bare `client` or `collector` in site-packages
     assert "tracecar/client/tracing.py" in names and "tracecar/collector/service/app.py" in names
+    # every module of the source tree is in the wheel (the package list is explicit: a new folder must join it)
+    root = Path(__file__).resolve().parents[1]
+    sources = {f"tracecar/{p.relative_to(root).as_posix()}" for folder in ("client", "collector")
+               for p in (root / folder).rglob("*.py") if "__pycache__" not in p.parts}
+    assert sources - set(names) == set(), "modules missing from the wheel: add their package to pyproject.toml"
 
 
 def test_client_imports_without_collector_dependencies(tmp_path: Path) -> None:
