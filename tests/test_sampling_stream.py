@@ -120,6 +120,11 @@ def test_a_count_close_on_an_expired_reward_wait_waits_for_the_nodes(tmp_path):
     feed_all(h, [c, e])
     h.selector.tick()  # every reward in: the count alone closes it, whatever the nodes
     assert {x["closed_by"] for x in decisions(h, 2).values()} == {"count"}
+    f = Spec(step=3, sample_index=0, reward=1.0)
+    feed_all(h, [f, Spec(step=3, sample_index=1)])  # a node that never catches up (its delivered mark stalls)
+    h.clock.advance(h.settings.decision_wait_s)
+    h.selector.tick()  # the watermarks hold no step past TRACECAR_DECISION_WAIT_S
+    assert {x["closed_by"] for x in decisions(h, 3).values()} == {"decision_wait"}
     h.close()
 
 

@@ -310,8 +310,8 @@ class TailSelector:
                 # a count close too while it rests on the reward wait's expiry (rewards may sit in a node's spool)
                 waits_for_arrivals = why in ("next_step", "idle", "shutdown") or (
                     why == "count" and step.rewarded_rooted < step.rooted)
-                if waits_for_arrivals and not self.may_close(step):
-                    why = None
+                if waits_for_arrivals and not self.may_close(step):  # TRACECAR_DECISION_WAIT_S still closes it
+                    why = "decision_wait" if now - step.last_at >= self.waits.decision_wait_s else None
                 if why is not None:
                     ready.append((step, why))
             held = len(self.trace_step) + len(self.loose)
