@@ -123,7 +123,8 @@ def test_no_import_cycle() -> None:
 CLIENT_PACKAGE = "tracecar.client"
 #: the old flat paths job configs name (model.external_lib, Ray setup hooks): kept as the same modules
 KEPT_PATHS = {"verl": "integrations.verl", "verl_trainer": "integrations.verl_trainer",
-              "ray_collectors": "integrations.ray_collectors"}
+              "ray_collectors": "integrations.ray_collectors", "verl_tokens": "integrations.verl_tokens",
+              "verl_fate": "integrations.verl_fate"}
 
 
 def test_the_client_reads_as_core_cli_and_integrations_without_cycles() -> None:
