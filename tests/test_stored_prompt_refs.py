@@ -24,6 +24,7 @@ import orjson
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
 
+from tests.support import free_port
 from tests.support.weave_stub import WeaveStub
 from tracecar.client.prompt_delta import PromptDeltas
 from tracecar.collector.spool.full_payloads import CONTEXTS, DANGLING, full_payloads, spool_loader
@@ -237,3 +238,52 @@ def test_a_write_naming_a_span_the_store_lacks_is_counted(tmp_path):
         assert DANGLING.counts["write"] == before + 1
     finally:
         spool.close()
+
+
+def test_a_spool_with_references_reopened_with_keep_forwarded_false_forwards_every_span_whole(start_collector, kit, tmp_path):
+    """References are stored only where a referenced span lives as long as its trajectory. A spool
+    written so (backend down) and reopened with ``TRACECAR_KEEP_FORWARDED=false`` deletes each span
+    once forwarded: without the rewrite at start, the next batch's references would dangle and the
+    backend would get the new ids only. Forwarded one span a request, every OTLP span must equal
+    what a collector that stored every list whole forwards."""
+    trace = "0dd5ea11" * 3 + "00000000"
+    spans = verl_trajectory(_CharTokenizer(), trace)  # ids only: no tokenizer needed for what is compared
+    data = tmp_path / "reopened"
+    down = f"http://127.0.0.1:{free_port()}/v1/traces"  # nothing listens: every span stays pending
+    first = start_collector(exporters="otlp", otlp_endpoint=down, data_dir=data, **FAST)
+    deltas = _deltas(spans)
+    for i in range(0, len(deltas), 3):
+        assert kit.post(first.url, deltas[i:i + 3], v=2).json()["accepted"] == len(deltas[i:i + 3])
+    rows = first.collector.spool.query("SELECT payload FROM spans WHERE trace_id = ?", [trace])
+    assert sum(b'"$refs":[' in r["payload"] for r in rows) >= TURNS  # stored as references while forwarded spans stay
+    first.stop()
+    CONTEXTS.clear()  # a restart is a new process: no context rebuilt before it
+
+    expected, got = OtlpBodies(), OtlpBodies()
+    try:
+        whole = start_collector(exporters="otlp", otlp_endpoint=expected.url, **FAST)
+        for i in range(0, len(spans), 3):
+            assert kit.post(whole.url, spans[i:i + 3], v=1).json()["accepted"] == len(spans[i:i + 3])
+        before = dict(DANGLING.counts)
+        reopened = start_collector(exporters="otlp", otlp_endpoint=got.url, data_dir=data, keep_forwarded=False,
+                                   forward_batch_spans=1, **FAST)
+        n = len(spans)
+        assert kit.wait_for(lambda: len(expected.spans) == n and len(got.spans) == n, timeout=60), (len(expected.spans), len(got.spans))
+        assert DANGLING.counts == before, "a reference dangled"
+        assert sorted(got.spans) == sorted(expected.spans)
+        assert kit.wait_for(lambda: not reopened.collector.spool.query("SELECT span_id FROM spans WHERE trace_id = ?", [trace]),
+                            timeout=30)  # and every span left the spool once forwarded, as keep_forwarded=false says
+    finally:
+        expected.close()
+        got.close()
+
+
+class _CharTokenizer:
+    """Enough of a tokenizer for :func:`verl_trajectory`: distinct ids from text, no vocabulary."""
+
+    class _Encoding:
+        def __init__(self, ids: list[int]) -> None:
+            self.ids = ids
+
+    def encode(self, text: str) -> _Encoding:
+        return self._Encoding([ord(c) for c in text])

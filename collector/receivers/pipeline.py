@@ -115,6 +115,10 @@ class IngestPipeline:
         # its trajectory (no per-span deletion after forwarding) and no tail budget rewrites held spans
         self.store_refs = (settings.store_prompt_refs and (spool.local_only or settings.keep_forwarded)
                            and self.selection is None)
+        if not self.store_refs and (rewritten := spool.expand_stored_refs()):
+            # a spool written with references, reopened where a referenced span may be deleted first
+            log.warning("stored prompt references are off in this run (TRACECAR_STORE_PROMPT_REFS, KEEP_FORWARDED, "
+                        "tail budgets): %d spans stored as references were rewritten whole at start", rewritten)
         if self.selection is None and not settings.budgets and settings.validation_budget is None:
             self.sampler = StepBudgetSampler(settings.max_samples_per_step_per_worker, spool.load_decisions,
                                              seed=settings.sampling_seed, load_trace=spool.load_trace_decision)

@@ -37,7 +37,7 @@ from ..loudness import DANGLING
 from .payload import pack_payload
 
 REFS_KEY = "$refs"  # top-level key of a stored span: the [part, key] paths stored as references
-_MARK = b'"$refs":['
+REFS_MARK = b'"$refs":['  # how a stored payload that holds references starts its list of them
 MAX_CHAIN = 4096  # references followed from one span before giving up (a chain, never a loop: refs point back)
 
 # span_id -> (trace_id, payload) of stored spans
@@ -46,7 +46,7 @@ Loader = Callable[[Sequence[str]], dict[str, tuple[str, bytes]]]
 
 def is_compact(payload: bytes | None) -> bool:
     """Whether a stored payload may hold references (cheap; :func:`full_spans` confirms by parsing)."""
-    return payload is not None and _MARK in payload
+    return payload is not None and REFS_MARK in payload
 
 
 def spool_loader(query: Callable[[str, Sequence[Any]], list[dict[str, Any]]], table: str = "spans") -> Loader:

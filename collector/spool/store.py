@@ -29,7 +29,7 @@ import orjson
 
 from ..types import Span
 from . import deliveries
-from .full_payloads import DANGLING, full_rows, is_compact, spool_loader
+from .full_payloads import DANGLING, REFS_MARK, conn_loader, full_rows, is_compact, spool_loader
 
 PENDING, DONE, DEAD, HELD = 0, 1, 2, 3
 # an engine span whose trajectory (so its project) is not known yet: stored, owed to no exporter
@@ -114,6 +114,8 @@ CREATE TABLE IF NOT EXISTS forgotten_spans (span_id TEXT PRIMARY KEY);
 -- each trajectory's head-budget decision (sampling.head): its late annotations follow it, also
 -- after a restart; bounded with the decision tables (TRACECAR_DECISIONS_MAX_ROWS)
 CREATE TABLE IF NOT EXISTS trace_decisions (trace_id TEXT PRIMARY KEY, keep INTEGER NOT NULL);
+-- spool facts: 'exporters' (spool.deliveries), 'stored_refs' (a span was stored as a prompt reference)
+CREATE TABLE IF NOT EXISTS spool_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TRIGGER IF NOT EXISTS spans_forgotten AFTER DELETE ON spans BEGIN
     INSERT OR IGNORE INTO forgotten_spans (span_id) VALUES (OLD.span_id);
 END;
@@ -245,6 +247,7 @@ class Spool:
         self.pending_count = self.pending_bytes = self.stored_bytes = self.held_count = self.held_bytes = 0
         self.awaiting_count = self.awaiting_bytes = 0
         self.disk_full_at: float | None = None  # monotonic time of the last write refused for a full disk
+        self._refs_marked = False  # spool_meta says 'stored_refs' (set by this process's first write of one)
         self.recount()
 
     @contextlib.contextmanager
@@ -281,12 +284,16 @@ class Spool:
         """
         state = DONE if self.local_only else PENDING
         now = time.time() if now is None else now
+        marking = False
         with self._write_lock:
             with self._transaction() as conn:
                 known = self._existing_ids(conn, [r.span["span_id"] for r in rows])
                 fresh = [r for r in rows if r.span["span_id"] not in known]
                 if any(r.refs for r in fresh):
                     self._check_refs(conn, fresh)
+                    if not self._refs_marked:  # once per process: what lets a start without references skip the scan
+                        conn.execute("INSERT OR IGNORE INTO spool_meta (key, value) VALUES ('stored_refs', '1')")
+                        marking = True
                 last_seq = conn.execute("SELECT COALESCE(MAX(seq), 0) FROM spans").fetchone()[0] if self.multi else 0
                 conn.executemany(
                     "INSERT INTO spans (span_id, trace_id, parent_id, name, kind, worker, project, entity,"
@@ -311,6 +318,7 @@ class Spool:
                         "UPDATE trajectory_decisions SET nbytes = nbytes + ?, tokens = tokens + ? WHERE trace_id = ?",
                         [(r.size, r.tokens, r.span["trace_id"]) for r in fresh if r.span["span_id"] in late],
                     )
+            self._refs_marked = self._refs_marked or marking  # committed
             new_bytes = sum(r.size for r in fresh)
             held = [r for r in fresh if r.held or r.awaiting]  # neither is pending (nor stored for good, locally)
             awaiting = [r for r in fresh if r.awaiting and not r.held]
@@ -606,6 +614,38 @@ class Spool:
             ).fetchone()
             n, nbytes = n + c, nbytes + b
         return n, nbytes
+
+    def expand_stored_refs(self, chunk: int = 200) -> int:
+        """Rewrites every span stored as a prompt reference whole; returns how many.
+
+        Why: a spool written with references (``TRACECAR_STORE_PROMPT_REFS``) and reopened where
+        they are off — ``TRACECAR_KEEP_FORWARDED=false`` deletes a forwarded span a later turn still
+        names, a tail budget deletes the spans of a trajectory it drops — would leave those later
+        references dangling. Rebuilt at start, in seq order (a reference names an earlier span), so
+        every reader sees the very bytes a store without references holds."""
+        done, after = 0, 0
+        with self._write_lock:
+            if self._write.execute("SELECT 1 FROM spool_meta WHERE key = 'stored_refs'").fetchone() is None:
+                return 0  # never stored one: no scan of the whole file at every start
+            while True:
+                rows = self._write.execute(
+                    "SELECT seq, payload, inputs_at, output_at FROM spans WHERE seq > ? AND instr(payload, ?) > 0"
+                    " ORDER BY seq LIMIT ?", (after, REFS_MARK, chunk)).fetchall()
+                if not rows:
+                    break
+                after = rows[-1][0]
+                full = full_rows([(p, i, o) for _, p, i, o in rows], conn_loader(self._write, "spans"))
+                changed = [(payload, len(payload or b"") - len(old), i, o, seq)
+                           for (seq, old, _, _), (payload, i, o) in zip(rows, full) if payload is not None and payload != old]
+                with self._transaction() as conn:
+                    conn.executemany("UPDATE spans SET payload = ?, nbytes = nbytes + ?, inputs_at = ?, output_at = ?"
+                                     " WHERE seq = ?", changed)
+                done += len(changed)
+            with self._transaction() as conn:
+                conn.execute("DELETE FROM spool_meta WHERE key = 'stored_refs'")
+            self._refs_marked = False
+            self.recount()
+        return done
 
     def recount(self) -> None:
         """Counters re-derived from SQL (after a failed write, so a drift can never outlive it)."""
