@@ -46,6 +46,14 @@ def demo_collector(start_collector: Any, tracer_to: Any, tokenizer: str, **setti
     return col
 
 
+def js_fixed(x: float, digits: int) -> str:
+    """``Number(x).toFixed(digits)`` as the browser shows it: a tie rounds away from zero on the exact
+    binary value (Python's ``f"{0.8125:.3f}"`` gives 0.812, JavaScript 0.813)."""
+    from decimal import ROUND_HALF_UP, Decimal
+
+    return str(Decimal(abs(x) if x == 0 else x).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))  # -0.0: "0.000"
+
+
 def get(col: Any, path: str, **params: Any) -> Any:
     headers = {"Authorization": f"Bearer {col.settings.token.get_secret_value()}"} if col.settings.token else {}
     response = httpx.get(col.url + path, params=params, headers=headers, timeout=30)
@@ -498,10 +506,10 @@ def test_page_newcomer_flow_list_filter_open_and_compare(start_collector, tracer
 
             # Newcomer: the worst trajectory of step 2 (click 1), compared with the best (click 2).
             row = page.locator("[data-testid=step-row][data-step='2']")
-            assert row.locator("[data-testid=worst-link]").inner_text() == f"{worst['reward']:.3f}"
+            assert row.locator("[data-testid=worst-link]").inner_text() == js_fixed(worst['reward'], 3)
             row.locator("[data-testid=worst-link]").click()
             page.wait_for_selector(f"[data-testid=trajectory][data-trace-id='{worst['trace_id']}']")
-            assert page.locator("[data-testid=trajectory] [data-testid=reward]").inner_text() == f"{worst['reward']:.3f}"
+            assert page.locator("[data-testid=trajectory] [data-testid=reward]").inner_text() == js_fixed(worst['reward'], 3)
             page.wait_for_selector("[data-testid=compare-with-best]")
             b.shot("02-worst-of-step-2")
             page.locator("[data-testid=compare-with-best]").click()

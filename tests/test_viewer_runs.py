@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from tests.test_viewer import Page, _browser, expect, get
+from tests.test_viewer import Page, _browser, expect, get, js_fixed
 from tracecar.client.demo import run_demo
 
 pytestmark = pytest.mark.timeout(240)
@@ -39,8 +39,8 @@ def test_runs_page_joins_two_experiments_on_the_sample_index(start_collector, tr
             assert "a=run-a" in page.url and "step_b=2" in page.url
             for row in page.locator("[data-testid=runs-row]").all():
                 k = int(row.get_attribute("data-sample-index") or "-1")
-                assert row.locator("[data-testid=runs-mean-a]").inner_text() == f"{a[k]['mean']:.3f}"
-                assert row.locator("[data-testid=runs-mean-b]").inner_text() == f"{b[k]['mean']:.3f}"
+                assert row.locator("[data-testid=runs-mean-a]").inner_text() == js_fixed(a[k]['mean'], 3)
+                assert row.locator("[data-testid=runs-mean-b]").inner_text() == js_fixed(b[k]['mean'], 3)
                 shown = row.locator("[data-testid=runs-delta]").inner_text()
                 assert float(shown) == pytest.approx(deltas[k], abs=6e-4), (k, shown)
             summary = page.locator("[data-testid=runs-summary]").inner_text()

@@ -7,7 +7,7 @@ import math
 import time
 from typing import Any
 
-from tests.test_viewer import ARTIFACTS, Page, _browser, expect, get
+from tests.test_viewer import ARTIFACTS, Page, _browser, expect, get, js_fixed
 from tests.test_viewer_lookfeel import doc_shot
 from tracecar.client import annotate
 from tracecar.client.demo import run_demo
@@ -64,7 +64,7 @@ def test_page_token_view_and_trainer_status(start_collector, tracer_to, deepseek
             assert page.locator("[data-testid=token-text] .tok.lp5").count() == len(low)
             lowest = page.locator("[data-testid=lowest-token]")
             assert lowest.count() == len(whole["lowest"]) > 0
-            assert lowest.first.locator("td").nth(2).inner_text() == f"{whole['lowest'][0]['logprob']:.3f}"
+            assert lowest.first.locator("td").nth(2).inner_text() == js_fixed(whole['lowest'][0]['logprob'], 3)
             assert "<tool_response>" not in "".join(lowest.all_inner_texts()).split("…")[0]  # tool tokens are never listed
             lowest.first.click()
             expect(page.locator(f"[data-testid=token-text] [data-i='{whole['lowest'][0]['i']}']")).to_have_class(
