@@ -589,8 +589,12 @@ class TrajectoryIndex:
             conn = self._db()
             latest = _latest_seq(conn)
             held = conn.execute("SELECT COUNT(*) FROM held").fetchone()[0]
-            return {"indexed_seq": self._watermark, "latest_seq": latest, "behind_spans": max(0, latest - self._watermark),
-                    "caught_up": latest <= self._watermark, "held_spans": held}
+            # behind by the rows still there past the watermark, not by the counter: the spool's newest rows may
+            # have been deleted before they were read (a dropped trajectory), and the counter never goes back
+            newest = conn.execute("SELECT MAX(seq) FROM spool.spans").fetchone()[0] or 0
+            behind = max(0, min(latest, newest) - self._watermark)
+            return {"indexed_seq": self._watermark, "latest_seq": latest, "behind_spans": behind,
+                    "caught_up": behind == 0, "held_spans": held}
 
     # ---- a mirror's cursor (viewer/clickhouse_store.py) -----------------------------------------
     def mirror_token(self) -> str | None:
