@@ -17,6 +17,7 @@ Weave's own trace server does. What it stores and how it is fed:
   changed trajectory in ``changed``, in the same transaction. This store drains that table in
   batches of ``TRACECAR_STORE_BATCH_ROWS`` (one ``INSERT`` each, a newer ``version`` replacing
   the older row; a pruned trajectory becomes a ``deleted`` row), then forgets what it inserted.
+  Versions count up from the table's highest (not the wall clock, which may step back).
   Nothing is parsed twice, and a restart resumes from what is left in ``changed``; a crash
   between the insert and the forget inserts the same rows again, which the engine collapses. A
   mirror token in both stores tells a ClickHouse table that missed changes (a rebuilt index, a
@@ -222,6 +223,7 @@ class ClickHouseStore:
         self._closed = False
         self._pending = 0
         self._synced = False
+        self._version = 0  # the last row version inserted; from the table's own max at the first drain (_sync_token)
         self._cache: dict[Any, Any] = {}  # facets and overviews until the next insert, as the index caches them
         self._run("CREATE DATABASE IF NOT EXISTS tracecar")
         self._run(SCHEMA)
@@ -257,6 +259,9 @@ class ClickHouseStore:
             self.index.restart_mirror(token)
             self._run(f"INSERT INTO {META} (key, value) VALUES ('mirror', {{t:String}})", {"t": token})
             log.info("clickhouse store filled again from the trajectory index", extra={"event": "clickhouse_store_resync"})
+        # row versions count up from the highest the table holds: monotonic whatever the wall clock does, and
+        # restart-safe (the table remembers it), so a newer row always replaces an older one
+        self._version = int(self._select(f"SELECT max(version) AS v FROM {TABLE}")[0]["v"] or 0)
         self._synced = True
 
     def _drain(self, deadline: float) -> bool:
@@ -268,7 +273,8 @@ class ClickHouseStore:
                 if not rows and not gone:
                     self._pending = 0
                     return True
-                version = time.time_ns()
+                self._version += 1
+                version = self._version
                 batch = []
                 for row in rows:
                     value = row.pop("sample_index")
