@@ -206,3 +206,39 @@ def test_a_clickhouse_server_url_is_refused_in_one_line_without_its_secret(tmp_p
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "TRACECAR_STORE_URL" in lines[0] and "not supported yet" in lines[0], done.stderr
     assert "hunter2" not in done.stderr + done.stdout
+
+
+def test_a_failing_clickhouse_store_is_a_503_naming_it_without_paths_and_counted(tmp_path: Path) -> None:
+    """chDB refusing statements (here: its table's directory replaced by a file) is not a full disk beside the
+    spool: readers get a 503 + Retry-After naming the ClickHouse store and the engine's error, never its
+    message's file paths; each refused statement counts in tracecar_store_errors_total{store="clickhouse"}."""
+    import shutil
+
+    from tests.support.collector import metric_value
+
+    pc = process_collector(tmp_path / "ch", store="clickhouse", log_level="warning").start()
+    try:
+        plan = list(batches(workload()))
+        with httpx.Client() as client:
+            for worker, spans in plan[:4]:
+                post(client, pc.url, worker, spans)
+        assert httpx.get(pc.url + "/v1/trajectories", timeout=30).status_code == 200
+        tables = [p for p in (tmp_path / "ch" / "clickhouse" / "store").glob("*/*") if p.is_dir()]
+        assert tables
+        for table in tables:  # the engine can no longer write its parts
+            shutil.rmtree(table)
+            table.write_text("not a directory")
+        with httpx.Client() as client:
+            for worker, spans in plan[4:8]:
+                post(client, pc.url, worker, spans)
+        r = httpx.get(pc.url + "/v1/trajectories", timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"], r.text
+        detail = r.text
+        assert "ClickHouse store" in detail and "retry later" in detail, detail
+        assert "disk" not in detail and "/" not in detail, detail
+        assert metric_value(httpx.get(pc.url + "/metrics", timeout=10).text, "tracecar_store_errors_total",
+                            store="clickhouse") >= 1
+        assert str(tmp_path) in pc.log_text()  # the operator's log has the engine's full message
+    finally:
+        if pc.proc is not None and pc.proc.poll() is None:
+            stop_process(pc.proc, grace_s=20)

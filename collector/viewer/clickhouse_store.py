@@ -34,14 +34,17 @@ from __future__ import annotations
 
 import builtins  # ClickHouseStore.list shadows the builtin in its class
 import logging
+import re
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from ..read_store import StoreUnavailable
 from ..settings import CollectorSettings
 from ..text_query import folded_words, query_words
 from ..trajectory_filter import TEXT_EQUALS, TrajectoryFilter, sample_index_values
@@ -108,8 +111,21 @@ READ_SETTINGS = " SETTINGS output_format_json_quote_64bit_integers = 0, output_f
 _PARAM_TYPES = {bool: "UInt8", int: "Int64", float: "Float64", str: "String"}
 
 
-class ClickHouseUnavailable(OSError):
-    """chDB refused a query or an insert (a full disk, a damaged part): every reader answers 503, as for the index."""
+class ClickHouseUnavailable(StoreUnavailable):
+    """chDB refused a query or an insert (a full disk, a damaged part): every reader answers 503, naming this store."""
+
+
+_CODE = re.compile(r"Code: (\d+)")
+_NAME = re.compile(r"\(([A-Z][A-Z0-9_]+)\)\s*(?:\(version [^)]*\))?\s*$")
+
+
+def unavailable(exc: BaseException) -> ClickHouseUnavailable:
+    """chDB's error as a reader may see it (``Code: 243 ... (NOT_ENOUGH_SPACE)`` → its name and code), and as the
+    log should (the first line of the message, which names files under the data dir)."""
+    first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+    code, name = _CODE.search(first), _NAME.search(first)
+    what = " ".join(p for p in ((name.group(1) if name else None), (f"code {code.group(1)}" if code else None)) if p)
+    return ClickHouseUnavailable("clickhouse", f"the ClickHouse store (chDB) failed: {what or type(exc).__name__}", first)
 
 
 def _sort_expr(sort: str, direction: str) -> str:
@@ -207,7 +223,8 @@ def _row_out(row: dict[str, Any]) -> dict[str, Any]:
 class ClickHouseStore:
     """A :class:`~tracecar.collector.read_store.ReadStore` on embedded chDB, fed from the trajectory index's changes."""
 
-    def __init__(self, index: TrajectoryIndex, settings: CollectorSettings, path: Path | None = None) -> None:
+    def __init__(self, index: TrajectoryIndex, settings: CollectorSettings, path: Path | None = None,
+                 on_error: Callable[[], None] = lambda: None) -> None:
         try:
             from chdb import session as chdb_session
         except ImportError:
@@ -225,6 +242,7 @@ class ClickHouseStore:
         self._synced = False
         self._version = 0  # the last row version inserted; from the table's own max at the first drain (_sync_token)
         self._cache: dict[Any, Any] = {}  # facets and overviews until the next insert, as the index caches them
+        self._on_error = on_error  # tracecar_store_errors_total{store="clickhouse"}
         self._run("CREATE DATABASE IF NOT EXISTS tracecar")
         self._run(SCHEMA)
         self._run(f"CREATE TABLE IF NOT EXISTS {META} (key String, value String, at DateTime64(6) DEFAULT now64(6))"
@@ -235,7 +253,8 @@ class ClickHouseStore:
         try:
             result = self._session.query(sql, "JSONEachRow", params=params or None)
         except Exception as exc:  # chDB raises its own error (or RuntimeError) for any failed statement
-            raise ClickHouseUnavailable(f"ClickHouse store: {str(exc).splitlines()[0][:300]}") from None
+            self._on_error()
+            raise unavailable(exc) from None
         return bytes(result.bytes()) if result is not None else b""
 
     def _select(self, sql: str, bind: _Params | None = None) -> builtins.list[dict[str, Any]]:
