@@ -70,6 +70,7 @@ CREATE TABLE IF NOT EXISTS {TABLE} (
     end_time Nullable(Float64),
     duration Nullable(Float64),
     kept_because Nullable(String),
+    inclusion_probability Nullable(Float64),
     reward Nullable(Float64),
     span_count Int64,
     has_error UInt8,
@@ -102,9 +103,12 @@ SETTINGS allow_nullable_key = 1
 META = "tracecar.meta"
 # the list's columns, as the SQLite index answers them (index.COLUMNS), from this table's
 SELECT = ("trace_id, name, experiment, step, sample_index_int, sample_index_str, rollout_n, validate, worker, start_time,"
-          " end_time, duration, kept_because, reward, span_count, has_error, turns, tool_calls, tool_errors, prompt_tokens,"
-          " response_tokens, advantage, trained, filtered_by, policy_version, trained_on_version")
-FLOATS = ("start_time", "end_time", "duration", "reward", "advantage")
+          " end_time, duration, kept_because, inclusion_probability, reward, span_count, has_error, turns, tool_calls,"
+          " tool_errors, prompt_tokens, response_tokens, advantage, trained, filtered_by, policy_version, trained_on_version")
+FLOATS = ("start_time", "end_time", "duration", "reward", "advantage", "inclusion_probability")
+# columns added since the table's first release: a table made before them gets each (its rows refill with the
+# index, whose version changed with them: see _sync_token)
+ADDED = ("inclusion_probability Nullable(Float64) AFTER kept_because",)
 # filters answered by the index (their tables, or the root's payload, live there): see the module docstring
 INDEX_ONLY = frozenset({"attributes", "drift", "reward_where", "fate", "refill", "trained_other", "lp_delta_min"})
 READ_SETTINGS = " SETTINGS output_format_json_quote_64bit_integers = 0, output_format_json_quote_denormals = 0"
@@ -245,6 +249,8 @@ class ClickHouseStore:
         self._on_error = on_error  # tracecar_store_errors_total{store="clickhouse"}
         self._run("CREATE DATABASE IF NOT EXISTS tracecar")
         self._run(SCHEMA)
+        for column in ADDED:
+            self._run(f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS {column}")
         self._run(f"CREATE TABLE IF NOT EXISTS {META} (key String, value String, at DateTime64(6) DEFAULT now64(6))"
                   " ENGINE = ReplacingMergeTree(at) ORDER BY key")
 

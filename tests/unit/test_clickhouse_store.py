@@ -135,3 +135,30 @@ def test_caught_up_when_the_spools_last_rows_were_deleted(tmp_path: Path) -> Non
     assert store.refresh(budget_s=60)
     assert store.status()["caught_up"] and len(rows_of(store)) == 3
     store.close()
+
+
+def test_a_table_from_before_inclusion_probability_gets_the_column_and_its_values(tmp_path: Path) -> None:
+    """An older release's table (no inclusion_probability column) and index (version 8): opening them adds the
+    column, and the index's rebuild refills the table, so the stamped chances are listed."""
+    path = tmp_path / "spool.sqlite3"
+    spool = Spool(path, local_only=True, sync="normal")
+    rng = random.Random(5)
+    rows = []
+    for t in range(3):
+        spans = trajectory(rng, t, 16)
+        root = next(s for s in spans if s["parent_id"] is None and s["kind"] == "trajectory")
+        root["attributes"] = {**root["attributes"], "kept_because": "fill", "inclusion_probability": 0.25}
+        rows += [SpoolRow(s, orjson.dumps(s), None) for s in spans]
+    spool.write(rows)
+    spool.close()
+    settings = CollectorSettings(data_dir=tmp_path, backend="local", store="clickhouse")
+    store = ClickHouseStore(TrajectoryIndex(path, track_changes=True), settings)
+    assert store.refresh(budget_s=60)
+    assert [r["inclusion_probability"] for r in rows_of(store)] == [0.25] * 3
+    store._run(f"ALTER TABLE {TABLE} DROP COLUMN inclusion_probability")  # as an older release made it
+    store.index._db().execute("UPDATE meta SET value = '8' WHERE key = 'version'")
+    store.close()
+    again = ClickHouseStore(TrajectoryIndex(path, track_changes=True), settings)
+    assert again.refresh(budget_s=60)
+    assert [r["inclusion_probability"] for r in rows_of(again)] == [0.25] * 3
+    again.close()
