@@ -19,6 +19,19 @@ from typing import Any, Protocol, runtime_checkable
 from .trajectory_filter import TrajectoryFilter
 
 
+class StoreUnavailable(OSError):
+    """The read store's engine refused a statement (a full disk, a damaged part, a bad query).
+
+    ``public`` is what a reader may be told: the store's name and the engine's error name, never its
+    message (which carries data paths, and for a server would carry its address). Every reader answers
+    it as a 503 with ``Retry-After`` (viewer/list_api.py); the full message goes to the log.
+    """
+
+    def __init__(self, store: str, public: str, detail: str) -> None:
+        super().__init__(detail)
+        self.store, self.public = store, public
+
+
 @runtime_checkable
 class ReadStore(Protocol):
     """One row per trajectory, caught up with the spool by ``seq``; every read API's queries."""

@@ -10,23 +10,30 @@ then keeps the gateway down for ``OUTAGE_S`` under load (the nodes keep acknowle
 spools). Afterwards: the nodes' spools drain, every acknowledged span of a kept trajectory is at
 the gateway and in Weave exactly once, and the decisions equal one collector's that saw the same
 workload without faults.
+
+The same SIGKILLs with the gateway's read store in ClickHouse (embedded chDB): a reader lists the
+gateway all along, so its store inserts (in small batches) while it is killed; after the restart
+its list, groups, per-step health and export answer what the single SQLite collector answers, with
+no trajectory twice (the 60 s outage runs once, on SQLite: it tests the nodes, not the store).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from tests.cluster_workload import EXPERIMENTS, STEPS, TAIL_BUDGETS, Feeder, batches, kept_set, workload
 from tests.conftest import FAKE_WANDB_KEY
 from tests.support.cluster import process_collector, start_cluster, wait_until
 from tests.support.collector import metric_value
-from tests.test_cluster_budgets import NODES, decided, feed
+from tests.test_cluster_budgets import NODES, assert_same_reads, decided, feed, groups
 
 pytestmark = pytest.mark.timeout(420)
 OUTAGE_S = 60.0  # issue 26: the gateway down for 60 s under load
@@ -113,6 +120,87 @@ def test_nodes_and_gateway_killed_and_down_lose_nothing_and_deliver_once(tmp_pat
               f"acked_while_down={acked_while_down} owed_while_down={owed_while_down:.0f} kept={len(kept)} "
               f"weave_calls={len(delivered)}")
     finally:
+        if feeder is not None:
+            feeder.stop.set()
+        cluster.stop()
+        single.terminate()
+
+
+class Reader(threading.Thread):
+    """Lists the gateway every ``every_s`` (a chDB store inserts only when read), through its restarts."""
+
+    def __init__(self, url: str, every_s: float = 0.1) -> None:
+        super().__init__(daemon=True)
+        self.url, self.every_s = url, every_s
+        self.stop = threading.Event()
+        self.answers = 0
+
+    def run(self) -> None:
+        with httpx.Client() as client:
+            while not self.stop.wait(self.every_s):
+                try:
+                    if client.get(self.url + "/v1/trajectories", params={"limit": 5}, timeout=10).status_code == 200:
+                        self.answers += 1
+                except httpx.HTTPError:
+                    pass
+
+
+def assert_no_twice(url: str) -> None:
+    """Readers see each trajectory once: in the list (its total too) and in the export."""
+    page = httpx.get(url + "/v1/trajectories", params={"limit": 1000}, timeout=30).json()
+    ids = [t["trace_id"] for t in page["trajectories"]]
+    assert len(ids) == len(set(ids)) == page["total"], (len(ids), len(set(ids)), page["total"])
+    lines = httpx.get(url + "/v1/export", timeout=60).content.splitlines()
+    exported = [orjson.loads(line)["trace_id"] for line in lines]
+    assert len(exported) == len(set(exported)) == page["total"]
+
+
+def test_node_and_gateway_killed_with_the_gateway_on_clickhouse(tmp_path: Path, faulty_weave_stub: Any) -> None:
+    stub = faulty_weave_stub
+    weave = {"TRACECAR_BACKEND": "weave", "WANDB_API_KEY": FAKE_WANDB_KEY, "WF_TRACE_SERVER_URL": stub.url,
+             "TRACECAR_WANDB_ENTITY": "ent", "TRACECAR_WANDB_PROJECT": "proj", "forward_retry_initial_s": 0.05,
+             "forward_retry_max_s": 0.5}
+    single = process_collector(tmp_path / "single", log_level="warning", **TAIL_BUDGETS).start()
+    cluster = start_cluster(tmp_path, NODES, gateway={**TAIL_BUDGETS, **weave, "store": "clickhouse", "store_batch_rows": 3})
+    feeder: Feeder | None = None
+    reader = Reader(cluster.gateway.url)
+    try:
+        feed(single.url, None)  # the reference: one collector on SQLite, no faults
+        plan = list(batches(workload(), per_trajectory=True))
+        feeder = Feeder([n.url for n in cluster.nodes], plan, pace_s=PACE_S)
+        feeder.start()
+        reader.start()
+        gateway, victim = cluster.gateway, cluster.nodes[2]
+
+        wait_until(lambda: feeder.progress() >= 0.2, 120, "20% fed")
+        victim.kill()  # a node SIGKILLed mid-step
+        victim.start()
+        for share in (0.4, 0.7):  # the gateway SIGKILLed mid-step, while its reader has the store inserting
+            wait_until(lambda: feeder.progress() >= share, 120, f"{share:.0%} fed")
+            answers = reader.answers
+            wait_until(lambda: reader.answers > answers, 30, "the gateway's store read since its start")
+            gateway.kill()
+            time.sleep(0.5)
+            gateway.start()
+
+        feeder.join(180)
+        assert not feeder.is_alive() and feeder.done_batches == len(plan)
+        cluster.wait_drained(120)
+        wait_until(lambda: decided(gateway.url), 120, "the gateway decided every step")
+        reader.stop.set()
+        reader.join(15)
+        assert reader.answers > 0
+
+        kept, delivered = assert_exact_and_once(single.url, gateway.url, feeder, stub.delivered)
+        assert_same_reads(single.url, gateway.url)  # lists, searches, per-step health, export: from chDB
+        for experiment in EXPERIMENTS:
+            for step in STEPS:
+                assert groups(gateway.url, experiment, step) == groups(single.url, experiment, step), (experiment, step)
+        assert_no_twice(gateway.url)
+        print(f"\ncluster faults on chDB: batches={len(plan)} failed_posts={feeder.failed_posts} kept={len(kept)} "
+              f"weave_calls={len(delivered)} reads_during={reader.answers}")
+    finally:
+        reader.stop.set()
         if feeder is not None:
             feeder.stop.set()
         cluster.stop()

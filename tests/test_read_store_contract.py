@@ -122,6 +122,11 @@ def test_lists_filters_sorts_and_pages_answer_the_same(stores: dict[str, Process
     assert 0 < kept < len(EXPERIMENTS) * len(STEPS) * PER_STEP  # the budgets chose
     assert any(t["prompt_preview"] for t in everything["trajectories"])  # decoded texts, previewed
     assert any(t["trained"] is False for t in everything["trajectories"])  # the trainer's verdicts
+    # the promoted inclusion probability: the uniform draw's chance (10 of 40) where it is one, on both stores
+    chance = {t["experiment"]: set() for t in everything["trajectories"]}
+    for t in everything["trajectories"]:
+        chance[t["experiment"]].add(t["inclusion_probability"])
+    assert chance["exp-uniform"] == {0.25} and chance["exp-traj"] == {None}, chance
     for sort, order in itertools.product(SORTS, ("asc", "desc")):
         first = same(stores, "/v1/trajectories", sort=sort, order=order, limit=1000)
         assert first["total"] == kept
@@ -206,3 +211,76 @@ def test_a_clickhouse_server_url_is_refused_in_one_line_without_its_secret(tmp_p
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "TRACECAR_STORE_URL" in lines[0] and "not supported yet" in lines[0], done.stderr
     assert "hunter2" not in done.stderr + done.stdout
+
+
+def test_a_failing_clickhouse_store_is_a_503_naming_it_without_paths_and_counted(tmp_path: Path) -> None:
+    """chDB refusing statements (here: its table's directory replaced by a file) is not a full disk beside the
+    spool: readers get a 503 + Retry-After naming the ClickHouse store and the engine's error, never its
+    message's file paths; each refused statement counts in tracecar_store_errors_total{store="clickhouse"}."""
+    import shutil
+
+    from tests.support.collector import metric_value
+
+    pc = process_collector(tmp_path / "ch", store="clickhouse", log_level="warning").start()
+    try:
+        plan = list(batches(workload()))
+        with httpx.Client() as client:
+            for worker, spans in plan[:4]:
+                post(client, pc.url, worker, spans)
+        assert httpx.get(pc.url + "/v1/trajectories", timeout=30).status_code == 200
+        tables = [p for p in (tmp_path / "ch" / "clickhouse" / "store").glob("*/*") if p.is_dir()]
+        assert tables
+        for table in tables:  # the engine can no longer write its parts
+            shutil.rmtree(table)
+            table.write_text("not a directory")
+        with httpx.Client() as client:
+            for worker, spans in plan[4:8]:
+                post(client, pc.url, worker, spans)
+        r = httpx.get(pc.url + "/v1/trajectories", timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"], r.text
+        detail = r.text
+        assert "ClickHouse store" in detail and "retry later" in detail, detail
+        assert "disk" not in detail and "/" not in detail, detail
+        assert metric_value(httpx.get(pc.url + "/metrics", timeout=10).text, "tracecar_store_errors_total",
+                            store="clickhouse") >= 1
+        assert str(tmp_path) in pc.log_text()  # the operator's log has the engine's full message
+    finally:
+        if pc.proc is not None and pc.proc.poll() is None:
+            stop_process(pc.proc, grace_s=20)
+
+
+def test_killed_mid_insert_the_clickhouse_store_shows_each_trajectory_once(tmp_path: Path) -> None:
+    """SIGKILL while the store drains a backlog one trajectory per insert (some inserted, some not, one maybe
+    inserted and not yet forgotten): after the restart every trajectory is listed and exported exactly once."""
+    pc = process_collector(tmp_path / "ch", store="clickhouse", store_batch_rows=1, list_catch_up_s=0.05,
+                           log_level="warning").start()
+    try:
+        trajectories = workload()
+        with httpx.Client() as client:
+            for worker, spans in batches(trajectories):
+                post(client, pc.url, worker, spans)
+        want = {t.trace_id for t in trajectories}
+
+        def state() -> dict[str, Any]:
+            return httpx.get(pc.url + "/v1/trajectories", params={"limit": 1}, timeout=30).json()["index"]
+
+        pending: list[int] = []
+        wait_until(lambda: pending.append(state()["store_pending"]) or 0 < pending[-1] < len(want) - 20, 60,
+                   "the store part-way through its backlog", poll_s=0.02)
+        pc.kill()
+        pc.start()
+        wait_until(lambda: state()["caught_up"], 60, "caught up after the restart")
+        page = httpx.get(pc.url + "/v1/trajectories", params={"limit": 1000}, timeout=30).json()
+        ids = [t["trace_id"] for t in page["trajectories"]]
+        assert page["total"] == len(ids) == len(set(ids)) and set(ids) == want, (page["total"], len(ids), len(set(ids)))
+        exported = [orjson.loads(line)["trace_id"] for line in
+                    httpx.get(pc.url + "/v1/export", timeout=60).content.splitlines()]
+        assert sorted(exported) == sorted(want)
+        for experiment in EXPERIMENTS:
+            for step in STEPS:
+                health = _get(pc.url, "/v1/health", experiment=experiment, step=step)["step"]
+                assert health["trajectories"] == PER_STEP, (experiment, step, health)
+        print(f"\nkilled with store_pending={pending[-1]} of {len(want)}")
+    finally:
+        if pc.proc is not None and pc.proc.poll() is None:
+            stop_process(pc.proc, grace_s=20)

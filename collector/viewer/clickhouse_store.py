@@ -17,6 +17,7 @@ Weave's own trace server does. What it stores and how it is fed:
   changed trajectory in ``changed``, in the same transaction. This store drains that table in
   batches of ``TRACECAR_STORE_BATCH_ROWS`` (one ``INSERT`` each, a newer ``version`` replacing
   the older row; a pruned trajectory becomes a ``deleted`` row), then forgets what it inserted.
+  Versions count up from the table's highest (not the wall clock, which may step back).
   Nothing is parsed twice, and a restart resumes from what is left in ``changed``; a crash
   between the insert and the forget inserts the same rows again, which the engine collapses. A
   mirror token in both stores tells a ClickHouse table that missed changes (a rebuilt index, a
@@ -33,14 +34,17 @@ from __future__ import annotations
 
 import builtins  # ClickHouseStore.list shadows the builtin in its class
 import logging
+import re
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from ..read_store import StoreUnavailable
 from ..settings import CollectorSettings
 from ..text_query import folded_words, query_words
 from ..trajectory_filter import TEXT_EQUALS, TrajectoryFilter, sample_index_values
@@ -66,6 +70,7 @@ CREATE TABLE IF NOT EXISTS {TABLE} (
     end_time Nullable(Float64),
     duration Nullable(Float64),
     kept_because Nullable(String),
+    inclusion_probability Nullable(Float64),
     reward Nullable(Float64),
     span_count Int64,
     has_error UInt8,
@@ -98,17 +103,33 @@ SETTINGS allow_nullable_key = 1
 META = "tracecar.meta"
 # the list's columns, as the SQLite index answers them (index.COLUMNS), from this table's
 SELECT = ("trace_id, name, experiment, step, sample_index_int, sample_index_str, rollout_n, validate, worker, start_time,"
-          " end_time, duration, kept_because, reward, span_count, has_error, turns, tool_calls, tool_errors, prompt_tokens,"
-          " response_tokens, advantage, trained, filtered_by, policy_version, trained_on_version")
-FLOATS = ("start_time", "end_time", "duration", "reward", "advantage")
+          " end_time, duration, kept_because, inclusion_probability, reward, span_count, has_error, turns, tool_calls,"
+          " tool_errors, prompt_tokens, response_tokens, advantage, trained, filtered_by, policy_version, trained_on_version")
+FLOATS = ("start_time", "end_time", "duration", "reward", "advantage", "inclusion_probability")
+# columns added since the table's first release: a table made before them gets each (its rows refill with the
+# index, whose version changed with them: see _sync_token)
+ADDED = ("inclusion_probability Nullable(Float64) AFTER kept_because",)
 # filters answered by the index (their tables, or the root's payload, live there): see the module docstring
 INDEX_ONLY = frozenset({"attributes", "drift", "reward_where", "fate", "refill", "trained_other", "lp_delta_min"})
 READ_SETTINGS = " SETTINGS output_format_json_quote_64bit_integers = 0, output_format_json_quote_denormals = 0"
 _PARAM_TYPES = {bool: "UInt8", int: "Int64", float: "Float64", str: "String"}
 
 
-class ClickHouseUnavailable(OSError):
-    """chDB refused a query or an insert (a full disk, a damaged part): every reader answers 503, as for the index."""
+class ClickHouseUnavailable(StoreUnavailable):
+    """chDB refused a query or an insert (a full disk, a damaged part): every reader answers 503, naming this store."""
+
+
+_CODE = re.compile(r"Code: (\d+)")
+_NAME = re.compile(r"\(([A-Z][A-Z0-9_]+)\)\s*(?:\(version [^)]*\))?\s*$")
+
+
+def unavailable(exc: BaseException) -> ClickHouseUnavailable:
+    """chDB's error as a reader may see it (``Code: 243 ... (NOT_ENOUGH_SPACE)`` → its name and code), and as the
+    log should (the first line of the message, which names files under the data dir)."""
+    first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+    code, name = _CODE.search(first), _NAME.search(first)
+    what = " ".join(p for p in ((name.group(1) if name else None), (f"code {code.group(1)}" if code else None)) if p)
+    return ClickHouseUnavailable("clickhouse", f"the ClickHouse store (chDB) failed: {what or type(exc).__name__}", first)
 
 
 def _sort_expr(sort: str, direction: str) -> str:
@@ -206,7 +227,8 @@ def _row_out(row: dict[str, Any]) -> dict[str, Any]:
 class ClickHouseStore:
     """A :class:`~tracecar.collector.read_store.ReadStore` on embedded chDB, fed from the trajectory index's changes."""
 
-    def __init__(self, index: TrajectoryIndex, settings: CollectorSettings, path: Path | None = None) -> None:
+    def __init__(self, index: TrajectoryIndex, settings: CollectorSettings, path: Path | None = None,
+                 on_error: Callable[[], None] = lambda: None) -> None:
         try:
             from chdb import session as chdb_session
         except ImportError:
@@ -222,9 +244,13 @@ class ClickHouseStore:
         self._closed = False
         self._pending = 0
         self._synced = False
+        self._version = 0  # the last row version inserted; from the table's own max at the first drain (_sync_token)
         self._cache: dict[Any, Any] = {}  # facets and overviews until the next insert, as the index caches them
+        self._on_error = on_error  # tracecar_store_errors_total{store="clickhouse"}
         self._run("CREATE DATABASE IF NOT EXISTS tracecar")
         self._run(SCHEMA)
+        for column in ADDED:
+            self._run(f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS {column}")
         self._run(f"CREATE TABLE IF NOT EXISTS {META} (key String, value String, at DateTime64(6) DEFAULT now64(6))"
                   " ENGINE = ReplacingMergeTree(at) ORDER BY key")
 
@@ -233,7 +259,8 @@ class ClickHouseStore:
         try:
             result = self._session.query(sql, "JSONEachRow", params=params or None)
         except Exception as exc:  # chDB raises its own error (or RuntimeError) for any failed statement
-            raise ClickHouseUnavailable(f"ClickHouse store: {str(exc).splitlines()[0][:300]}") from None
+            self._on_error()
+            raise unavailable(exc) from None
         return bytes(result.bytes()) if result is not None else b""
 
     def _select(self, sql: str, bind: _Params | None = None) -> builtins.list[dict[str, Any]]:
@@ -257,6 +284,9 @@ class ClickHouseStore:
             self.index.restart_mirror(token)
             self._run(f"INSERT INTO {META} (key, value) VALUES ('mirror', {{t:String}})", {"t": token})
             log.info("clickhouse store filled again from the trajectory index", extra={"event": "clickhouse_store_resync"})
+        # row versions count up from the highest the table holds: monotonic whatever the wall clock does, and
+        # restart-safe (the table remembers it), so a newer row always replaces an older one
+        self._version = int(self._select(f"SELECT max(version) AS v FROM {TABLE}")[0]["v"] or 0)
         self._synced = True
 
     def _drain(self, deadline: float) -> bool:
@@ -268,7 +298,8 @@ class ClickHouseStore:
                 if not rows and not gone:
                     self._pending = 0
                     return True
-                version = time.time_ns()
+                self._version += 1
+                version = self._version
                 batch = []
                 for row in rows:
                     value = row.pop("sample_index")

@@ -44,8 +44,8 @@ from . import search, truth
 log = logging.getLogger("tracecar.collector.viewer")
 
 # 3: sample_index untyped; 4: engine spans never make a turn an aggregate; 5: what the trainer did; 6: previews;
-# 7: tool calls are real calls only (shape.is_tool); 8: training truth (viewer/truth.py)
-INDEX_VERSION = "8"
+# 7: tool calls are real calls only (shape.is_tool); 8: training truth (viewer/truth.py); 9: inclusion_probability
+INDEX_VERSION = "9"
 ROOT = "root_seq IS NOT NULL"  # every query names it, so the partial indexes apply
 
 SCHEMA = f"""
@@ -64,6 +64,7 @@ CREATE TABLE IF NOT EXISTS trajectories (
     end_time REAL,
     duration REAL,
     kept_because TEXT,
+    inclusion_probability REAL,  -- a uniform draw's chance (k/n), stamped on the root with kept_because
     root_reward REAL,
     ann_reward REAL,
     ann_seq INTEGER,
@@ -112,8 +113,8 @@ SORTS = {
 }
 NOT_NULL = {"turns", "tool_calls", "response_tokens", "span_count"}
 COLUMNS = ("trace_id, name, experiment, step, sample_index, rollout_n, validate, worker, start_time, end_time, duration,"
-           " kept_because, reward, span_count, has_error, turns, tool_calls, tool_errors, prompt_tokens, response_tokens,"
-           " advantage, trained, filtered_by, policy_version, trained_on_version")
+           " kept_because, inclusion_probability, reward, span_count, has_error, turns, tool_calls, tool_errors,"
+           " prompt_tokens, response_tokens, advantage, trained, filtered_by, policy_version, trained_on_version")
 TRAINER_KEYS = ("advantage", "trained", "filtered_by", "policy_version", "trained_on_version")
 _TRAINER_TYPES = {"advantage": (int, float), "trained": (bool,), "filtered_by": (str,), "policy_version": (int,),
                   "trained_on_version": (int,)}
@@ -122,9 +123,9 @@ _TRAINER_UPDATE = ("UPDATE trajectories SET " + ", ".join(f"{k} = COALESCE(?, {k
 
 _UPSERT = """
 INSERT INTO trajectories (trace_id, root_seq, name, experiment, step, sample_index, rollout_n, validate, worker,
-    start_time, end_time, duration, kept_because, root_reward, ann_seq, ann_reward, span_count, has_error,
-    tool_calls, tool_errors)
-VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)
+    start_time, end_time, duration, kept_because, inclusion_probability, root_reward, ann_seq, ann_reward, span_count,
+    has_error, tool_calls, tool_errors)
+VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)
 ON CONFLICT(trace_id) DO UPDATE SET
     root_seq = COALESCE(excluded.root_seq, root_seq),
     name = IIF(excluded.root_seq IS NULL, name, excluded.name),
@@ -138,6 +139,7 @@ ON CONFLICT(trace_id) DO UPDATE SET
     end_time = IIF(excluded.root_seq IS NULL, end_time, excluded.end_time),
     duration = IIF(excluded.root_seq IS NULL, duration, excluded.duration),
     kept_because = IIF(excluded.root_seq IS NULL, kept_because, excluded.kept_because),
+    inclusion_probability = IIF(excluded.root_seq IS NULL, inclusion_probability, excluded.inclusion_probability),
     root_reward = IIF(excluded.root_seq IS NULL, root_reward, excluded.root_reward),
     ann_reward = IIF(COALESCE(excluded.ann_seq, -1) > COALESCE(ann_seq, -1), excluded.ann_reward, ann_reward),
     ann_seq = MAX(COALESCE(excluded.ann_seq, -1), COALESCE(ann_seq, -1)),
@@ -187,7 +189,7 @@ class _Delta:
         self.span_count = self.has_error = self.tool_calls = self.tool_errors = 0
 
     def params(self, trace_id: str) -> tuple[Any, ...]:
-        root = self.root or (None,) * 13
+        root = self.root or (None,) * 14
         return (trace_id, *root, self.ann_seq, self.ann_reward, self.span_count, self.has_error,
                 self.tool_calls, self.tool_errors)
 
@@ -214,6 +216,13 @@ def _label(value: Any) -> str | None:
     if value is None or isinstance(value, str):
         return value
     return orjson.dumps(value).decode()
+
+
+def _probability(value: Any) -> float | None:
+    """A stamped inclusion probability, if it is one (a number in (0, 1]); anything else is not listed."""
+    if type(value) in (int, float) and 0 < value <= 1:
+        return float(value)
+    return None
 
 
 def _spool_uri(path: Path) -> str:
@@ -476,9 +485,10 @@ class TrajectoryIndex:
             span = full.get(seq) or self._parse(payload, root=parent_id is None)
             if parent_id is None:
                 duration = end - start if start is not None and end is not None else None
-                kept = _label((span.get("attributes") or {}).get("kept_because"))
+                attributes = span.get("attributes") or {}
+                kept = _label(attributes.get("kept_because"))
                 delta.root = (seq, name, experiment, step, sample_index, rollout_n, validate, worker, start, end,
-                              duration, kept, reward)
+                              duration, kept, _probability(attributes.get("inclusion_probability")), reward)
             output = span.get("output")
             if token_output(kind, output) and isinstance(output, dict):
                 prompt_tokens, response_tokens = token_counts(span)
@@ -589,8 +599,12 @@ class TrajectoryIndex:
             conn = self._db()
             latest = _latest_seq(conn)
             held = conn.execute("SELECT COUNT(*) FROM held").fetchone()[0]
-            return {"indexed_seq": self._watermark, "latest_seq": latest, "behind_spans": max(0, latest - self._watermark),
-                    "caught_up": latest <= self._watermark, "held_spans": held}
+            # behind by the rows still there past the watermark, not by the counter: the spool's newest rows may
+            # have been deleted before they were read (a dropped trajectory), and the counter never goes back
+            newest = conn.execute("SELECT MAX(seq) FROM spool.spans").fetchone()[0] or 0
+            behind = max(0, min(latest, newest) - self._watermark)
+            return {"indexed_seq": self._watermark, "latest_seq": latest, "behind_spans": behind,
+                    "caught_up": behind == 0, "held_spans": held}
 
     # ---- a mirror's cursor (viewer/clickhouse_store.py) -----------------------------------------
     def mirror_token(self) -> str | None:

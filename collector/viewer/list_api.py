@@ -22,10 +22,11 @@ from typing import Any, TypeVar
 from fastapi import HTTPException
 
 from ..loudness import RateLimited
-from ..read_store import ReadStore
+from ..read_store import ReadStore, StoreUnavailable
 from ..trajectory_filter import TrajectoryFilter
 
 _index_failures = RateLimited()  # a full disk fails every list request: say it once a minute, with the count
+_store_failures = RateLimited()
 
 
 def index_unavailable(exc: Exception, on_behind: Callable[[], None] = lambda: None) -> HTTPException:
@@ -34,6 +35,14 @@ def index_unavailable(exc: Exception, on_behind: Callable[[], None] = lambda: No
     Every reader of the index (this list, the viewer's pages, groups, per-step health) answers
     this rather than a 500: the spool's data is intact, only the index beside it cannot grow.
     """
+    if isinstance(exc, StoreUnavailable):  # the ClickHouse store's engine: its name, not a disk the user can free
+        count = _store_failures.hit()
+        if count is not None:
+            logging.getLogger("tracecar.viewer").warning("%s store refused a statement (%d request(s) refused): %s",
+                                                         exc.store, count, exc)
+        on_behind()
+        return HTTPException(503, detail=f"{exc.public}; retry later (the collector's log has the details)",
+                             headers={"Retry-After": "2"})
     count = _index_failures.hit()
     if count is not None:
         logging.getLogger("tracecar.viewer").warning("trajectory index cannot catch up (%d request(s) refused): %s", count, exc)

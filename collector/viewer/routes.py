@@ -108,7 +108,8 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
     """The viewer's routes for one collector; the trajectory index closes with the app."""
     settings = collector.settings
     index = open_read_store(collector.spool.path, settings,
-                            prune_deleted=not collector.spool.local_only and not settings.keep_forwarded)
+                            prune_deleted=not collector.spool.local_only and not settings.keep_forwarded,
+                            on_error=collector.metrics.store_errors.labels(store=settings.store).inc)
     auth = ViewerAuth(token)
     files = _static_files()
 

@@ -81,3 +81,84 @@ def test_batches_deletions_and_a_missed_change_refill(tmp_path: Path) -> None:
     assert again.status()["store_pending"] == 0
     again.close()
     sqlite.close()
+
+
+def _late_span(path: Path, trace_id: str, n: int) -> None:
+    """One more tool call in a stored trajectory: its row changes (span_count + 1)."""
+    spool = Spool(path, local_only=True, sync="normal")
+    span = {"trace_id": trace_id, "span_id": f"{trace_id}late{n}", "parent_id": f"{trace_id}r", "name": "CalculatorTool.execute",
+            "kind": "op", "worker": "bench", "project": "p", "entity": None, "attributes": {}, "exception": None,
+            "start_time": 1_700_000_000.0, "end_time": 1_700_000_000.1, "inputs": {}, "output": {"result": 2}}
+    spool.write([SpoolRow(span, orjson.dumps(span), None)])
+    spool.close()
+
+
+def test_a_wall_clock_stepping_back_never_lets_an_older_row_win(tmp_path: Path, monkeypatch: object) -> None:
+    """Row versions come from the store, not the wall clock: after the clock steps back an hour (NTP, a VM
+    restored), a changed trajectory's new row still replaces the old one, in this run and after a restart."""
+    import time as _time
+
+    path = tmp_path / "spool.sqlite3"
+    ids = spool_of(path, 6)
+    settings = CollectorSettings(data_dir=tmp_path, backend="local", store="clickhouse", store_batch_rows=100)
+    store = ClickHouseStore(TrajectoryIndex(path, track_changes=True), settings)
+    assert store.refresh(budget_s=60)
+    spans = {r["trace_id"]: r["span_count"] for r in rows_of(store)}
+    real = _time.time_ns
+    monkeypatch.setattr(_time, "time_ns", lambda: real() - 3600 * 10**9)  # type: ignore[attr-defined]
+    _late_span(path, ids[0], 1)
+    assert store.refresh(budget_s=60)
+    assert {r["trace_id"]: r["span_count"] for r in rows_of(store)}[ids[0]] == spans[ids[0]] + 1
+    store.close()
+    again = ClickHouseStore(TrajectoryIndex(path, track_changes=True), settings)  # restart-safe: versions go on from the table's
+    _late_span(path, ids[0], 2)
+    assert again.refresh(budget_s=60)
+    assert {r["trace_id"]: r["span_count"] for r in rows_of(again)}[ids[0]] == spans[ids[0]] + 2
+    again.close()
+
+
+def test_caught_up_when_the_spools_last_rows_were_deleted(tmp_path: Path) -> None:
+    """The spool's newest trajectory deleted before the index read it (a dropped trajectory): the index has
+    read every row there is, so it is caught up — not forever ``behind_spans`` the deleted rows."""
+    path = tmp_path / "spool.sqlite3"
+    ids = spool_of(path, 4)
+    spool = Spool(path, local_only=True, sync="normal")
+    assert spool.evict(ids[-1:])[0] == 1
+    spool.close()
+    index = TrajectoryIndex(path)
+    assert index.refresh(budget_s=60)
+    state = index.status()
+    assert state["caught_up"] and state["behind_spans"] == 0, state
+    index.close()
+    settings = CollectorSettings(data_dir=tmp_path, backend="local", store="clickhouse")
+    store = ClickHouseStore(TrajectoryIndex(path, track_changes=True), settings)
+    assert store.refresh(budget_s=60)
+    assert store.status()["caught_up"] and len(rows_of(store)) == 3
+    store.close()
+
+
+def test_a_table_from_before_inclusion_probability_gets_the_column_and_its_values(tmp_path: Path) -> None:
+    """An older release's table (no inclusion_probability column) and index (version 8): opening them adds the
+    column, and the index's rebuild refills the table, so the stamped chances are listed."""
+    path = tmp_path / "spool.sqlite3"
+    spool = Spool(path, local_only=True, sync="normal")
+    rng = random.Random(5)
+    rows = []
+    for t in range(3):
+        spans = trajectory(rng, t, 16)
+        root = next(s for s in spans if s["parent_id"] is None and s["kind"] == "trajectory")
+        root["attributes"] = {**root["attributes"], "kept_because": "fill", "inclusion_probability": 0.25}
+        rows += [SpoolRow(s, orjson.dumps(s), None) for s in spans]
+    spool.write(rows)
+    spool.close()
+    settings = CollectorSettings(data_dir=tmp_path, backend="local", store="clickhouse")
+    store = ClickHouseStore(TrajectoryIndex(path, track_changes=True), settings)
+    assert store.refresh(budget_s=60)
+    assert [r["inclusion_probability"] for r in rows_of(store)] == [0.25] * 3
+    store._run(f"ALTER TABLE {TABLE} DROP COLUMN inclusion_probability")  # as an older release made it
+    store.index._db().execute("UPDATE meta SET value = '8' WHERE key = 'version'")
+    store.close()
+    again = ClickHouseStore(TrajectoryIndex(path, track_changes=True), settings)
+    assert again.refresh(budget_s=60)
+    assert [r["inclusion_probability"] for r in rows_of(again)] == [0.25] * 3
+    again.close()
