@@ -44,6 +44,7 @@ from typing import Any
 
 import orjson
 
+from ..loudness import RateLimited
 from ..read_store import StoreUnavailable
 from ..settings import CollectorSettings
 from ..text_query import folded_words, query_words
@@ -247,6 +248,7 @@ class ClickHouseStore:
         self._version = 0  # the last row version inserted; from the table's own max at the first drain (_sync_token)
         self._cache: dict[Any, Any] = {}  # facets and overviews until the next insert, as the index caches them
         self._on_error = on_error  # tracecar_store_errors_total{store="clickhouse"}
+        self._catch_up_failures = RateLimited()
         self._run("CREATE DATABASE IF NOT EXISTS tracecar")
         self._run(SCHEMA)
         for column in ADDED:
@@ -342,8 +344,12 @@ class ClickHouseStore:
         try:
             while not self._closed and not self.refresh(0.1):
                 time.sleep(0.005)
-        except Exception:  # noqa: BLE001 - a failed catch-up is retried by the next request
-            log.exception("clickhouse store catch-up failed")
+        except Exception as exc:  # noqa: BLE001 - a failed catch-up is retried by the next request
+            # each read may start a catch-up: while chDB keeps failing, said once a minute with the count
+            count = self._catch_up_failures.hit()
+            if count is not None:
+                log.warning("clickhouse store catch-up failed (%d time(s) since last said; retried by the next read): %s",
+                            count, str(exc)[:300])
 
     def status(self) -> dict[str, Any]:
         state = self.index.status()
