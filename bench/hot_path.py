@@ -33,6 +33,16 @@ What is measured, per mode:
     to the run (``--queue``) and calls are paced by ``--gap-us`` of sleep (outside the timed
     region; an agent loop awaits the GPU between traced calls).
 
+``--traj-calls N`` groups the calls into trajectories of N (tracecar: a ``rollout_trace_attr``
+each, OTel: a parent span each; both are spans sent). Every run also reports the whole process's
+CPU per call over the calls and the flush after, minus plain's: the worker's total for tracing
+(caller + background + what was still owed when the calls ended), and the backlog (spans still
+queued when the calls ended: a sender that keeps up holds about one body's worth at most).
+``--rounds R`` runs the modes R times in alternating order (ABBA) and prints each round's
+tracecar / peer ratio of that total, its median and spread (issue 32's worker figure):
+
+    .venv/bin/python bench/hot_path.py --modes plain,tracecar,otel --calls 3000 --gap-us 100 --traj-calls 4 --rounds 6
+
 By default nothing is pinned; ``--pin`` puts the caller (and all its threads) on CPU 0 and the
 collector + stub on CPU 1, which makes a peer with many background threads (weave) pay their CPU
 on the caller's core and inflates its caller figure.
@@ -45,6 +55,7 @@ on the caller's core and inflates its caller figure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import os
@@ -235,35 +246,55 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         loop = make_loop(rollout_trace_op)
         context = rollout_trace_attr(sample_index=0, step=1, rollout_n=0)
 
+    trajectory = trajectory_opener(mode, args.traj_calls)
     gap_s = 0 if burst else args.gap_us / 1e6
     limit_s = args.weave_seconds if mode == "weave" else args.seconds
     warmup = 3 if mode == "weave" else args.warmup
     step, ns = loop.step, time.perf_counter_ns
     durations: list[int] = []
+    if per_traj := args.traj_calls:
+        context = None  # each trajectory is its own context (below)
     if context is not None:
         context.__enter__()
     received0 = delivered() if mode == "weave" else 0  # the stub is shared: count this run's calls only
     for i in range(warmup):
+        if per_traj and i % per_traj == 0:
+            warm = trajectory(10**6 + i // per_traj)
+            warm.__enter__()
         step(*inputs[i % 8])
+        if per_traj and (i % per_traj == per_traj - 1 or i == warmup - 1):
+            warm.__exit__(None, None, None)
     flush()  # warm-up spans delivered: connections open, lazy imports done, queues empty before timing
     proc0, thread0, wall0 = time.process_time(), time.thread_time(), time.perf_counter()
     deadline = wall0 + limit_s
+    open_traj = None
     for i in range(args.calls):
         a = inputs[i & 7]
+        if per_traj and i % per_traj == 0:
+            open_traj = trajectory(i // per_traj)
+            open_traj.__enter__()
         t0 = ns()
         step(*a)
         durations.append(ns() - t0)
+        if per_traj and i % per_traj == per_traj - 1:
+            open_traj.__exit__(None, None, None)  # type: ignore[union-attr]
+            open_traj = None
         if gap_s:
             time.sleep(gap_s)
         if (i & 15) == 0 and time.perf_counter() > deadline:
             break
+    if open_traj is not None:
+        open_traj.__exit__(None, None, None)
     proc1, thread1, wall1 = time.process_time(), time.thread_time(), time.perf_counter()
+    backlog = backlog_of(mode)
     if context is not None:
         context.__exit__(None, None, None)
     flush()
     proc2, wall2 = time.process_time(), time.perf_counter()
     n = len(durations)
-    traced = n + warmup if mode not in ("plain", "verl_off", "tracecar_off") else 0
+    # trajectories are spans too (tracecar's rollout_trace_attr, OTel's parent span)
+    traced = n + warmup + (-(-n // per_traj) + -(-warmup // per_traj) if per_traj else 0)
+    traced = traced if mode not in ("plain", "verl_off", "tracecar_off") else 0
     got = delivered()
     if got is not None and mode == "weave":
         got -= received0
@@ -273,10 +304,49 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "mode": args.child, "calls": n, "median_us": median(us), "p99_us": percentile(us, 99), "mean_us": sum(us) / n,
         "bg_loop_us": bg_loop, "flush_cpu_us": flush_cpu, "bg_cpu_us_per_call": bg_loop + flush_cpu,
+        # the whole worker's CPU per call, caller included (loop + what was still owed at its end);
+        # minus plain's in the report: "total" = caller + sender + owed
+        "proc_cpu_us": (proc2 - proc0) * 1e6 / n, "backlog": backlog,
         "flush_s": wall2 - wall1, "loop_s": wall1 - wall0, "stats": stats(), "python": sys.version.split()[0],
-        "traced": traced, "delivered": got,
+        "traced": traced, "delivered": got, "traj_calls": per_traj,
         "dropped": stats()["dropped_total"] if "dropped_total" in stats() else max(0, traced - got) if got is not None and traced else 0,
     }
+
+
+def trajectory_opener(mode: str, per_traj: int) -> Callable[[int], Any]:
+    """``--traj-calls``: what opens one trajectory of that many calls (a context manager by index):
+    tracecar's ``rollout_trace_attr`` (its own span), OTel a parent span; other peers none."""
+    if not per_traj or mode not in ("tracecar", "tracecar_legacy", "otel"):
+        return lambda k: contextlib.nullcontext()
+    if mode == "otel":
+        from opentelemetry import trace
+
+        parent = trace.get_tracer("bench.hot_path")
+        return lambda k: parent.start_as_current_span("trajectory", attributes={"sample_index": k, "step": 1})
+    from tracecar.client import rollout_trace_attr
+
+    return lambda k: rollout_trace_attr(sample_index=k, step=1, rollout_n=0)
+
+
+def backlog_of(mode: str) -> int | None:
+    """Spans still waiting in the peer's queue when the timed calls end (a sender that keeps up
+    holds at most about one body's worth): tracecar's queue, OTel's BatchSpanProcessor queue."""
+    try:
+        if mode.startswith("tracecar") and mode != "tracecar_off":
+            from tracecar.client import tracer
+
+            return len(tracer.active.sender.queue) if tracer.active else None
+        if mode == "otel":
+            from opentelemetry import trace
+
+            for proc in trace.get_tracer_provider()._active_span_processor._span_processors:  # type: ignore[attr-defined]
+                inner = getattr(proc, "_batch_processor", proc)
+                queue = getattr(inner, "_queue", None)
+                if queue is not None:
+                    return len(queue)
+    except Exception:  # noqa: BLE001 - a peer's internals moved: no figure rather than a wrong one
+        return None
+    return None
 
 
 # ---- parent: services, one child per mode, the report ----------------------------------
@@ -300,7 +370,8 @@ def run_mode(mode: str, python: str, args: argparse.Namespace, stub_url: str, co
     workdir = Path(tempfile.mkdtemp(prefix=f"{mode}-", dir=work))
     cmd = [python, str(Path(__file__).resolve()), "--child", mode, "--calls", str(args.calls), "--warmup", str(args.warmup),
            "--gap-us", str(args.gap_us), "--seconds", str(args.seconds), "--weave-seconds", str(args.weave_seconds),
-           "--queue", str(args.queue), "--stub", stub_url, "--collector", collector_url, "--workdir", str(workdir)]
+           "--queue", str(args.queue), "--traj-calls", str(args.traj_calls),
+           "--stub", stub_url, "--collector", collector_url, "--workdir", str(workdir)]
     # TRACECAR_OPEN_MARKERS passes through: the live view's markers A/B (on by default)
     # an inherited PYTHONPATH stays behind bench/: a same-run A/B against another tree's code
     # (PYTHONPATH=<that tree>/tests/typecheck) reaches the children
@@ -322,6 +393,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="time bound of the timed loop, per mode")
     parser.add_argument("--weave-seconds", type=float, default=20.0, help="time bound of each weave run's timed loop")
     parser.add_argument("--queue", type=int, default=0, help="span queue size of tracecar and otel (0: calls + warm-up, no drops)")
+    parser.add_argument("--traj-calls", type=int, default=0,
+                        help="calls per trajectory (tracecar: a rollout_trace_attr each, OTel: a parent span); 0: one for the run")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the modes this many times, alternating their order (ABBA), and print each round's "
+                             "tracecar / cheapest-peer ratio of total worker CPU per call with its spread")
     parser.add_argument("--weave-pythons", default=None, help="comma-separated interpreters with weave; one weave run each")
     parser.add_argument("--mlflow-python", default=None, help="interpreter with mlflow (its own venv: its pins clash)")
     parser.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated, of {','.join(MODES)}")
@@ -347,17 +423,61 @@ def main() -> None:
             print("pinning: " + (f"caller on CPU {sorted(WORKER_CPUS)}, collector + stub on CPU {sorted(sidecar)}"
                                  if sidecar else "none (the scheduler places every thread)"))
             with services(collector):
-                run_all(args, stub.url, collector.url, work, results)
+                rounds = []
+                for r in range(args.rounds):
+                    results = {}
+                    run_all(args, stub.url, collector.url, work, results, reverse=r % 2 == 1)
+                    rounds.append(results)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(results, args)
+    if args.rounds > 1:
+        report_rounds(rounds)
 
 
-def run_all(args: argparse.Namespace, stub_url: str, collector_url: str, work: Path, results: dict[str, dict[str, Any]]) -> None:
-    for label, mode, python in mode_runs(args):
+def run_all(args: argparse.Namespace, stub_url: str, collector_url: str, work: Path, results: dict[str, dict[str, Any]],
+            reverse: bool = False) -> None:
+    runs = mode_runs(args)
+    # plain first always (the baseline the others subtract), the rest in alternating order
+    runs = runs[:1] + runs[1:][::-1] if reverse and runs and runs[0][1] == "plain" else runs[::-1] if reverse else runs
+    for label, mode, python in runs:
         results[label] = r = run_mode(mode, python, args, stub_url, collector_url, work)
         print(f"  {label:15} {r['calls']:>6} calls  median {r['median_us']:10.2f} µs  p99 {r['p99_us']:10.2f} µs"
-              f"  bg {r['bg_cpu_us_per_call']:10.1f} µs/call  dropped {r['dropped']}  (python {r['python']})", flush=True)
+              f"  bg {r['bg_cpu_us_per_call']:10.1f} µs/call  cpu {r['proc_cpu_us']:8.1f} µs/call  backlog {r.get('backlog')}"
+              f"  dropped {r['dropped']}  (python {r['python']})", flush=True)
+
+
+def total_cpu(results: dict[str, dict[str, Any]], label: str) -> float:
+    """The worker's CPU per call for tracing (caller + background + owed at the end of the calls):
+    the process's CPU over the calls and the flush after, minus the undecorated run's."""
+    base = results.get("plain_burst" if label.endswith("_burst") else "plain")
+    return results[label]["proc_cpu_us"] - (base["proc_cpu_us"] if base else 0.0)
+
+
+def report_rounds(rounds: list[dict[str, dict[str, Any]]]) -> None:
+    """Each round's tracecar / peer ratio of total worker CPU per call (the rounds alternate the
+    modes' order), its median and spread: the same-run figure; and whether the sender kept up."""
+    header(f"INTERLEAVED: {len(rounds)} rounds, total worker CPU per call (caller + sender + owed at the end), minus plain")
+    peers = sorted({k for r in rounds for k in r if k.split("_py")[0] in PEERS})
+    rows = []
+    for i, r in enumerate(rounds):
+        if "tracecar" not in r:
+            continue
+        t = r["tracecar"]
+        row = [i + 1, total_cpu(r, "tracecar"), t["flush_cpu_us"], t.get("backlog"), t["dropped"]]
+        for p in peers:
+            row += [total_cpu(r, p), r[p]["dropped"], ratio(total_cpu(r, "tracecar"), total_cpu(r, p))]
+        rows.append(row)
+    heads = ["round", "tracecar µs/call", "owed µs/call", "backlog", "dropped"]
+    for p in peers:
+        heads += [f"{p} µs/call", f"{p} dropped", f"tracecar/{p}"]
+    print(table(rows, heads))
+    for j, p in enumerate(peers):
+        got = [row[7 + 3 * j] for row in rows]
+        print(f"tracecar / {p}, total worker CPU per call: median {median(got):.3f} (1/{ratio(1, median(got)):.1f}), "
+              f"spread {min(got):.3f}-{max(got):.3f} over {len(got)} rounds")
+    print("backlog = spans still queued when the calls ended (keeping up: at most about one body's worth); "
+          "owed = CPU the process spent flushing after the calls, per call")
 
 
 def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
@@ -370,11 +490,14 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None
         r["added_med"], r["added_p99"] = r["median_us"] - base["median_us"], r["p99_us"] - base["p99_us"]
         r["headline"] = r["added_med"] + r["bg_cpu_us_per_call"]
         rows.append([label, r["python"], r["calls"], r["added_med"], r["added_p99"], r["bg_loop_us"], r["flush_cpu_us"],
-                     r["headline"], r["traced"], r["delivered"] if r["delivered"] is not None else "-", r["dropped"]])
+                     r["headline"], total_cpu(results, label), r.get("backlog", "-"), r["traced"],
+                     r["delivered"] if r["delivered"] is not None else "-", r["dropped"]])
     print(table(rows, ["mode", "python", "calls", "added med µs", "added p99 µs", "bg CPU µs/call", "flush CPU µs/call",
-                       "added+bg µs", "traced", "delivered", "dropped"]))
+                       "added+bg µs", "total CPU µs", "backlog", "traced", "delivered", "dropped"]))
     print("added = mode minus plain (median / p99 of the caller's time); bg CPU = other threads' CPU during the calls; "
-          "flush CPU = the process while flushing afterwards; added+bg = added median + bg + flush, per call")
+          "flush CPU = the process while flushing afterwards; added+bg = added median + bg + flush, per call; "
+          "total CPU = the process's CPU over the calls and the flush, minus plain's (caller + background + owed); "
+          "backlog = spans queued when the calls ended")
     for label in ("tracecar", "tracecar_burst", "tracecar_legacy", "tracecar_legacy_burst"):
         if label in results:
             s = results[label]["stats"]

@@ -35,7 +35,7 @@ def main() -> None:
     from tracecar.client import rollout_trace_attr, rollout_trace_op, tracer
     from tracecar.client import sender as sender_mod
 
-    spent = {"build": 0.0, "post": 0.0, "posts": 0}
+    spent = {"build": 0.0, "post": 0.0, "posts": 0, "post_wall": 0.0}
     build, post = sender_mod.Sender._build_body, sender_mod.Sender._post_with_retries
 
     def timed_build(self: Any) -> Any:
@@ -46,11 +46,12 @@ def main() -> None:
             spent["build"] += time.thread_time() - t0
 
     def timed_post(self: Any, body: bytes, n: int) -> bool:
-        t0 = time.thread_time()
+        t0, wall0 = time.thread_time(), time.perf_counter()
         try:
             return post(self, body, n)
         finally:
             spent["post"] += time.thread_time() - t0
+            spent["post_wall"] += time.perf_counter() - wall0  # mostly waiting for the collector's answer
             spent["posts"] += 1
 
     sender_mod.Sender._build_body = timed_build  # type: ignore[method-assign]
@@ -70,18 +71,20 @@ def main() -> None:
             assert tr is not None and tr.flush(60)
             header(f"{args.calls} paced calls a round (gap {args.gap_us:g} µs)")
             for round_ in range(args.rounds):
-                spent.update(build=0.0, post=0.0, posts=0)
-                cpu0, thread0 = time.process_time(), time.thread_time()
+                spent.update(build=0.0, post=0.0, posts=0, post_wall=0.0)
+                cpu0, thread0, wall0 = time.process_time(), time.thread_time(), time.perf_counter()
                 for i in range(args.calls):
                     loop.step(*inputs[i & 7])
                     time.sleep(gap)
-                cpu1, thread1 = time.process_time(), time.thread_time()
+                cpu1, thread1, wall1 = time.process_time(), time.thread_time(), time.perf_counter()
+                waited, backlog = spent["post_wall"], len(tr.sender.queue)
                 tr.flush(60)
                 background = (cpu1 - cpu0 - (thread1 - thread0) + time.process_time() - cpu1) * 1e6 / args.calls
                 n = args.calls
                 print(f"round {round_ + 1}: {spent['posts']} posts ({n / max(1, spent['posts']):.0f} spans a post); "
                       f"building {spent['build'] * 1e6 / n:.1f} µs a span, posting {spent['post'] * 1e6 / n:.1f} µs a span "
-                      f"({spent['post'] * 1e6 / max(1, spent['posts']):.0f} µs a post); background CPU {background:.1f} µs a call")
+                      f"({spent['post'] * 1e6 / max(1, spent['posts']):.0f} µs a post); background CPU {background:.1f} µs a call; "
+                      f"posts in flight {waited:.2f} s of the calls' {wall1 - wall0:.2f} s, {backlog} spans queued at their end")
         tr.flush(60)  # the trajectory's root, sent after its context closed
         stats = tr.stats()
         print(f"client stats: sent {stats['sent']}, dropped {stats['dropped']}")

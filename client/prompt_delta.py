@@ -54,9 +54,13 @@ def response_of(output: Any) -> tuple[str | None, Any]:
 
 
 def context_of(prompt: list[Any], output: Any) -> list[Any]:
-    """prompt + response: what a later ``{"$ref"}`` counts its N ids in (the collector builds the same)."""
+    """prompt + response: what a later ``{"$ref"}`` counts its N ids in (the collector builds the same).
+
+    Always a new list, also without a response: ``prompt`` may be the caller's own list, which an
+    agent loop grows (or refills) in place, and a context that changed after its span was sent
+    would make a later reference claim ids that span never carried."""
     response = as_ids(response_of(output)[1])
-    return prompt + response if response else prompt
+    return prompt + response if response else prompt[:]
 
 
 class PromptDeltas:

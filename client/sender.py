@@ -14,6 +14,7 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -28,7 +29,17 @@ from .redact import RedactKeys, scrub_exception
 from .retry_after import parse_retry_after
 from .short_ids import PREFIX_KEY, WIRE_VERSION_IDS, expand, shorten_record, shorten_wire
 from .spans import SpanRecord, ids
-from .wire import JSON_CONTENT_TYPE, WIRE_VERSION, WIRE_VERSION_DELTA, WireEncoder, batch_body, pack_span, pack_span_legacy
+from .wire import (
+    JSON_CONTENT_TYPE,
+    WIRE_VERSION,
+    WIRE_VERSION_DELTA,
+    WireEncoder,
+    batch_body,
+    batch_body_pieces,
+    pack_span_legacy,
+    pack_span_pieces,
+    pieces_size,
+)
 
 log = logging.getLogger("tracecar.client")
 
@@ -82,13 +93,19 @@ def open_marker_wire(record: SpanRecord) -> dict[str, Any]:
             "exception": None}
 
 
+def _pack_legacy(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> list[bytes]:
+    return [pack_span_legacy(wire, encoder, size_limit)]
+
+
 class Sender:
     """Owns the queue and the thread. Safe to use from any thread and across ``fork``."""
 
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
         self.encoder = WireEncoder(config.max_string_chars, config.max_depth, RedactKeys(config.redact_keys))
-        self._pack = pack_span_legacy if config.packing == "legacy" else pack_span
+        # a span's packed bytes as pieces, joined once per body (wire.pack_span_pieces)
+        self._pack: Callable[[dict[str, Any], WireEncoder, int], list[bytes]] = (
+            _pack_legacy if config.packing == "legacy" else pack_span_pieces)
         self._init_state()
         os.register_at_fork(after_in_child=self._init_state)
 
@@ -231,7 +248,7 @@ class Sender:
         Only a span over ``max_span_bytes`` is dropped (and counted).
         """
         cfg, queue, size = self.config, self.queue, 0
-        parts: list[bytes] = []
+        parts: list[list[bytes]] = []
         last_yield = time.perf_counter()
         # markers first: one checked here as still running has its span enqueued after this
         # point, so the collector always sees a call open before it sees it end
@@ -244,7 +261,7 @@ class Sender:
                 if self._short_ids is True and self._v2():  # by the strings: its span_id is the call's + ".open"
                     shorten_wire(wire, ids.prefix)
                 parts.append(self._pack(wire, self.encoder, cfg.max_string_chars))
-                size += len(parts[-1])
+                size += pieces_size(parts[-1])
                 markers += 1
         if self._markers_ok is False:
             opens.clear()  # an older collector: they would only be refused
@@ -268,12 +285,13 @@ class Sender:
                 with self._lock:
                     self.stats.drop("encode_error")
                 continue
-            if len(packed) > cfg.max_span_bytes:
+            packed_size = pieces_size(packed)
+            if packed_size > cfg.max_span_bytes:
                 with self._lock:
                     self.stats.drop("span_too_large")
                 continue
             parts.append(packed)
-            size += len(packed)
+            size += packed_size
             now = time.perf_counter()
             if now - last_yield >= GIL_HANDOFF_S:  # let the generation loop in: ~1 ms, not 5 ms
                 time.sleep(0)
@@ -283,7 +301,7 @@ class Sender:
         # a body takes spans until it reaches batch_max_bytes: ceil(bytes / bytes per span) of them
         self._body_spans = max(1, min(cfg.batch_max_spans, -(-cfg.batch_max_bytes * len(parts) // max(1, size))))
         self._ref_records, self._marker_ids = refs, marker_ids
-        return batch_body(self._header(), parts), len(parts) - markers  # markers are not spans: not counted
+        return batch_body_pieces(self._header(), parts), len(parts) - markers  # markers are not spans: not counted
 
     def _wire(self, record: SpanRecord) -> dict[str, Any]:
         """The span's wire dict, exception text scrubbed (key-based redaction is in pack_span)."""

@@ -47,7 +47,7 @@ def shorten_record(wire: dict[str, Any], record: Any, prefix: str) -> None:
     counters (one format each, no string checks), the rest as there. Only for that dict: an open
     marker's ``span_id`` is the call's + ``".open"``, so markers take :func:`shorten_wire`."""
     if record.prefix == prefix:
-        wire["span_id"] = f"~{record.number:x}"
+        wire["span_id"] = record.short_id
     for key, other in (("trace_id", record.trace), ("parent_id", record.parent)):
         if other is None:
             continue
@@ -55,7 +55,7 @@ def shorten_record(wire: dict[str, Any], record: Any, prefix: str) -> None:
         if other_prefix is None:
             wire[key] = shorten(wire.get(key), prefix)
         elif other_prefix == prefix:
-            wire[key] = f"~{other.number:x}"
+            wire[key] = other.short_id
     _shorten_rest(wire, prefix)
 
 

@@ -55,7 +55,7 @@ class SpanRecord:
 
     __slots__ = (
         "number", "prefix", "trace", "parent", "name", "kind", "start", "end",
-        "attributes", "signature", "args", "kwargs", "list_lens", "dict_copies", "output", "exception", "exc_stack", "_sid",
+        "attributes", "signature", "args", "kwargs", "list_lens", "dict_copies", "output", "exception", "exc_stack", "_sid", "_short",
     )
 
     def __init__(
@@ -107,6 +107,7 @@ class SpanRecord:
         self.exception: BaseException | str | None = None
         self.exc_stack: tuple[tuple[Any, int | None], ...] | None = None
         self._sid: str | None = None
+        self._short: str | None = None  # wire v3's short form of the id (short_ids.shorten_record), made once
 
     @property
     def span_id(self) -> str:
@@ -116,6 +117,15 @@ class SpanRecord:
         if sid is None:
             sid = self._sid = f"{self.prefix}{self.number:016x}"
         return sid
+
+    @property
+    def short_id(self) -> str:
+        """``~`` + the counter in hex (wire v3, tracecar.client.short_ids): made once, as a span's id
+        is written for itself and again for each child (its parent and trajectory ids)."""
+        short = self._short
+        if short is None:
+            short = self._short = f"~{self.number:x}"
+        return short
 
     def to_wire(self, max_frames: int = 200) -> dict[str, Any]:
         """Wire dict for this span (values as captured); runs on the sender thread."""
@@ -406,7 +416,7 @@ class _LazySignature:
 
 
 class _BindPlan:
-    __slots__ = ("signature", "order", "positional", "named", "var_positional", "var_keyword", "defaults")
+    __slots__ = ("signature", "order", "positional", "named", "var_positional", "var_keyword", "defaults", "plain")
 
     def __init__(self, signature: inspect.Signature) -> None:
         P = inspect.Parameter
@@ -418,9 +428,14 @@ class _BindPlan:
         self.var_positional = next((p.name for p in params if p.kind is P.VAR_POSITIONAL), None)
         self.var_keyword = next((p.name for p in params if p.kind is P.VAR_KEYWORD), None)
         self.defaults = [(p.name, p.default) for p in params if p.default is not P.empty]
+        # only positional parameters (no *args, **kwargs, keyword-only): a call that gives them all by
+        # position binds as one zip, in signature order
+        self.plain = len(self.positional) == len(params)
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         positional = self.positional
+        if not kwargs and len(args) == len(positional) and self.plain:
+            return dict(zip(positional, args))  # every parameter given by position: already in order
         inputs = dict(zip(positional, args))
         if len(args) > len(positional):
             if self.var_positional is None:

@@ -389,15 +389,31 @@ def pack_span(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> by
     (orjson would turn a NaN reward into null), or a result larger than the string bound goes
     through the bounded walk, which replaces those values, so a secret never leaves the worker.
     """
+    pieces = pack_span_pieces(wire, encoder, size_limit)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+def pack_span_pieces(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> list[bytes]:
+    """:func:`pack_span`'s bytes as the pieces they are joined from (the span's JSON around its
+    spliced lists, and the lists): the sender joins a whole body's pieces at once
+    (:func:`batch_body_pieces`), so a span's ids are copied once on their way to the socket, not twice."""
     if _fast_path_fits(wire, encoder.stringify):
         try:
-            packed = _pack_spliced(wire, encoder, size_limit) if _Fragment is not None and encoder.redact.spliceable \
-                else _pack_whole(wire, encoder, size_limit)
-            if packed is not None:
-                return packed
+            if _Fragment is not None and encoder.redact.spliceable:
+                pieces = _pack_spliced(wire, encoder, size_limit)
+            else:
+                whole = _pack_whole(wire, encoder, size_limit)
+                pieces = [whole] if whole is not None else None
+            if pieces is not None:
+                return pieces
         except (orjson.JSONEncodeError, TypeError, OverflowError, RecursionError):
             pass
-    return orjson.dumps(encoder.encode(wire), option=_OPTIONS)
+    return [orjson.dumps(encoder.encode(wire), option=_OPTIONS)]
+
+
+def pieces_size(pieces: list[bytes]) -> int:
+    """Bytes of a packed span given as pieces."""
+    return len(pieces[0]) if len(pieces) == 1 else sum(map(len, pieces))
 
 
 def pack_span_legacy(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> bytes:
@@ -446,8 +462,9 @@ _MAX_SPLICED = 31  # placeholders are \x00 + one byte 1..31: control bytes, neve
 _PLACEHOLDERS = [_Fragment(b"\x00" + bytes((i,))) for i in range(1, _MAX_SPLICED + 1)] if _Fragment is not None else []
 
 
-def _pack_spliced(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> bytes | None:
-    """Numeric lists packed apart and spliced in; the byte search over the rest; None: take the walk."""
+def _pack_spliced(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -> list[bytes] | None:
+    """Numeric lists packed apart and spliced in (as pieces to join); the byte search over the rest;
+    None: take the walk."""
     lists: list[bytes] = []
     flatten = encoder.flatten
     shell = dict(wire)
@@ -464,15 +481,16 @@ def _pack_spliced(wire: dict[str, Any], encoder: WireEncoder, size_limit: int) -
     if encoder.redact.might_hold(small, start_at=max(0, small.find(b'"attributes":'))):
         return None
     if not lists:
-        packed = small
-    else:
-        pieces = small.split(b"\x00")
-        out = [pieces[0]]
-        for piece in pieces[1:]:
-            out.append(lists[piece[0] - 1])
-            out.append(piece[1:])
-        packed = b"".join(out)
-    return packed if len(packed) <= size_limit else None
+        return [small] if len(small) <= size_limit else None
+    pieces = small.split(b"\x00")
+    out = [pieces[0]]
+    size = len(small) - 2 * len(lists)
+    for piece in pieces[1:]:
+        packed = lists[piece[0] - 1]
+        size += len(packed)
+        out.append(packed)
+        out.append(piece[1:])
+    return out if size <= size_limit else None
 
 
 def _splice_lists(container: dict[Any, Any], lists: list[bytes], flatten: Any, depth: int) -> dict[Any, Any]:
@@ -512,3 +530,17 @@ def batch_body(header: dict[str, Any], packed_spans: list[bytes]) -> bytes:
         return head + b"]}"
     return b",".join([head + packed_spans[0], *packed_spans[1:-1], packed_spans[-1] + b"]}"] if len(packed_spans) > 1
                      else [head + packed_spans[0] + b"]}"])
+
+
+def batch_body_pieces(header: dict[str, Any], spans: list[list[bytes]]) -> bytes:
+    """:func:`batch_body` of spans packed as pieces (:func:`pack_span_pieces`): one join for the
+    whole body, the same bytes."""
+    head = orjson.dumps({**header, "spans": []})[:-3] + b"["
+    out = [head]
+    append, extend = out.append, out.extend
+    for i, pieces in enumerate(spans):
+        if i:
+            append(b",")
+        extend(pieces)
+    append(b"]}")
+    return b"".join(out)

@@ -349,6 +349,29 @@ def test_a_collector_without_v2_gets_full_lists(start_collector, tracer_to, monk
         assert [g["inputs"]["prompt_ids"] for g in _generates(col.url, trace_id)] == _expected_prompts(tok, 4)
 
 
+def test_a_prompt_list_changed_in_place_after_its_span_is_never_referenced_past_what_was_sent():
+    """The remembered context is the sent span's ids, not the caller's list: an agent loop that
+    grows or refills its prompt list in place must not get a reference to ids the earlier span never
+    carried (before the fix: ``{"$ref": "A", "n": 150}`` against A's 100 ids, or a reference that
+    rebuilt the old prompt for a refilled list)."""
+    deltas = PromptDeltas(max_requests=10, max_ids=10_000)
+    deltas.set_enabled(True)
+
+    def wire(sid: str, prompt: list[int]) -> dict[str, Any]:
+        return {"span_id": sid, "trace_id": "t", "parent_id": "t", "name": "generate", "kind": "op",
+                "inputs": {"prompt_ids": prompt}, "output": {"text": "no ids in the output"}}
+
+    prompt = list(range(100))
+    deltas.apply(wire("A", prompt))
+    prompt.extend(range(1000, 1050))  # grown in place (list +=), then the next turn's call
+    grown = wire("B", prompt)
+    assert deltas.apply(grown)
+    assert grown["inputs"]["prompt_ids"] == {"$ref": "A", "n": 100, "add": list(range(1000, 1050))}
+    prompt[:] = list(range(500, 650))  # the same list refilled with another prompt of that length
+    refilled = wire("C", prompt)
+    assert deltas.apply(refilled) is False and refilled["inputs"]["prompt_ids"] == list(range(500, 650))
+
+
 def test_client_memory_is_bounded_and_evictions_counted():
     deltas = PromptDeltas(max_requests=3, max_ids=1000)
     deltas.set_enabled(True)

@@ -23,7 +23,7 @@ from tracecar.client.config import ClientConfig
 from tracecar.client.redact import REDACTED, RedactKeys
 from tracecar.client.sender import Sender
 from tracecar.client.spans import SpanRecord
-from tracecar.client.wire import WireEncoder, batch_body, pack_span, pack_span_legacy
+from tracecar.client.wire import WireEncoder, batch_body, batch_body_pieces, pack_span, pack_span_legacy, pack_span_pieces
 from tracecar.collector.processors.validate import validate_batch
 from tracecar.collector.receivers.pipeline import pack_payload
 from tracecar.collector.receivers.receive import parse
@@ -171,8 +171,9 @@ def test_random_spans_store_the_same_as_the_previous_packing_and_as_the_caller_p
             walked += 1
             continue
         # the spliced path itself gave it (not the walk it falls back to), byte for byte one dump of the span
-        direct = wire._pack_spliced(prepared(copy.deepcopy(span)), ENCODER, LIMIT)
-        assert direct is not None and direct == new, index
+        pieces = wire._pack_spliced(prepared(copy.deepcopy(span)), ENCODER, LIMIT)
+        assert pieces is not None and b"".join(pieces) == new, index
+        assert wire.pieces_size(pieces) == len(new), index
         spliced_taken += 1
         if gen.opaque:
             continue
@@ -271,7 +272,8 @@ def test_default_valued_fields_are_left_out_and_the_collector_fills_them_in() ->
 
 
 def test_both_packings_store_the_same_trajectory_at_a_real_collector(start_collector: Any, kit: Any) -> None:
-    """Legacy bodies (every field sent) are still read, and a trajectory stores the same from both."""
+    """Legacy bodies (every field sent) are still read, and a trajectory stores the same from both, and
+    from the sender's body of pieces (the same bytes as the spliced packing's)."""
     import httpx
 
     gen = Gen(seed=7)
@@ -288,16 +290,20 @@ def test_both_packings_store_the_same_trajectory_at_a_real_collector(start_colle
         child["attributes"].pop("reward", None)
         spans.append(child)
     trees = []
-    for packer in (pack_span_legacy, pack_span):
+    bodies = {packer: batch_body(HEADER, [packer(copy.deepcopy(s), ENCODER, LIMIT) for s in spans])
+              for packer in (pack_span_legacy, pack_span)}
+    # the sender's assembly: spans as pieces (ids not joined into their span first), one join a body
+    pieces = batch_body_pieces(HEADER, [pack_span_pieces(copy.deepcopy(s), ENCODER, LIMIT) for s in spans])
+    assert pieces == bodies[pack_span]
+    for body in (bodies[pack_span_legacy], bodies[pack_span], pieces):
         col = start_collector()
-        body = batch_body(HEADER, [packer(copy.deepcopy(s), ENCODER, LIMIT) for s in spans])
         answer = httpx.post(col.url + "/v1/spans", content=body, headers={"Content-Type": "application/json"}, timeout=30)
         assert answer.status_code == 200 and answer.json()["accepted"] == len(spans), answer.text
         tree = kit.wait_for(lambda: (r := httpx.get(f"{col.url}/v1/trajectories/{root}", timeout=10)).status_code == 200
                             and len(r.json()["root"]["children"]) == 12 and r.json())
         assert tree, "trajectory not stored"
         trees.append(tree)
-    assert canonical(trees[0]) == canonical(trees[1])
+    assert canonical(trees[0]) == canonical(trees[1]) == canonical(trees[2])
 
 
 # ---- a span that cannot be packed ----------------------------------------------------------------
