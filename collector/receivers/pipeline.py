@@ -25,6 +25,7 @@ from typing import Any, cast
 from tracecar.client.prompt_delta import OUTPUT_REF_KEYS
 from tracecar.client.redact import RedactKeys
 
+from ..heap import HEAP
 from ..loudness import TokenizerFailures
 from ..metrics import Metrics
 from ..processors.decoding import TokenizerNotFound, TokenizerPolicy, TokenizerRegistry, decode_spans
@@ -180,6 +181,7 @@ class IngestPipeline:
             yield
         finally:
             self.inflight.release()
+            HEAP.release_retained()  # a burst of large bodies leaves the heap no fuller than its bound (heap.py)
 
     async def ingest(self, body: bytes | bytearray, content_type: str | None, content_encoding: str | None,
                      receiver: Receiver | None = None) -> IngestResult:
