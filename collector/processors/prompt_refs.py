@@ -80,7 +80,8 @@ class Context:
 
     @property
     def size(self) -> int:
-        texts = sum(sys.getsizeof(t) for t in (self.text, self.response_text) if t is not None)
+        text, response_text = self.text, self.response_text
+        texts = (sys.getsizeof(text) if text is not None else 0) + (sys.getsizeof(response_text) if response_text is not None else 0)
         return self.n_ids * _BYTES_PER_ID + texts + _ENTRY_OVERHEAD + 64 * len(self.marks)
 
     @classmethod
@@ -333,7 +334,7 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int,
         if stored_as:
             validated.store_refs[span["span_id"]] = stored_as
         resolved += bool(targets)
-        whole = _whole_context(slices)
+        whole = _whole_context(slices) if slices else None
         if whole is not None:
             bases[(span["span_id"], "output")] = Base(worker, whole[0], whole[1].prompt_len, True, whole[2])
         ids = as_ids(prompt)
