@@ -144,3 +144,22 @@ def test_client_is_fork_safe(start_collector, tmp_path):
     assert sorted(t["sample_index"] for t in listing) == [0, 1, 2]
     assert len({t["trace_id"] for t in listing}) == 3  # ids re-drawn after fork: no collisions
     assert len({t["worker"] for t in listing}) == 2  # the child reports as its own worker (host:pid)
+
+
+@pytest.mark.parametrize("ids", [50, 300_000])  # ~0.2 KiB, and ~2.3 MiB: read into one buffer of its size, or grown
+@pytest.mark.parametrize("chunked", [False, True])
+def test_bodies_with_and_without_a_content_length_are_read_whole(start_collector, ids, chunked):
+    """The body reader: a Content-Length up to 2 MiB is read into a buffer of that size, a larger
+    one or a chunked body grows as it arrives; every byte arrives either way (the ids come back)."""
+    col = start_collector()
+    sid = f"b{ids}{int(chunked)}"
+    body = orjson.dumps({"v": 1, "worker": "w1", "spans": [span(sid, output={"response_ids": list(range(ids))})]})
+
+    def pieces():  # no Content-Length: httpx sends it chunked
+        for at in range(0, len(body), 65536):
+            yield body[at:at + 65536]
+    r = httpx.post(col.url + "/v1/spans", content=pieces() if chunked else body,
+                   headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 200 and r.json()["accepted"] == 1, r.text
+    stored = httpx.get(col.url + f"/v1/trajectories/{sid}", timeout=60).json()
+    assert stored["root"]["output"]["response_ids"] == list(range(ids))

@@ -80,7 +80,8 @@ class Context:
 
     @property
     def size(self) -> int:
-        texts = sum(sys.getsizeof(t) for t in (self.text, self.response_text) if t is not None)
+        text, response_text = self.text, self.response_text
+        texts = (sys.getsizeof(text) if text is not None else 0) + (sys.getsizeof(response_text) if response_text is not None else 0)
         return self.n_ids * _BYTES_PER_ID + texts + _ENTRY_OVERHEAD + 64 * len(self.marks)
 
     @classmethod
@@ -198,6 +199,37 @@ class PromptContexts:
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
 
+    def remember_new(self, worker: str, fresh: list[tuple[str, Context, str | None]]) -> list[str]:
+        """:meth:`remember` of each (span_id, context, trace_id) not remembered yet, under one lock
+        (a batch's spans at once); a known one is only touched, as :meth:`get` does. Returns the
+        span ids remembered."""
+        done: list[str] = []
+        evicted = 0
+        with self._lock:
+            entries = self._entries
+            for span_id, context, trace_id in fresh:
+                key = (worker, span_id)
+                if key in entries:
+                    entries.move_to_end(key)
+                    continue
+                context.counted = context.size
+                if context.counted > self.max_bytes:
+                    continue
+                trace = self._trace_of.get(key) if trace_id is None else trace_id
+                self._drop(key)  # a trajectory link left by an entry evicted before
+                entries[key] = context
+                self._bytes += context.counted
+                if trace is not None:
+                    self._trace_of[key] = trace
+                    self._of_trace.setdefault((worker, trace), set()).add(span_id)
+                done.append(span_id)
+                while self._bytes > self.max_bytes:
+                    self._drop(next(iter(entries)))
+                    evicted += 1
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
+        return done
+
     def set_texts(self, worker: str, span_id: str, text: str | None, response_text: str | None, tokenizer: str) -> None:
         """The prompt's and the response's decoded texts, for the next turn (counted against the bound)."""
         with self._lock:
@@ -290,13 +322,28 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int,
     bases: dict[Any, Base] = {}
     resolved = rebuilt_ids = 0
     kept = []
+    # contexts to remember, taken under one lock (remember_new) before a span that refers to
+    # another (it may name one of them: references resolve in batch order) and after the batch
+    pending: list[tuple[str, Context, str | None]] = []
+
+    def flush() -> None:
+        if pending:
+            validated.remembered.update(contexts.remember_new(worker, pending))
+            pending.clear()
+
     for span in validated.spans:
         inputs = span.get("inputs")
         prompt = inputs.get("prompt_ids") if type(inputs) is dict else None
         output = span.get("output")
-        targets = [("inputs", inputs, "prompt_ids")] if _is_ref(prompt) else []
+        # _is_ref inlined: this runs once per span, and most spans carry no reference
+        targets = [("inputs", inputs, "prompt_ids")] if type(prompt) is dict and REF_KEY in prompt else []
         if type(output) is dict:
-            targets += [("output", output, key) for key in OUTPUT_REF_KEYS if _is_ref(output.get(key))]
+            for key in OUTPUT_REF_KEYS:
+                value = output.get(key)
+                if type(value) is dict and REF_KEY in value:
+                    targets.append(("output", output, key))
+        if targets:
+            flush()
         failed, slices = None, {}
         stored_as: list[tuple[str, str, str, int, int]] = []
         marks: tuple[tuple[int, str], ...] = ()
@@ -333,17 +380,17 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int,
         if stored_as:
             validated.store_refs[span["span_id"]] = stored_as
         resolved += bool(targets)
-        whole = _whole_context(slices)
+        whole = _whole_context(slices) if slices else None
         if whole is not None:
             bases[(span["span_id"], "output")] = Base(worker, whole[0], whole[1].prompt_len, True, whole[2])
         ids = as_ids(prompt)
         # a resend of a known span keeps the first context: the store keeps the first copy (the
         # resend is dropped as a duplicate), and later references must rebuild what it holds
-        if ids is not None and span["span_id"] not in stored and contexts.get(worker, span["span_id"]) is None:
+        if ids is not None and span["span_id"] not in stored:  # (remember_new skips a span already known)
             context = Context.of(ids, output)
             context.marks = marks
-            contexts.remember(worker, span["span_id"], context, span.get("trace_id"))
-            validated.remembered.add(span["span_id"])
+            pending.append((span["span_id"], context, span.get("trace_id")))
+    flush()
     for span in kept:
         if span.get("kind") == "trajectory":
             contexts.trajectory_ended(worker, span["trace_id"])

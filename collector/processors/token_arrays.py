@@ -31,6 +31,7 @@ ARRAY_KEYS = {
 }
 MAGIC = b"TCT1"
 _TYPES = {"ids": "i", "logprobs": "f", "mask": "B", "entropy": "f", "ends": "I"}
+_ARRAY_KEY_SET = frozenset(k for keys in ARRAY_KEYS.values() for k in keys)
 PACKED_NOTE = "packed by tracecar: {n} values, see GET /v1/trajectories/{trace_id}/tokens"
 
 
@@ -124,7 +125,7 @@ def extract(span: Span, warnings: list[str]) -> TokenArrays | None:
     ``warnings`` and left in the payload as sent.
     """
     output = span.get("output")
-    if not isinstance(output, dict):
+    if not isinstance(output, dict) or _ARRAY_KEY_SET.isdisjoint(output):  # most spans: one C-level look
         return None
     id_key = next((k for k in ID_KEYS if isinstance(output.get(k), list)), None)
     if id_key is None:

@@ -285,7 +285,7 @@ def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT
         span_id = item.get("span_id") if isinstance(item, dict) else None
         span_id = span_id if isinstance(span_id, str) else None
         try:
-            span = cast(Span, dict(span_model.model_validate(item).__dict__))  # no model_dump: it deep-copies inputs/output
+            span: Span = dict(span_model.model_validate(item).__dict__)  # type: ignore[assignment]  # no model_dump: it deep-copies inputs/output
         except ValidationError as exc:
             err = exc.errors()[0]
             field_name, reason = _describe_error(index, err)
@@ -303,11 +303,11 @@ def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT
             span["exception_info"] = info
         else:
             del span["exception_info"]
-        plain = cast(dict[str, Any], span)  # for the walkers that take any span-shaped dict
+        plain: dict[str, Any] = span  # type: ignore[assignment]  # for the walkers that take any span-shaped dict
         if walk:
             redact_span(plain, redact)
-        else:  # no key anywhere in the body, but an error may have formatted a secret into its text
-            scrub_exception(plain, redact)
+        elif span["exception"] is not None or "exception_info" in span:
+            scrub_exception(plain, redact)  # no key anywhere in the body, but an error may have formatted a secret into its text
         warnings = _sanitize_non_finite(plain) + envelope_warnings
         if warnings:
             out.warnings[span["span_id"]] = warnings

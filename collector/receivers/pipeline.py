@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from tracecar.client.prompt_delta import OUTPUT_REF_KEYS
 from tracecar.client.redact import RedactKeys
 
+from ..heap import HEAP
 from ..loudness import TokenizerFailures
 from ..metrics import Metrics
 from ..processors.decoding import TokenizerNotFound, TokenizerPolicy, TokenizerRegistry, decode_spans
 from ..processors.open_calls import OPEN_KIND, OpenCalls
-from ..processors.prompt_refs import PromptContexts, is_ref, max_rebuilt_ids, resolve_refs
+from ..processors.prompt_refs import PromptContexts, max_rebuilt_ids, resolve_refs
 from ..processors.sampling import Policies, TailSelector
 from ..processors.sampling.head import MEMBERSHIP, StepBudgetSampler
 from ..processors.span_work import ContextView, PayloadError, decode_v2, pack_payload, serialize_spans
@@ -184,6 +184,7 @@ class IngestPipeline:
             yield
         finally:
             self.inflight.release()
+            HEAP.release_retained()  # a burst of large bodies leaves the heap no fuller than its bound (heap.py)
 
     async def ingest(self, body: bytes | bytearray, content_type: str | None, content_encoding: str | None,
                      receiver: Receiver | None = None) -> IngestResult:
@@ -328,11 +329,12 @@ class IngestPipeline:
         stored = self._stored_traces(sorted(set(parents_to_look_up(validated)) | set(batch_ids)))
         reject_foreign_children(validated, stored)
         if v2:  # prompt references: rebuilt before sampling, so every stage sees full lists
-            validated.rebuilt = _ref_paths(validated.spans)  # what a worker process is sent rebuilt (it re-parses the body)
             before = len(validated.rejected)
             validated.prompt_bases, resolved = resolve_refs(validated, self.prompt_contexts,
                                                             max_ids=max_rebuilt_ids(self.settings.max_decompressed_bytes),
                                                             stored={sid for sid in batch_ids if sid in stored})
+            # what a worker process is sent rebuilt (it re-parses the body): each kept span's resolved references
+            validated.rebuilt = {sid: [(part, key) for part, key, *_ in items] for sid, items in validated.store_refs.items()}
             self.metrics.prompt_refs.labels(outcome="resolved").inc(resolved)
             self.metrics.prompt_refs.labels(outcome="unresolved").inc(len(validated.rejected) - before)
         self.contexts.remember(validated.spans)  # for engine spans that join these trajectories over OTLP
@@ -728,19 +730,6 @@ class IngestPipeline:
             for conn in self._lookup_conns:
                 conn.close()
             self._lookup_conns.clear()
-
-
-def _ref_paths(spans: list[Span]) -> dict[str, list[tuple[str, str]]]:
-    """Per span, the (part, key) of each list sent as a prompt reference (before resolve_refs rebuilds them)."""
-    out: dict[str, list[tuple[str, str]]] = {}
-    for span in spans:
-        inputs, output = span.get("inputs"), span.get("output")
-        paths = [("inputs", "prompt_ids")] if type(inputs) is dict and is_ref(inputs.get("prompt_ids")) else []
-        if type(output) is dict:
-            paths += [("output", key) for key in OUTPUT_REF_KEYS if is_ref(output.get(key))]
-        if paths:
-            out[span["span_id"]] = paths
-    return out
 
 
 def _reason_label(rejection: Rejection) -> str:

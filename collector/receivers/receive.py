@@ -19,6 +19,8 @@ import msgpack
 import orjson
 import zstandard
 
+from ..heap import HEAP
+
 _CHUNK = 256 * 1024
 _INFLATE_CHUNK = 4 * 1024 * 1024  # the largest piece of compressed input fed to zlib at once (after member 1)
 MAX_GZIP_MEMBERS = 4096  # members in one gzip body; above, 400 (each costs a few µs of Python)
@@ -210,7 +212,7 @@ def parse(body: bytes | bytearray, content_type: str | None, containers: int | N
         if containers is not None:
             check_json_containers(body, containers)
         try:
-            return orjson.loads(body)
+            return HEAP.parse(orjson.loads, body)  # a usual body's parse buffer reused warm (heap.py)
         except orjson.JSONDecodeError as exc:
             if _OUT_OF_RANGE in str(exc):
                 return _parse_wide_numbers(body, exc)

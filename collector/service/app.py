@@ -22,6 +22,7 @@ from tracecar.client import __version__
 
 from ..exporters.forward import Forwarder, NullSink, Sink, SpoolTrajectories
 from ..exporters.registry import make_sinks
+from ..heap import WARM_BODY_MAX
 from ..json_out import dumps_deep
 from ..loudness import AuthFailures, WatchedSink
 from ..metrics import Metrics
@@ -437,15 +438,43 @@ def _json(payload: Any, status_code: int = 200, headers: dict[str, str] | None =
 
 
 async def _read_body(request: Request, limit: int) -> bytearray:
-    """The body in one buffer grown in place (no list of chunks joined into a second copy)."""
+    """The body in one buffer (no list of chunks joined into a second copy).
+
+    A body of usual size (a Content-Length up to heap.WARM_BODY_MAX, 2 MiB: what tracecar's client
+    sends) is read into a buffer made at that size once, each chunk copied into place: grown chunk
+    by chunk in the heap, a 1 MiB body was copied again at almost every 64 KiB chunk (~8 MiB of
+    memmove a body on the event loop, issue 32). A larger one grows in place (its own mmap, which
+    grows without copies), so that memory follows what arrived, as the memory bound assumes."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyError(413, "body", f"body of {declared} bytes exceeds TRACECAR_MAX_BODY_BYTES={limit}")
+    if declared is not None and declared.isdigit() and int(declared) <= WARM_BODY_MAX:
+        return await _read_declared(request, int(declared))
     body = bytearray()
     async for chunk in request.stream():
         if len(body) + len(chunk) > limit:
             raise BodyError(413, "body", f"body exceeds TRACECAR_MAX_BODY_BYTES={limit}")
         body += chunk
+    return body
+
+
+async def _read_declared(request: Request, size: int) -> bytearray:
+    """A body of ``size`` declared bytes (at most the body bound, checked by the caller) read into
+    one buffer of that size; a body that ends early is cut to what came (the server answers a
+    client that disconnects first with ClientDisconnect), one longer than declared is refused."""
+    body = bytearray(size)
+    view, at = memoryview(body), 0
+    try:
+        async for chunk in request.stream():
+            end = at + len(chunk)
+            if end > size:
+                raise BodyError(400, "body", f"body longer than its Content-Length of {size} bytes")
+            view[at:end] = chunk
+            at = end
+    finally:
+        view.release()
+    if at != size:
+        del body[at:]
     return body
 
 

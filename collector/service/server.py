@@ -18,6 +18,7 @@ import uvicorn
 from tracecar.client import __version__
 
 from .. import data_dir_lock
+from ..heap import HEAP
 from ..logs import setup_logging
 from ..settings import CollectorSettings
 from .app import create_app
@@ -103,23 +104,6 @@ def tune_gc() -> None:
     gc.freeze()
 
 
-def return_large_buffers_to_the_os() -> bool:
-    """glibc only: serve every allocation over 1 MiB from its own mmap, freed back to the OS.
-
-    Without it glibc raises its mmap threshold after the first large free (up to 32 MiB), so
-    request bodies end up in heap arenas that never shrink and RSS keeps the high-water mark of
-    every body ever processed; with it the memory bound on in-flight bodies is a bound on RSS.
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        M_MMAP_THRESHOLD = -3
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 20))
-    except (OSError, AttributeError):
-        return False
-
-
 def serve(settings: CollectorSettings) -> None:
     """Runs the collector until a signal; raises :class:`~..data_dir_lock.DataDirInUse` (before it
     touches the store) when another process holds ``settings.data_dir``, ``DataDirError`` when
@@ -127,7 +111,7 @@ def serve(settings: CollectorSettings) -> None:
     setup_logging(settings.log_level)
     lock = data_dir_lock.hold(settings.data_dir)
     try:
-        return_large_buffers_to_the_os()
+        HEAP.configure()  # large buffers: heap up to 16 MiB, trimmed after bursts (heap.py)
         if not _is_loopback(settings.host) and settings.token is None:
             log.warning("binding to a non-loopback address without TRACECAR_TOKEN: anyone who can reach "
                         f"{settings.host}:{settings.port} can write traces", extra={"event": "insecure_bind"})

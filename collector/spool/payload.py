@@ -65,10 +65,16 @@ def pack_payload(span: Span) -> tuple[bytes, int, int]:
     into the backend request as they are (they hold the token ids and decoded text: most of the
     bytes, and most of the parsing time).
     """
-    head = _dumps_head({k: v for k, v in span.items() if k != "inputs" and k != "output"})
-    inputs = _dumps_part(span["inputs"], "inputs")
-    output = _dumps_part(span["output"], "output")
+    head_fields = {k: v for k, v in span.items() if k != "inputs" and k != "output"}
+    try:  # the three in one try: a failure is rare, and then each part is tried again to name it
+        head = orjson.dumps(head_fields, default=_json_default, option=_DUMP_OPTS)
+        inputs = orjson.dumps(span["inputs"], default=_json_default, option=_DUMP_OPTS)
+        output = orjson.dumps(span["output"], default=_json_default, option=_DUMP_OPTS)
+    except orjson.JSONEncodeError:
+        head = _dumps_head(head_fields)
+        inputs = _dumps_part(span["inputs"], "inputs")
+        output = _dumps_part(span["output"], "output")
     prefix = head[:-1] + b"," + _INPUTS_KEY
     inputs_at = len(prefix)
     output_at = inputs_at + len(inputs) + len(_OUTPUT_KEY)
-    return prefix + inputs + _OUTPUT_KEY + output + b"}", inputs_at, output_at
+    return b"".join((prefix, inputs, _OUTPUT_KEY, output, b"}")), inputs_at, output_at

@@ -180,32 +180,27 @@ def _connect(path: Path, sync: str) -> sqlite3.Connection:
     return conn
 
 
-def _attr(span: Span, key: str) -> Any:
-    value = span["attributes"].get(key)
-    return value if type(value) in (int, str) else None
-
-
 def _row_params(row: SpoolRow, state: int, now: float) -> tuple[Any, ...]:
     s = row.span
-    attrs = s["attributes"]
-    reward = attrs.get("reward")
-    validate = attrs.get("validate")
+    get = s["attributes"].get  # the index columns read inline: this runs once per stored span
+    # policy_version: what a fully-async (step -1) span is budgeted under (tail budgets per version)
+    reward, validate, version = get("reward"), get("validate"), get("policy_version")
+    experiment, step, index, rollout = get("experiment_name"), get("step"), get("sample_index"), get("rollout_n")
+    arrays = row.token_arrays
     return (
         s["span_id"], s["trace_id"], s["parent_id"], s["name"], s["kind"], s["worker"],
-        s.get("project"), s.get("entity"), _attr(s, "experiment_name"), _attr(s, "step"),
-        _attr(s, "sample_index"), _attr(s, "rollout_n"), None if validate is None else int(bool(validate)),
+        s.get("project"), s.get("entity"), experiment if type(experiment) in _KEYS else None,
+        step if type(step) in _KEYS else None, index if type(index) in _KEYS else None,
+        rollout if type(rollout) in _KEYS else None, None if validate is None else int(bool(validate)),
         s["start_time"], s["end_time"], int(s["exception"] is not None),
         reward if type(reward) in (int, float) else None,
-        row.size, HELD if row.held else AWAITING if row.awaiting else state, now,
+        len(row.payload) + (len(arrays) if arrays else 0), HELD if row.held else AWAITING if row.awaiting else state, now,
         orjson.dumps(row.warnings).decode() if row.warnings else None, row.payload, row.tokens,
-        row.inputs_at, row.output_at, _policy_version(s), row.token_arrays,
+        row.inputs_at, row.output_at, version if type(version) is int and -(2**63) <= version < 2**63 else None, arrays,
     )
 
 
-def _policy_version(span: Span) -> int | None:
-    """The policy version a fully-async (step -1) span is budgeted under (tail budgets per version)."""
-    version = span["attributes"].get("policy_version")
-    return version if type(version) is int and -(2**63) <= version < 2**63 else None
+_KEYS = (int, str)  # the types an index column takes from attributes (an int or a string, kept as sent)
 
 
 class Spool:

@@ -3,6 +3,8 @@ and secrets nested past the client's depth bound, never leave in clear."""
 
 from __future__ import annotations
 
+import random
+
 import orjson
 import pytest
 from hypothesis import given, settings
@@ -94,3 +96,28 @@ def test_a_non_finite_numpy_reward_travels_as_a_string_like_a_float_one() -> Non
             "exception": None}
     sent = orjson.loads(pack_span(wire, WireEncoder(), 10**6))
     assert sent["attributes"]["reward"] == "nan" and sent["output"] == {"score": "inf", "ok": 0.5}
+
+
+@pytest.mark.parametrize("extra", [(), ("x-api-key", "Password", "_", "123", "a")])
+def test_the_letter_anchored_search_finds_exactly_what_the_quoted_key_regex_finds(extra) -> None:
+    """_holds_quoted (memchr on each key's rarest letter) against the regex it replaces: random
+    bodies with keys in any case, cut short, repeated past the per-body budget of places."""
+    keys = RedactKeys(extra)
+    rng = random.Random(7)
+    alphabet = b'"_aAuUtThHpPiIkKeEyYzZoOrRnNdDsSwW-x:,{}[]0123456789 '
+    fell_back = found = 0
+    for _ in range(6000):
+        body = bytes(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
+        if rng.random() < 0.3:
+            key = bytes(c if rng.random() < 0.5 else bytes([c]).upper()[0] for c in rng.choice(keys._quoted))
+            key = key[:-1] if rng.random() < 0.3 else key
+            at = rng.randint(0, len(body))
+            body = body[:at] + key + body[at:]
+        if rng.random() < 0.2:
+            body = body * rng.randint(5, 400)  # many places of one letter: past the budget, the regex decides
+            fell_back += 1
+        expected = keys._quoted_re.search(body) is not None
+        found += expected
+        assert keys._holds_quoted(body) == expected, body[:200]
+        assert keys._holds_quoted(bytearray(body)) == expected
+    assert found > 500 and fell_back > 500
