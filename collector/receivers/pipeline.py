@@ -31,6 +31,7 @@ from ..processors.decoding import TokenizerNotFound, TokenizerPolicy, TokenizerR
 from ..processors.open_calls import OPEN_KIND, OpenCalls
 from ..processors.prompt_refs import PromptContexts, is_ref, max_rebuilt_ids, resolve_refs
 from ..processors.sampling import Policies, TailSelector
+from ..processors.sampling.candidates import LEARNED_FILE, load_learned, save_learned
 from ..processors.sampling.head import MEMBERSHIP, StepBudgetSampler
 from ..processors.span_work import ContextView, PayloadError, decode_v2, pack_payload, serialize_spans
 from ..processors.store_refs import StoreRefs, referenced, refs_stored
@@ -106,8 +107,14 @@ class IngestPipeline:
         self.redact_keys = RedactKeys(settings.redact_keys)
         self.policies = Policies(settings)
         self.selection: TailSelector | None = None
-        if self.policies.any_tail:
+        # a node sending its gateway candidates only (processors/sampling/candidates.py) holds steps too, under the
+        # budgets it learns from the gateway (they survive its restarts in DATA_DIR/gateway-budgets.json)
+        node_candidates = settings.role == "node" and bool(settings.gateway_url) and settings.node_candidates
+        if self.policies.any_tail or node_candidates:
             self.selection = TailSelector(settings, spool, metrics, policies=self.policies)
+            if node_candidates:
+                self.selection.node_candidates = True
+                self.learn_budgets(load_learned(settings.data_dir / LEARNED_FILE), save=False)
             metrics.bind_selection(lambda: spool.held_count, lambda: spool.held_bytes,
                                    lambda: self.selection.held_trajectories if self.selection else 0,
                                    lambda: len(self.selection.open) if self.selection else 0)
@@ -619,6 +626,14 @@ class IngestPipeline:
         return rows, result.tokens, result.too_big
 
     # ---- tail-based decisions -------------------------------------------------------------
+    def learn_budgets(self, description: Any, save: bool = True) -> None:
+        """A node sending candidates only: its gateway's budgets (a heartbeat answer), kept across restarts."""
+        if description is None or self.selection is None or not self.selection.node_candidates:
+            return
+        if self.selection.learn(description) and save:
+            save_learned(self.settings.data_dir / LEARNED_FILE, description)
+            log.info("gateway budgets learned", extra={"event": "gateway_budgets_learned"})
+
     async def run_selection(self) -> None:
         """Decides ready steps every tick until cancelled; wakes the forwarder when spans are released."""
         selection = self.selection

@@ -25,6 +25,7 @@ from ..exporters.registry import make_sinks
 from ..json_out import dumps_deep
 from ..loudness import AuthFailures, WatchedSink
 from ..metrics import Metrics
+from ..processors.sampling.candidates import describe as describe_budgets
 from ..processors.validate import EnvelopeError
 from ..query_params import (
     ATTR_QUERY,
@@ -88,6 +89,11 @@ class Collector:
                 s.trajectories = SpoolTrajectories(self.spool, s.name)  # kept_because, feedback targets
         self.pipeline = IngestPipeline(settings, self.spool, self.metrics)
         wire_gateway_sinks(self.sinks, self.spool)  # a node's gateway sink reads its token offsets and progress here
+        for gateway_sink in gateway_sinks(self.sinks):  # ... and learns the gateway's budgets (candidates only)
+            gateway_sink.on_budgets = self.pipeline.learn_budgets
+        # a gateway's budgets, as its heartbeat answers tell its nodes (processors/sampling/candidates.py)
+        self.budgets_description = (describe_budgets(self.pipeline.policies, list(settings.budgets))
+                                    if settings.role == "gateway" else None)
         self.intake = GatewayIntake(settings, self.pipeline.redact_keys, self.metrics.gateway_spans_received)
         if self.intake.marks is not None and self.pipeline.selection is not None:  # a gateway's steps wait for lagging nodes
             self.pipeline.selection.may_close = self.intake.marks.may_close
@@ -363,7 +369,7 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
             status, body = refusal or (400, {"error": {"field": NODE_HEADER, "reason": "missing"}})
             return _json(body, status_code=status)
         collector.intake.delivered(node, request.headers.get(PROGRESS_HEADER))
-        return _json({"ok": True})
+        return _json({"ok": True, "budgets": collector.budgets_description})
 
     @app.get("/v1/cluster/nodes", dependencies=[Depends(auth)])
     async def cluster_nodes() -> Any:

@@ -163,12 +163,15 @@ class GatewayIntake:
 def read_progress(spool: Any, delivered: int) -> tuple[int, int]:
     """(acknowledged through, delivered through) of a node's spool, as sequence numbers: the highest seq it
     ever committed, and the highest seq below which nothing is owed once the oldest ``delivered`` pending
-    spans are delivered (the forwarder sends oldest first)."""
+    spans are delivered (the forwarder sends oldest first). A held span (a node sending candidates only
+    holds its steps until its view of them closes) is owed too: its step's candidates are not out yet."""
     row = spool.query("SELECT (SELECT seq FROM sqlite_sequence WHERE name = 'spans') AS acked, "
-                      "(SELECT seq FROM spans WHERE state = 0 ORDER BY seq LIMIT 1 OFFSET ?) AS next_owed",
+                      "(SELECT seq FROM spans WHERE state = 0 ORDER BY seq LIMIT 1 OFFSET ?) AS next_owed, "
+                      "(SELECT seq FROM spans WHERE state = 3 ORDER BY seq LIMIT 1) AS next_held",
                       [max(0, delivered)])[0]
     acked = int(row["acked"] or 0)
-    return acked, (int(row["next_owed"]) - 1 if row["next_owed"] is not None else acked)
+    owed = [int(row[k]) for k in ("next_owed", "next_held") if row[k] is not None]
+    return acked, (min(owed) - 1 if owed else acked)
 
 
 def parse_progress(value: str | None) -> tuple[int, int] | None:
