@@ -66,6 +66,8 @@ class GatewaySink:
         self.progress: Callable[[int], tuple[int, int] | None] = lambda n: None
         # set by the collector: the gateway's budgets (its heartbeat answer), for a node sending candidates only
         self.on_budgets: Callable[[Any], None] | None = None
+        # set by the collector: a node sending candidates only reports the steps it holds (the heartbeat's body)
+        self.holding: Callable[[], dict[str, Any]] | None = None
         self._budgets: Any = None
 
     async def send(self, spans: Sequence[Mapping[str, Any]]) -> SendResult:
@@ -111,8 +113,14 @@ class GatewaySink:
 
     async def heartbeat(self) -> bool:
         """Tells the gateway this node's progress between batches; True when it answered 200."""
+        body = b""
+        if self.holding is not None:
+            try:
+                body = orjson.dumps(await asyncio.to_thread(self.holding))
+            except Exception:  # noqa: BLE001 - a read of the node's spool: the heartbeat goes without it
+                body = b""
         try:
-            response = await self._client.post(self.heartbeat_endpoint, content=b"", headers=await self._progress_headers(0))
+            response = await self._client.post(self.heartbeat_endpoint, content=body, headers=await self._progress_headers(0))
         except httpx.HTTPError:
             return False
         if response.status_code != 200:

@@ -108,6 +108,8 @@ class OpenStep:
         for row in report.get("rest") or ():
             if isinstance(row, list) and len(row) == 8 and isinstance(row[0], str) and row[0] not in self.trajs:
                 self.unsent_rows[row[0]] = row
+                if isinstance(row[1], str):  # its worker ran this step: next_step waits for it too
+                    self.workers.add(row[1])
 
     def root_arrived(self, traj: Traj, at: float) -> None:
         if traj.root_at is None:

@@ -121,6 +121,32 @@ class TailSelector:
             self.policies = learned  # type: ignore[assignment]
         return old != learned.description
 
+    def holding_report(self, progress: Callable[[], tuple[int, int]]) -> dict[str, Any]:
+        """A node sending candidates only, for its heartbeat: the steps it holds and how far it has delivered
+        *besides* them, read together under the lock its releases take (so no release falls between), and its
+        workers' latest steps (the gateway's ``next_step`` sees workers whose trajectories stay here)."""
+        with self._lock:
+            acked, delivered = progress()
+            holding = [list(key) for key in self.open]
+            latest = [[experiment, worker, *order] for (experiment, worker), order in self.latest.items()]
+        return {"acked": acked, "delivered": delivered, "holding": holding, "latest": latest}
+
+    def merge_latest(self, latest: Any) -> None:
+        """A gateway: a node's workers' latest steps (its heartbeat), as if their spans had come here."""
+        if not isinstance(latest, list):
+            return
+        with self._lock:
+            for entry in latest[:65536]:
+                if not (isinstance(entry, list) and len(entry) == 5 and isinstance(entry[1], str)
+                        and all(type(v) is int for v in entry[2:])):
+                    continue
+                key, order = (entry[0], entry[1]), (entry[2], entry[3], entry[4])
+                current = self.latest.get(key)
+                if current is None or current < order:
+                    self.latest[key] = order
+                    if len(self.latest) > 65536:
+                        self.latest.pop(next(iter(self.latest)))
+
     # ---- ingest (writer thread) ----------------------------------------------------------
     def claims(self, span: Span) -> bool:
         """True for spans this selector routes (the rest go through the head sampler)."""
