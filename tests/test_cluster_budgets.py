@@ -33,8 +33,6 @@ NODES = 4
 #: experiments whose budget decomposes: at most this many candidates per node and step (the union of the rules'
 #: local top-k: fill k, errors ceil(share × k), best and worst)
 CANDIDATES = {"exp-uniform": 4, "exp-topk": 3 + 1 + 1 + 1}
-#: nodes hold a step until their view of it closes: the last step closes on TRACECAR_STEP_IDLE_S
-NODE_SETTINGS = {"step_idle_s": 2}
 
 
 def not_sent(cluster: Cluster, experiment: str, step: int) -> int:
@@ -132,8 +130,7 @@ def assert_same_reads(single_url: str, gateway_url: str) -> None:
 
 def test_four_nodes_and_a_gateway_keep_exactly_what_one_collector_keeps(tmp_path: Path) -> None:
     single = process_collector(tmp_path / "single", log_level="warning", **TAIL_BUDGETS).start()
-    cluster = start_cluster(tmp_path, NODES, gateway={**TAIL_BUDGETS, "store": "clickhouse"},  # the gateway on chDB
-                            node=NODE_SETTINGS)
+    cluster = start_cluster(tmp_path, NODES, gateway={**TAIL_BUDGETS, "store": "clickhouse"})  # the gateway on chDB
     try:
         trajectories = workload()
         split = {(t.experiment, t.step, t.sample_index) for t in trajectories

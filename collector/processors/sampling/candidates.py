@@ -50,7 +50,9 @@ def decomposable(budget: Budget) -> bool:
 def choose(candidates: Sequence[Candidate], budget: Budget, experiment: Any, step: int) -> tuple[list[Verdict], int]:
     """Verdicts for one node round (kept: forward it; ``rule`` "candidate") and the complete trajectories not sent.
 
-    Incomplete trajectories are always candidates: their root may still reach the gateway before its decision.
+    Incomplete trajectories are always candidates: their root may still reach the gateway before its decision;
+    so are those whose reward has not come when a reward rule is on (this node's reward wait may end before
+    the gateway's would: the reward may still make it an extreme there).
     """
     limit = budget.max_trajectories_per_step or 0
     seed = budget.sampling_seed
@@ -63,12 +65,12 @@ def choose(candidates: Sequence[Candidate], budget: Budget, experiment: Any, ste
         return (h, index_order(c.sample_index), -1 if c.rollout_n is None else c.rollout_n, c.trace_id)
 
     complete = sorted((c for c in candidates if c.complete), key=order_of)
-    chosen: set[str] = {c.trace_id for c in candidates if not c.complete}
+    k = budget.keep_reward_extremes
+    chosen: set[str] = {c.trace_id for c in candidates if not c.complete or (k > 0 and c.reward is None)}
     chosen.update(c.trace_id for c in complete[:limit])  # fill: a bottom-k of the sample hash
     if budget.keep_errors_share > 0:
         quota = min(limit, math.ceil(budget.keep_errors_share * limit))
         chosen.update(c.trace_id for c in [c for c in complete if c.has_error][:quota])
-    k = budget.keep_reward_extremes
     if k > 0:
         rewarded = [c for c in complete if c.reward is not None]
         chosen.update(c.trace_id for c in sorted(rewarded, key=lambda c: (-(c.reward or 0.0), order_of(c)))[:k])
