@@ -54,6 +54,8 @@ def choose(candidates: Sequence[Candidate], budget: Budget, experiment: Any, ste
     so are those whose reward has not come when a reward rule is on (this node's reward wait may end before
     the gateway's would: the reward may still make it an extreme there).
     """
+    if not decomposable(budget):  # held under budgets this node no longer knows (or that changed): send everything
+        return [Verdict(c.trace_id, True, rule=CANDIDATE) for c in candidates], 0
     limit = budget.max_trajectories_per_step or 0
     seed = budget.sampling_seed
     hashes: dict[Any, int] = {}
