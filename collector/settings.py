@@ -134,7 +134,7 @@ class CollectorSettings(BudgetSettings, BaseSettings):
 
     # --- the cluster tier (issue 26): node collectors feed a gateway (collector/service/roles.py) ---
     role: Literal["node", "gateway"] = Field("node", description="node: the collector beside the workers (today's collector; with TRACECAR_GATEWAY_URL it forwards its decoded trajectories to that gateway); gateway: takes node collectors' trajectories, decides the global (tail) budgets, stores, serves the viewer and read APIs for the whole job and fans out to the exporters.")
-    gateway_url: str | None = Field(None, description="role=node: the gateway's base URL (http(s)://HOST:PORT); the node then forwards everything its head budget keeps to it (exporter gateway) and the gateway decides the tail budgets.")
+    gateway_url: str | None = Field(None, description="role=node: the gateway's base URL (http(s)://HOST:PORT); the node then forwards everything its head budget keeps to it (exporter gateway; candidates only where the gateway's tail budget decomposes, node_candidates) and the gateway decides the tail budgets.")
     gateway_token: SecretStr | None = Field(None, description="role=node: the bearer token the gateway requires (its TRACECAR_TOKEN); unset: this node's own TRACECAR_TOKEN.")
     node_name: str | None = Field(None, max_length=256, description="role=node: this node's name at the gateway (its metrics' node label, the forwarded batches' envelope); unset: <hostname>:<port>.")
     gateway_timeout_s: float = Field(30.0, gt=0, description="role=node: timeout of one forward request to the gateway.")

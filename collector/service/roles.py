@@ -2,7 +2,8 @@
 
 A **node** sits beside the workers: validation, prompt-delta rebuilding, decoding, the durable
 spool, VERL's per-worker head budget and its local viewer. With ``TRACECAR_GATEWAY_URL`` it
-forwards everything its head budget keeps, decoded, to the gateway (exporter ``gateway``,
+forwards everything its head budget keeps (or, where the gateway's tail budget decomposes, its
+candidates only: processors/sampling/candidates.py), decoded, to the gateway (exporter ``gateway``,
 exporters/gateway_sink.py); without one it is the single collector it always was.
 
 A **gateway** takes node collectors' batches (receivers/forwarded.py), decides the global tail
