@@ -119,9 +119,10 @@ class IngestPipeline:
                                    lambda: self.selection.held_trajectories if self.selection else 0,
                                    lambda: len(self.selection.open) if self.selection else 0)
         # stored prompt references (processors.store_refs): only where a referenced span stays as long as
-        # its trajectory (no per-span deletion after forwarding) and no tail budget rewrites held spans
-        self.store_refs = (settings.store_prompt_refs and (spool.local_only or settings.keep_forwarded)
-                           and self.selection is None)
+        # its trajectory (no per-span deletion after forwarding) and no tail budget rewrites held spans (a node
+        # sending candidates only: while none of the gateway's budgets it learned has it hold anything)
+        self._store_refs = (settings.store_prompt_refs and (spool.local_only or settings.keep_forwarded)
+                            and (self.selection is None or node_candidates))
         if self.selection is None and not settings.budgets and settings.validation_budget is None:
             self.sampler = StepBudgetSampler(settings.max_samples_per_step_per_worker, spool.load_decisions,
                                              seed=settings.sampling_seed, load_trace=spool.load_trace_decision)
@@ -357,7 +358,7 @@ class IngestPipeline:
             complete = self.sampler.limit is None and self.sampler._limit_for is None  # no head budget can drop
             prepared = await pool.call(prepare, PrepareOrder(body, content_type, content_encoding, complete=complete,
                                                              token2text=settings.token2text, tokenizer=settings.tokenizer,
-                                                             count_tokens=self.selection is not None))
+                                                             count_tokens=self.selection is not None and self.selection.holds_any))
             if prepared is not None:
                 validated, done = cast("tuple[Validated, WorkResult | None]", prepared)
                 self.metrics.batches_parsed.labels(where="worker").inc()
@@ -462,7 +463,7 @@ class IngestPipeline:
                    ends: dict[str, list[int]] | None = None, plan: StoreRefs | None = None) -> tuple[list[SpoolRow], list[Rejection]]:
         worker, contexts = validated.batch.worker, self.prompt_contexts
         return serialize_spans(spans, validated.warnings, validated.index_of, ends or {}, max_span_bytes=self.settings.max_span_bytes,
-                               count_tokens=self.selection is not None, local_only=self.spool.local_only,
+                               count_tokens=self.selection is not None and self.selection.holds_any, local_only=self.spool.local_only,
                                store_refs=plan, view=lambda ref: contexts.get(worker, ref))
 
     def _store_plan(self, validated: Validated, spans: list[Span]) -> StoreRefs | None:
@@ -587,7 +588,7 @@ class IngestPipeline:
         order = WorkOrder(body, content_type, content_encoding, ids,
                           {sid: list(validated.warnings[sid]) for sid in ids if sid in validated.warnings},
                           {sid: validated.index_of[sid] for sid in ids}, name, v=batch.v, worker=batch.worker,
-                          count_tokens=self.selection is not None)
+                          count_tokens=self.selection is not None and self.selection.holds_any)
         if batch.v >= 2:
             order.remembered = {sid for sid in ids if sid in validated.remembered}
             order.store_refs = self._store_plan(validated, spans) or {}
@@ -626,6 +627,10 @@ class IngestPipeline:
         return rows, result.tokens, result.too_big
 
     # ---- tail-based decisions -------------------------------------------------------------
+    @property
+    def store_refs(self) -> bool:
+        return self._store_refs and (self.selection is None or not self.selection.holds_any)
+
     def learn_budgets(self, description: Any, save: bool = True) -> None:
         """A node sending candidates only: its gateway's budgets (a heartbeat answer), kept across restarts."""
         if description is None or self.selection is None or not self.selection.node_candidates:

@@ -92,6 +92,7 @@ class LearnedPolicies:
         self.description = description
         self.default = budgets(description["default"])
         self.experiments = {str(e): budgets(pair) for e, pair in description.get("experiments", {}).items()}
+        self.any_decomposable = any(decomposable(b) for pair in (self.default, *self.experiments.values()) for b in pair)
 
     def get(self, experiment: Any, validate: Any) -> Budget:
         pair = self.experiments.get(experiment, self.default) if isinstance(experiment, str) else self.default

@@ -111,6 +111,11 @@ class TailSelector:
         self._lock = threading.RLock()
         self._rebuild()
 
+    @property
+    def holds_any(self) -> bool:
+        """Whether this selector may hold spans (a node sending candidates only: once a learned budget decomposes)."""
+        return not self.node_candidates or bool(getattr(self.policies, "any_decomposable", False))
+
     def learn(self, description: Any) -> bool:
         """A node: the gateway's budgets (its heartbeat answer); True when they changed what this node holds."""
         learned = learn(description)
