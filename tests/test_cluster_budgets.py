@@ -151,6 +151,8 @@ def test_four_nodes_and_a_gateway_keep_exactly_what_one_collector_keeps(tmp_path
                        for n in cluster.nodes)  # spans: every trajectory of the others, the candidates of these
         others = (len(EXPERIMENTS) - len(CANDIDATES)) * len(STEPS) * PER_STEP
         assert received == 5 * (others + sent), (received, others, sent)  # 4 spans and a reward annotation each
+        print(f"\ncandidates only: {sent:.0f} of {sent + kept_home:.0f} trajectories of exp-uniform and exp-topk forwarded "
+              f"({kept_home:.0f} kept on their nodes); gateway received {received:.0f} spans")
         assert_same_reads(single.url, cluster.gateway.url)
         # a node's own view has part of a split group; the gateway's has it whole
         experiment, step, sample = sorted(split)[0]
