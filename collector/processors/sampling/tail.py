@@ -156,7 +156,7 @@ class TailSelector:
     def claims(self, span: Span) -> bool:
         """True for spans this selector routes (the rest go through the head sampler)."""
         if span["kind"] == "annotation":
-            return True
+            return self.holds_any
         attrs = span["attributes"]
         if type(attrs.get("step")) is not int or type(attrs.get("sample_index")) not in (int, str):
             return False
@@ -237,6 +237,8 @@ class TailSelector:
             verdict = self.spool.trace_verdict(trace_id)
             if verdict is not None:
                 return LATE if verdict else LOCAL if self.node_candidates else DROP
+            if self.node_candidates:  # its trajectory may be on another node (a trainer's annotation): the gateway's
+                return PASS
             return PASS if self.spool.trace_seen_unheld(trace_id) else HOLD
         attrs = span["attributes"]
         key = _step_key(attrs)
