@@ -76,6 +76,7 @@ class Metrics:
         self.trajectories_kept = Counter("tracecar_trajectories_kept", "Trajectories a tail-based decision kept, by the rule that kept them.", ["rule"], registry=r)
         self.trajectories_dropped = Counter("tracecar_trajectories_dropped", "Trajectories a tail-based decision dropped, by reason (the limit that stopped them, incomplete, ...).", ["reason"], registry=r)
         self.trajectories_truncated = Counter("tracecar_trajectories_truncated", "Kept trajectories cut under TRACECAR_MAX_TRAJECTORY_BYTES.", registry=r)
+        self.node_candidates = Counter("tracecar_node_candidates", "Node with a gateway: trajectories of tail-budgeted steps it held, by whether it forwarded them as candidates (sent=false: not a candidate, kept in this node's store only).", ["sent"], registry=r)
         self.step_decisions = Counter("tracecar_step_decisions", "Step decisions (one per step and round), by what closed the step.", ["closed_by"], registry=r)
         self.held_spans = Gauge("tracecar_held_spans", "Spans held in the spool awaiting their step's decision.", registry=r)
         self.held_bytes = Gauge("tracecar_held_bytes", "Bytes of spans awaiting their step's decision.", registry=r)

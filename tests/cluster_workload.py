@@ -10,7 +10,9 @@ are seeded: some groups all equal (GRPO learns nothing from them), some with tie
 
 ``TAIL_BUDGETS``: the tail rules under test, one experiment each (N per step with errors,
 best/worst and spread quotas, under a token limit; whole groups per step, under a byte limit; a
-uniform choice: the seeded hash fill alone, 10 of 40, each kept one stamped with its chance).
+uniform choice: the seeded hash fill alone, 4 of 40, each kept one stamped with its chance; N per
+step with error and best/worst quotas alone, trajectory by trajectory: the last two decompose, so
+node collectors send the gateway their candidates only).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 import httpx
 
 PROMPTS, ROLLOUT_N, WORKERS = 10, 4, 8
-EXPERIMENTS = ("exp-traj", "exp-group", "exp-uniform")
+EXPERIMENTS = ("exp-traj", "exp-group", "exp-uniform", "exp-topk")
 STEPS = (1, 2)
 PER_STEP = PROMPTS * ROLLOUT_N
 
@@ -44,8 +46,11 @@ TAIL_BUDGETS: dict[str, Any] = {
     "budgets": json.dumps({  # exp-traj and exp-uniform decide trajectory by trajectory (GRPO groups whole is the default)
         "exp-traj": {"max_tokens_per_step": 1100, "keep_groups_whole": False},
         "exp-group": {"max_trajectories_per_step": None, "max_groups_per_step": 3, "max_bytes_per_step": 40000},
-        "exp-uniform": {"max_trajectories_per_step": 10, "keep_errors_share": 0, "keep_reward_extremes": 0,
+        "exp-uniform": {"max_trajectories_per_step": 4, "keep_errors_share": 0, "keep_reward_extremes": 0,
                         "keep_spread_groups": 0, "keep_groups_whole": False},
+        # decomposes (docs/cluster.md, sending candidates only): count alone, trajectory by trajectory, no spread quota
+        "exp-topk": {"max_trajectories_per_step": 3, "keep_reward_extremes": 1, "keep_spread_groups": 0,
+                     "keep_groups_whole": False},
     }),
 }
 

@@ -4,8 +4,14 @@ The same VERL-shaped workload (tests/cluster_workload.py: 10 prompts × 4 rollou
 so most GRPO groups are split across workers and nodes) runs through one collector and through
 four node collectors and a gateway, each its own process and data dir on 127.0.0.1. Every tail
 rule is on: N per step with error, best/worst and spread quotas (``exp-traj``), whole groups per
-step (``exp-group``), a uniform choice (``exp-uniform``: the seeded hash fill alone). The
-decisions, the kept sets and the GRPO groups (stats, advantages, all-equal flags) must be equal.
+step (``exp-group``), a uniform choice (``exp-uniform``: the seeded hash fill alone), N per step
+with error and best/worst quotas alone (``exp-topk``). The decisions, the kept sets and the GRPO
+groups (stats, advantages, all-equal flags) must be equal.
+
+The last two decompose (docs/cluster.md, *Sending candidates only*): each node holds a step until
+its own view of it closes and forwards only its candidates (each rule's local top-k), so the
+gateway gets at most nodes × (the rules' k) trajectories of a step, and never the rest; its kept
+set, rules and stamped chances are still one collector's.
 The gateway keeps its read store in ClickHouse (embedded chDB, ``TRACECAR_STORE=clickhouse``), the
 single collector in SQLite: its lists, searches, per-step health and exports must be equal too.
 """
@@ -20,9 +26,18 @@ import pytest
 
 from tests.cluster_workload import EXPERIMENTS, PER_STEP, ROLLOUT_N, STEPS, TAIL_BUDGETS, batches, kept_set, node_of, post, workload
 from tests.support.cluster import Cluster, process_collector, start_cluster, wait_until
+from tests.support.collector import scrape_metric
 
 pytestmark = pytest.mark.timeout(300)
 NODES = 4
+#: experiments whose budget decomposes: at most this many candidates per node and step (the union of the rules'
+#: local top-k: fill k, errors ceil(share × k), best and worst)
+CANDIDATES = {"exp-uniform": 4, "exp-topk": 3 + 1 + 1 + 1}
+
+
+def not_sent(cluster: Cluster, experiment: str, step: int) -> int:
+    """Trajectories of a step the nodes kept to themselves (decided not candidates)."""
+    return sum(1 for n in cluster.nodes for _, why in kept_set(n.url, experiment, step).values() if why == "not_candidate")
 
 
 def decided(url: str, headers: dict[str, str] | None = None) -> bool:
@@ -57,13 +72,17 @@ def feed(single_url: str | None, cluster: Cluster | None) -> None:
                 post(client, cluster.nodes[node_of(worker, NODES)].url, worker, spans)
 
 
-def assert_same_as_single(single_url: str, gateway_url: str) -> None:
-    """Decisions, kept sets and groups equal; groups whole at the gateway."""
+def assert_same_as_single(single_url: str, gateway_url: str, cluster: Cluster | None = None) -> None:
+    """Decisions, kept sets and groups equal; groups whole at the gateway. With ``cluster``: the gateway of
+    the experiments that decompose got each node's candidates only, at most nodes × k a step."""
     for experiment in EXPERIMENTS:
         for step in STEPS:
             want = kept_set(single_url, experiment, step)
             got = kept_set(gateway_url, experiment, step)
-            assert got == want, (experiment, step)
+            assert got == want, (experiment, step)  # the trajectories nodes kept to themselves too (their summaries)
+            if cluster is not None and experiment in CANDIDATES:  # ... but their spans never reached the gateway
+                sent = len(got) - not_sent(cluster, experiment, step)
+                assert sent <= NODES * CANDIDATES[experiment] < PER_STEP, (experiment, step, sent)
             kept = sorted(t for t, (keep, _) in want.items() if keep)
             assert kept and len(kept) < PER_STEP  # the budget chose
             assert listed(gateway_url, experiment=experiment, step=step) == kept
@@ -72,12 +91,13 @@ def assert_same_as_single(single_url: str, gateway_url: str) -> None:
     assert {"error", "reward_max", "reward_min", "reward_spread", "fill"} <= rules  # every rule took part
     reasons = {reason for e in EXPERIMENTS for s in STEPS for keep, reason in kept_set(single_url, e, s).values() if not keep}
     assert {"max_trajectories_per_step", "max_bytes_per_step", "max_tokens_per_step"} <= reasons
-    for step in STEPS:  # the uniform choice: each kept trajectory stamped with its chance (10 of 40), the same at the gateway
+    for step in STEPS:  # the uniform choice: each kept trajectory stamped with its chance (4 of 40), the same at the gateway
         for trace_id, (keep, _) in kept_set(single_url, "exp-uniform", step).items():
             if keep:
                 roots = [httpx.get(f"{url}/v1/trajectories/{trace_id}", timeout=30).json()["root"]["attributes"]
                          for url in (single_url, gateway_url)]
-                assert roots[0]["inclusion_probability"] == roots[1]["inclusion_probability"] == 0.25
+                assert roots[0]["inclusion_probability"] == roots[1]["inclusion_probability"] == 0.1
+                assert "tracecar_unsent" not in roots[1]  # the nodes' report to the gateway, not stored
         kept_traj = [t for t, (keep, _) in kept_set(single_url, "exp-traj", step).items() if keep]
         root = httpx.get(f"{gateway_url}/v1/trajectories/{kept_traj[0]}", timeout=30).json()["root"]["attributes"]
         assert "inclusion_probability" not in root  # under a token limit the fill is not a uniform draw
@@ -121,7 +141,18 @@ def test_four_nodes_and_a_gateway_keep_exactly_what_one_collector_keeps(tmp_path
         wait_until(lambda: decided(single.url), 120, "the single collector decided every step")
         cluster.wait_drained()
         wait_until(lambda: decided(cluster.gateway.url), 120, "the gateway decided every step")
-        assert_same_as_single(single.url, cluster.gateway.url)
+        assert_same_as_single(single.url, cluster.gateway.url, cluster)
+        # the gateway's input from the experiments that decompose: the candidates, counted on the nodes
+        sent = sum(scrape_metric(n.url, "tracecar_node_candidates_total", sent="true") for n in cluster.nodes)
+        kept_home = sum(scrape_metric(n.url, "tracecar_node_candidates_total", sent="false") for n in cluster.nodes)
+        assert sent + kept_home == len(CANDIDATES) * len(STEPS) * PER_STEP, (sent, kept_home)
+        assert sent <= len(STEPS) * NODES * sum(CANDIDATES.values()), sent
+        received = sum(scrape_metric(cluster.gateway.url, "tracecar_gateway_spans_received_total", node=n.env["TRACECAR_NODE_NAME"])
+                       for n in cluster.nodes)  # spans: every trajectory of the others, the candidates of these
+        others = (len(EXPERIMENTS) - len(CANDIDATES)) * len(STEPS) * PER_STEP
+        assert received == 5 * (others + sent), (received, others, sent)  # 4 spans and a reward annotation each
+        print(f"\ncandidates only: {sent:.0f} of {sent + kept_home:.0f} trajectories of exp-uniform and exp-topk forwarded "
+              f"({kept_home:.0f} kept on their nodes); gateway received {received:.0f} spans")
         assert_same_reads(single.url, cluster.gateway.url)
         # a node's own view has part of a split group; the gateway's has it whole
         experiment, step, sample = sorted(split)[0]

@@ -52,7 +52,8 @@ def test_partitioned_nodes_and_gateway_lose_nothing_and_deliver_once(tmp_path: P
         TRACECAR_WANDB_PROJECT="proj", forward_retry_initial_s=0.05, forward_retry_max_s=0.5, **TAIL_BUDGETS)
     nodes = [netns.namespaced_collector(namespaces.names[i + 1], namespaces.address(i + 1), PORT, tmp_path / f"node{i}",
                                         role="node", gateway_url=gateway.url, node_name=f"node{i}", token=TOKEN,
-                                        log_level="warning", gateway_timeout_s=3, forward_retry_max_s=1)
+                                        log_level="warning", gateway_timeout_s=3, forward_retry_max_s=1,
+                                        step_idle_s=2)  # the last step a node holds (candidates only) closes on idle
              for i in range(NODES)]
     started = [gateway]
     feeder: Feeder | None = None
@@ -81,7 +82,8 @@ def test_partitioned_nodes_and_gateway_lose_nothing_and_deliver_once(tmp_path: P
         feeder.join(240)
         assert not feeder.is_alive() and feeder.done_batches == len(plan)
         assert acked_while_cut > 50 and owed_while_cut > 0
-        wait_until(lambda: all(scrape_metric(n.url, "tracecar_exporter_pending", exporter="gateway") == 0 for n in nodes),
+        wait_until(lambda: all(scrape_metric(n.url, "tracecar_exporter_pending", exporter="gateway") == 0
+                               and scrape_metric(n.url, "tracecar_held_spans") == 0 for n in nodes),
                    180, "nodes drained to the gateway")
         wait_until(lambda: decided(gateway.url, auth), 120, "the gateway decided every step")
         kept, delivered = assert_exact_and_once(

@@ -64,6 +64,11 @@ class GatewaySink:
         self.token_ends: Callable[[list[str]], dict[str, list[int]]] = lambda span_ids: {}
         # set by the collector: (acknowledged through, delivered through once the oldest n pending are) of the node's spool
         self.progress: Callable[[int], tuple[int, int] | None] = lambda n: None
+        # set by the collector: the gateway's budgets (its heartbeat answer), for a node sending candidates only
+        self.on_budgets: Callable[[Any], None] | None = None
+        # set by the collector: a node sending candidates only reports the steps it holds (the heartbeat's body)
+        self.holding: Callable[[], dict[str, Any]] | None = None
+        self._budgets: Any = None
 
     async def send(self, spans: Sequence[Mapping[str, Any]]) -> SendResult:
         result = SendResult()
@@ -108,11 +113,26 @@ class GatewaySink:
 
     async def heartbeat(self) -> bool:
         """Tells the gateway this node's progress between batches; True when it answered 200."""
+        body = b""
+        if self.holding is not None:
+            try:
+                body = orjson.dumps(await asyncio.to_thread(self.holding))
+            except Exception:  # noqa: BLE001 - a read of the node's spool: the heartbeat goes without it
+                body = b""
         try:
-            response = await self._client.post(self.heartbeat_endpoint, content=b"", headers=await self._progress_headers(0))
+            response = await self._client.post(self.heartbeat_endpoint, content=body, headers=await self._progress_headers(0))
         except httpx.HTTPError:
             return False
-        return response.status_code == 200
+        if response.status_code != 200:
+            return False
+        try:
+            budgets = response.json().get("budgets")
+        except (ValueError, AttributeError):
+            budgets = None
+        if budgets is not None and budgets != self._budgets and self.on_budgets is not None:
+            await asyncio.to_thread(self.on_budgets, budgets)  # the node's selector: its lock, a file write
+            self._budgets = budgets
+        return True
 
     async def _post(self, chunk: list[bytes], ids: list[str], result: SendResult, delivered: int) -> None:
         """One request; on 413 the chunk is split in halves (a single span too large is dead-lettered).

@@ -31,6 +31,7 @@ from ..processors.decoding import TokenizerNotFound, TokenizerPolicy, TokenizerR
 from ..processors.open_calls import OPEN_KIND, OpenCalls
 from ..processors.prompt_refs import PromptContexts, max_rebuilt_ids, resolve_refs
 from ..processors.sampling import Policies, TailSelector
+from ..processors.sampling.candidates import LEARNED_FILE, load_learned, save_learned
 from ..processors.sampling.head import MEMBERSHIP, StepBudgetSampler
 from ..processors.span_work import ContextView, PayloadError, decode_v2, pack_payload, serialize_spans
 from ..processors.store_refs import StoreRefs, referenced, refs_stored
@@ -106,16 +107,23 @@ class IngestPipeline:
         self.redact_keys = RedactKeys(settings.redact_keys)
         self.policies = Policies(settings)
         self.selection: TailSelector | None = None
-        if self.policies.any_tail:
+        # a node sending its gateway candidates only (processors/sampling/candidates.py) holds steps too, under the
+        # budgets it learns from the gateway (they survive its restarts in DATA_DIR/gateway-budgets.json)
+        node_candidates = settings.role == "node" and bool(settings.gateway_url) and settings.node_candidates
+        if self.policies.any_tail or node_candidates:
             self.selection = TailSelector(settings, spool, metrics, policies=self.policies)
+            if node_candidates:
+                self.selection.node_candidates = True
+                self.learn_budgets(load_learned(settings.data_dir / LEARNED_FILE), save=False)
             metrics.bind_selection(lambda: spool.held_count, lambda: spool.held_bytes,
                                    lambda: self.selection.held_trajectories if self.selection else 0,
                                    lambda: len(self.selection.open) if self.selection else 0)
         # stored prompt references (processors.store_refs): only where a referenced span stays as long as
-        # its trajectory (no per-span deletion after forwarding) and no tail budget rewrites held spans
-        self.store_refs = (settings.store_prompt_refs and (spool.local_only or settings.keep_forwarded)
-                           and self.selection is None)
-        if not self.store_refs and (rewritten := spool.expand_stored_refs()):
+        # its trajectory (no per-span deletion after forwarding) and no tail budget rewrites held spans (a node
+        # sending candidates only: while none of the gateway's budgets it learned has it hold anything)
+        self._store_refs = (settings.store_prompt_refs and (spool.local_only or settings.keep_forwarded)
+                            and (self.selection is None or node_candidates))
+        if not self._store_refs and (rewritten := spool.expand_stored_refs()):
             # a spool written with references, reopened where a referenced span may be deleted first
             log.warning("stored prompt references are off in this run (TRACECAR_STORE_PROMPT_REFS, KEEP_FORWARDED, "
                         "tail budgets): %d spans stored as references were rewritten whole at start", rewritten)
@@ -356,7 +364,7 @@ class IngestPipeline:
             complete = self.sampler.limit is None and self.sampler._limit_for is None  # no head budget can drop
             prepared = await pool.call(prepare, PrepareOrder(body, content_type, content_encoding, complete=complete,
                                                              token2text=settings.token2text, tokenizer=settings.tokenizer,
-                                                             count_tokens=self.selection is not None))
+                                                             count_tokens=self.selection is not None and self.selection.holds_any))
             if prepared is not None:
                 validated, done = cast("tuple[Validated, WorkResult | None]", prepared)
                 self.metrics.batches_parsed.labels(where="worker").inc()
@@ -461,7 +469,7 @@ class IngestPipeline:
                    ends: dict[str, list[int]] | None = None, plan: StoreRefs | None = None) -> tuple[list[SpoolRow], list[Rejection]]:
         worker, contexts = validated.batch.worker, self.prompt_contexts
         return serialize_spans(spans, validated.warnings, validated.index_of, ends or {}, max_span_bytes=self.settings.max_span_bytes,
-                               count_tokens=self.selection is not None, local_only=self.spool.local_only,
+                               count_tokens=self.selection is not None and self.selection.holds_any, local_only=self.spool.local_only,
                                store_refs=plan, view=lambda ref: contexts.get(worker, ref))
 
     def _store_plan(self, validated: Validated, spans: list[Span]) -> StoreRefs | None:
@@ -586,7 +594,7 @@ class IngestPipeline:
         order = WorkOrder(body, content_type, content_encoding, ids,
                           {sid: list(validated.warnings[sid]) for sid in ids if sid in validated.warnings},
                           {sid: validated.index_of[sid] for sid in ids}, name, v=batch.v, worker=batch.worker,
-                          count_tokens=self.selection is not None)
+                          count_tokens=self.selection is not None and self.selection.holds_any)
         if batch.v >= 2:
             order.remembered = {sid for sid in ids if sid in validated.remembered}
             order.store_refs = self._store_plan(validated, spans) or {}
@@ -625,6 +633,18 @@ class IngestPipeline:
         return rows, result.tokens, result.too_big
 
     # ---- tail-based decisions -------------------------------------------------------------
+    @property
+    def store_refs(self) -> bool:
+        return self._store_refs and (self.selection is None or not self.selection.holds_any)
+
+    def learn_budgets(self, description: Any, save: bool = True) -> None:
+        """A node sending candidates only: its gateway's budgets (a heartbeat answer), kept across restarts."""
+        if description is None or self.selection is None or not self.selection.node_candidates:
+            return
+        if self.selection.learn(description) and save:
+            save_learned(self.settings.data_dir / LEARNED_FILE, description)
+            log.info("gateway budgets learned", extra={"event": "gateway_budgets_learned"})
+
     async def run_selection(self) -> None:
         """Decides ready steps every tick until cancelled; wakes the forwarder when spans are released."""
         selection = self.selection

@@ -26,6 +26,7 @@ from ..heap import WARM_BODY_MAX
 from ..json_out import dumps_deep
 from ..loudness import AuthFailures, WatchedSink
 from ..metrics import Metrics
+from ..processors.sampling.candidates import describe as describe_budgets
 from ..processors.validate import EnvelopeError
 from ..query_params import (
     ATTR_QUERY,
@@ -88,7 +89,13 @@ class Collector:
             if hasattr(s, "trajectories") and s.trajectories is None:
                 s.trajectories = SpoolTrajectories(self.spool, s.name)  # kept_because, feedback targets
         self.pipeline = IngestPipeline(settings, self.spool, self.metrics)
-        wire_gateway_sinks(self.sinks, self.spool)  # a node's gateway sink reads its token offsets and progress here
+        # a node's gateway sink reads its token offsets and progress here (and the steps it holds)
+        wire_gateway_sinks(self.sinks, self.spool, self.pipeline.selection)
+        for gateway_sink in gateway_sinks(self.sinks):  # ... and learns the gateway's budgets (candidates only)
+            gateway_sink.on_budgets = self.pipeline.learn_budgets
+        # a gateway's budgets, as its heartbeat answers tell its nodes (processors/sampling/candidates.py)
+        self.budgets_description = (describe_budgets(self.pipeline.policies, list(settings.budgets))
+                                    if settings.role == "gateway" else None)
         self.intake = GatewayIntake(settings, self.pipeline.redact_keys, self.metrics.gateway_spans_received)
         if self.intake.marks is not None and self.pipeline.selection is not None:  # a gateway's steps wait for lagging nodes
             self.pipeline.selection.may_close = self.intake.marks.may_close
@@ -363,8 +370,17 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         if refusal is not None or node is None:
             status, body = refusal or (400, {"error": {"field": NODE_HEADER, "reason": "missing"}})
             return _json(body, status_code=status)
-        collector.intake.delivered(node, request.headers.get(PROGRESS_HEADER))
-        return _json({"ok": True})
+        report: Any = None
+        try:
+            raw = await _read_body(request, 16 * 2**20)
+            report = orjson.loads(raw) if raw else None
+        except (BodyError, orjson.JSONDecodeError):
+            report = None  # an old node's empty heartbeat, or one too large: its progress header still counts
+        collector.intake.delivered(node, request.headers.get(PROGRESS_HEADER), report)
+        selection = collector.pipeline.selection
+        if isinstance(report, dict) and selection is not None:
+            await asyncio.to_thread(selection.merge_latest, report.get("latest"))
+        return _json({"ok": True, "budgets": collector.budgets_description})
 
     @app.get("/v1/cluster/nodes", dependencies=[Depends(auth)])
     async def cluster_nodes() -> Any:

@@ -2,7 +2,8 @@
 
 A **node** sits beside the workers: validation, prompt-delta rebuilding, decoding, the durable
 spool, VERL's per-worker head budget and its local viewer. With ``TRACECAR_GATEWAY_URL`` it
-forwards everything its head budget keeps, decoded, to the gateway (exporter ``gateway``,
+forwards everything its head budget keeps (or, where the gateway's tail budget decomposes, its
+candidates only: processors/sampling/candidates.py), decoded, to the gateway (exporter ``gateway``,
 exporters/gateway_sink.py); without one it is the single collector it always was.
 
 A **gateway** takes node collectors' batches (receivers/forwarded.py), decides the global tail
@@ -112,11 +113,14 @@ def gateway_sinks(sinks: list[Any]) -> list[Any]:
     return [s for s in sinks if isinstance(s, GatewaySink)]
 
 
-def wire_gateway_sinks(sinks: list[Any], spool: Any) -> None:
-    """A node's gateway sink reads its token offsets and its progress from this node's spool."""
+def wire_gateway_sinks(sinks: list[Any], spool: Any, selection: Any = None) -> None:
+    """A node's gateway sink reads its token offsets and its progress from this node's spool (and, sending
+    candidates only, the steps it holds: its heartbeat's body)."""
     for sink in gateway_sinks(sinks):
         sink.token_ends = functools.partial(read_token_ends, spool)
         sink.progress = functools.partial(read_progress, spool)
+        if selection is not None and selection.node_candidates:
+            sink.holding = functools.partial(selection.holding_report, functools.partial(read_progress, spool, 0, False))
 
 
 class GatewayIntake:
@@ -135,10 +139,13 @@ class GatewayIntake:
         if settings.role == "gateway":
             self.marks = NodeMarks(settings.data_dir / "cluster-nodes.json", settings.node_silent_s, settings.node_lost_s)
 
-    def delivered(self, node: str | None, progress: str | None) -> None:
-        """A node's batch (or heartbeat) was committed: how far it has now delivered."""
+    def delivered(self, node: str | None, progress: str | None, holding: Any = None) -> None:
+        """A node's batch (or heartbeat) was committed: how far it has now delivered (and, a heartbeat of a
+        node sending candidates only, what it holds)."""
         if node is not None and self.marks is not None and 0 < len(node) <= 256:
             self.marks.heard(node, parse_progress(progress))
+            if isinstance(holding, dict):
+                self.marks.holding(node, holding)
 
     def receiver(self, node: str | None) -> tuple[Any, tuple[int, dict[str, Any]] | None]:
         """(receiver or None for a worker's batch, or the refusal to answer)."""
@@ -160,15 +167,19 @@ class GatewayIntake:
 
 
 # ---- how far each node has delivered: a gateway's steps wait for a node that is behind ----------------
-def read_progress(spool: Any, delivered: int) -> tuple[int, int]:
+def read_progress(spool: Any, delivered: int, held_owed: bool = True) -> tuple[int, int]:
     """(acknowledged through, delivered through) of a node's spool, as sequence numbers: the highest seq it
     ever committed, and the highest seq below which nothing is owed once the oldest ``delivered`` pending
-    spans are delivered (the forwarder sends oldest first)."""
+    spans are delivered (the forwarder sends oldest first). A held span (a node sending candidates only
+    holds its steps until its view of them closes) is owed too, unless ``held_owed`` is false: then the
+    caller reports the steps it holds beside it (TailSelector.holding_report)."""
     row = spool.query("SELECT (SELECT seq FROM sqlite_sequence WHERE name = 'spans') AS acked, "
-                      "(SELECT seq FROM spans WHERE state = 0 ORDER BY seq LIMIT 1 OFFSET ?) AS next_owed",
+                      "(SELECT seq FROM spans WHERE state = 0 ORDER BY seq LIMIT 1 OFFSET ?) AS next_owed, "
+                      f"(SELECT seq FROM spans WHERE state = 3 AND {int(held_owed)} ORDER BY seq LIMIT 1) AS next_held",
                       [max(0, delivered)])[0]
     acked = int(row["acked"] or 0)
-    return acked, (int(row["next_owed"]) - 1 if row["next_owed"] is not None else acked)
+    owed = [int(row[k]) for k in ("next_owed", "next_held") if row[k] is not None]
+    return acked, (min(owed) - 1 if owed else acked)
 
 
 def parse_progress(value: str | None) -> tuple[int, int] | None:
@@ -207,6 +218,8 @@ class NodeMarks:
         self.lost_s = lost_s
         self.clock = clock or time.monotonic
         self.marks: dict[str, list[float]] = {}  # node -> [acked, delivered, last heard (clock)]
+        # node sending candidates only -> (delivered besides the held steps, the steps it holds), its latest heartbeat's
+        self.held: dict[str, tuple[int, set[tuple[Any, ...]]]] = {}
         self._lock = threading.Lock()  # heard() on the event loop, may_close() on the spool's writer thread
         self.barriers: dict[tuple[Any, int], dict[str, int]] = {}
         self._saved: set[str] = set()
@@ -234,6 +247,16 @@ class NodeMarks:
         if new:
             self._save()
 
+    def holding(self, node: str, report: dict[str, Any]) -> None:
+        """A node's heartbeat: the steps it holds (sending candidates only) and how far it has delivered besides
+        them, read together (replaced, not maxed: a release makes held spans owed below that mark)."""
+        delivered, steps = report.get("delivered"), report.get("holding")
+        if type(delivered) is not int or not isinstance(steps, list):
+            return
+        held = {tuple(s) for s in steps if isinstance(s, list) and len(s) == 4}
+        with self._lock:
+            self.held[node] = (delivered, held)
+
     def _save(self) -> None:
         import json
 
@@ -260,8 +283,12 @@ class NodeMarks:
             if len(self.barriers) > 100_000:  # steps decided by count/decision_wait leave theirs: bounded
                 self.barriers.pop(next(iter(self.barriers)))
         for node, mark in live.items():
-            if now - mark[2] >= self.silent_s or mark[1] < barrier.get(node, 0):
+            if now - mark[2] >= self.silent_s:
                 return False
+            if mark[1] < barrier.get(node, 0):  # not all delivered: unless what is left is held for other steps
+                delivered, held = self.held.get(node, (-1, set()))
+                if delivered < barrier.get(node, 0) or step.key in held:
+                    return False
         self.barriers.pop(key, None)
         return True
 

@@ -154,6 +154,7 @@ class SpoolRow:
     token_arrays: bytes | None = None  # packed per-token arrays (processors.token_arrays), stored beside the payload
     awaiting: bool = False  # an engine span stored AWAITING its trajectory (receivers.engine_hold)
     refs: list[str] | None = None  # spans its payload refers to (stored prompt references, spool.full_payloads)
+    local: bool = False  # stored done, owed to no exporter (a node's span of a trajectory it did not forward)
 
     @property
     def size(self) -> int:
@@ -194,7 +195,7 @@ def _row_params(row: SpoolRow, state: int, now: float) -> tuple[Any, ...]:
         rollout if type(rollout) in _KEYS else None, None if validate is None else int(bool(validate)),
         s["start_time"], s["end_time"], int(s["exception"] is not None),
         reward if type(reward) in (int, float) else None,
-        len(row.payload) + (len(arrays) if arrays else 0), HELD if row.held else AWAITING if row.awaiting else state, now,
+        len(row.payload) + (len(arrays) if arrays else 0), HELD if row.held else AWAITING if row.awaiting else DONE if row.local else state, now,
         orjson.dumps(row.warnings).decode() if row.warnings else None, row.payload, row.tokens,
         row.inputs_at, row.output_at, version if type(version) is int and -(2**63) <= version < 2**63 else None, arrays,
     )
@@ -316,6 +317,7 @@ class Spool:
             self._refs_marked = self._refs_marked or marking  # committed
             new_bytes = sum(r.size for r in fresh)
             held = [r for r in fresh if r.held or r.awaiting]  # neither is pending (nor stored for good, locally)
+            local = [r for r in fresh if r.local and not (r.held or r.awaiting)] if state == PENDING else []
             awaiting = [r for r in fresh if r.awaiting and not r.held]
             self.awaiting_count += len(awaiting)
             self.awaiting_bytes += sum(r.size for r in awaiting)
@@ -324,8 +326,8 @@ class Spool:
             self.held_count += len(held) - len(awaiting)
             self.held_bytes += held_bytes - sum(r.size for r in awaiting)
             if state == PENDING:
-                self.pending_count += len(fresh) - len(held)
-                self.pending_bytes += new_bytes - held_bytes
+                self.pending_count += len(fresh) - len(held) - len(local)
+                self.pending_bytes += new_bytes - held_bytes - sum(r.size for r in local)
                 self._owe(owed)
             elif self.on_stored is not None and len(fresh) > len(held):
                 self.on_stored(len(fresh) - len(held))
@@ -366,10 +368,11 @@ class Spool:
 
     # ---- held spans and tail-based decisions (tracecar.collector.processors.sampling) ---------------
     def release(self, kept: Sequence[str], dropped: Sequence[str], decisions: Sequence[tuple[Any, ...]] = (),
-                patches: Sequence[tuple[str, bytes]] = ()) -> tuple[int, int, int]:
+                patches: Sequence[tuple[str, bytes]] = (), local: Sequence[str] = ()) -> tuple[int, int, int]:
         """One decision, in one transaction: held rows of ``kept`` traces become pending (done
-        in local mode) with ``patches`` (span_id, new payload) applied, those of ``dropped``
-        traces are deleted, and the ``trajectory_decisions`` rows are recorded.
+        in local mode) with ``patches`` (span_id, new payload) applied, those of ``local`` traces
+        done (stored here, owed to no exporter: a node's trajectories that are not candidates), those
+        of ``dropped`` traces are deleted, and the ``trajectory_decisions`` rows are recorded.
 
         Returns (spans released, spans dropped, bytes dropped).
         """
@@ -389,6 +392,7 @@ class Spool:
                 owed = deliveries.owe_held(conn, self.exporters, kept) if self.multi and target == PENDING else 0
                 moved, moved_bytes = _apply_to_held(conn, kept, "UPDATE spans SET state = ?", (target,))
                 gone, gone_bytes = _apply_to_held(conn, dropped, "DELETE FROM spans", ())
+                stayed, stayed_bytes = _apply_to_held(conn, local, "UPDATE spans SET state = ?", (DONE,))
                 conn.executemany(
                     "INSERT OR REPLACE INTO trajectory_decisions (trace_id, experiment, validate, step, round, worker,"
                     " sample_index, rollout_n, keep, rule, reason, reward, has_error, nbytes, tokens, truncated,"
@@ -397,8 +401,8 @@ class Spool:
                 )
             self.held_bytes += delta_bytes
             self.stored_bytes += delta_bytes - gone_bytes
-            self.held_count -= moved + gone
-            self.held_bytes -= moved_bytes + gone_bytes
+            self.held_count -= moved + gone + stayed
+            self.held_bytes -= moved_bytes + gone_bytes + stayed_bytes
             if target == PENDING:
                 self.pending_count += moved
                 self.pending_bytes += moved_bytes

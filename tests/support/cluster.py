@@ -44,20 +44,28 @@ class Cluster:
         """Spans a node still owes its gateway (its delivery cursor's backlog)."""
         return scrape_metric(node.url, "tracecar_exporter_pending", exporter="gateway")
 
+    def held(self, node: ProcessCollector) -> float:
+        """Spans a node holds until its view of their step closes (sending its gateway candidates only)."""
+        return scrape_metric(node.url, "tracecar_held_spans")
+
     def wait_drained(self, timeout: float = 60.0) -> None:
-        """Until every node has delivered everything to the gateway."""
-        wait_until(lambda: all(self.owed(n) == 0 for n in self.nodes if n.proc is not None and n.proc.poll() is None),
-                   timeout, "nodes drained to the gateway")
+        """Until every node has delivered everything to the gateway (and holds nothing back)."""
+        wait_until(lambda: all(self.owed(n) == 0 and self.held(n) == 0 for n in self.nodes
+                               if n.proc is not None and n.proc.poll() is None), timeout, "nodes drained to the gateway")
 
 
 def start_cluster(root: Path, nodes: int, gateway: dict[str, Any] | None = None, node: dict[str, Any] | None = None,
                   start: bool = True) -> Cluster:
-    """A gateway (data dir ``root/gateway``) and ``nodes`` node collectors (``root/node<i>``) feeding it."""
+    """A gateway (data dir ``root/gateway``) and ``nodes`` node collectors (``root/node<i>``) feeding it.
+
+    The nodes close a step they hold (sending the gateway candidates only) after 2 s without spans
+    (``TRACECAR_STEP_IDLE_S``; the workload's last step has no next one), unless ``node`` says otherwise."""
     gw = process_collector(root / "gateway", role="gateway", log_level="warning", **(gateway or {}))
     cluster = Cluster(gw)
     for i in range(nodes):
         cluster.nodes.append(process_collector(root / f"node{i}", role="node", gateway_url=gw.url, node_name=f"node{i}",
-                                               log_level="warning", forward_retry_max_s=2, **(node or {})))
+                                               log_level="warning", forward_retry_max_s=2,
+                                               **{"step_idle_s": 2, **(node or {})}))
     if start:
         try:
             for pc in cluster.all:

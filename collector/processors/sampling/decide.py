@@ -197,8 +197,12 @@ def uniform_fill(budget: Budget, left: Sequence[Unit] = ()) -> bool:
 
 
 def decide(candidates: Iterable[Candidate], budget: Budget, experiment: Any, step: int,
-           prior: Prior | None = None) -> tuple[list[Verdict], Usage]:
-    """Verdicts for every candidate (input order kept) and the step's usage afterwards."""
+           prior: Prior | None = None, unsent: int = 0) -> tuple[list[Verdict], Usage]:
+    """Verdicts for every candidate (input order kept) and the step's usage afterwards.
+
+    ``unsent``: complete trajectories of the step that node collectors did not forward (not their
+    candidates, :mod:`.candidates`): none of them can be kept, but they count in a uniform fill's n.
+    """
     candidates = list(candidates)
     prior = prior or Prior()
     limits = budget.limits()
@@ -328,7 +332,7 @@ def decide(candidates: Iterable[Candidate], budget: Budget, experiment: Any, ste
             for c in unit.members:
                 verdicts[c.trace_id] = Verdict(c.trace_id, False, reason=why)
     if filled and uniform_fill(budget, left):  # stamped so step and group statistics can be re-weighted
-        chance = round(len(filled) / len(left), 6)
+        chance = round(len(filled) / (len(left) + unsent), 6)
         for unit in filled:
             for c in unit.members:
                 verdicts[c.trace_id].inclusion_probability = chance

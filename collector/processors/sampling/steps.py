@@ -9,7 +9,8 @@ here is rebuilt from the spool's held rows on start, so nothing is lost with the
 
 When a step closes (:meth:`OpenStep.ready`), first match wins:
 
-- ``count``: ``trajectories_per_step`` is set and that many trajectories are complete;
+- ``count``: ``trajectories_per_step`` is set and that many trajectories are complete (at a gateway,
+  with those its nodes reported complete and did not send: :attr:`OpenStep.unsent`);
 - ``next_step``: every worker that sent spans of the step has since sent a later step of the
   same experiment, and every trajectory is complete;
 - ``idle``: no span for ``step_idle_s`` and every trajectory is complete;
@@ -78,7 +79,7 @@ class OpenStep:
     """A step (or a later round of one) whose trajectories are held, awaiting its decision."""
 
     __slots__ = ("key", "round", "trajs", "workers", "first_at", "last_at", "rooted",
-                 "rewarded_rooted", "last_root_at", "expected")
+                 "rewarded_rooted", "last_root_at", "expected", "unsent", "unsent_rows")
 
     def __init__(self, key: StepKey, round_: int, now: float, expected: int | None) -> None:
         self.key = key
@@ -91,6 +92,24 @@ class OpenStep:
         self.rewarded_rooted = 0
         self.last_root_at = 0.0
         self.expected = expected
+        # node collectors sending candidates only (sampling/candidates.py): per node round (its tag), the
+        # complete trajectories it did not forward; they count toward ``count`` and a uniform fill's n
+        self.unsent: dict[str, int] = {}
+        # ... and their summaries (trace id -> [trace id, worker, sample index, rollout, reward, error, bytes, tokens]):
+        # one collector would have dropped each on the step's limit; the gateway records that decision too
+        self.unsent_rows: dict[str, list[Any]] = {}
+
+    def take_report(self, report: Any) -> None:
+        """A node's candidate root's report (sampling/candidates.py UNSENT_ATTR); malformed ones are ignored."""
+        if not (isinstance(report, dict) and isinstance(report.get("tag"), str) and type(report.get("n")) is int
+                and report["n"] >= 0):
+            return
+        self.unsent[report["tag"]] = report["n"]
+        for row in report.get("rest") or ():
+            if isinstance(row, list) and len(row) == 8 and isinstance(row[0], str) and row[0] not in self.trajs:
+                self.unsent_rows[row[0]] = row
+                if isinstance(row[1], str):  # its worker ran this step: next_step waits for it too
+                    self.workers.add(row[1])
 
     def root_arrived(self, traj: Traj, at: float) -> None:
         if traj.root_at is None:
@@ -111,7 +130,7 @@ class OpenStep:
 
     def ready(self, now: float, waits: Waits, latest: dict[tuple[Any, str], StepOrder]) -> str | None:
         """Why the step should be decided now, or None to keep holding it."""
-        if self.expected is not None and self.rooted >= self.expected and self.rewards_done(now, waits):
+        if self.expected is not None and self.rooted + sum(self.unsent.values()) >= self.expected and self.rewards_done(now, waits):
             return "count"
         complete = self.all_complete(now, waits)
         if complete:

@@ -40,6 +40,7 @@ import orjson
 from ...settings import CollectorSettings
 from ...spool.store import Spool, SpoolRow, WriteResult
 from ...types import Span
+from .candidates import CANDIDATE, UNSENT_ATTR, choose, decomposable, learn
 from .decide import KEPT_MARK_BYTES, Candidate, Prior, Unit, Verdict, decide
 from .head import ASYNC_STEP, budget_step
 from .policy import Policies
@@ -49,6 +50,7 @@ from .truncate import truncate_trajectory
 log = logging.getLogger("tracecar.collector.selection")
 
 HOLD, PASS, DROP, LATE = "hold", "pass", "drop", "late"
+LOCAL = "local"  # a node's span of a trajectory it did not forward (not a candidate): stored here, not owed
 _OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
 
@@ -94,6 +96,11 @@ class TailSelector:
         # held_limit never wait for it)
         self.may_close: Callable[[OpenStep], bool] = lambda step: True
         self.max_held = settings.max_held_trajectories
+        # a node collector sending its gateway candidates only (sampling/candidates.py): it holds the steps the
+        # gateway's budget (learned from its heartbeat answers: learn()) decomposes, and forwards its candidates
+        self.node_candidates = False
+        self.keep_local = settings.keep_forwarded
+        self.gateway = settings.role == "gateway"  # reads the candidates' unsent counts
         self.open: dict[StepKey, OpenStep] = {}
         self.trace_step: dict[str, OpenStep] = {}
         self.loose: dict[str, Loose] = {}
@@ -104,15 +111,57 @@ class TailSelector:
         self._lock = threading.RLock()
         self._rebuild()
 
+    @property
+    def holds_any(self) -> bool:
+        """Whether this selector may hold spans (a node sending candidates only: once a learned budget decomposes)."""
+        return not self.node_candidates or bool(getattr(self.policies, "any_decomposable", False))
+
+    def learn(self, description: Any) -> bool:
+        """A node: the gateway's budgets (its heartbeat answer); True when they changed what this node holds."""
+        learned = learn(description)
+        if learned is None:
+            return False
+        with self._lock:
+            old = getattr(self.policies, "description", None)
+            self.policies = learned  # type: ignore[assignment]
+        return old != learned.description
+
+    def holding_report(self, progress: Callable[[], tuple[int, int]]) -> dict[str, Any]:
+        """A node sending candidates only, for its heartbeat: the steps it holds and how far it has delivered
+        *besides* them, read together under the lock its releases take (so no release falls between), and its
+        workers' latest steps (the gateway's ``next_step`` sees workers whose trajectories stay here)."""
+        with self._lock:
+            acked, delivered = progress()
+            holding = [list(key) for key in self.open]
+            latest = [[experiment, worker, *order] for (experiment, worker), order in self.latest.items()]
+        return {"acked": acked, "delivered": delivered, "holding": holding, "latest": latest}
+
+    def merge_latest(self, latest: Any) -> None:
+        """A gateway: a node's workers' latest steps (its heartbeat), as if their spans had come here."""
+        if not isinstance(latest, list):
+            return
+        with self._lock:
+            for entry in latest[:65536]:
+                if not (isinstance(entry, list) and len(entry) == 5 and isinstance(entry[1], str)
+                        and all(type(v) is int for v in entry[2:])):
+                    continue
+                key, order = (entry[0], entry[1]), (entry[2], entry[3], entry[4])
+                current = self.latest.get(key)
+                if current is None or current < order:
+                    self.latest[key] = order
+                    if len(self.latest) > 65536:
+                        self.latest.pop(next(iter(self.latest)))
+
     # ---- ingest (writer thread) ----------------------------------------------------------
     def claims(self, span: Span) -> bool:
         """True for spans this selector routes (the rest go through the head sampler)."""
         if span["kind"] == "annotation":
-            return True
+            return self.holds_any
         attrs = span["attributes"]
         if type(attrs.get("step")) is not int or type(attrs.get("sample_index")) not in (int, str):
             return False
-        return self.policies.get(attrs.get("experiment_name"), attrs.get("validate")).mode == "tail"
+        budget = self.policies.get(attrs.get("experiment_name"), attrs.get("validate"))
+        return decomposable(budget) if self.node_candidates else budget.mode == "tail"
 
     def write(self, rows: Sequence[SpoolRow], head_decisions: Sequence[tuple[str, int, bool]] = (),
               head_dropped: Sequence[str] = ()) -> tuple[WriteResult, int]:
@@ -136,15 +185,20 @@ class TailSelector:
                 if row.span["kind"] == "annotation":
                     routes[i] = PASS if row.span["trace_id"] in batch_passed else self._route(row.span)
             late = [row for row, route in zip(rows, routes) if route == LATE]
-            late_ids = {r.span["span_id"] for r in self._admit_late(late)} if late else set()
+            if self.node_candidates:  # the gateway counts them against its budget, not this node
+                late_ids = {r.span["span_id"] for r in late}
+            else:
+                late_ids = {r.span["span_id"] for r in self._admit_late(late)} if late else set()
             late_dropped = len(late) - len(late_ids)
             dropped = routes.count(DROP)
             stored: list[SpoolRow] = []
             passed: set[int] = set()
             for row, route in zip(rows, routes):  # arrival order kept: it is the forwarding order
-                if route == DROP or (route == LATE and row.span["span_id"] not in late_ids):
+                if route == DROP or (route == LATE and row.span["span_id"] not in late_ids) or (
+                        route == LOCAL and not self.keep_local):
                     continue
                 row.held = route == HOLD
+                row.local = route == LOCAL
                 if route == PASS:
                     passed.add(id(row))
                 stored.append(row)
@@ -164,6 +218,7 @@ class TailSelector:
                     attrs.get("experiment_name"), attrs.get("validate"), attrs.get("step"), attrs.get("sample_index"),
                     attrs.get("rollout_n"), span["exception"] is not None, _number(attrs.get("reward")),
                     row.size, row.tokens, span["start_time"], now, None if where is None else where[1],
+                    attrs.get(UNSENT_ATTR) if self.gateway and span["parent_id"] is None else None,
                 )
             if dropped and self.metrics is not None:
                 self.metrics.spans_sampled_out.labels(budget="tail").inc(dropped)
@@ -175,13 +230,15 @@ class TailSelector:
             return HOLD
         verdict = self.verdicts.get(trace_id)
         if verdict is not None:
-            return LATE if verdict else DROP
+            return LOCAL if verdict == LOCAL else LATE if verdict else DROP
         if span["kind"] == "annotation":
             if trace_id in self.passed:
                 return PASS
             verdict = self.spool.trace_verdict(trace_id)
             if verdict is not None:
-                return LATE if verdict else DROP
+                return LATE if verdict else LOCAL if self.node_candidates else DROP
+            if self.node_candidates:  # its trajectory may be on another node (a trainer's annotation): the gateway's
+                return PASS
             return PASS if self.spool.trace_seen_unheld(trace_id) else HOLD
         attrs = span["attributes"]
         key = _step_key(attrs)
@@ -193,6 +250,9 @@ class TailSelector:
         verdict = self.spool.trace_verdict(trace_id)
         if verdict is None:
             return HOLD  # a trajectory new to a decided step: its next round
+        if not verdict and self.node_candidates:  # a node's decision rows are its candidates; the rest stay here
+            self.verdicts.put(trace_id, LOCAL)
+            return LOCAL
         self.verdicts.put(trace_id, verdict)
         return LATE if verdict else DROP
 
@@ -228,7 +288,7 @@ class TailSelector:
     def _observe(self, kind: str, span_id: str, trace_id: str, parent_id: str | None, worker: str | None,
                  experiment: Any, validate: Any, step: Any, sample_index: Any, rollout_n: Any, has_error: bool,
                  reward: float | None, nbytes: int, tokens: int, start_time: float, now: float,
-                 policy_version: int | None = None) -> None:
+                 policy_version: int | None = None, unsent: Any = None) -> None:
         """Adds one committed held span to the in-memory summaries (live, or rebuilt on start)."""
         if kind == "annotation":
             key = (1, start_time, span_id)
@@ -273,6 +333,8 @@ class TailSelector:
         open_step.last_at = max(open_step.last_at, now)
         if parent_id is None:
             traj.worker = worker
+            if unsent is not None:  # a node's candidate: what its round did not send (sampling/candidates.py)
+                open_step.take_report(unsent)
             if reward is not None:
                 open_step.reward_arrived(traj, reward, (0, start_time, span_id))
             open_step.root_arrived(traj, now)
@@ -331,12 +393,15 @@ class TailSelector:
             return released
 
     def _decide(self, step: OpenStep, why: str, now: float) -> int:
+        if self.node_candidates:
+            return self._propose(step, why, now)
         experiment, validate, number, version = step.key
         budget = self.policies.get(experiment, validate)
         prior = self._prior(step.key, budget.group_unit) if step.round > 1 else None
         candidates = [traj.candidate(trace_id) for trace_id, traj in step.trajs.items()]
         # fully-async: the version is the step, for the sample hash too (as the head budget does)
-        verdicts, _ = decide(candidates, budget, experiment, number if version is None else version, prior)
+        verdicts, _ = decide(candidates, budget, experiment, number if version is None else version, prior,
+                             unsent=sum(step.unsent.values()))
         patches, sizes, truncated = self._marks(verdicts, step, budget.max_trajectory_bytes)
         rows = []
         for v in verdicts:
@@ -346,6 +411,11 @@ class TailSelector:
                 traj.rollout_n, int(v.keep), v.rule, v.reason, traj.reward, int(traj.has_error),
                 sizes.get(v.trace_id, traj.nbytes), traj.tokens, int(v.trace_id in truncated), why, now, version,
             ))
+        # what the nodes kept to themselves (not candidates): dropped on the step's one limit, as one collector drops them
+        unsent_reason = next(iter(budget.limits()), "not_candidate")
+        for trace_id, worker, sample_index, rollout_n, reward, has_error, nbytes, tokens in step.unsent_rows.values():
+            rows.append((trace_id, experiment, int(validate), number, step.round, worker, sample_index, rollout_n, 0, None,
+                         unsent_reason, reward, int(bool(has_error)), nbytes, tokens, 0, why, now, version))
         kept = [v.trace_id for v in verdicts if v.keep]
         dropped = [v.trace_id for v in verdicts if not v.keep]
         moved, gone, _ = self.spool.release(kept, dropped, rows, patches)
@@ -362,6 +432,8 @@ class TailSelector:
                     m.trajectories_kept.labels(rule=v.rule).inc()
                 else:
                     m.trajectories_dropped.labels(reason=v.reason).inc()
+            if step.unsent_rows:
+                m.trajectories_dropped.labels(reason=unsent_reason).inc(len(step.unsent_rows))
             if truncated:
                 m.trajectories_truncated.inc(len(truncated))
             if gone:
@@ -384,6 +456,7 @@ class TailSelector:
 
         def mark(root: dict[str, Any], trace_id: str) -> None:
             attributes = root.setdefault("attributes", {})
+            attributes.pop(UNSENT_ATTR, None)  # a node's report to this gateway (OpenStep.unsent), not the trajectory's
             attributes["kept_because"] = rule_of[trace_id]
             if trace_id in chance_of:  # a uniform fill's draw (decide.uniform_fill): its chance, for re-weighting
                 attributes["inclusion_probability"] = chance_of[trace_id]
@@ -436,6 +509,51 @@ class TailSelector:
                 sizes[trace_id] = size
                 truncated.add(trace_id)
         return patches, sizes, truncated
+
+    def _propose(self, step: OpenStep, why: str, now: float) -> int:
+        """A node's round closed: its candidates go to the gateway (pending on its cursor), marked with what the
+        round did not send; the rest stay in this node's store (done: not owed), or go with TRACECAR_KEEP_FORWARDED=false."""
+        experiment, validate, number, version = step.key
+        budget = self.policies.get(experiment, validate)
+        candidates = [traj.candidate(trace_id) for trace_id, traj in step.trajs.items()]
+        verdicts, unsent = choose(candidates, budget, experiment, number if version is None else version)
+        sent = [v.trace_id for v in verdicts if v.keep]
+        kept_here = [v.trace_id for v in verdicts if not v.keep]
+        rest = [[c.trace_id, c.worker, c.sample_index, c.rollout_n, c.reward, int(c.has_error), c.nbytes, c.tokens]
+                for c, v in zip(candidates, verdicts) if not v.keep]
+        roots = self.spool.held_payloads(sent, roots_only=True)
+        patches = []
+        for i, (span_id, _, payload) in enumerate(roots):  # the summaries of what stays here, spread over the roots
+            root = orjson.loads(payload)
+            # one tag per node round (its least trace id): the gateway counts each round's n once
+            root.setdefault("attributes", {})[UNSENT_ATTR] = {"tag": min(step.trajs), "n": unsent,
+                                                              "rest": rest[i::len(roots)]}
+            patches.append((span_id, orjson.dumps(root, option=_OPTS)))
+        rows = []
+        for v in verdicts:
+            traj = step.trajs[v.trace_id]
+            rows.append((
+                v.trace_id, experiment, int(validate), number, step.round, traj.worker, traj.sample_index,
+                traj.rollout_n, int(v.keep), v.rule, v.reason, traj.reward, int(traj.has_error),
+                traj.nbytes, traj.tokens, 0, why, now, version,
+            ))
+        local, dropped = (kept_here, []) if self.keep_local else ([], kept_here)
+        moved, gone, _ = self.spool.release(sent, dropped, rows, patches, local=local)
+        del self.open[step.key]
+        for v in verdicts:
+            self.trace_step.pop(v.trace_id, None)
+            self.verdicts.put(v.trace_id, True if v.keep else LOCAL)
+        self.rounds.put(step.key, step.round)
+        if self.metrics is not None:
+            self.metrics.step_decisions.labels(closed_by=why).inc()
+            self.metrics.node_candidates.labels(sent="true").inc(len(sent))
+            self.metrics.node_candidates.labels(sent="false").inc(len(kept_here))
+        log.info("node round proposed", extra={
+            "event": "node_candidates", "experiment": experiment, "validate": validate, "step": number,
+            "policy_version": version, "round": step.round, "closed_by": why, "sent": len(sent),
+            "kept_here": len(kept_here), "rule": CANDIDATE,
+        })
+        return moved
 
     def _prior(self, key: StepKey, group_unit: bool) -> Prior:
         """What earlier rounds of this step kept, from the decision rows (exact after a restart)."""
@@ -507,6 +625,11 @@ class TailSelector:
                 self._observe(kind, span_id, trace_id, parent_id, worker, experiment, validate, step, sample_index,
                               rollout_n, bool(has_error), reward, nbytes, tokens or 0, start_time, received_at,
                               policy_version if step == ASYNC_STEP else None)
+        if self.gateway and self.trace_step:  # the nodes' candidates' unsent counts live in their roots
+            for _, trace_id, payload in self.spool.held_payloads(list(self.trace_step), roots_only=True):
+                unsent = orjson.loads(payload).get("attributes", {}).get(UNSENT_ATTR)
+                if unsent is not None:
+                    self.trace_step[trace_id].take_report(unsent)
         if rows:
             log.info("held steps rebuilt", extra={"event": "held_rebuilt", "open_steps": len(self.open),
                                                   "held_trajectories": len(self.trace_step), "loose": len(self.loose)})
