@@ -195,7 +195,8 @@ def _row_params(row: SpoolRow, state: int, now: float) -> tuple[Any, ...]:
         rollout if type(rollout) in _KEYS else None, None if validate is None else int(bool(validate)),
         s["start_time"], s["end_time"], int(s["exception"] is not None),
         reward if type(reward) in (int, float) else None,
-        len(row.payload) + (len(arrays) if arrays else 0), HELD if row.held else AWAITING if row.awaiting else DONE if row.local else state, now,
+        len(row.payload) + (len(arrays) if arrays else 0),
+        HELD if row.held else AWAITING if row.awaiting else DONE if row.local else state, now,
         orjson.dumps(row.warnings).decode() if row.warnings else None, row.payload, row.tokens,
         row.inputs_at, row.output_at, version if type(version) is int and -(2**63) <= version < 2**63 else None, arrays,
     )
