@@ -122,11 +122,13 @@ def test_lists_filters_sorts_and_pages_answer_the_same(stores: dict[str, Process
     assert 0 < kept < len(EXPERIMENTS) * len(STEPS) * PER_STEP  # the budgets chose
     assert any(t["prompt_preview"] for t in everything["trajectories"])  # decoded texts, previewed
     assert any(t["trained"] is False for t in everything["trajectories"])  # the trainer's verdicts
-    # the promoted inclusion probability: the uniform draw's chance (10 of 40) where it is one, on both stores
+    # the promoted inclusion probability: the uniform draw's chance (k of n, from the shared workload's budget) where
+    # it is one, on both stores
     chance = {t["experiment"]: set() for t in everything["trajectories"]}
     for t in everything["trajectories"]:
         chance[t["experiment"]].add(t["inclusion_probability"])
-    assert chance["exp-uniform"] == {0.25} and chance["exp-traj"] == {None}, chance
+    uniform = orjson.loads(TAIL_BUDGETS["budgets"])["exp-uniform"]["max_trajectories_per_step"] / PER_STEP
+    assert chance["exp-uniform"] == {uniform} and chance["exp-traj"] == {None}, chance
     for sort, order in itertools.product(SORTS, ("asc", "desc")):
         first = same(stores, "/v1/trajectories", sort=sort, order=order, limit=1000)
         assert first["total"] == kept
