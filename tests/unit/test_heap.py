@@ -17,15 +17,16 @@ CHILD = textwrap.dedent("""
     large = orjson.dumps({"spans": [{"ids": list(range(i, i + 2000))} for i in range(300)]})  # ~3 MiB
     assert len(small) <= WARM_BODY_MAX < len(large), (len(small), len(large))
 
-    def faults(body):
-        assert HEAP.parse(orjson.loads, body) == orjson.loads(body)  # same result either way
+    def faults(body, parse=lambda b: HEAP.parse(orjson.loads, b)):
+        assert parse(body) == orjson.loads(body)  # same result either way
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _ in range(5):
-            HEAP.parse(orjson.loads, body)
+            parse(body)
         return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
 
-    print(json.dumps({"configured": configured, "small": faults(small), "large": faults(large),
-                      "trim": HEAP.release_retained()}))
+    plain = faults(small, orjson.loads)  # first: before any warm parse left its buffer in the heap
+    print(json.dumps({"configured": configured, "small_plain": plain, "small": faults(small),
+                      "large": faults(large), "trim": HEAP.release_retained()}))
 """)
 
 
@@ -36,8 +37,10 @@ def test_a_usual_body_is_parsed_without_faulting_in_a_fresh_buffer_and_a_large_o
     got = __import__("json").loads(out.stdout.strip().splitlines()[-1])
     if not got["configured"]:
         pytest.skip("not glibc")
-    # a fresh mmap of the ~10 MB parse buffer faults in ~700 pages per parse; reused warm, ~0
-    assert got["small"] < 50, got
+    # a fresh mmap of the ~10 MB parse buffer faults in ~700 pages per parse (small_plain: orjson.loads outside the
+    # warm window); reused warm, none of those. The parsed objects' own faults come on top of both (Python 3.11's
+    # object arenas stay: ~0; 3.10 returns its 256 KiB arenas: ~245 a parse), so the test compares the two.
+    assert got["small"] + 400 < got["small_plain"], got
     # a body over WARM_BODY_MAX: its ~36 MB buffer is its own mmap, returned (faulted in again) each time
     assert got["large"] > 500, got
     assert got["trim"] is False  # the first request sets the floor; nothing is trimmed
