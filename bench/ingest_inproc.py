@@ -49,8 +49,9 @@ def make_bodies(path: Path, spans: int, prompt: int, response: int) -> None:
     maker.close()
 
 
-def pipeline(data_dir: Path) -> tuple[Any, Any]:
-    """(IngestPipeline, Spool) of the installed revision, local store, token2text off, executors inline."""
+def pipeline(data_dir: Path, tokenizer: str | None = None) -> tuple[Any, Any]:
+    """(IngestPipeline, Spool) of the installed revision, local store, executors inline; token2text with
+    ``tokenizer`` (a tokenizer.json), else off."""
     from tracecar.collector.metrics import Metrics
     from tracecar.collector.settings import CollectorSettings
 
@@ -66,7 +67,7 @@ def pipeline(data_dir: Path) -> tuple[Any, Any]:
 
         def tune_gc() -> None:
             pass
-    settings = CollectorSettings(data_dir=data_dir, token2text=False)
+    settings = CollectorSettings(data_dir=data_dir, token2text=tokenizer is not None, tokenizer=tokenizer)
     spool = Spool(settings.spool_path, local_only=True)
     pl = IngestPipeline(settings, spool, Metrics())
     tune_gc()
@@ -106,6 +107,7 @@ def main() -> None:
     parser.add_argument("--make-bodies", action="store_true", help="(re)make the bodies file with this tree's client")
     parser.add_argument("--spans", type=int, default=1600, help="with --make-bodies: generate spans in all")
     parser.add_argument("--ids", type=int, default=2000, help="with --make-bodies: ids per span (3/4 prompt)")
+    parser.add_argument("--tokenizer", help="token2text on, with this tokenizer.json (default: off)")
     args = parser.parse_args()
     if args.make_bodies or not args.bodies_file.exists():
         make_bodies(args.bodies_file, args.spans, args.ids * 3 // 4, args.ids - args.ids * 3 // 4)
@@ -113,7 +115,7 @@ def main() -> None:
             return
     bodies, content_type = pickle.loads(args.bodies_file.read_bytes())
     with tempfile.TemporaryDirectory(prefix="ingest-inproc-") as tmp:
-        pl, spool = pipeline(Path(tmp))
+        pl, spool = pipeline(Path(tmp), args.tokenizer)
         gc_cpu = [0.0, 0.0]
 
         def timer(phase: str, info: dict[str, Any]) -> None:

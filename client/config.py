@@ -73,9 +73,11 @@ class ClientConfig:
     max_samples_per_step_per_worker: int | None = None
     queue_max_spans: int = 4096
     batch_max_spans: int = 512
-    # 4 MiB: a post costs the worker ~0.6 ms of CPU whatever its size (bench/sender_posts.py), so a
-    # body of ~330 spans of 2,000 ids instead of ~85 costs ~4 µs a span less (docs/performance.md)
-    batch_max_bytes: int = 4 * 2**20
+    # 1.75 MiB: a post costs the worker ~0.6 ms of CPU whatever its size (bench/sender_posts.py), so
+    # bodies are large (~145 spans of 2,000 ids, ~4 µs of post a span); a body closes with at most one
+    # span past this, which leaves 256 KiB for it under the collector's 2 MiB warm-parse window
+    # (collector/heap.py WARM_BODY_MAX: a larger body's parse buffer is fresh mmapped memory)
+    batch_max_bytes: int = 1792 * 2**10
     max_span_bytes: int = 8 * 2**20
     flush_interval_s: float = 0.2
     http_timeout_s: float = 5.0

@@ -31,8 +31,8 @@ import pytest
 
 from tests.cluster_workload import EXPERIMENTS, STEPS, TAIL_BUDGETS, Feeder, batches, kept_set, workload
 from tests.conftest import FAKE_WANDB_KEY
-from tests.support.cluster import process_collector, start_cluster, wait_until
-from tests.support.collector import metric_value
+from tests.support.cluster import Cluster, process_collector, start_cluster, wait_until
+from tests.support.collector import ProcessCollector, metric_value
 from tests.test_cluster_budgets import NODES, assert_same_reads, decided, feed, groups
 
 pytestmark = pytest.mark.timeout(420)
@@ -72,19 +72,31 @@ def assert_exact_and_once(single_url: str, gateway_url: str, feeder: Feeder, wea
     return kept, delivered
 
 
-def test_nodes_and_gateway_killed_and_down_lose_nothing_and_deliver_once(tmp_path: Path, faulty_weave_stub: Any) -> None:
-    stub = faulty_weave_stub
+def start_faulted_run(tmp_path: Path, stub: Any, **gateway: Any) -> tuple[ProcessCollector, Cluster, list[Any], Feeder]:
+    """The reference (one SQLite collector, fed the whole workload without faults), then four nodes and a
+    gateway forwarding to the faulty Weave stand-in (``gateway``: more of its settings), and the started
+    feeder of the same workload, one trajectory per batch, retried until acknowledged."""
     weave = {"TRACECAR_BACKEND": "weave", "WANDB_API_KEY": FAKE_WANDB_KEY, "WF_TRACE_SERVER_URL": stub.url,
              "TRACECAR_WANDB_ENTITY": "ent", "TRACECAR_WANDB_PROJECT": "proj", "forward_retry_initial_s": 0.05,
              "forward_retry_max_s": 0.5}
     single = process_collector(tmp_path / "single", log_level="warning", **TAIL_BUDGETS).start()
-    cluster = start_cluster(tmp_path, NODES, gateway={**TAIL_BUDGETS, **weave})
-    feeder: Feeder | None = None
+    cluster = start_cluster(tmp_path, NODES, gateway={**TAIL_BUDGETS, **weave, **gateway})
     try:
-        feed(single.url, None)  # the reference: one collector, no faults
+        feed(single.url, None)
         plan = list(batches(workload(), per_trajectory=True))
         feeder = Feeder([n.url for n in cluster.nodes], plan, pace_s=PACE_S)
         feeder.start()
+    except BaseException:
+        cluster.stop()
+        single.terminate()
+        raise
+    return single, cluster, plan, feeder
+
+
+def test_nodes_and_gateway_killed_and_down_lose_nothing_and_deliver_once(tmp_path: Path, faulty_weave_stub: Any) -> None:
+    stub = faulty_weave_stub
+    single, cluster, plan, feeder = start_faulted_run(tmp_path, stub)
+    try:
         gateway, victim = cluster.gateway, cluster.nodes[1]
 
         wait_until(lambda: feeder.progress() >= 0.15, 120, "15% fed")
@@ -120,8 +132,7 @@ def test_nodes_and_gateway_killed_and_down_lose_nothing_and_deliver_once(tmp_pat
               f"acked_while_down={acked_while_down} owed_while_down={owed_while_down:.0f} kept={len(kept)} "
               f"weave_calls={len(delivered)}")
     finally:
-        if feeder is not None:
-            feeder.stop.set()
+        feeder.stop.set()
         cluster.stop()
         single.terminate()
 
@@ -157,18 +168,9 @@ def assert_no_twice(url: str) -> None:
 
 def test_node_and_gateway_killed_with_the_gateway_on_clickhouse(tmp_path: Path, faulty_weave_stub: Any) -> None:
     stub = faulty_weave_stub
-    weave = {"TRACECAR_BACKEND": "weave", "WANDB_API_KEY": FAKE_WANDB_KEY, "WF_TRACE_SERVER_URL": stub.url,
-             "TRACECAR_WANDB_ENTITY": "ent", "TRACECAR_WANDB_PROJECT": "proj", "forward_retry_initial_s": 0.05,
-             "forward_retry_max_s": 0.5}
-    single = process_collector(tmp_path / "single", log_level="warning", **TAIL_BUDGETS).start()
-    cluster = start_cluster(tmp_path, NODES, gateway={**TAIL_BUDGETS, **weave, "store": "clickhouse", "store_batch_rows": 3})
-    feeder: Feeder | None = None
+    single, cluster, plan, feeder = start_faulted_run(tmp_path, stub, store="clickhouse", store_batch_rows=3)
     reader = Reader(cluster.gateway.url)
     try:
-        feed(single.url, None)  # the reference: one collector on SQLite, no faults
-        plan = list(batches(workload(), per_trajectory=True))
-        feeder = Feeder([n.url for n in cluster.nodes], plan, pace_s=PACE_S)
-        feeder.start()
         reader.start()
         gateway, victim = cluster.gateway, cluster.nodes[2]
 
@@ -201,7 +203,6 @@ def test_node_and_gateway_killed_with_the_gateway_on_clickhouse(tmp_path: Path, 
               f"weave_calls={len(delivered)} reads_during={reader.answers}")
     finally:
         reader.stop.set()
-        if feeder is not None:
-            feeder.stop.set()
+        feeder.stop.set()
         cluster.stop()
         single.terminate()

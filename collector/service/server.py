@@ -93,15 +93,27 @@ def build_server(settings: CollectorSettings) -> _DrainingServer:
     return _DrainingServer(uvicorn_config(app, settings), app.state.collector, settings.shutdown_unready_s)
 
 
+GC_YOUNG_THRESHOLD = 50_000  #: net new containers (allocated minus freed) before a young collection; CPython: 700
+
+
 def tune_gc() -> None:
     """What exists once the collector is built (every imported module's objects: most of the
     heap) is moved out of the garbage collector's reach (gc.freeze): each full collection walked
-    it again, a cost per span that grows with the batches' id lists, which push the long-lived
-    count up. The thresholds stay CPython's: a young collection per 10,000 new containers
-    instead of 700 cut another ~15 µs per span, but left reference cycles holding request
-    bodies alive longer, past tests/test_fault_memory.py's bound on RSS."""
+    it again, a cost per span that grows with the batches' id lists.
+
+    A young collection comes after :data:`GC_YOUNG_THRESHOLD` net new containers, not 700: a
+    body's parsed spans (a few containers each, ~10,000 for a 4 MiB body) are alive from the
+    parse to the store write and freed then by reference counting, so with CPython's 700 every
+    body was walked, id lists and all, by ~20 young and ~2 middle collections that found nothing
+    to free: ~12 % of the CPU per span with token2text off (bench/ingest_inproc.py; the
+    collector at 1.11x 26c393c's CPU per span before, 1.01x after, docs/performance.md). The
+    count is net, so garbage cycles (asyncio's, httpx's) are still collected once 50,000
+    containers of them pile up; tests/test_fault_memory.py's peak RSS is unchanged (+275 to +347
+    MiB of its 384 MiB bound in 6 runs; with 700, +305 to +348 in 4 runs the same hour)."""
     gc.collect()
     gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
 def serve(settings: CollectorSettings) -> None:

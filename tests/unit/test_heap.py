@@ -44,3 +44,12 @@ def test_a_usual_body_is_parsed_without_faulting_in_a_fresh_buffer_and_a_large_o
     # a body over WARM_BODY_MAX: its ~36 MB buffer is its own mmap, returned (faulted in again) each time
     assert got["large"] > 500, got
     assert got["trim"] is False  # the first request sets the floor; nothing is trimmed
+
+
+def test_the_clients_default_body_fits_the_warm_parse_window() -> None:
+    """A body closes with at most one span past TRACECAR_BATCH_MAX_BYTES: the default leaves room for a
+    256 KiB span (~40,000 ids) so that a default-size body is parsed warm, not in fresh mmapped memory."""
+    from tracecar.client.config import ClientConfig
+    from tracecar.collector.heap import WARM_BODY_MAX
+
+    assert ClientConfig().batch_max_bytes + 256 * 2**10 <= WARM_BODY_MAX

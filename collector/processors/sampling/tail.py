@@ -75,6 +75,16 @@ def _step_key(attrs: dict[str, Any]) -> StepKey:
     return (attrs.get("experiment_name"), bool(attrs.get("validate")), step, version)
 
 
+def _decision_row(step: OpenStep, v: Verdict, nbytes: int | None, truncated: bool, why: str,
+                  now: float) -> tuple[Any, ...]:
+    """One ``trajectory_decisions`` row: the gateway's verdict or a node's choice of candidates (same columns)."""
+    experiment, validate, number, version = step.key
+    traj = step.trajs[v.trace_id]
+    return (v.trace_id, experiment, int(validate), number, step.round, traj.worker, traj.sample_index,
+            traj.rollout_n, int(v.keep), v.rule, v.reason, traj.reward, int(traj.has_error),
+            traj.nbytes if nbytes is None else nbytes, traj.tokens, int(truncated), why, now, version)
+
+
 def _number(value: Any) -> float | None:
     return float(value) if type(value) in (int, float) else None
 
@@ -403,14 +413,7 @@ class TailSelector:
         verdicts, _ = decide(candidates, budget, experiment, number if version is None else version, prior,
                              unsent=sum(step.unsent.values()))
         patches, sizes, truncated = self._marks(verdicts, step, budget.max_trajectory_bytes)
-        rows = []
-        for v in verdicts:
-            traj = step.trajs[v.trace_id]
-            rows.append((
-                v.trace_id, experiment, int(validate), number, step.round, traj.worker, traj.sample_index,
-                traj.rollout_n, int(v.keep), v.rule, v.reason, traj.reward, int(traj.has_error),
-                sizes.get(v.trace_id, traj.nbytes), traj.tokens, int(v.trace_id in truncated), why, now, version,
-            ))
+        rows = [_decision_row(step, v, sizes.get(v.trace_id), v.trace_id in truncated, why, now) for v in verdicts]
         # what the nodes kept to themselves (not candidates): dropped on the step's one limit, as one collector drops them
         unsent_reason = next(iter(budget.limits()), "not_candidate")
         for trace_id, worker, sample_index, rollout_n, reward, has_error, nbytes, tokens in step.unsent_rows.values():
@@ -529,14 +532,7 @@ class TailSelector:
             root.setdefault("attributes", {})[UNSENT_ATTR] = {"tag": min(step.trajs), "n": unsent,
                                                               "rest": rest[i::len(roots)]}
             patches.append((span_id, orjson.dumps(root, option=_OPTS)))
-        rows = []
-        for v in verdicts:
-            traj = step.trajs[v.trace_id]
-            rows.append((
-                v.trace_id, experiment, int(validate), number, step.round, traj.worker, traj.sample_index,
-                traj.rollout_n, int(v.keep), v.rule, v.reason, traj.reward, int(traj.has_error),
-                traj.nbytes, traj.tokens, 0, why, now, version,
-            ))
+        rows = [_decision_row(step, v, None, False, why, now) for v in verdicts]
         local, dropped = (kept_here, []) if self.keep_local else ([], kept_here)
         moved, gone, _ = self.spool.release(sent, dropped, rows, patches, local=local)
         del self.open[step.key]
