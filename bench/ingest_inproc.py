@@ -67,7 +67,8 @@ def pipeline(data_dir: Path, tokenizer: str | None = None) -> tuple[Any, Any]:
 
         def tune_gc() -> None:
             pass
-    settings = CollectorSettings(data_dir=data_dir, token2text=tokenizer is not None, tokenizer=tokenizer)
+    settings = CollectorSettings(data_dir=data_dir, token2text=tokenizer is not None, tokenizer=tokenizer,
+                                 workers=1)
     spool = Spool(settings.spool_path, local_only=True)
     pl = IngestPipeline(settings, spool, Metrics())
     tune_gc()

@@ -30,6 +30,7 @@ So, with :meth:`Heap.configure` (the serving process only):
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -105,3 +106,26 @@ class Heap:
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 HEAP = Heap()
+
+
+GC_YOUNG_THRESHOLD = 50_000  #: net new containers (allocated minus freed) before a young collection; CPython: 700
+
+
+def tune_gc() -> None:
+    """What exists once the collector is built (every imported module's objects: most of the
+    heap) is moved out of the garbage collector's reach (gc.freeze): each full collection walked
+    it again, a cost per span that grows with the batches' id lists.
+
+    A young collection comes after :data:`GC_YOUNG_THRESHOLD` net new containers, not 700: a
+    body's parsed spans (a few containers each, ~10,000 for a 4 MiB body) are alive from the
+    parse to the store write and freed then by reference counting, so with CPython's 700 every
+    body was walked, id lists and all, by ~20 young and ~2 middle collections that found nothing
+    to free: ~12 % of the CPU per span with token2text off in-process (bench/ingest_inproc.py;
+    end to end 1.11x 26c393c's CPU per span before, 1.08x after, docs/performance.md). The
+    count is net, so garbage cycles (asyncio's, httpx's) are still collected once 50,000
+    containers of them pile up; tests/test_fault_memory.py's peak RSS is unchanged (+275 to +347
+    MiB of its 384 MiB bound in 6 runs; with 700, +305 to +348 in 4 runs the same hour)."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)

@@ -154,6 +154,9 @@ def _init(config: WorkerConfig, barrier: Any, parent_pid: int) -> None:
             _state.tokenizers.get(config.policy.default)
         except TokenizerNotFound:
             pass  # the ingest process reports it, on the first batch that needs it
+    from ..heap import tune_gc
+
+    tune_gc()  # a worker parses bodies too: the same young-collection threshold as the ingest process
 
 
 def _ready() -> int:

@@ -7,7 +7,6 @@ in-flight requests, then the lifespan drains the spool to the backend until
 
 from __future__ import annotations
 
-import gc
 import ipaddress
 import logging
 import threading
@@ -18,7 +17,7 @@ import uvicorn
 from tracecar.client import __version__
 
 from .. import data_dir_lock
-from ..heap import HEAP
+from ..heap import HEAP, tune_gc
 from ..logs import setup_logging
 from ..settings import CollectorSettings
 from .app import create_app
@@ -91,29 +90,6 @@ def uvicorn_config(app: Any, settings: CollectorSettings, **overrides: Any) -> u
 def build_server(settings: CollectorSettings) -> _DrainingServer:
     app = create_app(settings)
     return _DrainingServer(uvicorn_config(app, settings), app.state.collector, settings.shutdown_unready_s)
-
-
-GC_YOUNG_THRESHOLD = 50_000  #: net new containers (allocated minus freed) before a young collection; CPython: 700
-
-
-def tune_gc() -> None:
-    """What exists once the collector is built (every imported module's objects: most of the
-    heap) is moved out of the garbage collector's reach (gc.freeze): each full collection walked
-    it again, a cost per span that grows with the batches' id lists.
-
-    A young collection comes after :data:`GC_YOUNG_THRESHOLD` net new containers, not 700: a
-    body's parsed spans (a few containers each, ~10,000 for a 4 MiB body) are alive from the
-    parse to the store write and freed then by reference counting, so with CPython's 700 every
-    body was walked, id lists and all, by ~20 young and ~2 middle collections that found nothing
-    to free: ~12 % of the CPU per span with token2text off (bench/ingest_inproc.py; the
-    collector at 1.11x 26c393c's CPU per span before, 1.01x after, docs/performance.md). The
-    count is net, so garbage cycles (asyncio's, httpx's) are still collected once 50,000
-    containers of them pile up; tests/test_fault_memory.py's peak RSS is unchanged (+275 to +347
-    MiB of its 384 MiB bound in 6 runs; with 700, +305 to +348 in 4 runs the same hour)."""
-    gc.collect()
-    gc.freeze()
-    _, middle, old = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
 def serve(settings: CollectorSettings) -> None:
