@@ -1,8 +1,10 @@
-"""glibc's heap for a process that parses one large body after another (glibc on Linux; elsewhere a no-op).
+"""glibc's heap for a process that parses one large body after another (glibc on Linux; elsewhere a no-op),
+and the garbage collector's thresholds for the same processes (:func:`tune_gc`: the serving process
+and each worker-pool process).
 
 Two costs pull against each other. A fresh ``mmap`` per large allocation returns memory to the
 OS as soon as it is freed, but every page of it is faulted in and zeroed again next time:
-orjson's parse buffer is 12 x the body (``len / 2 * 24`` bytes), so a default-size 1 MiB
+orjson's parse buffer is 12 x the body (``len / 2 * 24`` bytes), so a 1 MiB (then the default)
 client body cost ~940 page faults per parse with a 1 MiB mmap threshold, and the body's own
 buffer 256 more: together about half of the collector's extra CPU per span over 26c393c
 (issue 32). Left in the heap, glibc keeps the high-water mark of every large body ever
