@@ -31,7 +31,7 @@ from typing import Any
 
 from . import text_query, truth_filter
 
-TEXT_EQUALS = ("worker", "kept_because", "filtered_by")
+TEXT_EQUALS = ("worker", "kept_because", "filtered_by", "node")
 INT_EQUALS = ("step", "rollout_n")
 FLAGS = ("validate", "has_error", "trained")
 RANGES = (("step_min", "step", ">="), ("step_max", "step", "<="),
@@ -69,6 +69,7 @@ class TrajectoryFilter:
     worker: str | None = None
     trained: bool | None = None  # what the trainer did (client.annotate(trained=...))
     filtered_by: str | None = None
+    node: str | None = None  # on a gateway: the node collector that forwarded the trajectory
     q: str | None = None  # words searched in the first prompt and last response (viewer/search.py)
     attributes: tuple[tuple[str, str], ...] | None = None  # the root's attributes: ((key, value as text), ...)
     # training truth (issue 29; truth_filter.py): only over the viewer index's trajectories

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from tests.cluster_workload import EXPERIMENTS, PER_STEP, ROLLOUT_N, STEPS, TAIL_BUDGETS, batches, kept_set, node_of, post, workload
@@ -112,18 +113,33 @@ def summaries(url: str, **params: Any) -> tuple[int, list[dict[str, Any]]]:
     return page["total"], sorted(page["trajectories"], key=lambda t: t["trace_id"])
 
 
+def without_node(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], set[tuple[str, str | None]]]:
+    """Rows without their forwarding node (a gateway's only: the single collector's is null), and (worker, node) pairs."""
+    return [{k: v for k, v in r.items() if k != "node"} for r in rows], {(r["worker"], r.get("node")) for r in rows}
+
+
 def assert_same_reads(single_url: str, gateway_url: str) -> None:
-    """The gateway answers from ClickHouse (chDB) what the single collector answers from SQLite."""
+    """The gateway answers from ClickHouse (chDB) what the single collector answers from SQLite, and keeps which
+    node forwarded each trajectory (the workers' node, by the workload's placement)."""
     state = httpx.get(gateway_url + "/v1/trajectories", params={"limit": 1}, timeout=30).json()["index"]
     assert state["store"] == "clickhouse", state
     for params in ({}, {"sort": "reward", "reward_min": 0.5}, {"has_error": "true"}, {"kept_because": "fill"},
                    {"experiment": "exp-group", "step": 2}, {"q": "calculator"}):
-        assert summaries(gateway_url, **params) == summaries(single_url, **params), params
+        (total_gw, rows_gw), (total_single, rows_single) = summaries(gateway_url, **params), summaries(single_url, **params)
+        (gw, gw_nodes), (one, one_nodes) = without_node(rows_gw), without_node(rows_single)
+        assert (total_gw, gw) == (total_single, one), params
+        assert all(node == f"node{node_of(worker, NODES)}" for worker, node in gw_nodes) and {n for _, n in one_nodes} <= {None}
+    everything = summaries(gateway_url)[1]
+    for i in range(NODES):  # the node filter, answered by ClickHouse
+        assert [t["trace_id"] for t in summaries(gateway_url, node=f"node{i}")[1]] == \
+            [t["trace_id"] for t in everything if node_of(t["worker"], NODES) == i]
     for experiment in EXPERIMENTS:
         health = [httpx.get(url + "/v1/health", params={"experiment": experiment, "step": 1}, timeout=30).json()["step"]
                   for url in (single_url, gateway_url)]
         assert health[0] == health[1], experiment
-        exports = [sorted(httpx.get(url + "/v1/export", params={"experiment": experiment}, timeout=60).content.splitlines())
+        exports = [sorted(without_node([orjson.loads(line) for line in httpx.get(url + "/v1/export", params={"experiment": experiment},
+                                                                                timeout=60).content.splitlines()])[0],
+                          key=lambda r: r["trace_id"])
                    for url in (single_url, gateway_url)]
         assert exports[0] == exports[1] and exports[0], experiment
 

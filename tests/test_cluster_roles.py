@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
 from tests.cluster_workload import node_of, post, workload
@@ -93,6 +94,18 @@ def test_nodes_forward_decoded_trajectories_that_the_gateway_stores_as_one_colle
         # the workers' own names, projects and W&B run travel with the spans
         listed = httpx.get(gw + "/v1/trajectories", params={"worker": "w7", "limit": 1000}).json()
         assert {x["trace_id"] for x in listed["trajectories"]} == {t.trace_id for t in trajectories if t.worker == "w7"}
+        # the gateway keeps which node forwarded each trajectory: a column of its list, a filter, a facet, an export field
+        everything = httpx.get(gw + "/v1/trajectories", params={"limit": 1000}).json()["trajectories"]
+        assert {x["trace_id"]: x["node"] for x in everything} == {t.trace_id: f"node{node_of(t.worker, 2)}" for t in trajectories}
+        on_node1 = httpx.get(gw + "/v1/trajectories", params={"node": "node1", "limit": 1000}).json()["trajectories"]
+        assert {x["trace_id"] for x in on_node1} == {t.trace_id for t in trajectories if node_of(t.worker, 2) == 1}
+        assert httpx.get(gw + "/ui/api/facets").json()["nodes"] == [
+            {"node": f"node{i}", "trajectories": sum(1 for t in trajectories if node_of(t.worker, 2) == i)} for i in range(2)]
+        exported = [orjson.loads(line) for line in httpx.get(gw + "/v1/export", params={"node": "node0"}).content.splitlines()]
+        assert exported and {r["node"] for r in exported} == {"node0"}
+        # a collector fed by its workers directly (the single one, each node itself) has no forwarding node
+        assert {x["node"] for x in httpx.get(single.url + "/v1/trajectories", params={"limit": 1000}).json()["trajectories"]} == {None}
+        assert httpx.get(cluster.nodes[0].url + "/ui/api/facets").json()["nodes"] == []
         # each node's own viewer still has its part
         own = httpx.get(cluster.nodes[0].url + "/v1/trajectories", params={"limit": 1000}).json()["total"]
         assert own == sum(1 for t in trajectories if node_of(t.worker, 2) == 0)

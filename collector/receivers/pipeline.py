@@ -41,6 +41,7 @@ from ..spool.store import Spool, SpoolFull, SpoolRow
 from ..types import Span
 from .client_drops import ClientDrops, parse_dropped
 from .engine_hold import EngineHold
+from .forwarded import ForwardedBatch
 from .joins import TrajectoryContexts, request_id_of
 from .worker_pool import (
     PrepareOrder,
@@ -245,6 +246,9 @@ class IngestPipeline:
         if validated.awaiting:  # engine spans whose trajectory is not known yet: stored, owed to no exporter
             for row in rows:
                 row.awaiting = row.span["span_id"] in validated.awaiting
+        if isinstance(validated, ForwardedBatch) and validated.node:  # a gateway keeps which node forwarded each span
+            for row in rows:
+                row.node = validated.node
         tail_dropped = 0
         try:
             try:

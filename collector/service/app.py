@@ -305,7 +305,7 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         validate: bool | None = None, kept_because: str | None = Query(None, max_length=256),
         worker: str | None = Query(None, max_length=256), has_error: bool | None = None,
         reward_min: float | None = None, reward_max: float | None = None, trained: bool | None = None,
-        filtered_by: str | None = Query(None, max_length=256),
+        filtered_by: str | None = Query(None, max_length=256), node: str | None = Query(None, max_length=256),
         sort: str = Query("start", pattern=LIST_SORT_PATTERN), order: str = Query("desc", pattern="^(asc|desc)$"),
         limit: int = Query(50, ge=1, le=1000), offset: int = Query(0, ge=0, le=INT64_MAX),
         q: str | None = Query(None, max_length=QUERY_MAX_CHARS),
@@ -319,7 +319,7 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         flt = TrajectoryFilter(experiment=experiment, step=step, step_min=step_min, step_max=step_max,
                                sample_index=sample_index_filter(sample_index), rollout_n=rollout_n, validate=validate,
                                kept_because=kept_because, reward_min=reward_min, reward_max=reward_max, has_error=has_error,
-                               worker=worker, trained=trained, filtered_by=filtered_by, q=q,
+                               worker=worker, trained=trained, filtered_by=filtered_by, node=node, q=q,
                                attributes=attribute_filters(attr), **truth)
         page = await asyncio.to_thread(list_page, viewer.trajectory_index, flt, sort=sort, descending=order == "desc",
                                        limit=limit, offset=offset, budget_s=settings.list_catch_up_s,

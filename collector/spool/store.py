@@ -64,7 +64,8 @@ CREATE TABLE IF NOT EXISTS spans (
     tokens INTEGER NOT NULL DEFAULT 0,
     inputs_at INTEGER,
     output_at INTEGER,
-    token_arrays BLOB  -- per-token logprobs/mask/entropy, packed (processors.token_arrays); NULL for most spans
+    token_arrays BLOB,  -- per-token logprobs/mask/entropy, packed (processors.token_arrays); NULL for most spans
+    node TEXT  -- on a gateway: the node collector that forwarded the span (its X-Tracecar-Node); NULL elsewhere
 );
 CREATE INDEX IF NOT EXISTS spans_pending ON spans(seq) WHERE state = 0;
 CREATE INDEX IF NOT EXISTS spans_trace ON spans(trace_id);
@@ -155,6 +156,7 @@ class SpoolRow:
     awaiting: bool = False  # an engine span stored AWAITING its trajectory (receivers.engine_hold)
     refs: list[str] | None = None  # spans its payload refers to (stored prompt references, spool.full_payloads)
     local: bool = False  # stored done, owed to no exporter (a node's span of a trajectory it did not forward)
+    node: str | None = None  # on a gateway: the node collector that forwarded it (receivers/forwarded.py)
 
     @property
     def size(self) -> int:
@@ -199,6 +201,7 @@ def _row_params(row: SpoolRow, state: int, now: float) -> tuple[Any, ...]:
         HELD if row.held else AWAITING if row.awaiting else DONE if row.local else state, now,
         orjson.dumps(row.warnings).decode() if row.warnings else None, row.payload, row.tokens,
         row.inputs_at, row.output_at, version if type(version) is int and -(2**63) <= version < 2**63 else None, arrays,
+        row.node,
     )
 
 
@@ -230,6 +233,8 @@ class Spool:
             self._write.execute("ALTER TABLE trajectory_decisions ADD COLUMN policy_version INTEGER")
         if "token_arrays" not in columns:  # spools written before the token view
             self._write.execute("ALTER TABLE spans ADD COLUMN token_arrays BLOB")
+        if "node" not in columns:  # spools written before a gateway kept the forwarding node
+            self._write.execute("ALTER TABLE spans ADD COLUMN node TEXT")
         # spools from before fan-out: dead letters rekeyed by (span, exporter), cursors reconciled
         deliveries.migrate_dead_letters(self._write, self.exporters[0] if len(self.exporters) == 1 else "")
         deliveries.reconcile(self._write, self.exporters if self.multi else self.exporters[:1])
@@ -295,8 +300,8 @@ class Spool:
                 conn.executemany(
                     "INSERT INTO spans (span_id, trace_id, parent_id, name, kind, worker, project, entity,"
                     " experiment, step, sample_index, rollout_n, validate, start_time, end_time, has_error, reward,"
-                    " nbytes, state, received_at, warnings, payload, tokens, inputs_at, output_at, policy_version, token_arrays)"
-                    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    " nbytes, state, received_at, warnings, payload, tokens, inputs_at, output_at, policy_version, token_arrays, node)"
+                    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     [_row_params(r, state, now) for r in fresh],
                 )
                 owed = deliveries.owe_new(conn, self.exporters, last_seq) if self.multi and fresh else 0

@@ -67,6 +67,7 @@ CREATE TABLE IF NOT EXISTS {TABLE} (
     sample_index_str Nullable(String),
     rollout_n Nullable(Int64),
     worker Nullable(String),
+    node Nullable(String),
     start_time Nullable(Float64),
     end_time Nullable(Float64),
     duration Nullable(Float64),
@@ -103,13 +104,13 @@ SETTINGS allow_nullable_key = 1
 """
 META = "tracecar.meta"
 # the list's columns, as the SQLite index answers them (index.COLUMNS), from this table's
-SELECT = ("trace_id, name, experiment, step, sample_index_int, sample_index_str, rollout_n, validate, worker, start_time,"
+SELECT = ("trace_id, name, experiment, step, sample_index_int, sample_index_str, rollout_n, validate, worker, node, start_time,"
           " end_time, duration, kept_because, inclusion_probability, reward, span_count, has_error, turns, tool_calls,"
           " tool_errors, prompt_tokens, response_tokens, advantage, trained, filtered_by, policy_version, trained_on_version")
 FLOATS = ("start_time", "end_time", "duration", "reward", "advantage", "inclusion_probability")
 # columns added since the table's first release: a table made before them gets each (its rows refill with the
 # index, whose version changed with them: see _sync_token)
-ADDED = ("inclusion_probability Nullable(Float64) AFTER kept_because",)
+ADDED = ("inclusion_probability Nullable(Float64) AFTER kept_because", "node Nullable(String) AFTER worker")
 # filters answered by the index (their tables, or the root's payload, live there): see the module docstring
 INDEX_ONLY = frozenset({"attributes", "drift", "reward_where", "fate", "refill", "trained_other", "lp_delta_min"})
 READ_SETTINGS = " SETTINGS output_format_json_quote_64bit_integers = 0, output_format_json_quote_denormals = 0"
@@ -467,7 +468,9 @@ class ClickHouseStore:
                    for r in self._select(f"SELECT trained AS t, filtered_by AS f, count() AS n FROM {TABLE} FINAL WHERE"
                                          " deleted = 0 AND (trained IS NOT NULL OR filtered_by IS NOT NULL) GROUP BY t, f"
                                          " ORDER BY t NULLS FIRST, f NULLS FIRST")]
-        result = {"experiments": order, "kept_because": rules, "trainer": trainer,
+        nodes = [{"node": r["k"], "trajectories": r["n"]} for r in self._select(
+            f"SELECT node AS k, count() AS n FROM {TABLE} FINAL WHERE deleted = 0 AND node IS NOT NULL GROUP BY k ORDER BY k")]
+        result = {"experiments": order, "kept_because": rules, "trainer": trainer, "nodes": nodes,
                   "reward_components": self.index.reward_component_keys()}
         self._cache["facets"] = result
         return result

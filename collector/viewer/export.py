@@ -185,7 +185,7 @@ def record(tree: dict[str, Any], summary: dict[str, Any], *, token_ids: bool = F
     out = {
         "trace_id": tree["trace_id"], "name": view["name"], "experiment": summary.get("experiment"),
         "step": summary.get("step"), "sample_index": summary.get("sample_index"), "rollout_n": summary.get("rollout_n"),
-        "validate": summary.get("validate"), "worker": summary.get("worker"), "reward": view["reward"],
+        "validate": summary.get("validate"), "worker": summary.get("worker"), "node": summary.get("node"), "reward": view["reward"],
         "advantage": advantage_of(tree), "trained": summary.get("trained"), "filtered_by": summary.get("filtered_by"),
         "policy_version": summary.get("policy_version"), "trained_on_version": summary.get("trained_on_version"),
         "kept_because": _json_text(view["kept_because"]),
@@ -263,7 +263,7 @@ def parquet_schema(token_ids: bool) -> Any:
     fields = [
         ("trace_id", pa.string()), ("name", pa.string()), ("experiment", pa.string()), ("step", pa.int64()),
         ("sample_index", pa.string()), ("rollout_n", pa.int64()), ("validate", pa.bool_()), ("worker", pa.string()),
-        ("reward", pa.float64()), ("advantage", pa.float64()), ("trained", pa.bool_()), ("filtered_by", pa.string()),
+        ("node", pa.string()), ("reward", pa.float64()), ("advantage", pa.float64()), ("trained", pa.bool_()), ("filtered_by", pa.string()),
         ("policy_version", pa.int64()), ("trained_on_version", pa.int64()), ("kept_because", pa.string()), ("has_error", pa.bool_()),
         ("turns", pa.int64()), ("tool_calls", pa.int64()), ("start_time", pa.float64()), ("duration", pa.float64()),
         ("prompt", pa.string()), ("final_response", pa.string()), ("messages", pa.list_(pa.struct(message_fields))),

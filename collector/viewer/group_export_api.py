@@ -120,7 +120,7 @@ def build_router(collector: StoreOwner, index: ReadStore, fresh: Callable[[], di
         rollout_n: OptionalInt64 = None, validate: bool | None = None, kept_because: str | None = None,
         reward_min: float | None = None, reward_max: float | None = None, has_error: bool | None = None,
         worker: str | None = None, trained: bool | None = None, filtered_by: str | None = Query(None, max_length=256),
-        q: str | None = Query(None, max_length=QUERY_MAX_CHARS),
+        node: str | None = Query(None, max_length=256), q: str | None = Query(None, max_length=QUERY_MAX_CHARS),
         token_ids: bool = False, limit: int | None = Query(None, ge=1, le=INT64_MAX),
         attr: list[str] | None = ATTR_QUERY,
     ) -> Any:
@@ -138,7 +138,7 @@ def build_router(collector: StoreOwner, index: ReadStore, fresh: Callable[[], di
         flt = ListFilter(experiment=experiment, step=step, step_min=step_min, step_max=step_max,
                          sample_index=sample_index_filter(sample_index), rollout_n=rollout_n, validate=validate,
                          kept_because=kept_because, reward_min=reward_min, reward_max=reward_max, has_error=has_error,
-                         worker=worker, trained=trained, filtered_by=filtered_by, q=q, attributes=attribute_filters(attr),
+                         worker=worker, trained=trained, filtered_by=filtered_by, node=node, q=q, attributes=attribute_filters(attr),
                          **truth)
         skipped = collector.metrics.export_rows_skipped.labels(format=format)
 

@@ -44,8 +44,9 @@ from . import search, truth
 log = logging.getLogger("tracecar.collector.viewer")
 
 # 3: sample_index untyped; 4: engine spans never make a turn an aggregate; 5: what the trainer did; 6: previews;
-# 7: tool calls are real calls only (shape.is_tool); 8: training truth (viewer/truth.py); 9: inclusion_probability
-INDEX_VERSION = "9"
+# 7: tool calls are real calls only (shape.is_tool); 8: training truth (viewer/truth.py); 9: inclusion_probability;
+# 10: node (a gateway's forwarding node collector)
+INDEX_VERSION = "10"
 ROOT = "root_seq IS NOT NULL"  # every query names it, so the partial indexes apply
 
 SCHEMA = f"""
@@ -60,6 +61,7 @@ CREATE TABLE IF NOT EXISTS trajectories (
     rollout_n INTEGER,
     validate INTEGER,
     worker TEXT,
+    node TEXT,  -- on a gateway: the node collector that forwarded the root (spool spans.node); NULL elsewhere
     start_time REAL,
     end_time REAL,
     duration REAL,
@@ -112,7 +114,7 @@ SORTS = {
     "spans": "span_count", "advantage": "advantage",
 }
 NOT_NULL = {"turns", "tool_calls", "response_tokens", "span_count"}
-COLUMNS = ("trace_id, name, experiment, step, sample_index, rollout_n, validate, worker, start_time, end_time, duration,"
+COLUMNS = ("trace_id, name, experiment, step, sample_index, rollout_n, validate, worker, node, start_time, end_time, duration,"
            " kept_because, inclusion_probability, reward, span_count, has_error, turns, tool_calls, tool_errors,"
            " prompt_tokens, response_tokens, advantage, trained, filtered_by, policy_version, trained_on_version")
 TRAINER_KEYS = ("advantage", "trained", "filtered_by", "policy_version", "trained_on_version")
@@ -123,9 +125,9 @@ _TRAINER_UPDATE = ("UPDATE trajectories SET " + ", ".join(f"{k} = COALESCE(?, {k
 
 _UPSERT = """
 INSERT INTO trajectories (trace_id, root_seq, name, experiment, step, sample_index, rollout_n, validate, worker,
-    start_time, end_time, duration, kept_because, inclusion_probability, root_reward, ann_seq, ann_reward, span_count,
+    start_time, end_time, duration, kept_because, inclusion_probability, root_reward, node, ann_seq, ann_reward, span_count,
     has_error, tool_calls, tool_errors)
-VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)
+VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)
 ON CONFLICT(trace_id) DO UPDATE SET
     root_seq = COALESCE(excluded.root_seq, root_seq),
     name = IIF(excluded.root_seq IS NULL, name, excluded.name),
@@ -135,6 +137,7 @@ ON CONFLICT(trace_id) DO UPDATE SET
     rollout_n = IIF(excluded.root_seq IS NULL, rollout_n, excluded.rollout_n),
     validate = IIF(excluded.root_seq IS NULL, validate, excluded.validate),
     worker = IIF(excluded.root_seq IS NULL, worker, excluded.worker),
+    node = IIF(excluded.root_seq IS NULL, node, excluded.node),
     start_time = IIF(excluded.root_seq IS NULL, start_time, excluded.start_time),
     end_time = IIF(excluded.root_seq IS NULL, end_time, excluded.end_time),
     duration = IIF(excluded.root_seq IS NULL, duration, excluded.duration),
@@ -165,7 +168,7 @@ HELD = 3  # spool state of a span awaiting a tail-based sampling decision (trace
 AWAITING = 4  # an engine span awaiting its trajectory (receivers.engine_hold): rewritten in place, maybe re-keyed, later
 _WAITING = (HELD, AWAITING)  # indexed once they move on, like held spans
 _COLUMNS = """seq, span_id, trace_id, parent_id, name, kind, worker, experiment, step, sample_index, rollout_n, validate,
-       start_time, end_time, has_error, reward, state, IIF(state IN (3, 4), NULL, payload)"""
+       start_time, end_time, has_error, reward, state, IIF(state IN (3, 4), NULL, payload), node"""
 _SCAN = f"SELECT {_COLUMNS} FROM spool.spans WHERE seq > ? ORDER BY seq LIMIT ?"
 
 
@@ -189,7 +192,7 @@ class _Delta:
         self.span_count = self.has_error = self.tool_calls = self.tool_errors = 0
 
     def params(self, trace_id: str) -> tuple[Any, ...]:
-        root = self.root or (None,) * 14
+        root = self.root or (None,) * 15
         return (trace_id, *root, self.ann_seq, self.ann_reward, self.span_count, self.has_error,
                 self.tool_calls, self.tool_errors)
 
@@ -468,7 +471,7 @@ class TrajectoryIndex:
         turns: list[tuple[int, str, str, Any, tuple[list[int], list[int]]]] = []  # LLM calls with prompt ids: drift
         full = self._full(conn, rows)
         for (seq, span_id, trace_id, parent_id, name, kind, worker, experiment, step, sample_index, rollout_n,
-             validate, start, end, has_error, reward, _state, payload) in rows:
+             validate, start, end, has_error, reward, _state, payload, node) in rows:
             delta = deltas.get(trace_id)
             if delta is None:
                 delta = deltas[trace_id] = _Delta()
@@ -488,7 +491,7 @@ class TrajectoryIndex:
                 attributes = span.get("attributes") or {}
                 kept = _label(attributes.get("kept_because"))
                 delta.root = (seq, name, experiment, step, sample_index, rollout_n, validate, worker, start, end,
-                              duration, kept, _probability(attributes.get("inclusion_probability")), reward)
+                              duration, kept, _probability(attributes.get("inclusion_probability")), reward, node)
             output = span.get("output")
             if token_output(kind, output) and isinstance(output, dict):
                 prompt_tokens, response_tokens = token_counts(span)
@@ -787,7 +790,9 @@ class TrajectoryIndex:
             trainer = [{"trained": None if t is None else bool(t), "filtered_by": f, "trajectories": n} for t, f, n in conn.execute(
                 f"SELECT trained, filtered_by, COUNT(*) FROM trajectories WHERE {ROOT} AND (trained IS NOT NULL"
                 " OR filtered_by IS NOT NULL) GROUP BY trained, filtered_by")]
-            result = {"experiments": order, "kept_because": rules, "trainer": trainer,
+            nodes = [{"node": n, "trajectories": c} for n, c in conn.execute(
+                f"SELECT node, COUNT(*) FROM trajectories WHERE {ROOT} AND node IS NOT NULL GROUP BY node ORDER BY node")]
+            result = {"experiments": order, "kept_because": rules, "trainer": trainer, "nodes": nodes,
                       "reward_components": truth.component_keys(conn)}
             self._cache["facets"] = result
             return result

@@ -181,6 +181,7 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
         validate: bool | None = None, kept_because: str | None = None, reward_min: float | None = None,
         reward_max: float | None = None, has_error: bool | None = None, worker: str | None = None,
         trained: bool | None = None, filtered_by: str | None = Query(None, max_length=256),
+        node: str | None = Query(None, max_length=256),
         sort: str = Query("start", pattern=SORT_PATTERN), order: str = Query("desc", pattern="^(asc|desc)$"),
         limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0, le=INT64_MAX),
         q: str | None = Query(None, max_length=QUERY_MAX_CHARS), attr: list[str] | None = ATTR_QUERY,
@@ -190,7 +191,7 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
         ``q``: words that must all occur in the first prompt or the last response (search.py).
         """
         flt = ListFilter(experiment, step, step_min, step_max, sample_index_filter(sample_index), rollout_n, validate, kept_because or None,
-                         reward_min, reward_max, has_error, worker, trained, filtered_by or None)
+                         reward_min, reward_max, has_error, worker, trained, filtered_by or None, node or None)
         flt.q = q or None
         flt.attributes = attribute_filters(attr)
         for key, value in truth.items():  # drift, reward_where, fate, refill, trained_other, lp_delta_min (truth_api.py)
