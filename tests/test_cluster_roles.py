@@ -103,6 +103,9 @@ def test_nodes_forward_decoded_trajectories_that_the_gateway_stores_as_one_colle
             {"node": f"node{i}", "trajectories": sum(1 for t in trajectories if node_of(t.worker, 2) == i)} for i in range(2)]
         exported = [orjson.loads(line) for line in httpx.get(gw + "/v1/export", params={"node": "node0"}).content.splitlines()]
         assert exported and {r["node"] for r in exported} == {"node0"}
+        cli = subprocess.run([sys.executable, "-m", "tracecar.client.cli", "trajectories", "--url", gw, "--node", "node1", "--json",
+                              "--limit", "1000"], capture_output=True, text=True, timeout=60, check=True)
+        assert {x["trace_id"] for x in orjson.loads(cli.stdout)["trajectories"]} == {x["trace_id"] for x in on_node1}
         # a collector fed by its workers directly (the single one, each node itself) has no forwarding node
         assert {x["node"] for x in httpx.get(single.url + "/v1/trajectories", params={"limit": 1000}).json()["trajectories"]} == {None}
         assert httpx.get(cluster.nodes[0].url + "/ui/api/facets").json()["nodes"] == []

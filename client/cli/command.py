@@ -277,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-max", type=int)
     p.add_argument("--kept-because", help="the sampling rule that kept it (tail-based budgets)")
     p.add_argument("--worker")
+    p.add_argument("--node", help="on a gateway: the node collector that forwarded it")
     p.add_argument("--has-error", choices=["true", "false"])
     p.add_argument("--reward-min", type=float)
     p.add_argument("--reward-max", type=float)

@@ -119,7 +119,7 @@ def cmd_export(args: argparse.Namespace) -> None:
         "format": fmt, "experiment": args.experiment, "step": args.step, "step_min": args.step_min,
         "step_max": args.step_max, "sample_index": args.sample_index, "validate": args.validate,
         "kept_because": args.kept_because, "reward_min": args.reward_min, "reward_max": args.reward_max,
-        "has_error": args.has_error, "rollout_n": args.rollout_n, "worker": args.worker, "trained": args.trained,
+        "has_error": args.has_error, "rollout_n": args.rollout_n, "worker": args.worker, "node": args.node, "trained": args.trained,
         "filtered_by": args.filtered_by, "q": args.search, "limit": args.limit, "token_ids": "true" if args.token_ids else None,
         **list_params(args),
     }.items() if v is not None}
@@ -188,6 +188,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--has-error", choices=["true", "false"])
     p.add_argument("--rollout-n", type=int)
     p.add_argument("--worker")
+    p.add_argument("--node", help="on a gateway: only trajectories this node collector forwarded")
     p.add_argument("--trained", choices=["true", "false"], help="what the trainer did (annotate(trained=...)): false = dropped")
     p.add_argument("--filtered-by", help="only trajectories this trainer filter dropped (annotate(filtered_by=...))")
     p.add_argument("--search", metavar="WORDS", help="only trajectories whose first prompt or last response has all these words")

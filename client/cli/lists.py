@@ -18,7 +18,7 @@ def cmd_trajectories(args: argparse.Namespace) -> None:
     params = {k: v for k, v in {
         "experiment": args.experiment, "step": args.step, "step_min": args.step_min, "step_max": args.step_max,
         "sample_index": args.sample_index, "rollout_n": args.rollout_n, "validate": args.validate,
-        "kept_because": args.kept_because, "worker": args.worker, "has_error": args.has_error,
+        "kept_because": args.kept_because, "worker": args.worker, "node": args.node, "has_error": args.has_error,
         "reward_min": args.reward_min, "reward_max": args.reward_max, "sort": args.sort, "order": args.order,
         "limit": args.limit, "offset": args.offset, "trained": args.trained, "filtered_by": args.filtered_by,
         "q": args.search, "attr": args.attr, **list_params(args),
