@@ -32,6 +32,12 @@ class StoreUnavailable(OSError):
         self.store, self.public = store, public
 
 
+class StoreStartError(RuntimeError):
+    """The read store cannot start (a ClickHouse server unreachable or refusing the store's tables, a server
+    database that is another collector's): ``tracecar serve`` says it in one line and exits 2. The message
+    names the engine and its error, never a URL's credentials."""
+
+
 @runtime_checkable
 class ReadStore(Protocol):
     """One row per trajectory, caught up with the spool by ``seq``; every read API's queries."""

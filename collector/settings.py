@@ -115,7 +115,8 @@ class CollectorSettings(BudgetSettings, BaseSettings):
     store_max_bytes: int | None = Field(4096 * MiB, ge=MiB, description="Bound on the store file (used SQLite pages): above it the oldest forwarded trajectories are evicted whole; unset: no bound (a full disk still evicts forwarded ones when forwarding to a backend).")
     store_reserve_bytes: int = Field(64 * MiB, ge=0, description="When forwarding (any backend but local): disk space held back in a preallocated file (data_dir/reserve), released on a full disk so forwarded trajectories can be evicted, then taken again; 0: none; else at least 8 MiB (less cannot let SQLite checkpoint its WAL on a full disk: refused at start).")
     store: Literal["sqlite", "clickhouse"] = Field("sqlite", description="The read store every read API answers from (lists, groups, search, export, health): sqlite, the trajectory index beside the spool; clickhouse, embedded chDB under data_dir/clickhouse (pip install 'tracecar[clickhouse]'), fed from the index's change cursor in batches. The spool stays SQLite either way.")
-    store_url: SecretStr | None = Field(None, description="A ClickHouse server for the clickhouse store (clickhouse://...): not supported yet (refused at start); unset: embedded chDB.")
+    store_url: SecretStr | None = Field(None, description="store=clickhouse: a ClickHouse server's HTTP interface instead of embedded chDB, clickhouse://USER:PASSWORD@HOST:8123/DATABASE (https:// or port 8443: TLS; ?compress=true: compressed responses; DATABASE default tracecar, one collector per database); through clickhouse-connect. Unset: embedded chDB.")
+    store_timeout_s: float = Field(30.0, gt=0, le=3600, description="store_url: seconds to connect to the ClickHouse server, and per query or insert; a read past it answers 503, an insert is retried by the next catch-up.")
     store_batch_rows: int = Field(5000, ge=1, le=1_000_000, description="clickhouse store: trajectories per insert (ClickHouse wants few large inserts).")
     store_max_age_s: float | None = Field(None, gt=0, description="Forwarded trajectories older than this (by arrival of their last span) are evicted whole; unset keeps them.")
     decisions_max_rows: int = Field(1_000_000, ge=1000, description="Bound on each table of sampling decisions (head budgets' per-sample rows, tail budgets' per-trajectory rows): above it the oldest rows are deleted.")
@@ -169,12 +170,22 @@ class CollectorSettings(BudgetSettings, BaseSettings):
 
     @field_validator("store_url")
     @classmethod
-    def _no_server_yet(cls, value: SecretStr | None) -> SecretStr | None:
-        """The server variant (clickhouse-connect) is designed, not built: said at start, not at the first read."""
-        if value is not None and value.get_secret_value():
-            raise ValueError("a ClickHouse server (clickhouse-connect) is not supported yet: unset TRACECAR_STORE_URL; "
-                             "TRACECAR_STORE=clickhouse keeps an embedded chDB store under TRACECAR_DATA_DIR/clickhouse")
-        return None
+    def _a_server_url(cls, value: SecretStr | None) -> SecretStr | None:
+        """A ClickHouse server's URL, checked at start (never echoed: it may hold a password); blank: embedded chDB."""
+        if value is None or not value.get_secret_value():
+            return None
+        from .store_url import url_problem
+
+        problem = url_problem(value.get_secret_value())
+        if problem is not None:
+            raise ValueError(f"TRACECAR_STORE_URL {problem}")
+        return value
+
+    @model_validator(mode="after")
+    def _server_url_needs_the_clickhouse_store(self) -> CollectorSettings:
+        if self.store_url is not None and self.store != "clickhouse":
+            raise ValueError("TRACECAR_STORE_URL names a ClickHouse server for TRACECAR_STORE=clickhouse: set it, or unset the URL")
+        return self
 
     @field_validator("store_reserve_bytes")
     @classmethod

@@ -54,10 +54,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
     setup_logging(settings.log_level)
     for line in warnings:
         logging.getLogger("tracecar.collector").warning(line, extra={"event": "config_warning"})
+    from tracecar.collector.read_store import StoreStartError
+
     try:
         serve(settings)
     except DataDirError as exc:  # in use by another collector, or cannot be locked at all
         fail(str(exc))
+    except StoreStartError as exc:  # a ClickHouse server unreachable, or its database another collector's
+        fail(str(exc), 2)
 
 
 def _stop_with_parent(parent_pid: int) -> None:

@@ -45,18 +45,20 @@ from typing import Any
 import orjson
 
 from ..loudness import RateLimited
-from ..read_store import StoreUnavailable
+from ..read_store import StoreStartError, StoreUnavailable
 from ..settings import CollectorSettings
 from ..text_query import folded_words, query_words
 from ..trajectory_filter import TEXT_EQUALS, TrajectoryFilter, sample_index_values
+from .clickhouse_transport import Server, Transport, open_transport
 from .index import NOT_NULL, SORTS, TrajectoryIndex, overview_of
 from .search import previews_of
 
 log = logging.getLogger("tracecar.collector.viewer.clickhouse")
 
-TABLE = "tracecar.trajectories"
-SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS {TABLE} (
+TABLE = "trajectories"  # in the store's database (tracecar, or a server URL's)
+META = "meta"
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS {table} (
     rid Int64,
     trace_id String,
     name Nullable(String),
@@ -102,7 +104,6 @@ CREATE TABLE IF NOT EXISTS {TABLE} (
 ORDER BY (experiment, validate, step, trace_id)
 SETTINGS allow_nullable_key = 1
 """
-META = "tracecar.meta"
 # the list's columns, as the SQLite index answers them (index.COLUMNS), from this table's
 SELECT = ("trace_id, name, experiment, step, sample_index_int, sample_index_str, rollout_n, validate, worker, node, start_time,"
           " end_time, duration, kept_because, inclusion_probability, reward, span_count, has_error, turns, tool_calls,"
@@ -117,21 +118,31 @@ READ_SETTINGS = " SETTINGS output_format_json_quote_64bit_integers = 0, output_f
 _PARAM_TYPES = {bool: "UInt8", int: "Int64", float: "Float64", str: "String"}
 
 
+OWNER_FILE = "clickhouse-owner"  #: in the data dir: this collector's id in a server database's meta table
+
+
+class StoreClaimed(StoreStartError):
+    """A ClickHouse server database that another collector's store already uses: refused at start, in one line."""
+
+
 class ClickHouseUnavailable(StoreUnavailable):
-    """chDB refused a query or an insert (a full disk, a damaged part): every reader answers 503, naming this store."""
+    """The engine refused a query or an insert (a full disk, a damaged part, a server down): every reader
+    answers 503, naming this store."""
 
 
 _CODE = re.compile(r"Code: (\d+)")
-_NAME = re.compile(r"\(([A-Z][A-Z0-9_]+)\)\s*(?:\(version [^)]*\))?\s*$")
+_NAME = re.compile(r"\(([A-Z][A-Z0-9_]+)\)\s*(?:\(version [^)]*\))?\s*$", re.MULTILINE)
 
 
-def unavailable(exc: BaseException) -> ClickHouseUnavailable:
-    """chDB's error as a reader may see it (``Code: 243 ... (NOT_ENOUGH_SPACE)`` → its name and code), and as the
-    log should (the first line of the message, which names files under the data dir)."""
-    first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+def unavailable(exc: BaseException, engine: str = "chDB") -> ClickHouseUnavailable:
+    """The engine's error as a reader may see it (``Code: 243 ... (NOT_ENOUGH_SPACE)`` → its name and code), and as
+    the log should: the line with the code (chDB's first; clickhouse-connect's first names the server, the second the
+    code), never what follows it (data paths, rows)."""
+    lines = str(exc).splitlines() or [type(exc).__name__]
+    first = next((line for line in lines if _CODE.search(line)), lines[0]).strip()[:300]
     code, name = _CODE.search(first), _NAME.search(first)
     what = " ".join(p for p in ((name.group(1) if name else None), (f"code {code.group(1)}" if code else None)) if p)
-    return ClickHouseUnavailable("clickhouse", f"the ClickHouse store (chDB) failed: {what or type(exc).__name__}", first)
+    return ClickHouseUnavailable("clickhouse", f"the ClickHouse store ({engine}) failed: {what or type(exc).__name__}", first)
 
 
 def _sort_expr(sort: str, direction: str) -> str:
@@ -147,27 +158,19 @@ def _null_test(sort: str) -> str:
     return "(sample_index_int IS NULL AND sample_index_str IS NULL)" if column == "sample_index" else f"{column} IS NULL"
 
 
-def _escaped(text: str) -> str:
-    """A parameter's text as ClickHouse reads parameters (its escaped format): a tab or a backslash in a
-    worker's or an experiment's name must match itself, not end or change the value."""
-    return text.translate(_ESCAPES)
-
-
-_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r", "\0": "\\0"})
-
-
 class _Params:
-    """Named, typed ``{pN:Type}`` placeholders (chDB binds them; a value is never spliced into the SQL)."""
+    """Named, typed ``{pN:Type}`` placeholders, bound by the engine (a value is never spliced into the SQL);
+    the values raw, as each transport passes them (clickhouse_transport.py)."""
 
     def __init__(self) -> None:
         self.values: dict[str, Any] = {}
 
     def __call__(self, value: Any) -> str:
         name = f"p{len(self.values)}"
-        if type(value) is list:  # an array parameter is a ClickHouse literal of quoted strings
-            self.values[name] = "[" + ",".join("'" + _escaped(str(v)).replace("'", "\\'") + "'" for v in value) + "]"
+        if type(value) is list:  # an array of strings (trace ids)
+            self.values[name] = [str(v) for v in value]
             return "{" + f"{name}:Array(String)" + "}"
-        self.values[name] = int(value) if type(value) is bool else _escaped(value) if type(value) is str else value
+        self.values[name] = int(value) if type(value) is bool else value
         kind = _PARAM_TYPES[type(value)]
         return "{" + f"{name}:{kind}" + "}"
 
@@ -227,69 +230,101 @@ def _row_out(row: dict[str, Any]) -> dict[str, Any]:
 
 
 class ClickHouseStore:
-    """A :class:`~tracecar.collector.read_store.ReadStore` on embedded chDB, fed from the trajectory index's changes."""
+    """A :class:`~tracecar.collector.read_store.ReadStore` on ClickHouse (embedded chDB, or a server), fed from the
+    trajectory index's changes."""
 
     def __init__(self, index: TrajectoryIndex, settings: CollectorSettings, path: Path | None = None,
-                 on_error: Callable[[], None] = lambda: None) -> None:
-        try:
-            from chdb import session as chdb_session
-        except ImportError:
-            raise SystemExit("TRACECAR_STORE=clickhouse needs chDB: pip install 'tracecar[clickhouse]'") from None
+                 on_error: Callable[[], None] = lambda: None, transport: Transport | None = None) -> None:
         index.track_changes = True
         self.index = index
         self.batch_rows = settings.store_batch_rows
-        self.path = path or Path(settings.data_dir) / "clickhouse"
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._session = chdb_session.Session(str(self.path))
-        self._lock = threading.RLock()  # one drain at a time; queries run beside it (chDB sessions are thread-safe)
+        self._on_error = on_error  # tracecar_store_errors_total{store="clickhouse"}
+        self._engine = transport or open_transport(settings, path)
+        self.table: str = f"{self._engine.database}.{TABLE}"
+        self.meta: str = f"{self._engine.database}.{META}"
+        self._lock = threading.RLock()  # one drain at a time; queries run beside it (chDB sessions and the server client are thread-safe)
         self._thread: threading.Thread | None = None
         self._closed = False
         self._pending = 0
         self._synced = False
         self._version = 0  # the last row version inserted; from the table's own max at the first drain (_sync_token)
         self._cache: dict[Any, Any] = {}  # facets and overviews until the next insert, as the index caches them
-        self._on_error = on_error  # tracecar_store_errors_total{store="clickhouse"}
         self._catch_up_failures = RateLimited()
-        self._run("CREATE DATABASE IF NOT EXISTS tracecar")
-        self._run(SCHEMA)
-        for column in ADDED:
-            self._run(f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS {column}")
-        self._run(f"CREATE TABLE IF NOT EXISTS {META} (key String, value String, at DateTime64(6) DEFAULT now64(6))"
-                  " ENGINE = ReplacingMergeTree(at) ORDER BY key")
-
-    # ---- chDB ------------------------------------------------------------------------------------
-    def _run(self, sql: str, params: dict[str, Any] | None = None) -> bytes:
         try:
-            result = self._session.query(sql, "JSONEachRow", params=params or None)
-        except Exception as exc:  # chDB raises its own error (or RuntimeError) for any failed statement
-            self._on_error()
-            raise unavailable(exc) from None
-        return bytes(result.bytes()) if result is not None else b""
+            self._run(f"CREATE DATABASE IF NOT EXISTS {self._engine.database}")
+            self._run(SCHEMA.format(table=self.table))
+            for column in ADDED:
+                self._run(f"ALTER TABLE {self.table} ADD COLUMN IF NOT EXISTS {column}")
+            self._run(f"CREATE TABLE IF NOT EXISTS {self.meta} (key String, value String, at DateTime64(6) DEFAULT now64(6))"
+                      " ENGINE = ReplacingMergeTree(at) ORDER BY key")
+            if isinstance(self._engine, Server):
+                self._claim(Path(settings.data_dir))
+        except ClickHouseUnavailable as exc:  # e.g. a user that may not create tables, a full disk: one line at start
+            self._engine.close()
+            raise StoreStartError(f"{exc.public} while creating its tables: {exc}") from None
+        except StoreStartError:
+            self._engine.close()
+            raise
+
+    def _claim(self, data_dir: Path) -> None:
+        """One collector per server database: the mirror (``_sync_token``) empties a table whose token is not its
+        own, so a second collector on the same database would wipe the first one's rows, and each would refill
+        in turn. The first collector to use a database writes its id (kept in its data dir) into the meta
+        table; another one refuses to start (:class:`StoreClaimed`)."""
+        id_file = data_dir / OWNER_FILE
+        mine = id_file.read_text().strip() if id_file.exists() else ""
+        if not mine:
+            mine = uuid.uuid4().hex
+            data_dir.mkdir(parents=True, exist_ok=True)
+            id_file.write_text(mine + "\n")
+        found = self._select(f"SELECT value FROM {self.meta} FINAL WHERE key = 'owner'")
+        if found and found[0]["value"] != mine:
+            raise StoreClaimed(f"TRACECAR_STORE_URL: database {self._engine.database!r} on the ClickHouse {self._engine.describe} "
+                               "is another collector's (give each collector its own database: clickhouse://…/NAME)")
+        if not found:
+            self._run(f"INSERT INTO {self.meta} (key, value) VALUES ('owner', {{o:String}})", {"o": mine})
+
+    # ---- the engine ------------------------------------------------------------------------------
+    def _failed(self, exc: Exception) -> ClickHouseUnavailable:
+        self._on_error()
+        return unavailable(exc, self._engine.describe)
+
+    def _run(self, sql: str, params: dict[str, Any] | None = None) -> None:
+        try:
+            self._engine.execute(sql, params)
+        except Exception as exc:  # chDB and clickhouse-connect raise their own errors for any failed statement
+            raise self._failed(exc) from None
 
     def _select(self, sql: str, bind: _Params | None = None) -> builtins.list[dict[str, Any]]:
-        data = self._run(sql + READ_SETTINGS, bind.values if bind else None)
+        try:
+            data = self._engine.select(sql + READ_SETTINGS, bind.values if bind else {})
+        except Exception as exc:  # noqa: BLE001 - as _run
+            raise self._failed(exc) from None
         return [orjson.loads(line) for line in data.splitlines() if line]
 
     def _insert(self, rows: builtins.list[dict[str, Any]]) -> None:
         if rows:
-            self._run(f"INSERT INTO {TABLE} FORMAT JSONEachRow\n" + "\n".join(orjson.dumps(r).decode() for r in rows))
+            try:
+                self._engine.insert(self.table, b"\n".join(orjson.dumps(r) for r in rows))
+            except Exception as exc:  # noqa: BLE001 - as _run
+                raise self._failed(exc) from None
 
     # ---- catching up ---------------------------------------------------------------------------
     def _sync_token(self) -> None:
         """Starts the table again when it missed changes (the index was rebuilt, or ran without tracking)."""
         if self._synced:
             return
-        found = self._select(f"SELECT value FROM {META} FINAL WHERE key = 'mirror'")
+        found = self._select(f"SELECT value FROM {self.meta} FINAL WHERE key = 'mirror'")
         mine = found[0]["value"] if found else None
         if mine is None or mine != self.index.mirror_token():
             token = uuid.uuid4().hex
-            self._run(f"TRUNCATE TABLE {TABLE}")
+            self._run(f"TRUNCATE TABLE {self.table}")
             self.index.restart_mirror(token)
-            self._run(f"INSERT INTO {META} (key, value) VALUES ('mirror', {{t:String}})", {"t": token})
+            self._run(f"INSERT INTO {self.meta} (key, value) VALUES ('mirror', {{t:String}})", {"t": token})
             log.info("clickhouse store filled again from the trajectory index", extra={"event": "clickhouse_store_resync"})
         # row versions count up from the highest the table holds: monotonic whatever the wall clock does, and
         # restart-safe (the table remembers it), so a newer row always replaces an older one
-        self._version = int(self._select(f"SELECT max(version) AS v FROM {TABLE}")[0]["v"] or 0)
+        self._version = int(self._select(f"SELECT max(version) AS v FROM {self.table}")[0]["v"] or 0)
         self._synced = True
 
     def _drain(self, deadline: float) -> bool:
@@ -314,7 +349,7 @@ class ClickHouseStore:
                 if gone:  # a deleted row must carry the sorting key of the row it replaces
                     bind = _Params()
                     batch += [{**old, "version": version, "deleted": 1} for old in self._select(
-                        f"SELECT rid, trace_id, experiment, validate, step FROM {TABLE} FINAL"
+                        f"SELECT rid, trace_id, experiment, validate, step FROM {self.table} FINAL"
                         f" WHERE trace_id IN {bind(gone)}", bind)]
                 self._insert(batch)
                 self._cache.clear()
@@ -364,7 +399,7 @@ class ClickHouseStore:
             thread.join(timeout=10)
         self.index.close()
         with self._lock:
-            self._session.close()
+            self._engine.close()
 
     # ---- queries ---------------------------------------------------------------------------------
     def _delegates(self, flt: TrajectoryFilter) -> bool:
@@ -384,12 +419,12 @@ class ClickHouseStore:
         else:
             clause += f" AND NOT {_null_test(sort)}"
             order = _sort_expr(sort, direction)
-        return self._select(f"SELECT {SELECT}{extra} FROM {TABLE} FINAL WHERE {clause} ORDER BY {order}"
+        return self._select(f"SELECT {SELECT}{extra} FROM {self.table} FINAL WHERE {clause} ORDER BY {order}"
                             f" LIMIT {int(limit)} OFFSET {int(offset)}", bind)
 
     def _count(self, flt: TrajectoryFilter, extra: str = "") -> int:
         bind = _Params()
-        return int(self._select(f"SELECT count() AS n FROM {TABLE} FINAL WHERE {where(flt, bind)}{extra}", bind)[0]["n"])
+        return int(self._select(f"SELECT count() AS n FROM {self.table} FINAL WHERE {where(flt, bind)}{extra}", bind)[0]["n"])
 
     def list(self, flt: TrajectoryFilter, *, sort: str = "start", descending: bool = True, limit: int = 50,
              offset: int = 0, previews: bool = True) -> dict[str, Any]:
@@ -418,11 +453,11 @@ class ClickHouseStore:
         bind = _Params()
         clause = where(flt, bind)
         head = self._select(f"SELECT count() AS n_, sum(span_count) AS spans_, sum(has_error) AS errors_, count(reward) AS scored_,"
-                            f" countIf(trained = 1) AS trained_, countIf(trained = 0) AS dropped_ FROM {TABLE} FINAL"
+                            f" countIf(trained = 1) AS trained_, countIf(trained = 0) AS dropped_ FROM {self.table} FINAL"
                             f" WHERE {clause}", bind)[0]
-        kept = {r["k"]: r["n"] for r in self._select(f"SELECT kept_because AS k, count() AS n FROM {TABLE} FINAL WHERE {clause}"
+        kept = {r["k"]: r["n"] for r in self._select(f"SELECT kept_because AS k, count() AS n FROM {self.table} FINAL WHERE {clause}"
                                                      " AND kept_because IS NOT NULL GROUP BY k", bind)}
-        filtered = {r["k"]: r["n"] for r in self._select(f"SELECT filtered_by AS k, count() AS n FROM {TABLE} FINAL WHERE"
+        filtered = {r["k"]: r["n"] for r in self._select(f"SELECT filtered_by AS k, count() AS n FROM {self.table} FINAL WHERE"
                                                          f" {clause} AND filtered_by IS NOT NULL GROUP BY k", bind)}
         return {"trajectories": head["n_"], "spans": head["spans_"], "with_error": head["errors_"], "scored": head["scored_"],
                 "kept_by_rule": kept, "trainer": {"trained": head["trained_"], "dropped": head["dropped_"], "filtered_by": filtered},
@@ -430,7 +465,7 @@ class ClickHouseStore:
 
     def summary(self, trace_id: str) -> dict[str, Any] | None:
         bind = _Params()
-        found = self._select(f"SELECT {SELECT} FROM {TABLE} FINAL WHERE trace_id = {bind(trace_id)} AND deleted = 0", bind)
+        found = self._select(f"SELECT {SELECT} FROM {self.table} FINAL WHERE trace_id = {bind(trace_id)} AND deleted = 0", bind)
         if not found:  # a trajectory whose root has not arrived lives in the index only (as a running one)
             return self.index.summary(trace_id)
         rows = [_row_out(found[0])]
@@ -448,7 +483,7 @@ class ClickHouseStore:
         if cached is not None:
             return cached
         experiments: dict[Any, dict[str, Any]] = {}
-        for r in self._select(f"SELECT experiment, validate, count() AS n, min(step) AS lo, max(step) AS hi FROM {TABLE} FINAL"
+        for r in self._select(f"SELECT experiment, validate, count() AS n, min(step) AS lo, max(step) AS hi FROM {self.table} FINAL"
                               " WHERE deleted = 0 GROUP BY experiment, validate"):
             entry = experiments.setdefault(r["experiment"], {"experiment": r["experiment"], "trajectories": 0, "train": 0,
                                                              "validation": 0, "step_min": None, "step_max": None})
@@ -457,19 +492,19 @@ class ClickHouseStore:
             for key, value, pick in (("step_min", r["lo"], min), ("step_max", r["hi"], max)):
                 if value is not None:
                     entry[key] = value if entry[key] is None else pick(entry[key], value)
-        latest = self._select(f"SELECT experiment FROM {TABLE} FINAL WHERE deleted = 0 AND start_time IS NOT NULL"
+        latest = self._select(f"SELECT experiment FROM {self.table} FINAL WHERE deleted = 0 AND start_time IS NOT NULL"
                               " ORDER BY start_time DESC, rid DESC LIMIT 1")
         order = sorted(experiments.values(),
                        key=lambda e: (not latest or e["experiment"] != latest[0]["experiment"], str(e["experiment"])))
         rules = [{"rule": r["k"], "trajectories": r["n"]} for r in self._select(
-            f"SELECT kept_because AS k, count() AS n FROM {TABLE} FINAL WHERE deleted = 0 AND kept_because IS NOT NULL"
+            f"SELECT kept_because AS k, count() AS n FROM {self.table} FINAL WHERE deleted = 0 AND kept_because IS NOT NULL"
             " GROUP BY k ORDER BY k")]
         trainer = [{"trained": None if r["t"] is None else bool(r["t"]), "filtered_by": r["f"], "trajectories": r["n"]}
-                   for r in self._select(f"SELECT trained AS t, filtered_by AS f, count() AS n FROM {TABLE} FINAL WHERE"
+                   for r in self._select(f"SELECT trained AS t, filtered_by AS f, count() AS n FROM {self.table} FINAL WHERE"
                                          " deleted = 0 AND (trained IS NOT NULL OR filtered_by IS NOT NULL) GROUP BY t, f"
                                          " ORDER BY t NULLS FIRST, f NULLS FIRST")]
         nodes = [{"node": r["k"], "trajectories": r["n"]} for r in self._select(
-            f"SELECT node AS k, count() AS n FROM {TABLE} FINAL WHERE deleted = 0 AND node IS NOT NULL GROUP BY k ORDER BY k")]
+            f"SELECT node AS k, count() AS n FROM {self.table} FINAL WHERE deleted = 0 AND node IS NOT NULL GROUP BY k ORDER BY k")]
         result = {"experiments": order, "kept_because": rules, "trainer": trainer, "nodes": nodes,
                   "reward_components": self.index.reward_component_keys()}
         self._cache["facets"] = result
@@ -484,7 +519,7 @@ class ClickHouseStore:
         clause = "deleted = 0 AND " + ("experiment IS NULL" if experiment is None else f"experiment = {bind(experiment)}")
         if validate is not None:
             clause += f" AND validate = {bind(validate)}"
-        found = self._select(f"SELECT step, reward, kept_because, trace_id, rid FROM {TABLE} FINAL WHERE {clause}"
+        found = self._select(f"SELECT step, reward, kept_because, trace_id, rid FROM {self.table} FINAL WHERE {clause}"
                              " ORDER BY step NULLS FIRST, reward NULLS FIRST, kept_because NULLS FIRST, trace_id", bind)
         rows = [(r["step"], None if r["reward"] is None else float(r["reward"]), r["kept_because"], r["trace_id"], r["rid"])
                 for r in found]
@@ -497,7 +532,7 @@ class ClickHouseStore:
             return self.index.page_after(flt, after, limit)
         bind = _Params()
         clause = where(flt, bind)
-        found = self._select(f"SELECT rid AS cursor, {SELECT} FROM {TABLE} FINAL WHERE {clause} AND rid > {bind(int(after))}"
+        found = self._select(f"SELECT rid AS cursor, {SELECT} FROM {self.table} FINAL WHERE {clause} AND rid > {bind(int(after))}"
                              f" ORDER BY rid LIMIT {int(limit)}", bind)
         rows = []
         for row in found:

@@ -11,7 +11,7 @@ import orjson
 from tracecar.collector.settings import CollectorSettings
 from tracecar.collector.spool.store import Spool, SpoolRow
 from tracecar.collector.trajectory_filter import TrajectoryFilter
-from tracecar.collector.viewer.clickhouse_store import TABLE, ClickHouseStore
+from tracecar.collector.viewer.clickhouse_store import ClickHouseStore
 from tracecar.collector.viewer.index import TrajectoryIndex
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -66,7 +66,7 @@ def test_batches_deletions_and_a_missed_change_refill(tmp_path: Path) -> None:
     sqlite.prune_deleted, sqlite._pruned_at = True, 0.0
     assert store.refresh(budget_s=60) and sqlite.refresh(budget_s=60)
     assert len(rows_of(store)) == 110 and rows_of(store) == rows_of(sqlite)
-    count = store._select(f"SELECT count() AS n FROM {TABLE} FINAL WHERE deleted = 0")[0]["n"]
+    count = store._select(f"SELECT count() AS n FROM {store.table} FINAL WHERE deleted = 0")[0]["n"]
     assert count == 110
     store.close()
 
@@ -155,7 +155,7 @@ def test_a_table_from_before_inclusion_probability_gets_the_column_and_its_value
     store = ClickHouseStore(TrajectoryIndex(path, track_changes=True), settings)
     assert store.refresh(budget_s=60)
     assert [r["inclusion_probability"] for r in rows_of(store)] == [0.25] * 3
-    store._run(f"ALTER TABLE {TABLE} DROP COLUMN inclusion_probability")  # as an older release made it
+    store._run(f"ALTER TABLE {store.table} DROP COLUMN inclusion_probability")  # as an older release made it
     store.index._db().execute("UPDATE meta SET value = '8' WHERE key = 'version'")
     store.close()
     again = ClickHouseStore(TrajectoryIndex(path, track_changes=True), settings)

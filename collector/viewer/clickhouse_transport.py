@@ -1,0 +1,148 @@
+"""How the ClickHouse read store reaches its engine: embedded chDB, or a ClickHouse server.
+
+The store (viewer/clickhouse_store.py) speaks ClickHouse SQL with named, typed ``{pN:Type}``
+placeholders and reads ``JSONEachRow``; the same statements run on either transport, the way W&B
+Weave's trace server offers chDB beside a ClickHouse server:
+
+* :class:`Embedded` (``TRACECAR_STORE=clickhouse``): chDB in this process, its data under
+  ``TRACECAR_DATA_DIR/clickhouse``. chDB takes parameter values in ClickHouse's escaped text form.
+* :class:`Server` (``TRACECAR_STORE_URL=clickhouse://user:password@host:8123/database``): a
+  ClickHouse server over HTTP(S) through ``clickhouse-connect`` (``pip install 'tracecar[clickhouse]'``),
+  which binds the same placeholders on the server (``param_pN``). No session (queries from several
+  threads at once), ``TRACECAR_STORE_TIMEOUT_S`` to connect and per query, response compression as the
+  URL asks (``?compress=true``). The URL's database (default ``tracecar``) is created if missing; the URL's
+  password never reaches a log line, a metric or an error body (errors name the host and port only).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import parse_qs, urlsplit, urlunsplit
+
+from ..read_store import StoreStartError
+from ..store_url import DEFAULT_DATABASE
+
+
+class Transport(Protocol):
+    """One engine: statements, ``JSONEachRow`` reads and inserts, with raw parameter values."""
+
+    database: str
+    describe: str  # what an error may name: "chDB", or "server HOST:PORT"
+
+    def select(self, sql: str, params: dict[str, Any]) -> bytes:
+        """The statement's rows as ``JSONEachRow`` bytes."""
+        ...
+
+    def execute(self, sql: str, params: dict[str, Any] | None = None) -> None:
+        """A statement without rows (DDL, ``TRUNCATE``, ``INSERT … VALUES``)."""
+        ...
+
+    def insert(self, table: str, rows: bytes) -> None:
+        """``JSONEachRow`` lines into ``table``: one insert."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+def chdb_value(value: Any) -> Any:
+    """A parameter as chDB reads it: text in ClickHouse's escaped format, an array as a literal."""
+    if type(value) is list:
+        return "[" + ",".join("'" + _escaped(str(v)).replace("'", "\\'") + "'" for v in value) + "]"
+    return _escaped(value) if type(value) is str else value
+
+
+def _escaped(text: str) -> str:
+    """A tab or a backslash in a worker's or an experiment's name must match itself, not end or change the value."""
+    return text.translate(_ESCAPES)
+
+
+_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r", "\0": "\\0"})
+
+
+class Embedded:
+    """chDB in this process (ClickHouse's engine as a library), on a data directory."""
+
+    describe = "chDB"
+    database = DEFAULT_DATABASE
+
+    def __init__(self, path: Path) -> None:
+        try:
+            from chdb import session as chdb_session
+        except ImportError:
+            raise SystemExit("TRACECAR_STORE=clickhouse needs chDB: pip install 'tracecar[clickhouse]'") from None
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._session = chdb_session.Session(str(path))
+
+    def _query(self, sql: str, params: dict[str, Any] | None) -> bytes:
+        bound = {k: chdb_value(v) for k, v in params.items()} if params else None
+        result = self._session.query(sql, "JSONEachRow", params=bound)
+        return bytes(result.bytes()) if result is not None else b""
+
+    def select(self, sql: str, params: dict[str, Any]) -> bytes:
+        return self._query(sql, params)
+
+    def execute(self, sql: str, params: dict[str, Any] | None = None) -> None:
+        self._query(sql, params)
+
+    def insert(self, table: str, rows: bytes) -> None:
+        self._query(f"INSERT INTO {table} FORMAT JSONEachRow\n" + rows.decode(), None)
+
+    def close(self) -> None:
+        self._session.close()
+
+
+class Server:
+    """A ClickHouse server over its HTTP interface (clickhouse-connect), shared by the store's threads."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        try:
+            import clickhouse_connect
+        except ImportError:
+            raise SystemExit("TRACECAR_STORE_URL needs clickhouse-connect: pip install 'tracecar[clickhouse]'") from None
+        # their per-retry warnings would repeat each failed request, unbounded: failures reach the store's own
+        # rate-limited log line and tracecar_store_errors_total{store="clickhouse"} instead
+        for name in ("urllib3.connectionpool", "clickhouse_connect"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        parts = urlsplit(url)
+        self.database = parts.path.strip("/") or DEFAULT_DATABASE
+        self.describe = f"server {parts.hostname}:{parts.port or ''}".rstrip(":")
+        # the database is the store's own (created below): the client must not select it before it exists
+        dsn = urlunsplit(("https" if parts.scheme == "https" else "http", parts.netloc, "", parts.query, ""))
+        options: dict[str, Any] = {} if "compress" in parse_qs(parts.query) else {"compress": False}  # as the URL says
+        try:
+            self._client = clickhouse_connect.get_client(dsn=dsn, connect_timeout=timeout_s, send_receive_timeout=timeout_s,
+                                                         autogenerate_session_id=False, **options)
+        except Exception as exc:  # noqa: BLE001 - unreachable, refused, a wrong password: said at start, in one line
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            password = parts.password
+            if password:  # clickhouse-connect names host and port, never the password; made sure of
+                reason = reason.replace(password, "***")
+            raise StoreStartError(f"TRACECAR_STORE_URL: the ClickHouse {self.describe} cannot be used: {reason}") from None
+        self._closed = threading.Event()
+
+    def select(self, sql: str, params: dict[str, Any]) -> bytes:
+        return bytes(self._client.raw_query(sql, parameters=params or None, fmt="JSONEachRow"))
+
+    def execute(self, sql: str, params: dict[str, Any] | None = None) -> None:
+        self._client.command(sql, parameters=params or None)
+
+    def insert(self, table: str, rows: bytes) -> None:
+        self._client.raw_insert(table, None, rows, fmt="JSONEachRow")
+
+    def close(self) -> None:
+        if not self._closed.is_set():
+            self._closed.set()
+            self._client.close()
+
+
+def open_transport(settings: Any, path: Path | None = None) -> Transport:
+    """The engine ``TRACECAR_STORE_URL`` names (a server), else chDB under ``path`` (default: the data dir's ``clickhouse``)."""
+    url = settings.store_url.get_secret_value() if settings.store_url is not None else ""
+    if url:
+        return Server(url, settings.store_timeout_s)
+    return Embedded(path or Path(settings.data_dir) / "clickhouse")
