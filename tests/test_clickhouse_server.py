@@ -115,7 +115,7 @@ def test_the_server_going_away_is_a_503_naming_it_and_the_store_catches_up_once_
                 post(client, pc.url, worker, spans)
         r = httpx.get(pc.url + "/v1/trajectories", params={"limit": 5}, timeout=60)
         assert r.status_code == 503 and r.headers.get("retry-after"), (r.status_code, r.text[:300])
-        assert f"ClickHouse store (server 127.0.0.1:{server.port})" in r.text and "s3cret-pw" not in r.text, r.text
+        assert "ClickHouse store (server) failed" in r.text and str(server.port) not in r.text and "s3cret-pw" not in r.text, r.text
         assert scrape_metric(pc.url, "tracecar_store_errors_total", store="clickhouse") >= 1
 
         server.start()  # back, on its port and data: the running collector's store catches up with what came meanwhile

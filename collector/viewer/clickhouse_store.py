@@ -1,4 +1,5 @@
-"""The ClickHouse read store (``TRACECAR_STORE=clickhouse``): one wide row per trajectory in embedded chDB.
+"""The ClickHouse read store (``TRACECAR_STORE=clickhouse``): one wide row per trajectory, in embedded chDB or on a
+ClickHouse server (``TRACECAR_STORE_URL``; the transports: clickhouse_transport.py).
 
 Where one SQLite file stops being the right place to list, group, search and export a whole
 job's trajectories (a gateway's tens of millions of spans), the read side moves to ClickHouse
@@ -250,15 +251,16 @@ class ClickHouseStore:
         self._version = 0  # the last row version inserted; from the table's own max at the first drain (_sync_token)
         self._cache: dict[Any, Any] = {}  # facets and overviews until the next insert, as the index caches them
         self._catch_up_failures = RateLimited()
+        self._owner: str | None = None  # a server database's claim (this collector's id), checked again before a wipe
         try:
             self._run(f"CREATE DATABASE IF NOT EXISTS {self._engine.database}")
+            self._run(f"CREATE TABLE IF NOT EXISTS {self.meta} (key String, value String, at DateTime64(6) DEFAULT now64(6))"
+                      " ENGINE = ReplacingMergeTree(at) ORDER BY key")
+            if isinstance(self._engine, Server):  # before any change to the table: it may be another collector's
+                self._claim(Path(settings.data_dir))
             self._run(SCHEMA.format(table=self.table))
             for column in ADDED:
                 self._run(f"ALTER TABLE {self.table} ADD COLUMN IF NOT EXISTS {column}")
-            self._run(f"CREATE TABLE IF NOT EXISTS {self.meta} (key String, value String, at DateTime64(6) DEFAULT now64(6))"
-                      " ENGINE = ReplacingMergeTree(at) ORDER BY key")
-            if isinstance(self._engine, Server):
-                self._claim(Path(settings.data_dir))
         except ClickHouseUnavailable as exc:  # e.g. a user that may not create tables, a full disk: one line at start
             self._engine.close()
             raise StoreStartError(f"{exc.public} while creating its tables: {exc}") from None
@@ -277,12 +279,22 @@ class ClickHouseStore:
             mine = uuid.uuid4().hex
             data_dir.mkdir(parents=True, exist_ok=True)
             id_file.write_text(mine + "\n")
-        found = self._select(f"SELECT value FROM {self.meta} FINAL WHERE key = 'owner'")
-        if found and found[0]["value"] != mine:
-            raise StoreClaimed(f"TRACECAR_STORE_URL: database {self._engine.database!r} on the ClickHouse {self._engine.describe} "
-                               "is another collector's (give each collector its own database: clickhouse://…/NAME)")
-        if not found:
+        if self._claimant() is None:
             self._run(f"INSERT INTO {self.meta} (key, value) VALUES ('owner', {{o:String}})", {"o": mine})
+        self._owner = mine
+        self._check_claim()  # two collectors claiming at once: the later row wins, the other one stops here
+
+    def _claimant(self) -> str | None:
+        found = self._select(f"SELECT value FROM {self.meta} FINAL WHERE key = 'owner'")
+        return found[0]["value"] if found else None
+
+    def _check_claim(self) -> None:
+        """Refuses (StoreClaimed) when the server database is claimed by another collector."""
+        if self._owner is not None and self._claimant() != self._owner:
+            raise StoreClaimed(f"TRACECAR_STORE_URL: database {self._engine.database!r} on the ClickHouse server is "
+                               "another collector's (give each collector its own database: clickhouse://…/NAME; a claim "
+                               "whose collector lost its data dir is released with "
+                               f"ALTER TABLE {self.meta} DELETE WHERE key = 'owner')")
 
     # ---- the engine ------------------------------------------------------------------------------
     def _failed(self, exc: Exception) -> ClickHouseUnavailable:
@@ -318,6 +330,12 @@ class ClickHouseStore:
         mine = found[0]["value"] if found else None
         if mine is None or mine != self.index.mirror_token():
             token = uuid.uuid4().hex
+            try:
+                self._check_claim()  # never empty another collector's table
+            except StoreClaimed as exc:  # claimed since this collector started: its readers get a 503 saying so
+                self._on_error()
+                raise ClickHouseUnavailable("clickhouse", "the ClickHouse store (server) failed: its database is another "
+                                            "collector's", str(exc)) from None
             self._run(f"TRUNCATE TABLE {self.table}")
             self.index.restart_mirror(token)
             self._run(f"INSERT INTO {self.meta} (key, value) VALUES ('mirror', {{t:String}})", {"t": token})
@@ -361,9 +379,16 @@ class ClickHouseStore:
 
     def refresh(self, budget_s: float = 0.3, *, all_held: bool = False) -> bool:
         deadline = time.monotonic() + budget_s
-        with self._lock:  # no change may land between a batch's read and its forget (it would be forgotten unsent)
+        # no change may land between a batch's read and its forget (it would be forgotten unsent): one drain at a
+        # time. A reader waits for a drain in progress (a slow server's) no longer than its budget: then it reads
+        # what the table has, said not caught up
+        if not self._lock.acquire(timeout=budget_s):
+            return False
+        try:
             fresh = self.index.refresh(budget_s=budget_s, all_held=all_held)
             return self._drain(deadline) and fresh
+        finally:
+            self._lock.release()
 
     def catching_up(self) -> bool:
         thread = self._thread

@@ -20,7 +20,7 @@ import logging
 import threading
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import parse_qs, urlsplit, urlunsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from ..read_store import StoreStartError
 from ..store_url import DEFAULT_DATABASE
@@ -96,6 +96,29 @@ class Embedded:
         self._session.close()
 
 
+class _QuietForServer(logging.Filter):
+    """Drops urllib3's per-retry warnings about this server's connections only (each failed request would log
+    one, unbounded: failures reach the store's own rate-limited log line and tracecar_store_errors_total);
+    other libraries' connections (W&B, OTLP) keep theirs."""
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__()
+        self._marks = (f"host='{host}', port={port}", f"{host}:{port}")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not any(mark in text for mark in self._marks)
+
+
+def start_reason(exc: BaseException, password: str | None) -> str:
+    """Why the server could not be used, as one line (the innermost cause last: "Connection refused", a
+    ClickHouse code), the password masked in whichever form it was given."""
+    reason = " ".join(str(exc).split())[:600] or type(exc).__name__
+    for form in {password, unquote(password)} if password else ():
+        reason = reason.replace(form, "***")
+    return reason
+
+
 class Server:
     """A ClickHouse server over its HTTP interface (clickhouse-connect), shared by the store's threads."""
 
@@ -104,25 +127,29 @@ class Server:
             import clickhouse_connect
         except ImportError:
             raise SystemExit("TRACECAR_STORE_URL needs clickhouse-connect: pip install 'tracecar[clickhouse]'") from None
-        # their per-retry warnings would repeat each failed request, unbounded: failures reach the store's own
-        # rate-limited log line and tracecar_store_errors_total{store="clickhouse"} instead
-        for name in ("urllib3.connectionpool", "clickhouse_connect"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+        logging.getLogger("clickhouse_connect").setLevel(logging.ERROR)  # its warnings repeat per request, as urllib3's
         parts = urlsplit(url)
         self.database = parts.path.strip("/") or DEFAULT_DATABASE
-        self.describe = f"server {parts.hostname}:{parts.port or ''}".rstrip(":")
-        # the database is the store's own (created below): the client must not select it before it exists
-        dsn = urlunsplit(("https" if parts.scheme == "https" else "http", parts.netloc, "", parts.query, ""))
-        options: dict[str, Any] = {} if "compress" in parse_qs(parts.query) else {"compress": False}  # as the URL says
+        self.describe = "server"  # what a reader's 503 may name: not the server's address (read_store.StoreUnavailable)
+        # the URL's query: clickhouse-connect's options as text (?compress=true, ?secure=true, ?verify=false)
+        options: dict[str, Any] = {k: v[0] for k, v in parse_qs(parts.query).items()}
+        options.setdefault("compress", False)
+        tls = parts.scheme == "https" or parts.port in (443, 8443) or str(options.pop("secure", "")).lower() in ("1", "true")
+        port = parts.port or (8443 if tls else 8123)
+        self.address = f"{parts.hostname}:{port}"  # for the operator (start errors), never a reader's 503
+        logging.getLogger("urllib3.connectionpool").addFilter(_QuietForServer(str(parts.hostname), port))
+        # the database is the store's own (created by the store): the client must not select it before it exists.
+        # TLS by the scheme (clickhouse-connect itself reads only the port); no retries: one statement is bounded
+        # by timeout_s, and a failed catch-up is retried by the next read anyway.
         try:
-            self._client = clickhouse_connect.get_client(dsn=dsn, connect_timeout=timeout_s, send_receive_timeout=timeout_s,
-                                                         autogenerate_session_id=False, **options)
+            self._client = clickhouse_connect.get_client(
+                host=parts.hostname, port=port, username=unquote(parts.username) if parts.username else None,
+                password=unquote(parts.password) if parts.password else "", interface="https" if tls else "http",
+                secure=tls, connect_timeout=timeout_s, send_receive_timeout=timeout_s, query_retries=0,
+                autogenerate_session_id=False, **options)
         except Exception as exc:  # noqa: BLE001 - unreachable, refused, a wrong password: said at start, in one line
-            reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-            password = parts.password
-            if password:  # clickhouse-connect names host and port, never the password; made sure of
-                reason = reason.replace(password, "***")
-            raise StoreStartError(f"TRACECAR_STORE_URL: the ClickHouse {self.describe} cannot be used: {reason}") from None
+            raise StoreStartError(f"TRACECAR_STORE_URL: the ClickHouse server at {self.address} cannot be used: "
+                                  f"{start_reason(exc, parts.password)}") from None
         self._closed = threading.Event()
 
     def select(self, sql: str, params: dict[str, Any]) -> bytes:

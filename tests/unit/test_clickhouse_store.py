@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
+import pytest
 
+from tests.support.clickhouse_http import ClickHouseHttp
 from tracecar.collector.settings import CollectorSettings
 from tracecar.collector.spool.store import Spool, SpoolRow
 from tracecar.collector.trajectory_filter import TrajectoryFilter
@@ -41,10 +44,24 @@ def rows_of(store: object, **flt: object) -> list[dict]:
     return page["trajectories"]
 
 
-def test_batches_deletions_and_a_missed_change_refill(tmp_path: Path) -> None:
+@pytest.fixture(params=["chdb", "server"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str | None]:
+    """Embedded chDB (no URL), and a ClickHouse server over HTTP (tests/support/clickhouse_http.py): the same store."""
+    if request.param == "chdb":
+        yield None
+        return
+    server = ClickHouseHttp(tmp_path / "clickhouse-server")
+    try:
+        yield server.url(database="unit_store")
+    finally:
+        server.stop()
+
+
+def test_batches_deletions_and_a_missed_change_refill(tmp_path: Path, store_url: str | None) -> None:
+    """Names with a quote, a backslash and a tab, and the deletions' array parameter, on both transports."""
     path = tmp_path / "spool.sqlite3"
     ids = spool_of(path, 120)
-    settings = CollectorSettings(data_dir=tmp_path, backend="local", store="clickhouse", store_batch_rows=25)
+    settings = CollectorSettings(data_dir=tmp_path, backend="local", store="clickhouse", store_batch_rows=25, store_url=store_url)
     sqlite = TrajectoryIndex(path, tmp_path / "plain.sqlite3")
     index = TrajectoryIndex(path, prune_deleted=True, track_changes=True)
     store = ClickHouseStore(index, settings)
@@ -162,3 +179,34 @@ def test_a_table_from_before_inclusion_probability_gets_the_column_and_its_value
     assert again.refresh(budget_s=60)
     assert [r["inclusion_probability"] for r in rows_of(again)] == [0.25] * 3
     again.close()
+
+
+def test_a_server_url_maps_to_clickhouse_connects_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TLS by the scheme, the port or ?secure=true (clickhouse-connect itself reads only the port), the user and
+    password decoded, no session (threads query at once), no retries (TRACECAR_STORE_TIMEOUT_S bounds a statement),
+    the URL's options passed on; a failure is one line without the password, in either form."""
+    import clickhouse_connect
+
+    from tracecar.collector.read_store import StoreStartError
+    from tracecar.collector.viewer.clickhouse_transport import Server
+
+    seen: list[dict] = []
+
+    def fake(**kwargs: object) -> object:
+        seen.append(kwargs)
+        raise ConnectionError("refused for u:p%40ss and u:p@ss")
+
+    monkeypatch.setattr(clickhouse_connect, "get_client", fake)
+    for url, tls, port in (("https://u:p%40ss@db.example/tracecar", True, 8443), ("clickhouse://u:p%40ss@db:8443/x", True, 8443),
+                           ("clickhouse://u:p%40ss@db:8123/x?secure=true&compress=true", True, 8123),
+                           ("http://u:p%40ss@db:9000", False, 9000)):
+        with pytest.raises(StoreStartError) as caught:
+            Server(url, 7.5)
+        assert "p@ss" not in str(caught.value) and "p%40ss" not in str(caught.value), caught.value
+        assert "refused" in str(caught.value) and f"db{'.example' if 'example' in url else ''}:{port}" in str(caught.value)
+        got = seen[-1]
+        assert (got["interface"], got["secure"], got["port"]) == ("https" if tls else "http", tls, port), (url, got)
+        assert (got["username"], got["password"]) == ("u", "p@ss")
+        assert got["autogenerate_session_id"] is False and got["query_retries"] == 0
+        assert got["connect_timeout"] == got["send_receive_timeout"] == 7.5
+        assert got["compress"] == ("true" if "compress=true" in url else False)
