@@ -106,6 +106,24 @@ def test_nodes_forward_decoded_trajectories_that_the_gateway_stores_as_one_colle
         cli = subprocess.run([sys.executable, "-m", "tracecar.client.cli", "trajectories", "--url", gw, "--node", "node1", "--json",
                               "--limit", "1000"], capture_output=True, text=True, timeout=60, check=True)
         assert {x["trace_id"] for x in orjson.loads(cli.stdout)["trajectories"]} == {x["trace_id"] for x in on_node1}
+        # ... and the viewer's page (Chromium): a node filter listing each node, the trajectory page naming its node
+        from tests.test_viewer import Page, _browser, expect
+
+        with _browser() as pw:
+            b = Page(pw, tmp_path, gw)
+            try:
+                b.page.goto(gw + "/ui/#/list")
+                choice = b.page.locator("[data-testid=filter-node]")
+                expect(choice.locator("option")).to_have_count(3)  # any, node0, node1
+                choice.select_option("node1")
+                b.page.locator("[data-testid=apply-filters]").click()
+                rows = b.page.locator("[data-testid=traj-row]")
+                expect(rows).to_have_count(len(on_node1))
+                b.page.goto(gw + "/ui/#/t/" + on_node1[0]["trace_id"])
+                expect(b.page.locator("[data-testid=trajectory] dl.kv").first).to_contain_text("node1")
+                b.check_clean()
+            finally:
+                b.close()
         # a collector fed by its workers directly (the single one, each node itself) has no forwarding node
         assert {x["node"] for x in httpx.get(single.url + "/v1/trajectories", params={"limit": 1000}).json()["trajectories"]} == {None}
         assert httpx.get(cluster.nodes[0].url + "/ui/api/facets").json()["nodes"] == []

@@ -412,6 +412,9 @@
         [["", "any"], ["true", "trained"], ["false", "dropped by the trainer"]].map(([v, l]) => h("option", { value: v, selected: (params.trained || "") === v }, l)))),
       (facets.trainer || []).some((f) => f.filtered_by) ? h("label", null, "filtered by", h("select", { name: "filtered_by", "data-testid": "filter-filtered-by" }, h("option", { value: "" }, "any"),
         facets.trainer.filter((f) => f.filtered_by).map((f) => h("option", { value: f.filtered_by, selected: params.filtered_by === f.filtered_by }, f.filtered_by + " (" + fmt.int(f.trajectories) + ")")))) : null,
+      // a gateway's trajectories came through node collectors: which one forwarded each
+      (facets.nodes || []).length ? h("label", null, "node", h("select", { name: "node", "data-testid": "filter-node" }, h("option", { value: "" }, "any"),
+        facets.nodes.map((n) => h("option", { value: n.node, selected: params.node === n.node }, n.node + " (" + fmt.int(n.trajectories) + ")")))) : null,
       h("label", { class: "attr-filter" }, "attributes", h("input", { type: "text", name: "attr", maxlength: "512", value: params.attr || "",
         placeholder: "key=value; key2=value2", title: "the root span's attributes: each key=value must hold (a dotted key reaches into a mapping)",
         "data-testid": "filter-attr" })),
@@ -817,7 +820,7 @@
             ["kept because", t.kept_because ? h("span", { class: "badge rule" }, fmt.value(t.kept_because)) : undefined],
             ["trainer", trainerBadge(s, t.kept_because) || undefined], ["advantage", s.advantage === null || s.advantage === undefined ? undefined : fmt.value(s.advantage)],
             ["policy", staleness(s)],
-            ["worker", s.worker], ["started", fmt.time(t.start_time)],
+            ["worker", s.worker], ["node", s.node], ["started", fmt.time(t.start_time)],
             ...extraAttributes.map(([k, v]) => [k, fmt.value(v)]),
             ["root", t.root_received ? undefined : h("span", { class: "bad" }, "not received yet (still running, or lost)")]])),
         h("div", null,
