@@ -66,6 +66,13 @@ def test_a_bad_url_an_unreachable_server_and_a_wrong_password_are_one_line_at_st
     assert done.returncode == 2 and "TRACECAR_STORE=clickhouse" in done.stderr and "s3cret-pw" not in done.stderr
 
 
+def server_sql(server: ClickHouseHttp, query: str) -> str:
+    """One statement on the server, as another client of it would send it (its answer as text)."""
+    answer = httpx.post(f"http://127.0.0.1:{server.port}/", content=query, auth=(server.user, server.password), timeout=30)
+    assert answer.status_code == 200, answer.text[:300]
+    return answer.text.strip()
+
+
 def wait_until_listed(url: str, trace_ids: set[str]) -> dict:
     """The list once it holds exactly ``trace_ids`` (a read answering 503 meanwhile is retried)."""
     found: dict = {}
@@ -99,9 +106,7 @@ def test_the_server_going_away_is_a_503_naming_it_and_the_store_catches_up_once_
         first = listed(pc.url)
         assert first["index"]["store"] == "clickhouse" and first["total"] > 0
         # the rows are in the server's database, as the collector's own store answers them
-        query = "SELECT count() FROM tracecar.trajectories FINAL WHERE deleted = 0"
-        answer = httpx.post(f"http://127.0.0.1:{server.port}/", content=query, auth=(server.user, server.password), timeout=30)
-        assert answer.status_code == 200 and int(answer.text.strip()) == first["total"]
+        assert int(server_sql(server, "SELECT count() FROM tracecar.trajectories FINAL WHERE deleted = 0")) == first["total"]
         # another collector on the same database would wipe this one's rows: refused at start, in one line
         env = dict(second.env, TRACECAR_STORE_TIMEOUT_S="5")
         done = subprocess.run([sys.executable, "-m", "tracecar.collector"], env=env, capture_output=True, text=True, timeout=120)
@@ -122,9 +127,12 @@ def test_the_server_going_away_is_a_503_naming_it_and_the_store_catches_up_once_
         everything = {t.trace_id for t in workload()}
         kept = wait_until_listed(pc.url, everything)
         assert kept["index"]["store_pending"] == 0
+        mirror = server_sql(server, "SELECT value FROM tracecar.meta FINAL WHERE key = 'mirror'")
+        assert len(mirror) == 32  # the mirror's token (a uuid4 hex): a refill would write a new one
         pc.terminate()  # a restart resumes on the same database (its claim is its own): nothing lost, nothing doubled
         pc.start()
         assert listed(pc.url)["trajectories"] == kept["trajectories"]
+        assert server_sql(server, "SELECT value FROM tracecar.meta FINAL WHERE key = 'mirror'") == mirror  # resumed, not refilled
         assert "s3cret-pw" not in pc.log_text() and "s3cret-pw" not in httpx.get(pc.url + "/metrics", timeout=10).text
     finally:
         for p in (pc, second):
