@@ -235,12 +235,12 @@ class ClickHouseStore:
     trajectory index's changes."""
 
     def __init__(self, index: TrajectoryIndex, settings: CollectorSettings, path: Path | None = None,
-                 on_error: Callable[[], None] = lambda: None, transport: Transport | None = None) -> None:
+                 on_error: Callable[[], None] = lambda: None) -> None:
         index.track_changes = True
         self.index = index
         self.batch_rows = settings.store_batch_rows
         self._on_error = on_error  # tracecar_store_errors_total{store="clickhouse"}
-        self._engine = transport or open_transport(settings, path)
+        self._engine: Transport = open_transport(settings, path)
         self.table: str = f"{self._engine.database}.{TABLE}"
         self.meta: str = f"{self._engine.database}.{META}"
         self._lock = threading.RLock()  # one drain at a time; queries run beside it (chDB sessions and the server client are thread-safe)

@@ -11,7 +11,8 @@ Weave's trace server offers chDB beside a ClickHouse server:
   which binds the same placeholders on the server (``param_pN``). No session (queries from several
   threads at once), ``TRACECAR_STORE_TIMEOUT_S`` to connect and per query, response compression as the
   URL asks (``?compress=true``). The URL's database (default ``tracecar``) is created if missing; the URL's
-  password never reaches a log line, a metric or an error body (errors name the host and port only).
+  password never reaches a log line, a metric or an error body (start errors name the host and port, a
+  reader's 503 neither).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class Transport(Protocol):
     """One engine: statements, ``JSONEachRow`` reads and inserts, with raw parameter values."""
 
     database: str
-    describe: str  # what an error may name: "chDB", or "server HOST:PORT"
+    describe: str  # what a reader's 503 may name: "chDB", or "server" (not its address)
 
     def select(self, sql: str, params: dict[str, Any]) -> bytes:
         """The statement's rows as ``JSONEachRow`` bytes."""
@@ -73,7 +74,7 @@ class Embedded:
         try:
             from chdb import session as chdb_session
         except ImportError:
-            raise SystemExit("TRACECAR_STORE=clickhouse needs chDB: pip install 'tracecar[clickhouse]'") from None
+            raise StoreStartError("TRACECAR_STORE=clickhouse needs chDB: pip install 'tracecar[clickhouse]'") from None
         path.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._session = chdb_session.Session(str(path))
@@ -126,7 +127,7 @@ class Server:
         try:
             import clickhouse_connect
         except ImportError:
-            raise SystemExit("TRACECAR_STORE_URL needs clickhouse-connect: pip install 'tracecar[clickhouse]'") from None
+            raise StoreStartError("TRACECAR_STORE_URL needs clickhouse-connect: pip install 'tracecar[clickhouse]'") from None
         logging.getLogger("clickhouse_connect").setLevel(logging.ERROR)  # its warnings repeat per request, as urllib3's
         parts = urlsplit(url)
         self.database = parts.path.strip("/") or DEFAULT_DATABASE
