@@ -34,12 +34,13 @@ Weave's own trace server does. What it stores and how it is fed:
 from __future__ import annotations
 
 import builtins  # ClickHouseStore.list shadows the builtin in its class
+import contextlib
 import logging
 import re
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -297,29 +298,29 @@ class ClickHouseStore:
                                f"ALTER TABLE {self.meta} DELETE WHERE key = 'owner')")
 
     # ---- the engine ------------------------------------------------------------------------------
-    def _failed(self, exc: Exception) -> ClickHouseUnavailable:
-        self._on_error()
-        return unavailable(exc, self._engine.describe)
+    @contextlib.contextmanager
+    def _statement(self) -> Iterator[None]:
+        """Any engine error (chDB and clickhouse-connect raise their own for any failed statement) counted and
+        turned into ClickHouseUnavailable: a 503 for readers."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - every engine error is the store unavailable
+            self._on_error()
+            raise unavailable(exc, self._engine.describe) from None
 
     def _run(self, sql: str, params: dict[str, Any] | None = None) -> None:
-        try:
+        with self._statement():
             self._engine.execute(sql, params)
-        except Exception as exc:  # chDB and clickhouse-connect raise their own errors for any failed statement
-            raise self._failed(exc) from None
 
     def _select(self, sql: str, bind: _Params | None = None) -> builtins.list[dict[str, Any]]:
-        try:
+        with self._statement():
             data = self._engine.select(sql + READ_SETTINGS, bind.values if bind else {})
-        except Exception as exc:  # noqa: BLE001 - as _run
-            raise self._failed(exc) from None
         return [orjson.loads(line) for line in data.splitlines() if line]
 
     def _insert(self, rows: builtins.list[dict[str, Any]]) -> None:
         if rows:
-            try:
+            with self._statement():
                 self._engine.insert(self.table, b"\n".join(orjson.dumps(r) for r in rows))
-            except Exception as exc:  # noqa: BLE001 - as _run
-                raise self._failed(exc) from None
 
     # ---- catching up ---------------------------------------------------------------------------
     def _sync_token(self) -> None:
