@@ -6,7 +6,8 @@ from nothing and times that (spans/s to queryable: the SQLite index folds the sp
 ClickHouse store folds them through its own index and inserts the rows in batches), and then
 times the same reads on both, alternating store by store for every query (A B A B ..., median
 of ``--repeat``): the first list page, a filtered and sorted page, a deep page, text search (a
-common word, a rare one), one step's rows in sample order (what ``/v1/groups`` reads), the
+common word, a rare one), ``attr=`` (a tenth of the rows, a thousandth) and the truth filters (a reward
+component; a fate with one), one step's rows in sample order (what ``/v1/groups`` reads), the
 per-step counts (``/v1/health?step=``), the facets and overview, and an export walk of one
 experiment (``page_after``). Prints each figure and the ratio ClickHouse / SQLite; RATIOS last.
 
@@ -105,6 +106,13 @@ def main() -> None:
                                                                           limit=50)),
             ("search: common word (q=answer)", lambda s: s.list(TrajectoryFilter(q="answer"), limit=50)),
             ("search: rare word (q=Task 12345)", lambda s: s.list(TrajectoryFilter(q="Task 12345"), limit=50)),
+            ("attr: a tenth (attr=data_source=src3)", lambda s: s.list(
+                TrajectoryFilter(attributes=(("data_source", "src3"),)), limit=50)),
+            ("attr: a thousandth (attr=data_source=rare)", lambda s: s.list(
+                TrajectoryFilter(attributes=(("data_source", "rare"),)), limit=50)),
+            ("truth: reward component (where=acc=1)", lambda s: s.list(TrajectoryFilter(reward_where="acc=1"), limit=50)),
+            ("truth: fate=filtered, where=format<1", lambda s: s.list(
+                TrajectoryFilter(fate="filtered", reward_where="format<1"), limit=50)),
             ("groups: one step in sample order", lambda s: s.list(
                 TrajectoryFilter(experiment=experiment, step=step, validate=False), sort="sample_index", descending=False,
                 limit=200_000)),

@@ -43,6 +43,7 @@ def trajectory(rng: random.Random, t: int, per_step: int) -> list[dict]:
              "rollout_n": t % 4, "validate": False}
     if t % 5:
         attrs["kept_because"] = ("reward_max", "reward_min", "error", "fill")[t % 4]
+    attrs["data_source"] = "rare" if t % 1000 == 7 else f"src{t % 10}"  # what attr= filters on: a tenth, a thousandth
     base = {"trace_id": trace, "worker": "bench", "project": "p", "entity": None, "attributes": attrs, "exception": None}
     start = 1_700_000_000.0 + t
     spans, prompt = [], list(range(40))
@@ -67,7 +68,8 @@ def trajectory(rng: random.Random, t: int, per_step: int) -> list[dict]:
     spans.append({**base, "span_id": trace, "parent_id": None, "name": "agent_loop", "kind": "trajectory", "start_time": start,
                   "end_time": start + turns + rng.random(), "inputs": {}, "output": None})
     spans.append({**base, "span_id": f"{trace}a", "parent_id": None, "name": "annotation", "kind": "annotation",
-                  "start_time": start + turns + 1, "end_time": start + turns + 1, "attributes": {"reward": round(rng.uniform(-1, 1), 3)},
+                  "start_time": start + turns + 1, "end_time": start + turns + 1,
+                  "attributes": {"reward": round(rng.uniform(-1, 1), 3), "reward_extra_info": {"acc": t % 3 == 0, "format": t % 2}},
                   "inputs": {}, "output": None})
     if t % 4 == 0:  # what the trainer did (client.annotate), on a quarter of the trajectories
         note = ({"trained": False, "filtered_by": ("overlong", "dynamic_sampling")[t % 8 // 4]} if t % 8 == 0 else

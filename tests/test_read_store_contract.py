@@ -40,29 +40,67 @@ WORDS = ("tool", "call", "reward", "prompt", "answer", "step", "rollout", "calcu
 
 
 def worded(small_bpe_path: str) -> list[Trajectory]:
-    """The workload with each turn's ids the tokenizer's encoding of a few words (what search and previews show)."""
+    """The workload with each turn's ids the tokenizer's encoding of a few words (what search and previews show);
+    every third trajectory's second turn extends the first exactly (the others drift: their prompt starts again), and
+    roots carry attributes of every JSON kind (``attr=``)."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(small_bpe_path)
     out = workload()
     for n, t in enumerate(out):
+        context: list[int] = []
         for i, span in enumerate(s for s in t.spans if s["name"] == "AsyncLLMServerManager.generate"):
             words = [WORDS[(n * 3 + i * 5 + k * 7) % len(WORDS)] + ("" if k else str(n % 13)) for k in range(4)]
             ids = tokenizer.encode(" ".join(words)).ids
+            prompt = context if i and n % 3 == 0 else tokenizer.encode(f"question {n} about {WORDS[n % len(WORDS)]}").ids
             span["output"] = {**span["output"], "response_ids": ids, "response_logprobs": [-0.5] * len(ids)}
-            span["inputs"] = {**span["inputs"], "prompt_ids": tokenizer.encode(f"question {n} about {WORDS[n % len(WORDS)]}").ids}
+            span["inputs"] = {**span["inputs"], "prompt_ids": prompt}
+            context = prompt + ids
+        root = next(s for s in t.spans if s["parent_id"] is None)
+        root["attributes"] = {**root["attributes"], "data_source": ("gsm8k", "math")[n % 2], "flag": n % 4 == 0,
+                              "temperature": (0.1, 0.2, 0.1 + 0.2)[n % 3],  # 0.30000000000000004: matched as 0.3
+                              "meta": {"level": n % 3, "tags": ["a", "b"], "note": None}, "odd key": 1}
     return out
 
 
-def verdicts() -> list[tuple[str, list[dict[str, Any]]]]:
-    """Trainer verdicts for some trajectories (trained or filtered, and why), as client.annotate sends them."""
+def trainer_row(t: Trajectory, shift: float, same_ids: bool) -> dict[str, str]:
+    """The trainer's batch row of a two-turn trajectory whose second turn extends the first (tests/test_viewer_truth.py's
+    packing): the first prompt, both responses, masked as generated; ``shift`` added to some old log-probabilities."""
+    import base64
+    import struct
+
+    first, second = [s for s in t.spans if s["name"] == "AsyncLLMServerManager.generate"]
+    response = first["output"]["response_ids"] + second["output"]["response_ids"]
+    if not same_ids:
+        response = response[::-1]
+    old = [-0.5 + (shift if j % 3 == 0 else 0.0) for j in range(len(response))]
+
+    def b64(kind: str, values: list[Any]) -> str:
+        return base64.b64encode(struct.pack(f"<{len(values)}{kind}", *values)).decode()
+
+    return {"prompt_ids": b64("i", first["inputs"]["prompt_ids"]), "response_ids": b64("i", response),
+            "mask": b64("B", [1] * len(response)), "old_log_probs": b64("f", old)}
+
+
+def verdicts(trajectories: list[Trajectory]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The trainer's side, as client.annotate and the VERL hooks send it: verdicts (trained or filtered, and why) and
+    reward components for some trajectories, fates and refills for others, and trainer rows (the tokens trained on,
+    some not the ones generated, some with log-probabilities apart) for two-turn trajectories that extend."""
     out = []
-    for i, t in enumerate(workload()):
+    for i, t in enumerate(trajectories):
+        attrs: dict[str, Any] = {}
         if t.experiment == "exp-traj" and i % 3 == 0:
             attrs = {"trained": i % 2 == 0} | ({} if i % 2 == 0 else {"filtered_by": "all_equal"})
+        if i % 4 == 1:
+            attrs["reward_extra_info"] = {"acc": i % 8 == 1, "format": (0.0, 0.5, 1.0)[i % 3], "pred": "41"}
+        if i % 5 == 2:
+            attrs |= ({"fate": "evicted", "fate_reason": "stale"}, {"fate": "filtered", "fate_reason": "dapo"},
+                      {"fate": "trained"}, {"refill_of": f"g{i}"})[i % 4]
+        output = {"trainer_tokens": trainer_row(t, 0.3 * (i % 2), i % 4 != 3)} if i % 3 == 0 and i % 7 < 4 else None
+        if attrs or output:
             out.append((t.worker, [{"span_id": f"{t.trace_id}-v", "trace_id": t.trace_id, "parent_id": None,
                                     "name": "trainer", "kind": "annotation", "start_time": 1_800_000_000.0,
-                                    "end_time": 1_800_000_000.0, "attributes": attrs}]))
+                                    "end_time": 1_800_000_000.0, "attributes": attrs, "output": output}]))
     return out
 
 
@@ -87,8 +125,9 @@ def stores(tmp_path_factory: pytest.TempPathFactory, small_bpe_path: str) -> Ite
     try:
         for pc in made.values():
             pc.start()
+        trajectories = worded(small_bpe_path)
         with httpx.Client() as client:
-            for worker, spans in [*batches(worded(small_bpe_path)), *verdicts()]:
+            for worker, spans in [*batches(trajectories), *verdicts(trajectories)]:
                 for pc in made.values():
                     post(client, pc.url, worker, spans)
         for pc in made.values():
@@ -153,11 +192,26 @@ def test_lists_filters_sorts_and_pages_answer_the_same(stores: dict[str, Process
         {"reward_min": 0.5}, {"reward_max": 0.25}, {"has_error": "true"}, {"has_error": "false"}, {"worker": "w3"},
         {"trained": "false"}, {"trained": "true"}, {"filtered_by": "all_equal"},
         {"experiment": "exp-traj", "step": 1, "sort": "reward", "order": "asc"},
-        {"drift": "false"},  # a training-truth filter: answered by the index on both stores
     ]
-    for flt in filters:
+    # the root's attributes (answered from the mirrored attributes column on ClickHouse, the root's payload on SQLite)
+    matching = [{"attr": "data_source=math"}, {"attr": "flag=true"}, {"attr": "meta.level=2"},
+                {"attr": "temperature=0.3"}, {"attr": "temperature=0.1"}, {"attr": ["data_source=gsm8k", "flag=false"]},
+                {"attr": "step=2"}, {"attr": "experiment_name=exp-topk", "step": 1}]
+    nothing = [{"attr": "meta=x"}, {"attr": "meta.tags=a"}, {"attr": "meta.note=x"}, {"attr": "no_such=1"},
+               {"attr": "temperature=0.30000000000000004"}, {"attr": "data_source="}]
+    # the training truth (the mirrored truth columns on ClickHouse, the index's truth tables on SQLite)
+    matching += [{"drift": "true"}, {"drift": "false"}, {"where": "acc=1"}, {"where": "format>=0.5,acc=0"},
+                 {"where": "acc!=1"}, {"fate": "trained"}, {"fate": "filtered"}, {"fate": "evicted"},
+                 {"fate": "not_reached"}, {"refill": "true"}, {"refill": "false"}, {"trained_other": "true"},
+                 {"trained_other": "false"}, {"lp_delta_min": 0.2}, {"drift": "false", "attr": "data_source=gsm8k"}]
+    nothing += [{"where": "pred=41"}, {"where": "no_such>0"}, {"lp_delta_min": 5}]
+    for flt in filters + matching + nothing:
         answer = same(stores, "/v1/trajectories", limit=1000, **flt)
-        assert answer["total"] > 0 or flt in ({"experiment": ""}, {"drift": "false"}), flt
+        assert (answer["total"] > 0) == (flt not in [{"experiment": ""}, *nothing]), (flt, answer["total"])
+        if flt in matching:  # the same filters on a step's groups and on export
+            for path, params in (("/v1/groups", {"experiment": "exp-traj", "step": 1, "limit": 1000}),
+                                 ("/v1/export", {"format": "jsonl"})):
+                same(stores, path, **{**params, **flt})
     texts = " ".join(f"{t['prompt_preview']} {t['response_preview']}" for t in everything["trajectories"])
     assert "calculator" in texts and "数字" in texts, texts[:300]
     # a word with a number (as "rollout5"), taken from what the budgets kept (the shared workload's budgets change)
@@ -199,7 +253,8 @@ def test_the_clickhouse_store_is_chdb_and_resumes_after_a_restart(stores: dict[s
     pc.start()
     assert _get(pc.url, "/v1/trajectories", limit=1000, sort="start") == want
     # changes after the restart reach ClickHouse through the same cursor, replacing the rows they change
-    listed = [t for t in want["trajectories"] if t["trained"] is None][:5]
+    # (of experiments without a byte or token limit: a late span past its step's limit is not kept)
+    listed = [t for t in want["trajectories"] if t["trained"] is None and t["experiment"] in ("exp-uniform", "exp-topk")][:5]
     with httpx.Client() as client:
         for t in listed:
             note = {"span_id": f"{t['trace_id']}-late", "trace_id": t["trace_id"], "parent_id": None, "name": "trainer",

@@ -23,11 +23,13 @@ Weave's own trace server does. What it stores and how it is fed:
   between the insert and the forget inserts the same rows again, which the engine collapses. A
   mirror token in both stores tells a ClickHouse table that missed changes (a rebuilt index, a
   run with ``TRACECAR_STORE=sqlite``): it is emptied and filled again.
-* **What it answers**: lists (every sort, the base filters, ``q=``), counts, facets, overview,
-  a step's counts, export's keyset walk. The training-truth tables (drift, reward components,
-  the trainer's rows) stay in the index: their columns are attached to the rows this store
-  lists, and the filters on them (``drift=``, ``where=``, ``fate=``, ...) and ``attr=`` (it reads
-  the root's payload) are answered by the index for now. Spans (a trajectory's tree, its
+* **What it answers**: lists (every sort, every filter, ``q=``), counts, facets, overview, a
+  step's counts, export's keyset walk. ``attr=`` and the training-truth filters (``drift=``,
+  ``where=``, ``fate=``, ``refill=``, ``trained_other=``, ``lp_delta_min=``) read columns the
+  mirror takes with each row (viewer/mirror_columns.py: the root's flattened attributes, the
+  truth table's filter columns, the numeric reward components). The truth tables themselves
+  (drift per turn, the trainer's rows) stay in the index: their values are attached to the rows
+  this store lists, and a step's truth counts come from there. Spans (a trajectory's tree, its
   tokens) stay in the spool for both stores.
 """
 
@@ -46,6 +48,7 @@ from typing import Any
 
 import orjson
 
+from .. import truth_filter
 from ..loudness import RateLimited
 from ..read_store import StoreStartError, StoreUnavailable
 from ..settings import CollectorSettings
@@ -93,6 +96,14 @@ CREATE TABLE IF NOT EXISTS {table} (
     prompt Nullable(String) CODEC(ZSTD(3)),
     response Nullable(String) CODEC(ZSTD(3)),
     words String CODEC(ZSTD(3)),
+    attributes Map(String, String) CODEC(ZSTD(3)),
+    drift_checked Nullable(Int64),
+    drift_turns Nullable(Int64),
+    fate Nullable(String),
+    refill UInt8,
+    tt_mismatch Nullable(UInt8),
+    lp_max Nullable(Float64),
+    reward_components Map(String, Float64),
     version UInt64,
     deleted UInt8,
     INDEX words_tokens words TYPE tokenbf_v1(32768, 3, 0) GRANULARITY 4,
@@ -101,7 +112,8 @@ CREATE TABLE IF NOT EXISTS {table} (
     INDEX rid_range rid TYPE minmax GRANULARITY 1,  -- export's keyset walk (rid > cursor): rids grow with the steps
     INDEX reward_range reward TYPE minmax GRANULARITY 4,
     INDEX start_range start_time TYPE minmax GRANULARITY 4,
-    INDEX kept_set kept_because TYPE set(64) GRANULARITY 4
+    INDEX kept_set kept_because TYPE set(64) GRANULARITY 4,
+    INDEX attribute_values mapValues(attributes) TYPE bloom_filter GRANULARITY 4
 ) ENGINE = ReplacingMergeTree(version, deleted)
 ORDER BY (experiment, validate, step, trace_id)
 SETTINGS allow_nullable_key = 1
@@ -113,9 +125,14 @@ SELECT = ("trace_id, name, experiment, step, sample_index_int, sample_index_str,
 FLOATS = ("start_time", "end_time", "duration", "reward", "advantage", "inclusion_probability")
 # columns added since the table's first release: a table made before them gets each (its rows refill with the
 # index, whose version changed with them: see _sync_token)
-ADDED = ("inclusion_probability Nullable(Float64) AFTER kept_because", "node Nullable(String) AFTER worker")
-# filters answered by the index (their tables, or the root's payload, live there): see the module docstring
-INDEX_ONLY = frozenset({"attributes", "drift", "reward_where", "fate", "refill", "trained_other", "lp_delta_min"})
+ADDED = ("inclusion_probability Nullable(Float64) AFTER kept_because", "node Nullable(String) AFTER worker",
+         "attributes Map(String, String) CODEC(ZSTD(3))", "drift_checked Nullable(Int64)", "drift_turns Nullable(Int64)",
+         "fate Nullable(String)", "refill UInt8", "tt_mismatch Nullable(UInt8)", "lp_max Nullable(Float64)",
+         "reward_components Map(String, Float64)")
+ADDED_INDEXES = ("attribute_values mapValues(attributes) TYPE bloom_filter GRANULARITY 4",)
+# what the table's rows hold; a table filled under an older one is emptied and filled again from the index (its
+# rows lack the newer columns' values): 2 = the root's attributes and the truth filter columns
+ROWS_VERSION = "2"
 READ_SETTINGS = " SETTINGS output_format_json_quote_64bit_integers = 0, output_format_json_quote_denormals = 0"
 _PARAM_TYPES = {bool: "UInt8", int: "Int64", float: "Float64", str: "String"}
 
@@ -202,6 +219,10 @@ def where(flt: TrajectoryFilter, bind: _Params) -> str:
         value = getattr(flt, name)
         if value is not None:
             clauses.append(f"{name} = {bind(bool(value))}")
+    for key, value in flt.attributes or ():  # the root's scalar attribute, as text (viewer/mirror_columns.py)
+        name = bind(key)
+        clauses.append(f"mapContains(attributes, {name}) AND attributes[{name}] = {bind(value)}")
+    clauses.extend(truth_where(flt, bind))
     words = query_words(flt.q) if flt.q else []
     for i, word in enumerate(words):  # every word, the last as a prefix (as FTS5's query in text_query.fts_query)
         if i == len(words) - 1:
@@ -209,6 +230,42 @@ def where(flt: TrajectoryFilter, bind: _Params) -> str:
         else:
             clauses.append(f"hasToken(words, {bind(word)})")
     return " AND ".join(clauses)
+
+
+def _fate_is(fate: str, bind: _Params) -> str:
+    return f"ifNull(fate, '') = {bind(fate)}"
+
+
+def truth_where(flt: TrajectoryFilter, bind: _Params) -> builtins.list[str]:
+    """The training-truth filters over this table's truth columns, meaning what truth_filter.where_clauses means over
+    the index's truth tables (a trajectory without a truth row has NULLs here: no drift, no fate, no comparison)."""
+    clauses = []
+    if flt.trained_other is not None:
+        clauses.append(f"tt_mismatch = {bind(bool(flt.trained_other))}")
+    if flt.lp_delta_min is not None:
+        clauses.append(f"lp_max >= {bind(float(flt.lp_delta_min))}")
+    if flt.fate:
+        evicted = _fate_is("evicted", bind)
+        compared = "tt_mismatch IS NOT NULL"  # a trainer row was compared: it was trained on
+        if flt.fate == "evicted":
+            clauses.append(evicted)
+        elif flt.fate == "trained":
+            clauses.append(f"(ifNull(trained, 0) = 1 OR {_fate_is('trained', bind)} OR {compared}) AND NOT {evicted}")
+        elif flt.fate == "filtered":
+            clauses.append(f"(ifNull(trained, 1) = 0 OR {_fate_is('filtered', bind)}) AND NOT (ifNull(trained, 0) = 1"
+                           f" OR {_fate_is('trained', bind)} OR {compared}) AND NOT {evicted}")
+        else:  # not_reached
+            clauses.append(f"trained IS NULL AND fate IS NULL AND NOT {compared}")
+    if flt.refill is not None:
+        clauses.append(f"refill = {bind(bool(flt.refill))}")
+    if flt.drift is True:
+        clauses.append("drift_turns > 0")
+    elif flt.drift is False:
+        clauses.append("drift_checked > 0 AND drift_turns = 0")
+    for key, op, value in truth_filter.parse_where(flt.reward_where) if flt.reward_where else ():
+        name = bind(key)
+        clauses.append(f"mapContains(reward_components, {name}) AND reward_components[{name}] {op} {bind(value)}")
+    return clauses
 
 
 def _row_out(row: dict[str, Any]) -> dict[str, Any]:
@@ -262,6 +319,8 @@ class ClickHouseStore:
             self._run(SCHEMA.format(table=self.table))
             for column in ADDED:
                 self._run(f"ALTER TABLE {self.table} ADD COLUMN IF NOT EXISTS {column}")
+            for skip_index in ADDED_INDEXES:
+                self._run(f"ALTER TABLE {self.table} ADD INDEX IF NOT EXISTS {skip_index}")
         except ClickHouseUnavailable as exc:  # e.g. a user that may not create tables, a full disk: one line at start
             self._engine.close()
             raise StoreStartError(f"{exc.public} while creating its tables: {exc}") from None
@@ -327,9 +386,10 @@ class ClickHouseStore:
         """Starts the table again when it missed changes (the index was rebuilt, or ran without tracking)."""
         if self._synced:
             return
-        found = self._select(f"SELECT value FROM {self.meta} FINAL WHERE key = 'mirror'")
-        mine = found[0]["value"] if found else None
-        if mine is None or mine != self.index.mirror_token():
+        found = {r["key"]: r["value"] for r in self._select(f"SELECT key, value FROM {self.meta} FINAL"
+                                                             " WHERE key IN ('mirror', 'rows')")}
+        mine = found.get("mirror")
+        if mine is None or mine != self.index.mirror_token() or found.get("rows") != ROWS_VERSION:
             token = uuid.uuid4().hex
             try:
                 self._check_claim()  # never empty another collector's table
@@ -339,7 +399,8 @@ class ClickHouseStore:
                                             "collector's", str(exc)) from None
             self._run(f"TRUNCATE TABLE {self.table}")
             self.index.restart_mirror(token)
-            self._run(f"INSERT INTO {self.meta} (key, value) VALUES ('mirror', {{t:String}})", {"t": token})
+            self._run(f"INSERT INTO {self.meta} (key, value) VALUES ('mirror', {{t:String}}), ('rows', {{r:String}})",
+                      {"t": token, "r": ROWS_VERSION})
             log.info("clickhouse store filled again from the trajectory index", extra={"event": "clickhouse_store_resync"})
         # row versions count up from the highest the table holds: monotonic whatever the wall clock does, and
         # restart-safe (the table remembers it), so a newer row always replaces an older one
@@ -428,9 +489,6 @@ class ClickHouseStore:
             self._engine.close()
 
     # ---- queries ---------------------------------------------------------------------------------
-    def _delegates(self, flt: TrajectoryFilter) -> bool:
-        return bool(flt.active() & INDEX_ONLY)
-
     def _page(self, flt: TrajectoryFilter, sort: str, descending: bool, nulls: bool, limit: int, offset: int,
               extra: str = "") -> builtins.list[dict[str, Any]]:
         bind = _Params()
@@ -454,8 +512,6 @@ class ClickHouseStore:
 
     def list(self, flt: TrajectoryFilter, *, sort: str = "start", descending: bool = True, limit: int = 50,
              offset: int = 0, previews: bool = True) -> dict[str, Any]:
-        if self._delegates(flt):
-            return self.index.list(flt, sort=sort, descending=descending, limit=limit, offset=offset, previews=previews)
         texts = ", prompt, response" if previews else ""
         total = self._count(flt)
         raw = self._page(flt, sort, descending, False, limit, offset, texts)
@@ -474,8 +530,6 @@ class ClickHouseStore:
                 "order": "desc" if descending else "asc", "filters": flt.as_dict(), "trajectories": rows}
 
     def step_counts(self, flt: TrajectoryFilter) -> dict[str, Any]:
-        if self._delegates(flt):
-            return self.index.step_counts(flt)
         bind = _Params()
         clause = where(flt, bind)
         head = self._select(f"SELECT count() AS n_, sum(span_count) AS spans_, sum(has_error) AS errors_, count(reward) AS scored_,"
@@ -554,8 +608,6 @@ class ClickHouseStore:
         return result
 
     def page_after(self, flt: TrajectoryFilter, after: int = 0, limit: int = 500) -> builtins.list[dict[str, Any]]:
-        if self._delegates(flt):
-            return self.index.page_after(flt, after, limit)
         bind = _Params()
         clause = where(flt, bind)
         found = self._select(f"SELECT rid AS cursor, {SELECT} FROM {self.table} FINAL WHERE {clause} AND rid > {bind(int(after))}"

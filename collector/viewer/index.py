@@ -39,7 +39,7 @@ from ..query_params import INT64_MAX, INT64_MIN
 from ..shape import is_engine_payload, is_tool, token_counts, token_output
 from ..spool.full_payloads import conn_loader, full_spans, is_compact, with_rows
 from ..trajectory_filter import TrajectoryFilter
-from . import search, truth
+from . import mirror_columns, search, truth
 
 log = logging.getLogger("tracecar.collector.viewer")
 
@@ -630,7 +630,8 @@ class TrajectoryIndex:
                 raise
 
     def changed_rows(self, limit: int) -> tuple[builtins.list[dict[str, Any]], builtins.list[str]]:
-        """Up to ``limit`` changed trajectories: (rooted rows with ``rid``, ``prompt``, ``response``; ids gone or not rooted)."""
+        """Up to ``limit`` changed trajectories: (rooted rows with ``rid``, ``prompt``, ``response``, the root's flattened
+        ``attributes`` and the truth filter columns (viewer/mirror_columns.py); ids gone or not rooted)."""
         with self._lock:
             conn = self._db()
             ids = [r[0] for r in conn.execute("SELECT trace_id FROM changed LIMIT ?", (limit,))]
@@ -641,8 +642,14 @@ class TrajectoryIndex:
                                     f" p.prompt AS prompt, p.response AS response FROM trajectories t"
                                     f" LEFT JOIN previews p ON p.trace_id = t.trace_id"
                                     f" WHERE t.trace_id IN ({marks}) AND t.root_seq IS NOT NULL", ids)
-            found = {r["trace_id"] for r in rows}
-            return rows, [t for t in ids if t not in found]
+            found = [r["trace_id"] for r in rows]
+            attributes = mirror_columns.root_attributes(conn, found)
+            truths = mirror_columns.truth_columns(conn, found)
+            for row in rows:
+                row["attributes"] = attributes[row["trace_id"]]
+                row.update(truths[row["trace_id"]])
+            rooted = set(found)
+            return rows, [t for t in ids if t not in rooted]
 
     def forget_changed(self, trace_ids: builtins.list[str]) -> int:
         """Drops ids the mirror has taken (a later change marks them again); returns how many remain."""
