@@ -121,7 +121,7 @@ class TrajectoryFilter:
                 params.append(int(value))
         for key, value in self.attributes or ():
             clauses.append(ATTRIBUTE_CLAUSE)
-            params.extend([attribute_path(key), attribute_path(key), value])
+            params.extend([key, value])
         truth, truth_params = truth_filter.where_clauses(self.drift, self.reward_where or None, self.fate or None, self.refill,
                                                             self.trained_other, self.lp_delta_min)
         clauses.extend(truth)
@@ -175,16 +175,9 @@ def _set(name: str, value: Any) -> bool:
 
 MAX_ATTRIBUTE_FILTERS = 4
 _KEY = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*")
-# the root's attribute at a JSON path, as text (true/false/null spelt so), equal to the value: over the
-# viewer index's rows (root_seq) and the spool attached to it
-ATTRIBUTE_CLAUSE = ("EXISTS (SELECT 1 FROM spool.spans AS a WHERE a.seq = root_seq AND (CASE json_type(CAST(a.payload AS TEXT), ?)"
-                    " WHEN 'true' THEN 'true' WHEN 'false' THEN 'false' WHEN 'null' THEN 'null'"
-                    " WHEN 'object' THEN NULL WHEN 'array' THEN NULL"
-                    " ELSE CAST(json_extract(CAST(a.payload AS TEXT), ?) AS TEXT) END) = ?)")
-
-
-def attribute_path(key: str) -> str:
-    return "$.attributes" + "".join(f'."{part}"' for part in key.split("."))
+# the root's attribute (as text: true/false/null spelt so) equal to the value, over the viewer index's rows: its
+# root_attributes table (viewer/root_attributes.py), written when the root is indexed
+ATTRIBUTE_CLAUSE = "trace_id IN (SELECT trace_id FROM root_attributes WHERE key = ? AND value = ?)"
 
 
 def parse_attribute_filters(raw: list[str] | None) -> tuple[tuple[str, str], ...] | None:

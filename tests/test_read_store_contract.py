@@ -196,8 +196,9 @@ def test_lists_filters_sorts_and_pages_answer_the_same(stores: dict[str, Process
     # the root's attributes (answered from the mirrored attributes column on ClickHouse, the root's payload on SQLite)
     matching = [{"attr": "data_source=math"}, {"attr": "flag=true"}, {"attr": "meta.level=2"},
                 {"attr": "temperature=0.3"}, {"attr": "temperature=0.1"}, {"attr": ["data_source=gsm8k", "flag=false"]},
-                {"attr": "step=2"}, {"attr": "experiment_name=exp-topk", "step": 1}]
-    nothing = [{"attr": "meta=x"}, {"attr": "meta.tags=a"}, {"attr": "meta.note=x"}, {"attr": "no_such=1"},
+                {"attr": "step=2"}, {"attr": "experiment_name=exp-topk", "step": 1}, {"attr": "meta.note=null"}]
+    nothing = [{"attr": "meta=x"}, {"attr": "meta.tags=a"}, {"attr": 'meta.tags=["a","b"]'}, {"attr": "meta.tags.0=a"},
+               {"attr": 'meta={"level":0}'}, {"attr": "meta.note=x"}, {"attr": "no_such=1"},
                {"attr": "temperature=0.30000000000000004"}, {"attr": "data_source="}]
     # the training truth (the mirrored truth columns on ClickHouse, the index's truth tables on SQLite)
     matching += [{"drift": "true"}, {"drift": "false"}, {"where": "acc=1"}, {"where": "format>=0.5,acc=0"},
@@ -259,12 +260,16 @@ def test_the_clickhouse_store_is_chdb_and_resumes_after_a_restart(stores: dict[s
         for t in listed:
             note = {"span_id": f"{t['trace_id']}-late", "trace_id": t["trace_id"], "parent_id": None, "name": "trainer",
                     "kind": "annotation", "start_time": 1_900_000_000.0, "end_time": 1_900_000_000.0,
-                    "attributes": {"trained": True, "advantage": 9.5}}
+                    "attributes": {"trained": True, "advantage": 9.5, "reward_extra_info": {"late": 1}, "fate": "evicted"}}
             for target in stores.values():
                 post(client, target.url, t["worker"], [note])
     after = same(stores, "/v1/trajectories", limit=1000, sort="advantage", order="desc")
     assert after["total"] == want["total"]  # replaced, not added
     assert {t["trace_id"] for t in after["trajectories"][:5]} == {t["trace_id"] for t in listed}
+    # the truth columns of rows ClickHouse already held are replaced too (a reward component, a fate, both late)
+    for flt in ({"where": "late=1"}, {"fate": "evicted", "where": "late>0"}):
+        late = same(stores, "/v1/trajectories", limit=1000, **flt)
+        assert {t["trace_id"] for t in late["trajectories"]} == {t["trace_id"] for t in listed}, flt
     assert all(t["trained"] is True and t["advantage"] == 9.5 for t in after["trajectories"][:5])
 
 

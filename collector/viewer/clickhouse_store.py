@@ -26,8 +26,9 @@ Weave's own trace server does. What it stores and how it is fed:
 * **What it answers**: lists (every sort, every filter, ``q=``), counts, facets, overview, a
   step's counts, export's keyset walk. ``attr=`` and the training-truth filters (``drift=``,
   ``where=``, ``fate=``, ``refill=``, ``trained_other=``, ``lp_delta_min=``) read columns the
-  mirror takes with each row (viewer/mirror_columns.py: the root's flattened attributes, the
-  truth table's filter columns, the numeric reward components). The truth tables themselves
+  mirror takes with each row from the index (viewer/mirror_columns.py: the root's attributes as
+  the index keeps them for its own ``attr=``, the truth table's filter columns, the numeric reward
+  components); the index's version changed with them, so a table filled before is filled again. The truth tables themselves
   (drift per turn, the trainer's rows) stay in the index: their values are attached to the rows
   this store lists, and a step's truth counts come from there. Spans (a trajectory's tree, its
   tokens) stay in the spool for both stores.
@@ -130,9 +131,6 @@ ADDED = ("inclusion_probability Nullable(Float64) AFTER kept_because", "node Nul
          "fate Nullable(String)", "refill UInt8", "tt_mismatch Nullable(UInt8)", "lp_max Nullable(Float64)",
          "reward_components Map(String, Float64)")
 ADDED_INDEXES = ("attribute_values mapValues(attributes) TYPE bloom_filter GRANULARITY 4",)
-# what the table's rows hold; a table filled under an older one is emptied and filled again from the index (its
-# rows lack the newer columns' values): 2 = the root's attributes and the truth filter columns
-ROWS_VERSION = "2"
 READ_SETTINGS = " SETTINGS output_format_json_quote_64bit_integers = 0, output_format_json_quote_denormals = 0"
 _PARAM_TYPES = {bool: "UInt8", int: "Int64", float: "Float64", str: "String"}
 
@@ -386,10 +384,9 @@ class ClickHouseStore:
         """Starts the table again when it missed changes (the index was rebuilt, or ran without tracking)."""
         if self._synced:
             return
-        found = {r["key"]: r["value"] for r in self._select(f"SELECT key, value FROM {self.meta} FINAL"
-                                                             " WHERE key IN ('mirror', 'rows')")}
-        mine = found.get("mirror")
-        if mine is None or mine != self.index.mirror_token() or found.get("rows") != ROWS_VERSION:
+        found = self._select(f"SELECT value FROM {self.meta} FINAL WHERE key = 'mirror'")
+        mine = found[0]["value"] if found else None
+        if mine is None or mine != self.index.mirror_token():
             token = uuid.uuid4().hex
             try:
                 self._check_claim()  # never empty another collector's table
@@ -399,8 +396,7 @@ class ClickHouseStore:
                                             "collector's", str(exc)) from None
             self._run(f"TRUNCATE TABLE {self.table}")
             self.index.restart_mirror(token)
-            self._run(f"INSERT INTO {self.meta} (key, value) VALUES ('mirror', {{t:String}}), ('rows', {{r:String}})",
-                      {"t": token, "r": ROWS_VERSION})
+            self._run(f"INSERT INTO {self.meta} (key, value) VALUES ('mirror', {{t:String}})", {"t": token})
             log.info("clickhouse store filled again from the trajectory index", extra={"event": "clickhouse_store_resync"})
         # row versions count up from the highest the table holds: monotonic whatever the wall clock does, and
         # restart-safe (the table remembers it), so a newer row always replaces an older one

@@ -39,14 +39,14 @@ from ..query_params import INT64_MAX, INT64_MIN
 from ..shape import is_engine_payload, is_tool, token_counts, token_output
 from ..spool.full_payloads import conn_loader, full_spans, is_compact, with_rows
 from ..trajectory_filter import TrajectoryFilter
-from . import mirror_columns, search, truth
+from . import mirror_columns, root_attributes, search, truth
 
 log = logging.getLogger("tracecar.collector.viewer")
 
 # 3: sample_index untyped; 4: engine spans never make a turn an aggregate; 5: what the trainer did; 6: previews;
 # 7: tool calls are real calls only (shape.is_tool); 8: training truth (viewer/truth.py); 9: inclusion_probability;
-# 10: node (a gateway's forwarding node collector)
-INDEX_VERSION = "10"
+# 10: node (a gateway's forwarding node collector); 11: the root's attributes as rows (root_attributes.py)
+INDEX_VERSION = "11"
 ROOT = "root_seq IS NOT NULL"  # every query names it, so the partial indexes apply
 
 SCHEMA = f"""
@@ -347,14 +347,16 @@ class TrajectoryIndex:
         conn.executescript(SCHEMA)
         conn.executescript(search.SCHEMA)
         conn.executescript(truth.SCHEMA)
+        conn.executescript(root_attributes.SCHEMA)
         meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
         watermark = int(meta.get("watermark") or 0)
         if meta.get("version") != INDEX_VERSION or not self._same_spool(conn, watermark, meta.get("watermark_span")):
             conn.executescript("DROP TABLE trajectories; DROP TABLE llm_calls; DROP TABLE parents; DROP TABLE held;"
-                               " DELETE FROM meta;" + search.DROP + truth.DROP)
+                               " DELETE FROM meta;" + search.DROP + truth.DROP + root_attributes.DROP)
             conn.executescript(SCHEMA)
             conn.executescript(search.SCHEMA)
             conn.executescript(truth.SCHEMA)
+            conn.executescript(root_attributes.SCHEMA)
             conn.execute("INSERT INTO meta (key, value) VALUES ('version', ?)", (INDEX_VERSION,))
             watermark = 0
         if not self.track_changes:
@@ -469,6 +471,7 @@ class TrajectoryIndex:
         parent_ids: set[str] = set()
         notes: list[tuple[str, int, bytes | None]] = []  # annotations: reward components (viewer/truth.py)
         turns: list[tuple[int, str, str, Any, tuple[list[int], list[int]]]] = []  # LLM calls with prompt ids: drift
+        roots: list[tuple[str, bytes]] = []  # (trace_id, payload): the attributes attr= filters on
         full = self._full(conn, rows)
         for (seq, span_id, trace_id, parent_id, name, kind, worker, experiment, step, sample_index, rollout_n,
              validate, start, end, has_error, reward, _state, payload, node) in rows:
@@ -492,6 +495,8 @@ class TrajectoryIndex:
                 kept = _label(attributes.get("kept_because"))
                 delta.root = (seq, name, experiment, step, sample_index, rollout_n, validate, worker, start, end,
                               duration, kept, _probability(attributes.get("inclusion_probability")), reward, node)
+                if payload is not None:
+                    roots.append((trace_id, payload))
             output = span.get("output")
             if token_output(kind, output) and isinstance(output, dict):
                 prompt_tokens, response_tokens = token_counts(span)
@@ -516,6 +521,7 @@ class TrajectoryIndex:
             truth.note_annotations(conn, notes)
             truth.note_turns(conn, sorted(turns), self._recent_turns)
             truth.compare_pending(conn, [t for t, _, _ in notes], [t[2] for t in turns])
+            root_attributes.note(conn, roots)
             if self.track_changes:
                 conn.executemany("INSERT OR IGNORE INTO changed (trace_id) VALUES (?)", [(t,) for t in deltas])
             conn.executemany("INSERT OR IGNORE INTO held (seq) VALUES (?)", add_held)
@@ -589,7 +595,7 @@ class TrajectoryIndex:
                 marks = ",".join("?" * len(chunk))
                 conn.execute(f"DELETE FROM trajectories WHERE trace_id IN ({marks})", chunk)
                 conn.execute(f"DELETE FROM llm_calls WHERE trace_id IN ({marks})", chunk)
-                for table in truth.TABLES:
+                for table in (*truth.TABLES, "root_attributes"):
                     conn.execute(f"DELETE FROM {table} WHERE trace_id IN ({marks})", chunk)
             search.forget(conn, gone)
             if self.track_changes:
@@ -643,7 +649,7 @@ class TrajectoryIndex:
                                     f" LEFT JOIN previews p ON p.trace_id = t.trace_id"
                                     f" WHERE t.trace_id IN ({marks}) AND t.root_seq IS NOT NULL", ids)
             found = [r["trace_id"] for r in rows]
-            attributes = mirror_columns.root_attributes(conn, found)
+            attributes = mirror_columns.attributes(conn, found)
             truths = mirror_columns.truth_columns(conn, found)
             for row in rows:
                 row["attributes"] = attributes[row["trace_id"]]

@@ -181,43 +181,58 @@ def test_a_table_from_before_inclusion_probability_gets_the_column_and_its_value
     again.close()
 
 
-def test_a_table_from_before_the_truth_columns_is_filled_again_and_answers_attr_and_truth_filters(tmp_path: Path) -> None:
-    """A table filled by the previous release (no attributes or truth columns, no ``rows`` mark; the index unchanged):
-    opening it adds the columns and fills the table again, so ``attr=`` and ``where=`` answer from ClickHouse what the
-    index answers; keys no filter can spell (with a dot, a space) and leaves under arrays are left out."""
+def test_attr_and_truth_filters_answer_from_clickhouse_what_the_index_answers(tmp_path: Path, store_url: str | None) -> None:
+    """A table filled by the previous release (no attributes or truth columns; index version 10): opening it adds
+    the columns, and the index's rebuild fills the table again, so ``attr=`` and ``where=`` answer from ClickHouse
+    what the index answers; keys no filter can spell (with a dot, a space) and leaves under arrays are left out; a
+    trajectory whose spans retention evicted stays listed and still matches its attributes on both stores."""
     path = tmp_path / "spool.sqlite3"
     spool = Spool(path, local_only=True, sync="normal")
     rng = random.Random(7)
-    rows = []
+    rows, ids = [], []
     for t in range(6):
         spans = trajectory(rng, t, 16)
         root = next(s for s in spans if s["parent_id"] is None and s["kind"] == "trajectory")
         root["attributes"] = {**root["attributes"], "source": ("a", "b")[t % 2], "cfg": {"lr": 0.1 + 0.2, "n-k": t},
-                              "x.y": 1, "sp ace": 2, "list": [{"deep": 1}]}
+                              "x.y": 1, "sp ace": 2, "list": [{"deep": 1}], "none": None}
         note = {**root, "span_id": f"{root['span_id']}-note", "kind": "annotation", "name": "score",
                 "attributes": {"reward_extra_info": {"acc": t % 2}}, "inputs": None, "output": None}
         rows += [SpoolRow(s, orjson.dumps(s), None) for s in [*spans, note]]
+        ids.append(root["trace_id"])
     spool.write(rows)
     spool.close()
-    settings = CollectorSettings(data_dir=tmp_path, backend="local", store="clickhouse")
+    settings = CollectorSettings(data_dir=tmp_path, backend="local", store="clickhouse", store_url=store_url)
     sqlite = TrajectoryIndex(path, tmp_path / "plain.sqlite3")
     assert sqlite.refresh(budget_s=60)
     store = ClickHouseStore(TrajectoryIndex(path, track_changes=True), settings)
     assert store.refresh(budget_s=60)
     flat = store._select(f"SELECT attributes FROM {store.table} FINAL WHERE deleted = 0 LIMIT 1")[0]["attributes"]
-    assert flat["cfg.lr"] == "0.3" and "x.y" not in flat and "sp ace" not in flat and not any("deep" in k for k in flat)
+    assert flat["cfg.lr"] == "0.3" and flat["none"] == "null" and "x.y" not in flat and "sp ace" not in flat
+    assert not any(k.startswith("list") for k in flat)
     store._run(f"ALTER TABLE {store.table} DROP INDEX attribute_values")
     for column in ("attributes", "reward_components", "fate", "refill", "drift_checked", "drift_turns", "tt_mismatch", "lp_max"):
         store._run(f"ALTER TABLE {store.table} DROP COLUMN {column}")  # as the previous release made it
-    store._run(f"ALTER TABLE {store.meta} DELETE WHERE key = 'rows'")
+    store.index._db().execute("UPDATE meta SET value = '10' WHERE key = 'version'")  # and its index
     store.close()
     again = ClickHouseStore(TrajectoryIndex(path, track_changes=True), settings)
     assert again.refresh(budget_s=60)
-    for flt in ({"attributes": (("source", "a"),)}, {"attributes": (("cfg.lr", "0.3"), ("cfg.n-k", "4"))},
-                {"reward_where": "acc=1"}, {"reward_where": "acc<1", "attributes": (("source", "a"),)}):
-        assert rows_of(again, **flt) == rows_of(sqlite, **flt) and rows_of(again, **flt), flt
-    for flt in ({"attributes": (("x.y", "1"),)}, {"attributes": (("list", "x"),)}, {"attributes": (("cfg", "x"),)}):
-        assert rows_of(again, **flt) == rows_of(sqlite, **flt) == [], flt
+
+    def check() -> None:
+        for flt in ({"attributes": (("source", "a"),)}, {"attributes": (("cfg.lr", "0.3"), ("cfg.n-k", "4"))},
+                    {"attributes": (("none", "null"),)}, {"reward_where": "acc=1"},
+                    {"reward_where": "acc<1", "attributes": (("source", "a"),)}):
+            assert rows_of(again, **flt) == rows_of(sqlite, **flt) and rows_of(again, **flt), flt
+        for flt in ({"attributes": (("x.y", "1"),)}, {"attributes": (("list", "x"),)}, {"attributes": (("cfg", "x"),)},
+                    {"attributes": (("list.0.deep", "1"),)}, {"attributes": (("cfg.lr", "0.30000000000000004"),)}):
+            assert rows_of(again, **flt) == rows_of(sqlite, **flt) == [], flt
+
+    check()
+    spool = Spool(path, local_only=True, sync="normal")
+    spool.evict(ids[:2])  # retention: the spans go, the trajectories stay listed (no prune: keep_forwarded)
+    spool.close()
+    assert again.refresh(budget_s=60) and sqlite.refresh(budget_s=60)
+    check()
+    assert {r["trace_id"] for r in rows_of(again, attributes=(("source", "a"),))} >= {ids[0]}
     again.close()
     sqlite.close()
 
