@@ -177,7 +177,7 @@ MAX_ATTRIBUTE_FILTERS = 4
 _KEY = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*")
 # the root's attribute (as text: true/false/null spelt so) equal to the value, over the viewer index's rows: its
 # root_attributes table (viewer/root_attributes.py), written when the root is indexed
-ATTRIBUTE_CLAUSE = "trace_id IN (SELECT trace_id FROM root_attributes WHERE key = ? AND value = ?)"
+ATTRIBUTE_CLAUSE = "rowid IN (SELECT traj FROM root_attributes WHERE key = ? AND value = ?)"
 
 
 def parse_attribute_filters(raw: list[str] | None) -> tuple[tuple[str, str], ...] | None:

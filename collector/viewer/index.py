@@ -593,9 +593,10 @@ class TrajectoryIndex:
             for i in range(0, len(gone), 500):
                 chunk = gone[i:i + 500]
                 marks = ",".join("?" * len(chunk))
+                root_attributes.forget(conn, chunk)
                 conn.execute(f"DELETE FROM trajectories WHERE trace_id IN ({marks})", chunk)
                 conn.execute(f"DELETE FROM llm_calls WHERE trace_id IN ({marks})", chunk)
-                for table in (*truth.TABLES, "root_attributes"):
+                for table in truth.TABLES:
                     conn.execute(f"DELETE FROM {table} WHERE trace_id IN ({marks})", chunk)
             search.forget(conn, gone)
             if self.track_changes:

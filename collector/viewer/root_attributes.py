@@ -19,10 +19,10 @@ from collections.abc import Iterable
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS root_attributes (
-    trace_id TEXT NOT NULL,
+    traj INTEGER NOT NULL,  -- the trajectory's rowid in trajectories (a trace id twice a row would double the table)
     key TEXT NOT NULL,  -- dotted: "cfg.lr"
     value TEXT NOT NULL,
-    PRIMARY KEY (trace_id, key)
+    PRIMARY KEY (traj, key)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS root_attributes_kv ON root_attributes(key, value);
 """
@@ -57,11 +57,20 @@ def leaves(conn: sqlite3.Connection, payload: bytes | str) -> list[tuple[str, st
 
 
 def note(conn: sqlite3.Connection, roots: Iterable[tuple[str, bytes]]) -> None:
-    """Replaces the rows of each (trace_id, root payload); runs in the index's transaction."""
+    """Replaces the rows of each (trace_id, root payload); runs in the index's transaction, after its upsert."""
     for trace_id, payload in roots:
-        conn.execute("DELETE FROM root_attributes WHERE trace_id = ?", (trace_id,))
-        conn.executemany("INSERT OR IGNORE INTO root_attributes (trace_id, key, value) VALUES (?, ?, ?)",
-                         [(trace_id, key, value) for key, value in leaves(conn, payload)])
+        row = conn.execute("SELECT rowid FROM trajectories WHERE trace_id = ?", (trace_id,)).fetchone()
+        if row is None:
+            continue
+        conn.execute("DELETE FROM root_attributes WHERE traj = ?", (row[0],))
+        conn.executemany("INSERT OR IGNORE INTO root_attributes (traj, key, value) VALUES (?, ?, ?)",
+                         [(row[0], key, value) for key, value in leaves(conn, payload)])
+
+
+def forget(conn: sqlite3.Connection, trace_ids: list[str]) -> None:
+    """Drops the rows of trajectories about to leave the index (before their ``trajectories`` rows go)."""
+    conn.execute(f"DELETE FROM root_attributes WHERE traj IN (SELECT rowid FROM trajectories WHERE trace_id IN"
+                 f" ({','.join('?' * len(trace_ids))}))", trace_ids)
 
 
 def of(conn: sqlite3.Connection, trace_ids: list[str]) -> dict[str, dict[str, str]]:
@@ -70,6 +79,7 @@ def of(conn: sqlite3.Connection, trace_ids: list[str]) -> dict[str, dict[str, st
     for i in range(0, len(trace_ids), 500):
         chunk = trace_ids[i:i + 500]
         for trace_id, key, value in conn.execute(
-                f"SELECT trace_id, key, value FROM root_attributes WHERE trace_id IN ({','.join('?' * len(chunk))})", chunk):
+                "SELECT t.trace_id, a.key, a.value FROM trajectories t JOIN root_attributes a ON a.traj = t.rowid"
+                f" WHERE t.trace_id IN ({','.join('?' * len(chunk))})", chunk):
             out[trace_id][key] = value
     return out
