@@ -168,7 +168,7 @@ HELD = 3  # spool state of a span awaiting a tail-based sampling decision (trace
 AWAITING = 4  # an engine span awaiting its trajectory (receivers.engine_hold): rewritten in place, maybe re-keyed, later
 _WAITING = (HELD, AWAITING)  # indexed once they move on, like held spans
 _COLUMNS = """seq, span_id, trace_id, parent_id, name, kind, worker, experiment, step, sample_index, rollout_n, validate,
-       start_time, end_time, has_error, reward, state, IIF(state IN (3, 4), NULL, payload), node"""
+       start_time, end_time, has_error, reward, state, IIF(state IN (3, 4), NULL, payload), node, inputs_at"""
 _SCAN = f"SELECT {_COLUMNS} FROM spool.spans WHERE seq > ? ORDER BY seq LIMIT ?"
 
 
@@ -471,10 +471,10 @@ class TrajectoryIndex:
         parent_ids: set[str] = set()
         notes: list[tuple[str, int, bytes | None]] = []  # annotations: reward components (viewer/truth.py)
         turns: list[tuple[int, str, str, Any, tuple[list[int], list[int]]]] = []  # LLM calls with prompt ids: drift
-        roots: list[tuple[str, bytes]] = []  # (trace_id, payload): the attributes attr= filters on
+        roots: list[tuple[str, Any]] = []  # (trace_id, the root's attributes): what attr= filters on
         full = self._full(conn, rows)
         for (seq, span_id, trace_id, parent_id, name, kind, worker, experiment, step, sample_index, rollout_n,
-             validate, start, end, has_error, reward, _state, payload, node) in rows:
+             validate, start, end, has_error, reward, _state, payload, node, inputs_at) in rows:
             delta = deltas.get(trace_id)
             if delta is None:
                 delta = deltas[trace_id] = _Delta()
@@ -491,12 +491,11 @@ class TrajectoryIndex:
             span = full.get(seq) or self._parse(payload, root=parent_id is None)
             if parent_id is None:
                 duration = end - start if start is not None and end is not None else None
-                attributes = span.get("attributes") or {}
+                attributes = (span or self._head(payload, inputs_at)).get("attributes") or {}
                 kept = _label(attributes.get("kept_because"))
                 delta.root = (seq, name, experiment, step, sample_index, rollout_n, validate, worker, start, end,
                               duration, kept, _probability(attributes.get("inclusion_probability")), reward, node)
-                if payload is not None:
-                    roots.append((trace_id, payload))
+                roots.append((trace_id, attributes))
             output = span.get("output")
             if token_output(kind, output) and isinstance(output, dict):
                 prompt_tokens, response_tokens = token_counts(span)
@@ -578,6 +577,18 @@ class TrajectoryIndex:
             return {}  # no token output (a tool is told by its name) and no rule: nothing to read
         try:
             span = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return {}
+        return span if isinstance(span, dict) else {}
+
+    @staticmethod
+    def _head(payload: bytes | None, inputs_at: int | None) -> dict[str, Any]:
+        """A root's fields before its inputs (its attributes: what attr= filters on), parsed without the inputs and
+        output (a VERL agent loop's hold whole prompts and token ids); the whole payload where no offset is kept."""
+        if not payload:
+            return {}
+        try:
+            span = orjson.loads(payload[:inputs_at - len(b',"inputs":')] + b"}" if inputs_at else payload)
         except orjson.JSONDecodeError:
             return {}
         return span if isinstance(span, dict) else {}

@@ -7,15 +7,15 @@ folds the root, in its transaction, so that a filter is an indexed lookup instea
 root's payload, it still answers once retention evicted the trajectory's spans (the trajectory stays
 listed), and the ClickHouse store mirrors the same rows (viewer/mirror_columns.py). Leaves under an
 array, keys a filter cannot spell (empty, or with characters other than letters, digits, ``_`` and
-``-``) and attributes that are not an object give no row: no ``attr=`` can name them; of a key given
-twice, the first value counts (as ``json_extract`` reads it).
+``-``) and attributes that are not an object give no row: no ``attr=`` can name them. Taken from the
+root as the index parsed it (no second parse); only a float's text is asked of SQLite.
 """
 
 from __future__ import annotations
 
 import re
 import sqlite3
-from collections.abc import Iterable
+from typing import Any
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS root_attributes (
@@ -29,42 +29,54 @@ CREATE INDEX IF NOT EXISTS root_attributes_kv ON root_attributes(key, value);
 DROP = "DROP TABLE IF EXISTS root_attributes;"  # the filter over it: trajectory_filter.ATTRIBUTE_CLAUSE
 
 _KEY = re.compile(r"[A-Za-z0-9_\-]+")
-# a payload that is not JSON (none reaches the spool: validated and serialised at ingest) gives no rows, not an error
-_LEAVES = ("SELECT id, parent, key, type, CASE type WHEN 'true' THEN 'true' WHEN 'false' THEN 'false' WHEN 'null'"
-           " THEN 'null' WHEN 'object' THEN NULL WHEN 'array' THEN NULL ELSE CAST(atom AS TEXT) END"
-           " FROM json_tree(IIF(json_valid(?1), ?1, '{}'), '$.attributes')")
+_INT64 = (-(2**63), 2**63)
 
 
-def leaves(conn: sqlite3.Connection, payload: bytes | str) -> list[tuple[str, str]]:
-    """The (dotted key, text) rows of one root payload's attributes."""
-    text = payload.decode("utf-8", "replace") if isinstance(payload, bytes) else payload
-    paths: dict[int, str | None] = {}  # json_tree id -> dotted path of an object; None: not nameable
+def _text(conn: sqlite3.Connection, value: Any) -> str:
+    """A scalar as SQLite's ``CAST(json_extract(...) AS TEXT)`` spells it (a float or an integer past int64 by
+    SQLite itself: 15 significant digits)."""
+    if value is True or value is False:
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and _INT64[0] <= value < _INT64[1]:
+        return str(value)
+    return str(conn.execute("SELECT CAST(? AS TEXT)", (float(value),)).fetchone()[0])
+
+
+def leaves(conn: sqlite3.Connection, attributes: Any) -> list[tuple[str, str]]:
+    """The (dotted key, text) rows of a root's parsed attributes (the index parsed the root already)."""
     out: list[tuple[str, str]] = []
-    seen: set[str] = set()
-    for node, parent, key, kind, value in conn.execute(_LEAVES, (text,)):
-        if parent is None:  # the attributes value itself
-            paths[node] = "" if kind == "object" else None
-            continue
-        above = paths.get(parent)
-        path = None if above is None or not isinstance(key, str) or not _KEY.fullmatch(key) else (
-            f"{above}.{key}" if above else key)
-        if kind == "object":
-            paths[node] = path
-        elif value is not None and path is not None and path not in seen:
-            seen.add(path)
-            out.append((path, value))
+    stack: list[tuple[dict[Any, Any], str]] = [(attributes, "")] if isinstance(attributes, dict) else []
+    while stack:
+        mapping, prefix = stack.pop()
+        for key, value in mapping.items():
+            if not isinstance(key, str) or not _KEY.fullmatch(key):
+                continue
+            path = f"{prefix}.{key}" if prefix else key
+            if isinstance(value, dict):
+                stack.append((value, path))
+            elif not isinstance(value, list):
+                out.append((path, _text(conn, value)))
     return out
 
 
-def note(conn: sqlite3.Connection, roots: Iterable[tuple[str, bytes]]) -> None:
-    """Replaces the rows of each (trace_id, root payload); runs in the index's transaction, after its upsert."""
-    for trace_id, payload in roots:
-        row = conn.execute("SELECT rowid FROM trajectories WHERE trace_id = ?", (trace_id,)).fetchone()
-        if row is None:
-            continue
-        conn.execute("DELETE FROM root_attributes WHERE traj = ?", (row[0],))
-        conn.executemany("INSERT OR IGNORE INTO root_attributes (traj, key, value) VALUES (?, ?, ?)",
-                         [(row[0], key, value) for key, value in leaves(conn, payload)])
+def note(conn: sqlite3.Connection, roots: list[tuple[str, Any]]) -> None:
+    """Replaces the rows of each (trace_id, parsed attributes); runs in the index's transaction, after its upsert
+    (one statement of each kind for the whole chunk)."""
+    if not roots:
+        return
+    rowids: dict[str, int] = {}
+    for i in range(0, len(roots), 500):
+        chunk = [trace_id for trace_id, _ in roots[i:i + 500]]
+        rowids.update(conn.execute(f"SELECT trace_id, rowid FROM trajectories WHERE trace_id IN ({','.join('?' * len(chunk))})",
+                                   chunk).fetchall())
+    conn.executemany("DELETE FROM root_attributes WHERE traj = ?", [(r,) for r in rowids.values()])
+    conn.executemany("INSERT OR IGNORE INTO root_attributes (traj, key, value) VALUES (?, ?, ?)",
+                     [(rowids[trace_id], key, value) for trace_id, attributes in roots if trace_id in rowids
+                      for key, value in leaves(conn, attributes)])
 
 
 def forget(conn: sqlite3.Connection, trace_ids: list[str]) -> None:
