@@ -1,7 +1,7 @@
 """The root span's attributes as rows of the trajectory index: what ``attr=`` filters on, on both read stores.
 
-One row per scalar leaf reachable by object keys alone, ``(trace_id, "cfg.lr", "0.3")``, the text as
-SQLite's ``CAST(… AS TEXT)`` spells the JSON value (``true``/``false``/``null`` spelt so; a float with 15
+One row per scalar leaf reachable by object keys alone, ``(traj, "cfg.lr", "0.3")`` (traj: the
+trajectory's rowid), the text as SQLite's ``CAST(… AS TEXT)`` spells the JSON value (``true``/``false``/``null`` spelt so; a float with 15
 significant digits, so ``attr=cfg.lr=0.3`` matches ``0.30000000000000004``). Written when the index
 folds the root, in its transaction, so that a filter is an indexed lookup instead of a scan of every
 root's payload, it still answers once retention evicted the trajectory's spans (the trajectory stays
@@ -66,6 +66,7 @@ def leaves(conn: sqlite3.Connection, attributes: Any) -> list[tuple[str, str]]:
 def note(conn: sqlite3.Connection, roots: list[tuple[str, Any]]) -> None:
     """Replaces the rows of each (trace_id, parsed attributes); runs in the index's transaction, after its upsert
     (one statement of each kind for the whole chunk)."""
+    roots = list(dict(roots).items())  # two roots of one trace in a chunk: the last, as the index's row (root_seq)
     if not roots:
         return
     rowids: dict[str, int] = {}
