@@ -28,9 +28,9 @@ Weave's own trace server does. What it stores and how it is fed:
   ``where=``, ``fate=``, ``refill=``, ``trained_other=``, ``lp_delta_min=``) read columns the
   mirror takes with each row from the index (viewer/mirror_columns.py: the root's attributes as
   the index keeps them for its own ``attr=``, the truth table's filter columns, the numeric reward
-  components); the index's version changed with them, so a table filled before is filled again. The truth tables themselves
-  (drift per turn, the trainer's rows) stay in the index: their values are attached to the rows
-  this store lists, and a step's truth counts come from there. Spans (a trajectory's tree, its
+  components); the index's version changed with them, so a table filled before is filled again.
+  The truth tables themselves (drift per turn, the trainer's rows) stay in the index: their
+  values are attached to the rows this store lists, and a step's truth counts come from there. Spans (a trajectory's tree, its
   tokens) stay in the spool for both stores.
 """
 

@@ -1,14 +1,15 @@
 """The root span's attributes as rows of the trajectory index: what ``attr=`` filters on, on both read stores.
 
-One row per scalar leaf reachable by object keys alone, ``(traj, "cfg.lr", "0.3")`` (traj: the
-trajectory's rowid), the text as SQLite's ``CAST(… AS TEXT)`` spells the JSON value (``true``/``false``/``null`` spelt so; a float with 15
-significant digits, so ``attr=cfg.lr=0.3`` matches ``0.30000000000000004``). Written when the index
-folds the root, in its transaction, so that a filter is an indexed lookup instead of a scan of every
-root's payload, it still answers once retention evicted the trajectory's spans (the trajectory stays
-listed), and the ClickHouse store mirrors the same rows (viewer/mirror_columns.py). Leaves under an
-array, keys a filter cannot spell (empty, or with characters other than letters, digits, ``_`` and
-``-``) and attributes that are not an object give no row: no ``attr=`` can name them. Taken from the
-root as the index parsed it (no second parse); only a float's text is asked of SQLite.
+One row per scalar leaf reachable by object keys alone, ``(traj, "cfg.lr", "0.3")`` (``traj``: the
+trajectory's rowid), the text as SQLite's ``CAST(… AS TEXT)`` spells the JSON value (``true``,
+``false`` and ``null`` spelt so; a float with 15 significant digits, so ``attr=cfg.lr=0.3`` matches
+``0.30000000000000004``). Written when the index folds the root, in its transaction, so that a
+filter is an indexed lookup instead of a scan of every root's payload, it still answers once
+retention evicted the trajectory's spans (the trajectory stays listed), and the ClickHouse store
+mirrors the same rows (viewer/mirror_columns.py). Leaves under an array, keys a filter cannot spell
+(empty, or with characters other than letters, digits, ``_`` and ``-``) and attributes that are not
+an object give no row: no ``attr=`` can name them. Taken from the root as the index parsed it (no
+second parse); only a float's text is asked of SQLite.
 """
 
 from __future__ import annotations
