@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import json
 import numbers
 import time
 from collections.abc import Callable, Iterator
@@ -276,6 +277,28 @@ def current_trajectory_id() -> str | None:
     if span is None or span is _tracer.DISABLED:
         return None
     return span.trace.span_id
+
+
+#: an annotation's attribute naming its trajectory's (experiment, validate, step): what a node with several
+#: gateways routes the annotation by when it does not hold the trajectory (collector/exporters/gateway_route.py)
+ROUTE_ATTR = "tracecar_route"
+
+
+def current_trajectory_route() -> str | None:
+    """The enclosing trajectory's route (its (experiment_name, validate, step) as JSON text), or None outside
+    one or without an int step: VERL carries it to the trainer beside the trajectory's id."""
+    span = _tracer.current.get()
+    if span is None or span is _tracer.DISABLED:
+        return None
+    attrs = span.trace.attributes or {}
+    step, experiment = attrs.get("step"), attrs.get("experiment_name")
+    if type(step) is not int:
+        return None
+    try:
+        return json.dumps([experiment if type(experiment) in (str, int) else None, bool(attrs.get("validate")), step],
+                          separators=(",", ":"), ensure_ascii=False)
+    except ValueError:
+        return None
 
 
 def annotate(trajectory: SpanRecord | str | None = None, *, reward: float | None = None,

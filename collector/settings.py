@@ -135,7 +135,7 @@ class CollectorSettings(BudgetSettings, BaseSettings):
 
     # --- the cluster tier (issue 26): node collectors feed a gateway (collector/service/roles.py) ---
     role: Literal["node", "gateway"] = Field("node", description="node: the collector beside the workers (today's collector; with TRACECAR_GATEWAY_URL it forwards its decoded trajectories to that gateway); gateway: takes node collectors' trajectories, decides the global (tail) budgets, stores, serves the viewer and read APIs for the whole job and fans out to the exporters.")
-    gateway_url: str | None = Field(None, description="role=node: the gateway's base URL (http(s)://HOST:PORT); the node then forwards everything its head budget keeps to it (exporter gateway; candidates only where the gateway's tail budget decomposes, node_candidates) and the gateway decides the tail budgets.")
+    gateway_url: str | None = Field(None, description="role=node: the gateway's base URL (http(s)://HOST:PORT), or several, comma-separated (every node lists the same ones: each step goes to one gateway by rendezvous hashing of (experiment, validate, step), docs/cluster.md); the node then forwards everything its head budget keeps to it (exporter gateway, or gateway@HOST:PORT each; candidates only where the gateway's tail budget decomposes, node_candidates) and the gateway decides the tail budgets.")
     gateway_token: SecretStr | None = Field(None, description="role=node: the bearer token the gateway requires (its TRACECAR_TOKEN); unset: this node's own TRACECAR_TOKEN.")
     node_name: str | None = Field(None, max_length=256, description="role=node: this node's name at the gateway (its metrics' node label, the forwarded batches' envelope); unset: <hostname>:<port>.")
     gateway_timeout_s: float = Field(30.0, gt=0, description="role=node: timeout of one forward request to the gateway.")
@@ -251,6 +251,11 @@ class CollectorSettings(BudgetSettings, BaseSettings):
         return default_workers()
 
     @property
+    def gateway_urls(self) -> list[str]:
+        """The gateways of TRACECAR_GATEWAY_URL (comma-separated), in the order given."""
+        return [u.strip() for u in (self.gateway_url or "").split(",") if u.strip()]
+
+    @property
     def effective_node_name(self) -> str:
         """This node's name at its gateway: TRACECAR_NODE_NAME, else <hostname>:<port>."""
         import socket
@@ -266,8 +271,11 @@ class CollectorSettings(BudgetSettings, BaseSettings):
     @property
     def effective_exporters(self) -> list[str]:
         """The exporters forwarded to: TRACECAR_EXPORTERS, else the one the backend setting names."""
-        if self.role == "node" and self.gateway_url:  # a node forwards to its gateway only (service/roles.py checks the rest)
-            return ["gateway"]
+        if self.role == "node" and self.gateway_url:  # a node forwards to its gateway(s) only (service/roles.py checks the rest)
+            from .gateway_names import exporter_name
+
+            urls = self.gateway_urls
+            return ["gateway"] if len(urls) == 1 else [exporter_name(u) for u in urls]
         if self.exporters is not None:
             return list(self.exporters)
         backend = self.effective_backend

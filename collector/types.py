@@ -37,3 +37,4 @@ class Span(TypedDict):
     client: NotRequired[dict[str, str]]  # weave's capture_info keys, when the client sent them
     wandb_run_id: NotRequired[str]  # the batch's W&B run, when it named a valid one
     warnings: NotRequired[list[str]]  # what was fixed up on the way (kept with the span)
+    route: NotRequired[str]  # an annotation's trajectory route (a trainer's, for a node's gateways: exporters/gateway_route.py)

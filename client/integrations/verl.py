@@ -471,7 +471,8 @@ def _hook_membership(tc) -> bool:
 
 
 def _hook_trace_ids(tc) -> bool:
-    """Put each trajectory's id in ``AgentLoopOutput.extra_fields["tracecar_trace_id"]``.
+    """Put each trajectory's id in ``AgentLoopOutput.extra_fields["tracecar_trace_id"]`` (and its route,
+    ``"tracecar_route"``: its experiment, validate and step, for nodes with several gateways).
 
     VERL carries every extra field into the trainer's batch (``non_tensor_batch``), where
     :func:`tracecar.client.verl_trainer.hook_trainer` reads it to annotate the trajectory with
@@ -479,7 +480,8 @@ def _hook_trace_ids(tc) -> bool:
     ``rollout_trace_attr``; the field dict is replaced, not changed, so the agent loop's traced
     output stays what it returned.
     """
-    from .verl_trainer import TRACE_KEY
+    from ..tracing import current_trajectory_route
+    from .verl_trainer import ROUTE_KEY, TRACE_KEY
 
     module = sys.modules.get("verl.experimental.agent_loop.agent_loop")
     worker_cls: Any = getattr(module, "AgentLoopWorker", None)
@@ -493,7 +495,11 @@ def _hook_trace_ids(tc) -> bool:
             try:
                 trace_id = tc.current_trajectory_id()
                 if trace_id is not None:
-                    output.extra_fields = {**(getattr(output, "extra_fields", None) or {}), TRACE_KEY: trace_id}
+                    fields = {TRACE_KEY: trace_id}
+                    route = current_trajectory_route()  # where its annotations go when nodes have several gateways
+                    if route is not None:
+                        fields[ROUTE_KEY] = route
+                    output.extra_fields = {**(getattr(output, "extra_fields", None) or {}), **fields}
             except Exception:  # noqa: BLE001 - tracing never fails a rollout
                 logger.debug("tracecar.verl: trajectory id not attached", exc_info=True)
         return await original(self, output, *args, **kwargs)

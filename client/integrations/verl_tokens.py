@@ -28,7 +28,7 @@ from typing import Any
 
 from .. import tracer as _tracer
 from ..spans import KIND_ANNOTATION, SpanRecord
-from ..tracing import _now, _TraceRef
+from ..tracing import ROUTE_ATTR, _now, _TraceRef
 
 log = logging.getLogger("tracecar.verl")
 
@@ -37,7 +37,7 @@ MASK_KEYS = ("response_mask", "loss_mask")
 OPTIONAL = (("ref_log_prob", "ref_log_prob"), ("entropys", "entropy"), ("rollout_log_probs", "rollout_log_probs"))
 stats = {"steps": 0, "rows": 0, "dropped_steps": 0, "failed_steps": 0}
 
-_queue: queue.Queue[tuple[dict[str, Any], list[tuple[int, str]]]] = queue.Queue(MAX_PENDING)
+_queue: queue.Queue[tuple[dict[str, Any], list[tuple[int, str]], dict[str, str] | None]] = queue.Queue(MAX_PENDING)
 _thread: threading.Thread | None = None
 _thread_lock = threading.Lock()
 _warned_at = 0.0
@@ -76,29 +76,30 @@ def rows_of(tensors: dict[str, Any], kept: list[tuple[int, str]]) -> list[tuple[
     return out
 
 
-def send(trace_id: str, row: dict[str, str]) -> None:
-    """One annotation carrying the trainer's row (queued like every span: never blocks)."""
+def send(trace_id: str, row: dict[str, str], route: str | None = None) -> None:
+    """One annotation carrying the trainer's row (queued like every span: never blocks); ``route``: its
+    trajectory's (client.tracing.ROUTE_ATTR), for a node with several gateways."""
     tracer = _tracer.active
     if tracer is None:
         return
-    record = SpanRecord("trainer_tokens", KIND_ANNOTATION, _now(), None, {})
+    record = SpanRecord("trainer_tokens", KIND_ANNOTATION, _now(), None, {ROUTE_ATTR: route} if route else {})
     record.trace = _TraceRef(trace_id)  # type: ignore[assignment]
     record.end = record.start
     record.output = {"trainer_tokens": row}
     tracer.emit(record)
 
 
-def _work(tensors: dict[str, Any], kept: list[tuple[int, str]]) -> None:
+def _work(tensors: dict[str, Any], kept: list[tuple[int, str]], routes: dict[str, str] | None = None) -> None:
     for trace_id, row in rows_of(tensors, kept):
-        send(trace_id, row)
+        send(trace_id, row, (routes or {}).get(trace_id))
     stats["rows"] += len(kept)
 
 
 def _loop() -> None:
     while True:
-        tensors, kept = _queue.get()
+        tensors, kept, routes = _queue.get()
         try:
-            _work(tensors, kept)
+            _work(tensors, kept, routes)
         except Exception:  # noqa: BLE001 - a malformed batch costs its rows, never the thread
             stats["failed_steps"] += 1
             log.debug("tracecar.verl: trainer rows not sent", exc_info=True)
@@ -127,7 +128,7 @@ def tensors_of(batch: Any) -> dict[str, Any] | None:
     return out
 
 
-def submit(batch: Any, kept: list[tuple[int, str]], background: bool = True) -> bool:
+def submit(batch: Any, kept: list[tuple[int, str]], background: bool = True, routes: dict[str, str] | None = None) -> bool:
     """Queues the kept rows of one step (False: nothing to send, or the queue was full and the step dropped)."""
     if not kept or _tracer.active is None:
         return False
@@ -136,11 +137,11 @@ def submit(batch: Any, kept: list[tuple[int, str]], background: bool = True) -> 
         return False
     stats["steps"] += 1
     if not background:
-        _work(tensors, kept)
+        _work(tensors, kept, routes)
         return True
     _start()
     try:
-        _queue.put_nowait((tensors, kept))
+        _queue.put_nowait((tensors, kept, routes))
     except queue.Full:
         stats["dropped_steps"] += 1
         _warn(f"tracecar: trainer rows of a step dropped ({stats['dropped_steps']} so far): the packing thread is "

@@ -41,10 +41,13 @@ import sys
 from typing import Any
 
 from .. import tracer as _tracer
-from ..tracing import annotate
+from ..tracing import ROUTE_ATTR, annotate
 from . import verl_fate, verl_tokens
 
 TRACE_KEY = "tracecar_trace_id"
+#: the trajectory's route (client.tracing.current_trajectory_route), carried beside its id: annotations posted
+#: from the driver's node reach the gateway that holds the trajectory when nodes have several
+ROUTE_KEY = "tracecar_route"
 _FLAG = "__tracecar_trainer_hook__"
 _MODULE = "verl.trainer.ppo.ray_trainer"
 
@@ -124,11 +127,13 @@ def annotate_batch(data: Any, step: int | None = None, trainer_tokens: bool | st
     versions = non_tensor.get("min_global_steps")
     last_versions = non_tensor.get("max_global_steps")
     uids = non_tensor.get("uid")
+    routes = non_tensor.get(ROUTE_KEY)
     trace_ids = _vector(ids)
     extras = _reward_extras(data, non_tensor, len(trace_ids))
     truths = _ground_truths(non_tensor, len(trace_ids))
     done = 0
     kept: list[tuple[int, str]] = []
+    kept_routes: dict[str, str] = {}
     for i, trace_id in enumerate(trace_ids):
         trace_id = _plain(trace_id)
         if not isinstance(trace_id, str) or not trace_id:
@@ -147,6 +152,10 @@ def annotate_batch(data: Any, step: int | None = None, trainer_tokens: bool | st
             value = _plain(column[i]) if column is not None else None
             if type(value) is int:
                 more[key] = value
+        route = _plain(routes[i]) if routes is not None else None
+        if isinstance(route, str) and route:
+            more[ROUTE_ATTR] = route
+            kept_routes[trace_id] = route
         refill = verl_fate.refill_of(_plain(uids[i])) if uids is not None else None
         if refill is not None:
             more["refill_of"] = refill[0]
@@ -157,7 +166,7 @@ def annotate_batch(data: Any, step: int | None = None, trainer_tokens: bool | st
             kept.append((i, trace_id))
         done += 1
     if trainer_tokens:
-        verl_tokens.submit(batch, kept, background=trainer_tokens != "sync")
+        verl_tokens.submit(batch, kept, background=trainer_tokens != "sync", routes=kept_routes)
     return done
 
 

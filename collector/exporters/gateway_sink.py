@@ -28,6 +28,7 @@ import zstandard
 from tracecar.client.retry_after import parse_retry_after
 
 from .forward import RawJSON, SendResult
+from .gateway_route import GatewayRouter
 
 log = logging.getLogger("tracecar.collector.gateway_sink")
 
@@ -50,7 +51,13 @@ class GatewaySink:
     name = "gateway"
 
     def __init__(self, url: str, *, node: str, token: str | None = None, timeout_s: float = 30.0,
-                 batch_bytes: int = 8 * 2**20, client: httpx.AsyncClient | None = None) -> None:
+                 batch_bytes: int = 8 * 2**20, client: httpx.AsyncClient | None = None, name: str = "gateway",
+                 router: GatewayRouter | None = None, index: int = 0) -> None:
+        self.name = name
+        self.url = url.rstrip("/")
+        # one of several gateways: the spans routed to another are that one's, passed over here (``elsewhere``)
+        self.router = router
+        self.index = index
         self.endpoint = url.rstrip("/") + "/v1/spans"
         self.heartbeat_endpoint = url.rstrip("/") + "/v1/cluster/heartbeat"
         self.node = node
@@ -72,24 +79,31 @@ class GatewaySink:
 
     async def send(self, spans: Sequence[Mapping[str, Any]]) -> SendResult:
         result = SendResult()
-        ends = await asyncio.to_thread(self.token_ends, [s["span_id"] for s in spans])  # a read of the node's spool
+        mine = [True] * len(spans)
+        if self.router is not None:  # a read of the node's spool, for spans without a step
+            owners = await asyncio.to_thread(self.router.owners, spans)
+            mine = [o == self.index for o in owners]
+            result.elsewhere = [s["span_id"] for s, m in zip(spans, mine) if not m]
+        ends = await asyncio.to_thread(self.token_ends, [s["span_id"] for s, m in zip(spans, mine) if m])
         chunk: list[bytes] = []
         ids: list[str] = []
-        size = posted = 0
-        for span in spans:
+        size = through = 0  # through: how many of the batch's oldest spans are this gateway's or passed over
+        for position, (span, own) in enumerate(zip(spans, mine)):
+            if not own:
+                continue
             item = dict(span)
             if span["span_id"] in ends:
                 item["token_ends"] = ends[span["span_id"]]
             encoded = orjson.dumps(item, default=_default)
             if chunk and size + len(encoded) > self.batch_bytes:
-                posted += len(chunk)
-                await self._post_in_order(chunk, ids, result, posted)
+                await self._post_in_order(chunk, ids, result, through)
                 chunk, ids, size = [], [], 0
             chunk.append(encoded)
             ids.append(span["span_id"])
             size += len(encoded)
+            through = position + 1
         if chunk:
-            await self._post_in_order(chunk, ids, result, posted + len(chunk))
+            await self._post_in_order(chunk, ids, result, through)
         return result
 
     async def _post_in_order(self, chunk: list[bytes], ids: list[str], result: SendResult, delivered: int) -> None:

@@ -43,14 +43,24 @@ def make_mlflow_sink(settings: Any) -> Sink:
 
 def make_gateway_sink(settings: Any) -> Sink:
     """The ``gateway`` sink of a node collector (TRACECAR_GATEWAY_URL; the cluster tier, docs/cluster.md)."""
-    from .gateway_sink import GatewaySink
-
     if not settings.gateway_url:
         raise RuntimeError("exporter gateway needs TRACECAR_GATEWAY_URL")
+    return make_gateway_sinks(settings)[0]
+
+
+def make_gateway_sinks(settings: Any) -> list[Sink]:
+    """A node's sinks, one per gateway: ``gateway`` alone, or ``gateway@HOST:PORT`` each, every one owing
+    only the spans routed to it (exporters/gateway_route.py; each its own delivery cursor)."""
+    from .gateway_route import GatewayRouter, exporter_name
+    from .gateway_sink import GatewaySink
+
+    urls = settings.gateway_urls
     token = settings.gateway_token or settings.token
-    return GatewaySink(settings.gateway_url, node=settings.effective_node_name,
-                       token=token.get_secret_value() if token is not None else None,
-                       timeout_s=settings.gateway_timeout_s, batch_bytes=settings.gateway_batch_bytes)
+    router = GatewayRouter(urls) if len(urls) > 1 else None
+    return [GatewaySink(url, node=settings.effective_node_name, token=token.get_secret_value() if token is not None else None,
+                        timeout_s=settings.gateway_timeout_s, batch_bytes=settings.gateway_batch_bytes,
+                        name="gateway" if router is None else exporter_name(url), router=router, index=i)
+            for i, url in enumerate(urls)]
 
 
 EXPORTERS: dict[str, Callable[[Any], Sink]] = {
@@ -68,6 +78,8 @@ def unknown_exporter(name: str) -> str:
 
 def make_sinks(settings: Any) -> list[Sink]:
     """One sink per configured exporter, in the configured order (empty: local store only)."""
+    if getattr(settings, "role", "node") == "node" and getattr(settings, "gateway_url", None):
+        return make_gateway_sinks(settings)  # a node forwards to its gateway(s) only (service/roles.py)
     sinks = []
     for name in settings.effective_exporters:
         if name not in EXPORTERS:

@@ -31,6 +31,9 @@ _INT64 = (-(2**63), 2**63 - 1)  # what an SQLite INTEGER column (the store's ind
 #: exporters carry (Weave's ClickHouse ``DateTime64`` ends with 2299; OTLP's uint64 nanoseconds in 2554;
 #: Python's datetime, which Weave's SDK and SQLite server use, in 9999), so an accepted span is always exportable
 MAX_TIME_S = 10_413_792_000.0
+#: an annotation's route attribute (client.tracing.ROUTE_ATTR) and its longest accepted text
+ROUTE_ATTR = "tracecar_route"
+MAX_ROUTE_CHARS = 1024
 
 
 class StackFrame(BaseModel):
@@ -296,6 +299,8 @@ def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT
                                           f"duplicate of spans[{seen[span['span_id']]}] in this batch"))
             continue
         seen[span["span_id"]] = index
+        if span["kind"] == "annotation" and ROUTE_ATTR in span["attributes"]:  # its trajectory's route (a trainer's):
+            _take_route(span)  # for a node's gateways to read, never the trajectory's attributes
         if span["exception_info"] is not None:
             info = cast(ExceptionInfo, span["exception_info"]).model_dump()  # still the model here
             if info["traceback"] is None:  # weave leaves the key out when nothing was raised
@@ -322,6 +327,17 @@ def validate_batch(raw: Any, max_spans: int, redact: RedactKeys = DEFAULT_REDACT
     out.index_of = seen
     _reject_cycles(out, seen)
     return out
+
+
+def _take_route(span: Span) -> None:
+    """Moves an annotation's ``tracecar_route`` attribute (client.tracing.ROUTE_ATTR) to the span's ``route``
+    field when it is a route (exporters/gateway_route.py reads it there); dropped otherwise: a hint, never
+    worth the span, and never merged into the trajectory's attributes."""
+    attributes = dict(span["attributes"])
+    value = attributes.pop(ROUTE_ATTR)
+    span["attributes"] = attributes
+    if isinstance(value, str) and len(value) <= MAX_ROUTE_CHARS:
+        span["route"] = value
 
 
 def _storable(text: str) -> bool:

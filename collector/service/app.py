@@ -63,7 +63,7 @@ from ..viewer.truth_api import build_router as build_truth_router
 from .auth import BearerAuth
 from .health import health_snapshot
 from .health_step import latest_experiment, step_health
-from .roles import NODE_HEADER, PROGRESS_HEADER, GatewayIntake, gateway_sinks, heartbeat_loop, wire_gateway_sinks
+from .roles import NODE_HEADER, PROGRESS_HEADER, BudgetsAgreement, GatewayIntake, gateway_sinks, heartbeat_loop, wire_gateway_sinks
 
 log = logging.getLogger("tracecar.collector")
 LIST_SORT_PATTERN = "^(" + "|".join(SORTS) + ")$"  # the viewer list's sorts
@@ -91,8 +91,13 @@ class Collector:
         self.pipeline = IngestPipeline(settings, self.spool, self.metrics)
         # a node's gateway sink reads its token offsets and progress here (and the steps it holds)
         wire_gateway_sinks(self.sinks, self.spool, self.pipeline.selection)
-        for gateway_sink in gateway_sinks(self.sinks):  # ... and learns the gateway's budgets (candidates only)
-            gateway_sink.on_budgets = self.pipeline.learn_budgets
+        several = gateway_sinks(self.sinks)
+        if len(several) == 1:  # ... and learns the gateway's budgets (candidates only)
+            several[0].on_budgets = self.pipeline.learn_budgets
+        elif several:  # ... while its gateways agree on them
+            agreement = BudgetsAgreement([s.name for s in several], self.pipeline.learn_budgets)
+            for gateway_sink in several:
+                gateway_sink.on_budgets = functools.partial(agreement.heard, gateway_sink.name)
         # a gateway's budgets, as its heartbeat answers tell its nodes (processors/sampling/candidates.py)
         self.budgets_description = (describe_budgets(self.pipeline.policies, list(settings.budgets))
                                     if settings.role == "gateway" else None)

@@ -124,7 +124,7 @@ def check_backend(settings: CollectorSettings) -> None:
 
     exporters = settings.effective_exporters
     for name in exporters:
-        if name not in EXPORTERS:
+        if name not in EXPORTERS and not name.startswith("gateway@"):  # gateway@HOST:PORT: one of a node's gateways
             raise ConfigError(unknown_exporter(name))
     chosen = "TRACECAR_EXPORTERS includes {}" if settings.exporters is not None else "TRACECAR_BACKEND={}"
     if "otlp" in exporters and not settings.otlp_endpoint:

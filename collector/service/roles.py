@@ -16,13 +16,16 @@ Each rule below is one line for the user and exit 2 (``tracecar serve``, ``trace
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import urllib.parse
 from typing import Any
 
 from ..exporters.gateway_sink import NODE_HEADER, PROGRESS_HEADER
 
-__all__ = ["NODE_HEADER", "PROGRESS_HEADER", "RoleError", "check_role", "gateway_url_problem", "read_token_ends",
+log = logging.getLogger("tracecar.collector.roles")
+
+__all__ = ["NODE_HEADER", "PROGRESS_HEADER", "RoleError", "check_role", "BudgetsAgreement", "gateway_url_problem", "read_token_ends",
            "wire_gateway_sinks", "GatewayIntake", "NodeMarks", "heartbeat_loop", "gateway_sinks", "read_progress",
            "parse_progress"]
 
@@ -68,9 +71,20 @@ def check_role(settings: Any) -> None:
                         "http(s)://HOST:PORT")
     if not url:
         return
-    problem = gateway_url_problem(url)
-    if problem:
-        raise RoleError(f"TRACECAR_GATEWAY_URL {problem}: give the gateway's http(s)://HOST:PORT")
+    urls = settings.gateway_urls
+    if not urls:
+        raise RoleError("TRACECAR_GATEWAY_URL names no gateway: give the gateway's http(s)://HOST:PORT (several: comma-separated)")
+    for one in urls:
+        problem = gateway_url_problem(one)
+        if problem:
+            shown = f" ({one})" if len(urls) > 1 else ""
+            raise RoleError(f"TRACECAR_GATEWAY_URL{shown} {problem}: give the gateway's http(s)://HOST:PORT")
+    if len(urls) > 1:
+        from ..gateway_names import exporter_name
+
+        names = [exporter_name(u) for u in urls]
+        if len(set(names)) != len(names):
+            raise RoleError("TRACECAR_GATEWAY_URL lists one gateway twice (the same host and port): list each once")
     if settings.exporters is not None and list(settings.exporters) not in ([], ["gateway"]):
         raise RoleError("TRACECAR_EXPORTERS is set on a node with a gateway: the gateway fans out to the exporters; "
                         "unset TRACECAR_EXPORTERS here and configure them on the gateway")
@@ -116,11 +130,46 @@ def gateway_sinks(sinks: list[Any]) -> list[Any]:
 def wire_gateway_sinks(sinks: list[Any], spool: Any, selection: Any = None) -> None:
     """A node's gateway sink reads its token offsets and its progress from this node's spool (and, sending
     candidates only, the steps it holds: its heartbeat's body)."""
+    from ..exporters.gateway_route import lookup_route_keys
+
     for sink in gateway_sinks(sinks):
         sink.token_ends = functools.partial(read_token_ends, spool)
-        sink.progress = functools.partial(read_progress, spool)
+        sink.progress = functools.partial(read_progress, spool, exporter=sink.name)
+        if sink.router is not None:  # several gateways: a span without a step goes where its trajectory went
+            sink.router.lookup = functools.partial(lookup_route_keys, spool)
         if selection is not None and selection.node_candidates:
-            sink.holding = functools.partial(selection.holding_report, functools.partial(read_progress, spool, 0, False))
+            sink.holding = functools.partial(selection.holding_report,
+                                             functools.partial(read_progress, spool, 0, False, sink.name))
+
+
+class BudgetsAgreement:
+    """A node with several gateways learns their budgets (heartbeat answers) only while they agree.
+
+    Each gateway decides its own steps, so the node's candidates must be chosen under the budgets
+    every gateway applies; gateways configured apart would each see candidates chosen for another's
+    rules. While they differ the node keeps what it last learned and says so (log, rate-limited)."""
+
+    def __init__(self, names: list[str], learn: Any) -> None:
+        from ..loudness import RateLimited
+
+        self.names = names
+        self.learn = learn
+        self.latest: dict[str, Any] = {}
+        self._loud = RateLimited(60.0)
+        self.disagree = False
+
+    def heard(self, name: str, description: Any) -> None:
+        self.latest[name] = description
+        values = list(self.latest.values())
+        if any(v != values[0] for v in values[1:]):
+            self.disagree = True
+            if self._loud.hit() is not None:
+                log.error("the gateways answer different budgets (%s): this node keeps the budgets it last learned; "
+                          "configure every gateway of TRACECAR_GATEWAY_URL with the same tail budgets",
+                          ", ".join(sorted(self.latest)), extra={"event": "gateway_budgets_disagree"})
+            return
+        self.disagree = False
+        self.learn(description)
 
 
 class GatewayIntake:
@@ -167,16 +216,23 @@ class GatewayIntake:
 
 
 # ---- how far each node has delivered: a gateway's steps wait for a node that is behind ----------------
-def read_progress(spool: Any, delivered: int, held_owed: bool = True) -> tuple[int, int]:
+def read_progress(spool: Any, delivered: int, held_owed: bool = True, exporter: str | None = None) -> tuple[int, int]:
     """(acknowledged through, delivered through) of a node's spool, as sequence numbers: the highest seq it
     ever committed, and the highest seq below which nothing is owed once the oldest ``delivered`` pending
     spans are delivered (the forwarder sends oldest first). A held span (a node sending candidates only
     holds its steps until its view of them closes) is owed too, unless ``held_owed`` is false: then the
-    caller reports the steps it holds beside it (TailSelector.holding_report)."""
+    caller reports the steps it holds beside it (TailSelector.holding_report).
+
+    With several gateways (``exporter``: one of them, the spool keeping a delivery cursor each), what that
+    gateway's cursor still owes: the spans routed to the others are passed over by its forwarder."""
+    if exporter is not None and getattr(spool, "multi", False):
+        owed_sql, params = "SELECT seq FROM deliveries WHERE exporter = ? ORDER BY seq LIMIT 1 OFFSET ?", [exporter, max(0, delivered)]
+    else:
+        owed_sql, params = "SELECT seq FROM spans WHERE state = 0 ORDER BY seq LIMIT 1 OFFSET ?", [max(0, delivered)]
     row = spool.query("SELECT (SELECT seq FROM sqlite_sequence WHERE name = 'spans') AS acked, "
-                      "(SELECT seq FROM spans WHERE state = 0 ORDER BY seq LIMIT 1 OFFSET ?) AS next_owed, "
+                      f"({owed_sql}) AS next_owed, "
                       f"(SELECT seq FROM spans WHERE state = 3 AND {int(held_owed)} ORDER BY seq LIMIT 1) AS next_held",
-                      [max(0, delivered)])[0]
+                      params)[0]
     acked = int(row["acked"] or 0)
     owed = [int(row[k]) for k in ("next_owed", "next_held") if row[k] is not None]
     return acked, (min(owed) - 1 if owed else acked)

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.collector import ProcessCollector, collector_env, scrape_metric
+from tests.support.collector import ProcessCollector, collector_env, metric_value, scrape_metric
 from tests.support.processes import free_port, stop_process
 
 
@@ -30,10 +30,15 @@ def process_collector(data_dir: Path, port: int | None = None, **settings: Any) 
 class Cluster:
     gateway: ProcessCollector
     nodes: list[ProcessCollector] = field(default_factory=list)
+    more_gateways: list[ProcessCollector] = field(default_factory=list)  # the second and later of several
+
+    @property
+    def gateways(self) -> list[ProcessCollector]:
+        return [self.gateway, *self.more_gateways]
 
     @property
     def all(self) -> list[ProcessCollector]:
-        return [self.gateway, *self.nodes]
+        return [*self.gateways, *self.nodes]
 
     def stop(self) -> None:
         for pc in self.all:
@@ -41,8 +46,12 @@ class Cluster:
                 stop_process(pc.proc, grace_s=20)
 
     def owed(self, node: ProcessCollector) -> float:
-        """Spans a node still owes its gateway (its delivery cursor's backlog)."""
-        return scrape_metric(node.url, "tracecar_exporter_pending", exporter="gateway")
+        """Spans a node still owes its gateway(s) (their delivery cursors' backlogs)."""
+        text = httpx.get(node.url + "/metrics", timeout=10).text
+        if len(self.gateways) == 1:
+            return metric_value(text, "tracecar_exporter_pending", exporter="gateway")
+        return sum(metric_value(text, "tracecar_exporter_pending", exporter="gateway@" + g.url.split("//", 1)[1])
+                   for g in self.gateways)
 
     def held(self, node: ProcessCollector) -> float:
         """Spans a node holds until its view of their step closes (sending its gateway candidates only)."""
@@ -55,15 +64,20 @@ class Cluster:
 
 
 def start_cluster(root: Path, nodes: int, gateway: dict[str, Any] | None = None, node: dict[str, Any] | None = None,
-                  start: bool = True) -> Cluster:
-    """A gateway (data dir ``root/gateway``) and ``nodes`` node collectors (``root/node<i>``) feeding it.
+                  start: bool = True, gateways: int = 1) -> Cluster:
+    """A gateway (data dir ``root/gateway``) and ``nodes`` node collectors (``root/node<i>``) feeding it
+    (``gateways`` > 1: that many gateways, ``root/gateway<i>`` from the second, every node listing all).
 
     The nodes close a step they hold (sending the gateway candidates only) after 2 s without spans
     (``TRACECAR_STEP_IDLE_S``; the workload's last step has no next one), unless ``node`` says otherwise."""
     gw = process_collector(root / "gateway", role="gateway", log_level="warning", **(gateway or {}))
     cluster = Cluster(gw)
+    for i in range(1, gateways):
+        cluster.more_gateways.append(process_collector(root / f"gateway{i}", role="gateway", log_level="warning",
+                                                       **(gateway or {})))
+    urls = ",".join(g.url for g in cluster.gateways)
     for i in range(nodes):
-        cluster.nodes.append(process_collector(root / f"node{i}", role="node", gateway_url=gw.url, node_name=f"node{i}",
+        cluster.nodes.append(process_collector(root / f"node{i}", role="node", gateway_url=urls, node_name=f"node{i}",
                                                log_level="warning", forward_retry_max_s=2,
                                                **{"step_idle_s": 2, **(node or {})}))
     if start:
