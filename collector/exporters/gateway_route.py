@@ -19,6 +19,7 @@ that way too).
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -71,17 +72,24 @@ class GatewayRouter:
     """Routes spans to one of several gateways, keeping each step (and so each group) whole.
 
     ``lookup(trace_ids)``: the route keys of those traces from what this node holds (its spool),
-    for spans that carry no step. Runs in the forwarders' worker threads; the cache is a plain
-    dict guarded by the GIL (a stale miss only costs a lookup)."""
+    for spans that carry no step. Runs in the forwarders' worker threads, under one lock."""
 
     def __init__(self, gateways: Sequence[str], lookup: Callable[[list[str]], dict[str, str]] | None = None,
                  remember: int = 100_000) -> None:
         self.gateways = [gateway_identity(g) for g in gateways]
         self.lookup = lookup
         self._keys: _Lru = _Lru(remember)  # trace id -> route key
+        # span id -> owner of a span without a step, as first decided: every sink of this process gets the same
+        # answer even if the trajectory's spans arrive between two sinks' reads (a later read would differ)
+        self._decided: _Lru = _Lru(remember)
+        self._lock = threading.Lock()  # the forwarders call from worker threads
 
     def owners(self, spans: Sequence[Mapping[str, Any]]) -> list[int]:
         """The owning gateway's index for each span, in order."""
+        with self._lock:
+            return self._owners(spans)
+
+    def _owners(self, spans: Sequence[Mapping[str, Any]]) -> list[int]:
         keys: list[str | None] = []
         for span in spans:
             key = span_route_key(span)
@@ -94,8 +102,15 @@ class GatewayRouter:
                 self._keys.put(trace_id, key)
         out = []
         for span, key in zip(spans, keys):
-            key = key or self._keys.get(span["trace_id"]) or carried_route(span)
-            out.append(owner(key if key is not None else "trace:" + str(span["trace_id"]), self.gateways))
+            if key is not None:
+                out.append(owner(key, self.gateways))
+                continue
+            decided = self._decided.get(span["span_id"])
+            if decided is None:
+                key = self._keys.get(span["trace_id"]) or carried_route(span)
+                decided = owner(key if key is not None else "trace:" + str(span["trace_id"]), self.gateways)
+                self._decided.put(span["span_id"], decided)
+            out.append(decided)
         return out
 
 

@@ -164,7 +164,10 @@ class GatewaySink:
         status = response.status_code
         if status == 413 and len(chunk) > 1:
             half = len(chunk) // 2
-            await self._post(chunk[:half], ids[:half], result, delivered - (len(chunk) - half))
+            # with several gateways the chunk's spans need not be consecutive in the batch (passed-over ones sit between):
+            # the first half then claims nothing beyond what is delivered already
+            first = delivered - (len(chunk) - half) if self.router is None else 0
+            await self._post(chunk[:half], ids[:half], result, first)
             await self._post(chunk[half:], ids[half:], result, delivered)
             return
         answer: Any = None

@@ -117,6 +117,14 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
     return f"{source}: " + "; ".join(parts)
 
 
+def _gateway_names(settings: CollectorSettings) -> list[str]:
+    """The exporter names of a node's several gateways (gateway@HOST:PORT each)."""
+    from ..gateway_names import exporter_name
+
+    urls = settings.gateway_urls
+    return [exporter_name(u) for u in urls] if len(urls) > 1 else []
+
+
 def check_backend(settings: CollectorSettings) -> None:
     """Each configured exporter's needs (Weave a key and an entity, OTLP an endpoint, MLflow a
     server): said now, in one line, not as a traceback from ``serve``."""
@@ -124,7 +132,7 @@ def check_backend(settings: CollectorSettings) -> None:
 
     exporters = settings.effective_exporters
     for name in exporters:
-        if name not in EXPORTERS and not name.startswith("gateway@"):  # gateway@HOST:PORT: one of a node's gateways
+        if name not in EXPORTERS and not (settings.role == "node" and name in _gateway_names(settings)):  # a node's gateways
             raise ConfigError(unknown_exporter(name))
     chosen = "TRACECAR_EXPORTERS includes {}" if settings.exporters is not None else "TRACECAR_BACKEND={}"
     if "otlp" in exporters and not settings.otlp_endpoint:

@@ -43,6 +43,8 @@ def gateway_url_problem(url: str) -> str | None:
         return f"is not a URL ({exc})"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return "is not an http(s)://HOST:PORT URL"
+    if parts.username is not None or parts.password is not None:
+        return "must not carry a user or password (give the token in TRACECAR_GATEWAY_TOKEN)"
     if parts.query or parts.fragment:
         return "must not carry a query or fragment"
     if parts.path not in ("", "/"):
@@ -143,7 +145,7 @@ def wire_gateway_sinks(sinks: list[Any], spool: Any, selection: Any = None) -> N
 
 
 class BudgetsAgreement:
-    """A node with several gateways learns their budgets (heartbeat answers) only while they agree.
+    """A node with several gateways learns their budgets (heartbeat answers) once all answered, while they agree.
 
     Each gateway decides its own steps, so the node's candidates must be chosen under the budgets
     every gateway applies; gateways configured apart would each see candidates chosen for another's
@@ -156,10 +158,17 @@ class BudgetsAgreement:
         self.learn = learn
         self.latest: dict[str, Any] = {}
         self._loud = RateLimited(60.0)
+        self._lock = threading.Lock()  # heartbeats of several gateways answer on worker threads
         self.disagree = False
 
     def heard(self, name: str, description: Any) -> None:
+        with self._lock:
+            self._heard(name, description)
+
+    def _heard(self, name: str, description: Any) -> None:
         self.latest[name] = description
+        if set(self.latest) != set(self.names):
+            return  # learned once every gateway has answered: one answer is not an agreement
         values = list(self.latest.values())
         if any(v != values[0] for v in values[1:]):
             self.disagree = True

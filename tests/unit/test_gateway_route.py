@@ -54,3 +54,24 @@ def test_a_step_stays_whole_and_spans_without_a_step_follow_their_trajectory() -
     assert got[4] == got[5] == owner("trace:t-none", router.gateways)  # no step anywhere: by its trace id, whole
     assert looked_up == [["t-none", "t-old"]]  # t1 was known from its own spans in the batch
     assert route_key("exp", None, 3) == route_key("exp", False, 3) and route_key("exp", True, "3") is None
+
+
+def test_names_and_urls_a_node_refuses_or_folds() -> None:
+    from tracecar.collector.service.roles import gateway_url_problem
+
+    assert exporter_name("http://gw") == exporter_name("http://GW:80/") == "gateway@gw:80"  # one gateway, one cursor
+    assert gateway_identity("http://gw") == gateway_identity("http://gw:80")
+    assert "user or password" in (gateway_url_problem("http://user:secret@gw:1") or "")
+
+
+def test_a_node_learns_budgets_once_every_gateway_answered_the_same() -> None:
+    from tracecar.collector.service.roles import BudgetsAgreement
+
+    learned: list[object] = []
+    agreement = BudgetsAgreement(["gateway@a:1", "gateway@b:1"], learned.append)
+    agreement.heard("gateway@a:1", {"k": 1})
+    assert learned == []  # one answer is not an agreement
+    agreement.heard("gateway@b:1", {"k": 2})
+    assert learned == [] and agreement.disagree
+    agreement.heard("gateway@b:1", {"k": 1})
+    assert learned == [{"k": 1}] and not agreement.disagree
