@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
 
 from ..gateway_names import exporter_name, gateway_identity
+from ..lru import Lru
 
 __all__ = ["GatewayRouter", "carried_route", "exporter_name", "gateway_identity", "lookup_route_keys", "owner",
            "route_key", "span_route_key"]
@@ -56,18 +56,6 @@ def owner(key: str, gateways: Sequence[str]) -> int:
     return best
 
 
-class _Lru(OrderedDict):
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self.size = size
-
-    def put(self, key: Any, value: Any) -> None:
-        self[key] = value
-        self.move_to_end(key)
-        if len(self) > self.size:
-            self.popitem(last=False)
-
-
 class GatewayRouter:
     """Routes spans to one of several gateways, keeping each step (and so each group) whole.
 
@@ -78,10 +66,10 @@ class GatewayRouter:
                  remember: int = 100_000) -> None:
         self.gateways = [gateway_identity(g) for g in gateways]
         self.lookup = lookup
-        self._keys: _Lru = _Lru(remember)  # trace id -> route key
+        self._keys: Lru = Lru(remember)  # trace id -> route key
         # span id -> owner of a span without a step, as first decided: every sink of this process gets the same
         # answer even if the trajectory's spans arrive between two sinks' reads (a later read would differ)
-        self._decided: _Lru = _Lru(remember)
+        self._decided: Lru = Lru(remember)
         self._lock = threading.Lock()  # the forwarders call from worker threads
 
     def owners(self, spans: Sequence[Mapping[str, Any]]) -> list[int]:

@@ -31,12 +31,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
 
+from ...lru import Lru
 from ...settings import CollectorSettings
 from ...spool.store import Spool, SpoolRow, WriteResult
 from ...types import Span
@@ -52,20 +52,6 @@ log = logging.getLogger("tracecar.collector.selection")
 HOLD, PASS, DROP, LATE = "hold", "pass", "drop", "late"
 LOCAL = "local"  # a node's span of a trajectory it did not forward (not a candidate): stored here, not owed
 _OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
-
-
-class _Lru(OrderedDict):
-    """A bounded mapping that forgets its least recently set entries."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self.size = size
-
-    def put(self, key: Any, value: Any) -> None:
-        self[key] = value
-        self.move_to_end(key)
-        if len(self) > self.size:
-            self.popitem(last=False)
 
 
 def _step_key(attrs: dict[str, Any]) -> StepKey:
@@ -115,9 +101,9 @@ class TailSelector:
         self.trace_step: dict[str, OpenStep] = {}
         self.loose: dict[str, Loose] = {}
         self.latest: dict[tuple[Any, str], StepOrder] = {}
-        self.verdicts = _Lru(65536)  # trace_id -> kept, for recently decided trajectories
-        self.rounds = _Lru(4096)  # step key -> last decided round
-        self.passed = _Lru(65536)  # trace ids stored without holding (for their annotations)
+        self.verdicts = Lru(65536)  # trace_id -> kept, for recently decided trajectories
+        self.rounds = Lru(4096)  # step key -> last decided round
+        self.passed = Lru(65536)  # trace ids stored without holding (for their annotations)
         self._lock = threading.RLock()
         self._rebuild()
 
