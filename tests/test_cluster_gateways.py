@@ -11,6 +11,7 @@ the single collector's. Every process has its own data dir on 127.0.0.1.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,21 @@ import httpx
 import orjson
 import pytest
 
-from tests.cluster_workload import EXPERIMENTS, PER_STEP, STEPS, TAIL_BUDGETS, kept_set, node_of, post, workload
+from tests.cluster_workload import (
+    EXPERIMENTS,
+    PER_STEP,
+    STEPS,
+    TAIL_BUDGETS,
+    Feeder,
+    batches,
+    kept_set,
+    node_of,
+    post,
+    workload,
+)
+from tests.conftest import FAKE_WANDB_KEY
 from tests.support.cluster import Cluster, process_collector, start_cluster, wait_until
-from tests.support.collector import scrape_metric
+from tests.support.collector import metric_value, scrape_metric
 from tests.support.processes import free_port
 from tests.test_cluster_budgets import NODES, feed, groups, listed
 from tracecar.collector.exporters.gateway_route import owner, route_key
@@ -48,16 +61,21 @@ def step_decided(url: str, experiment: str, step: int) -> bool:
     return len(answer["decisions"]) == PER_STEP and not answer["open"]
 
 
-def test_two_gateways_each_decide_their_steps_exactly_as_one_collector(tmp_path: Path) -> None:
-    single = process_collector(tmp_path / "single", log_level="warning", **TAIL_BUDGETS).start()
-    ports = two_gateway_ports()
-    cluster: Cluster = start_cluster(tmp_path, NODES, gateway=TAIL_BUDGETS, gateways=2, start=False)
-    for gw, port in zip(cluster.gateways, ports):  # the ports chosen so that both gateways own steps
+def two_gateway_cluster(tmp_path: Path, **gateway: Any) -> tuple[Cluster, list[str]]:
+    """Four nodes and two gateways (not started), on ports chosen so that both gateways own steps."""
+    cluster: Cluster = start_cluster(tmp_path, NODES, gateway={**TAIL_BUDGETS, **gateway}, gateways=2, start=False)
+    for gw, port in zip(cluster.gateways, two_gateway_ports()):
         gw.url = f"http://127.0.0.1:{port}"
         gw.env["TRACECAR_PORT"] = str(port)
     urls = [g.url for g in cluster.gateways]
     for n in cluster.nodes:
         n.env["TRACECAR_GATEWAY_URL"] = ",".join(urls)
+    return cluster, urls
+
+
+def test_two_gateways_each_decide_their_steps_exactly_as_one_collector(tmp_path: Path) -> None:
+    single = process_collector(tmp_path / "single", log_level="warning", **TAIL_BUDGETS).start()
+    cluster, urls = two_gateway_cluster(tmp_path)
     try:
         for pc in cluster.all:
             pc.start()
@@ -91,6 +109,64 @@ def test_two_gateways_each_decide_their_steps_exactly_as_one_collector(tmp_path:
         assert received == forwarded, (received, forwarded)  # nothing sent to a gateway that does not own it
         trainer_annotations_follow_their_route(cluster, urls, own)
     finally:
+        cluster.stop()
+        single.terminate()
+
+
+def test_two_gateways_with_a_node_and_a_gateway_killed_lose_nothing_and_deliver_once(tmp_path: Path,
+                                                                                    faulty_weave_stub: Any) -> None:
+    """A node SIGKILLed mid-step (restarted on its spool, its routes remembered only there) and one gateway
+    SIGKILLed mid-step: every step's decisions at its owner equal the fault-free single collector's, the other
+    gateway has none of it, every acknowledged span of a kept trajectory (the stepless reward annotations too)
+    is at its owner, and each kept call reached Weave once, through one gateway."""
+    stub = faulty_weave_stub
+    weave = {"TRACECAR_BACKEND": "weave", "WANDB_API_KEY": FAKE_WANDB_KEY, "WF_TRACE_SERVER_URL": stub.url,
+             "TRACECAR_WANDB_ENTITY": "ent", "TRACECAR_WANDB_PROJECT": "proj", "forward_retry_initial_s": 0.05,
+             "forward_retry_max_s": 0.5}
+    single = process_collector(tmp_path / "single", log_level="warning", **TAIL_BUDGETS).start()
+    cluster, urls = two_gateway_cluster(tmp_path, **weave)
+    plan = list(batches(workload(), per_trajectory=True))
+    feeder = Feeder([n.url for n in cluster.nodes], plan, pace_s=0.03)
+    try:
+        for pc in cluster.all:
+            pc.start()
+        feed(single.url, None)
+        feeder.start()
+        wait_until(lambda: feeder.progress() >= 0.2, 120, "20% fed")
+        cluster.nodes[1].kill()  # what it acknowledged is in its spool, owed to one gateway each
+        cluster.nodes[1].start()
+        wait_until(lambda: feeder.progress() >= 0.5, 120, "50% fed")
+        cluster.gateways[1].kill()
+        time.sleep(1.0)
+        cluster.gateways[1].start()
+        feeder.join(180)
+        assert not feeder.is_alive() and feeder.done_batches == len(plan) and feeder.errors == []
+        cluster.wait_drained(120)
+        own = owners(urls)
+        for (experiment, step), i in own.items():
+            wait_until(lambda: step_decided(urls[i], experiment, step), 120, f"gateway {i} decided {experiment} {step}")
+        kept: set[str] = set()
+        for (experiment, step), i in own.items():
+            want = kept_set(single.url, experiment, step)
+            assert kept_set(urls[i], experiment, step) == want, (experiment, step)
+            assert kept_set(urls[1 - i], experiment, step) == {}, (experiment, step)
+            kept |= {t for t, (keep, _) in want.items() if keep}
+        step_of = {t.trace_id: (t.experiment, t.step) for t in workload()}
+        wanted = {s["span_id"]: t.trace_id for t in workload() if t.trace_id in kept for s in [*t.spans, t.reward]}
+        assert set(wanted) <= set(feeder.acked)
+        for trace_id in kept:
+            tree = httpx.get(f"{urls[own[step_of[trace_id]]]}/v1/trajectories/{trace_id}", timeout=30).json()
+            assert tree["span_count"] == sum(1 for s, t in wanted.items() if t == trace_id and not s.endswith("-r")), trace_id
+            assert [a["span_id"] for a in tree["annotations"]] == [f"{trace_id}-r"], trace_id  # its reward, at the same gateway
+        for url in urls:
+            wait_until(lambda: metric_value(httpx.get(url + "/metrics", timeout=10).text, "tracecar_spool_depth") == 0,
+                       120, f"{url} drained to Weave")
+            assert metric_value(httpx.get(url + "/metrics", timeout=10).text, "tracecar_dead_letters") == 0
+        delivered = stub.delivered()
+        assert len(delivered) == len(set(delivered)), "a call reached Weave twice"
+        assert set(delivered) == {s for s in wanted if not s.endswith("-r")}
+    finally:
+        feeder.stop.set()
         cluster.stop()
         single.terminate()
 

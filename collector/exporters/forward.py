@@ -45,9 +45,6 @@ class SendResult:
     retry_reason: str | None = None  # the last retryable failure, for logs (never holds secrets)
     refused: int = 0  # spans the backend said it refused without naming them (OTLP partial_success)
     refused_reason: str | None = None
-    # spans this destination passes over because another one owns them (a node's several gateways): its cursor
-    # moves past them, nothing was sent, and they are not counted as forwarded here
-    elsewhere: list[str] = field(default_factory=list)
 
 
 class RawJSON(bytes):
@@ -80,7 +77,7 @@ def combined(a: SendResult, b: SendResult) -> SendResult:
     return SendResult(delivered=a.delivered + b.delivered, retryable=a.retryable + b.retryable,
                       rejected={**a.rejected, **b.rejected}, retry_after=retry_after,
                       retry_reason=b.retry_reason or a.retry_reason, refused=a.refused + b.refused,
-                      refused_reason=b.refused_reason or a.refused_reason, elsewhere=a.elsewhere + b.elsewhere)
+                      refused_reason=b.refused_reason or a.refused_reason)
 
 
 class TranslationError(Exception):
@@ -323,7 +320,6 @@ class Forwarder:
         if delivered:
             self.last_send_s = asyncio.get_running_loop().time() - sent_at
             self.metrics.forwarded.labels(backend=self.name, exporter=self.name).inc(len(delivered))
-        delivered += [seq_of[sid] for sid in result.elsewhere if sid in seq_of]
         if delivered:
             await self._record("forwarded", delivered)
         if result.rejected:

@@ -28,7 +28,6 @@ import zstandard
 from tracecar.client.retry_after import parse_retry_after
 
 from .forward import RawJSON, SendResult
-from .gateway_route import GatewayRouter
 
 log = logging.getLogger("tracecar.collector.gateway_sink")
 
@@ -51,13 +50,9 @@ class GatewaySink:
     name = "gateway"
 
     def __init__(self, url: str, *, node: str, token: str | None = None, timeout_s: float = 30.0,
-                 batch_bytes: int = 8 * 2**20, client: httpx.AsyncClient | None = None, name: str = "gateway",
-                 router: GatewayRouter | None = None, index: int = 0) -> None:
+                 batch_bytes: int = 8 * 2**20, client: httpx.AsyncClient | None = None, name: str = "gateway") -> None:
         self.name = name
         self.url = url.rstrip("/")
-        # one of several gateways: the spans routed to another are that one's, passed over here (``elsewhere``)
-        self.router = router
-        self.index = index
         self.endpoint = url.rstrip("/") + "/v1/spans"
         self.heartbeat_endpoint = url.rstrip("/") + "/v1/cluster/heartbeat"
         self.node = node
@@ -79,18 +74,11 @@ class GatewaySink:
 
     async def send(self, spans: Sequence[Mapping[str, Any]]) -> SendResult:
         result = SendResult()
-        mine = [True] * len(spans)
-        if self.router is not None:  # a read of the node's spool, for spans without a step
-            owners = await asyncio.to_thread(self.router.owners, spans)
-            mine = [o == self.index for o in owners]
-            result.elsewhere = [s["span_id"] for s, m in zip(spans, mine) if not m]
-        ends = await asyncio.to_thread(self.token_ends, [s["span_id"] for s, m in zip(spans, mine) if m])
+        ends = await asyncio.to_thread(self.token_ends, [s["span_id"] for s in spans])
         chunk: list[bytes] = []
         ids: list[str] = []
-        size = through = 0  # through: how many of the batch's oldest spans are this gateway's or passed over
-        for position, (span, own) in enumerate(zip(spans, mine)):
-            if not own:
-                continue
+        size = through = 0  # through: how many of the batch's oldest spans are in the chunks so far
+        for position, span in enumerate(spans):
             item = dict(span)
             if span["span_id"] in ends:
                 item["token_ends"] = ends[span["span_id"]]
@@ -164,10 +152,7 @@ class GatewaySink:
         status = response.status_code
         if status == 413 and len(chunk) > 1:
             half = len(chunk) // 2
-            # with several gateways the chunk's spans need not be consecutive in the batch (passed-over ones sit between):
-            # the first half then claims nothing beyond what is delivered already
-            first = delivered - (len(chunk) - half) if self.router is None else 0
-            await self._post(chunk[:half], ids[:half], result, first)
+            await self._post(chunk[:half], ids[:half], result, delivered - (len(chunk) - half))
             await self._post(chunk[half:], ids[half:], result, delivered)
             return
         answer: Any = None

@@ -50,17 +50,17 @@ def make_gateway_sink(settings: Any) -> Sink:
 
 def make_gateway_sinks(settings: Any) -> list[Sink]:
     """A node's sinks, one per gateway: ``gateway`` alone, or ``gateway@HOST:PORT`` each, every one owing
-    only the spans routed to it (exporters/gateway_route.py; each its own delivery cursor)."""
-    from .gateway_route import GatewayRouter, exporter_name
+    only the spans routed to it (each its own delivery cursor; the spool owes each span to its owner:
+    exporters/gateway_route.py, spool/deliveries.py)."""
+    from .gateway_route import exporter_name
     from .gateway_sink import GatewaySink
 
     urls = settings.gateway_urls
     token = settings.gateway_token or settings.token
-    router = GatewayRouter(urls) if len(urls) > 1 else None
     return [GatewaySink(url, node=settings.effective_node_name, token=token.get_secret_value() if token is not None else None,
                         timeout_s=settings.gateway_timeout_s, batch_bytes=settings.gateway_batch_bytes,
-                        name="gateway" if router is None else exporter_name(url), router=router, index=i)
-            for i, url in enumerate(urls)]
+                        name="gateway" if len(urls) == 1 else exporter_name(url))
+            for url in urls]
 
 
 EXPORTERS: dict[str, Callable[[Any], Sink]] = {

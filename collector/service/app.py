@@ -63,7 +63,16 @@ from ..viewer.truth_api import build_router as build_truth_router
 from .auth import BearerAuth
 from .health import health_snapshot
 from .health_step import latest_experiment, step_health
-from .roles import NODE_HEADER, PROGRESS_HEADER, BudgetsAgreement, GatewayIntake, gateway_sinks, heartbeat_loop, wire_gateway_sinks
+from .roles import (
+    NODE_HEADER,
+    PROGRESS_HEADER,
+    BudgetsAgreement,
+    GatewayIntake,
+    gateway_routing,
+    gateway_sinks,
+    heartbeat_loop,
+    wire_gateway_sinks,
+)
 
 log = logging.getLogger("tracecar.collector")
 LIST_SORT_PATTERN = "^(" + "|".join(SORTS) + ")$"  # the viewer list's sorts
@@ -84,7 +93,7 @@ class Collector:
         self.sink = self.sinks[0]
         STORED_CONTEXTS.max_ids = settings.store_prompt_refs_cache_ids
         self.spool = Spool(settings.spool_path, local_only=local_only, sync=settings.spool_sync,
-                           exporters=() if local_only else names)
+                           exporters=() if local_only else names, routing=gateway_routing(self.sinks))
         for s in self.sinks:
             if hasattr(s, "trajectories") and s.trajectories is None:
                 s.trajectories = SpoolTrajectories(self.spool, s.name)  # kept_because, feedback targets

@@ -129,16 +129,20 @@ def gateway_sinks(sinks: list[Any]) -> list[Any]:
     return [s for s in sinks if isinstance(s, GatewaySink)]
 
 
+def gateway_routing(sinks: list[Any]) -> Any:
+    """A node with several gateways: the spool's routing, which owes each span to one of them (None otherwise)."""
+    from ..exporters.gateway_route import GatewayRouter
+
+    several = gateway_sinks(sinks)
+    return GatewayRouter([s.url for s in several]) if len(several) > 1 else None
+
+
 def wire_gateway_sinks(sinks: list[Any], spool: Any, selection: Any = None) -> None:
     """A node's gateway sink reads its token offsets and its progress from this node's spool (and, sending
     candidates only, the steps it holds: its heartbeat's body)."""
-    from ..exporters.gateway_route import lookup_route_keys
-
     for sink in gateway_sinks(sinks):
         sink.token_ends = functools.partial(read_token_ends, spool)
         sink.progress = functools.partial(read_progress, spool, exporter=sink.name)
-        if sink.router is not None:  # several gateways: a span without a step goes where its trajectory went
-            sink.router.lookup = functools.partial(lookup_route_keys, spool)
         if selection is not None and selection.node_candidates:
             sink.holding = functools.partial(selection.holding_report,
                                              functools.partial(read_progress, spool, 0, False, sink.name))

@@ -8,6 +8,10 @@ deletes its row (a permanent rejection also writes a dead letter keyed by span a
 The span stays pending — not evictable, counted in the spool bound — until no row is left;
 then it is done (or dead, when every destination rejected it).
 
+Exporters that share the spans (a node's several gateways, :class:`Routing`) owe each span once
+between them: its one owner, decided when it is owed and kept as that row, so no later read,
+restart or eviction can send it to a second gateway, or to none.
+
 Each exporter reads its own rows through the ``(exporter, seq)`` primary key, so a healthy
 exporter's batch costs the same whatever another one owes. ``spool_meta`` remembers the
 exporter set, so a restart with a changed set is reconciled: an added exporter owes every
@@ -17,7 +21,9 @@ pending span, a removed one owes nothing any more.
 from __future__ import annotations
 
 import sqlite3
+from collections import Counter
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import orjson
 
@@ -61,8 +67,37 @@ def migrate_dead_letters(conn: sqlite3.Connection, legacy_exporter: str) -> None
         raise
 
 
-def reconcile(conn: sqlite3.Connection, exporters: Sequence[str]) -> None:
-    """Brings the cursors in line with this run's exporters (one transaction, at open)."""
+class Routing(Protocol):
+    """Exporters that share the spans between them, one owner a span (a node's several gateways:
+    exporters/gateway_route.py). The owner is decided when the span is owed, and kept as its row."""
+
+    routed: frozenset[str]
+
+    def shares(self, name: str) -> bool:
+        """Whether ``name`` is (or was, in an earlier run's set) one of the sharing exporters."""
+        ...
+
+    def owners(self, conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> list[str]:
+        """The owner's name for each of ``rows`` (the columns of :data:`OWED_COLUMNS`), in order."""
+        ...
+
+
+# what a routing decides an owner from: a stepless annotation's payload carries its trajectory's route
+OWED_COLUMNS = ("seq, trace_id, kind, experiment, validate, step,"
+                " CASE WHEN step IS NULL AND kind = 'annotation' THEN payload END")
+
+
+def owing_per_span(exporters: Sequence[str], routing: Routing | None) -> int:
+    """How many exporters owe each span: all of them, the sharing ones counting as one."""
+    shared = sum(1 for name in exporters if routing is not None and name in routing.routed)
+    return len(exporters) - shared + (1 if shared else 0)
+
+
+def reconcile(conn: sqlite3.Connection, exporters: Sequence[str], routing: Routing | None = None) -> None:
+    """Brings the cursors in line with this run's exporters (one transaction, at open).
+
+    With a routing, spans owed to a sharing exporter that left (or to the old set, when the set
+    changed) are owed again to their owner in the new set: each pending span stays owed to one."""
     multi = len(exporters) >= 2
     if not multi and not _has_table(conn, "deliveries"):
         return  # single-exporter spool, as ever
@@ -72,6 +107,7 @@ def reconcile(conn: sqlite3.Connection, exporters: Sequence[str]) -> None:
         row = conn.execute("SELECT value FROM spool_meta WHERE key = 'exporters'").fetchone()
         previous: list[str] = orjson.loads(row[0]) if row else []
         if multi:
+            routed = routing.routed & set(exporters) if routing is not None else frozenset()
             if len(previous) < 2:  # from single mode (or an old spool): every pending span is owed to all
                 conn.execute("DELETE FROM deliveries")
                 added, removed = list(exporters), []
@@ -79,9 +115,13 @@ def reconcile(conn: sqlite3.Connection, exporters: Sequence[str]) -> None:
                 added = [e for e in exporters if e not in previous]
                 removed = [e for e in previous if e not in exporters]
             for name in removed:
-                conn.execute("DELETE FROM deliveries WHERE exporter = ?", (name,))
+                if not (routed and routing is not None and routing.shares(name)):
+                    conn.execute("DELETE FROM deliveries WHERE exporter = ?", (name,))
             for name in added:
-                conn.execute("INSERT OR IGNORE INTO deliveries (exporter, seq) SELECT ?, seq FROM spans WHERE state = 0", (name,))
+                if name not in routed:
+                    conn.execute("INSERT OR IGNORE INTO deliveries (exporter, seq) SELECT ?, seq FROM spans WHERE state = 0", (name,))
+            if routed and routing is not None:
+                _reroute(conn, routing, [p for p in previous if routing.shares(p)] if len(previous) >= 2 else [])
             # spans only a removed exporter still owed: nobody owes them now
             conn.execute("UPDATE spans SET state = ? WHERE state = 0 AND NOT EXISTS"
                          " (SELECT 1 FROM deliveries d WHERE d.seq = spans.seq)", (DONE,))
@@ -99,37 +139,77 @@ def reconcile(conn: sqlite3.Connection, exporters: Sequence[str]) -> None:
         raise
 
 
-def owe_new(conn: sqlite3.Connection, exporters: Sequence[str], after_seq: int) -> int:
-    """Every exporter owes the pending spans just inserted (seq > ``after_seq``); rows per exporter."""
-    n = 0
+def _reroute(conn: sqlite3.Connection, routing: Routing, previous_routed: list[str]) -> None:
+    """The sharing exporters' rows after a restart: unchanged when the set is; else what the old set
+    still owed is owed again to its owner in the new one; with no sharing set before, every pending span."""
+    if not previous_routed:
+        _owe_routed(conn, routing, "state = 0", ())
+        return
+    if set(previous_routed) == routing.routed:
+        return
+    marks = _marks(len(previous_routed))
+    seqs = [r[0] for r in conn.execute(f"SELECT DISTINCT seq FROM deliveries WHERE exporter IN ({marks})", previous_routed)]
+    conn.execute(f"DELETE FROM deliveries WHERE exporter IN ({marks})", previous_routed)
+    for i in range(0, len(seqs), 500):
+        chunk = seqs[i:i + 500]
+        _owe_routed(conn, routing, f"state = 0 AND seq IN ({_marks(len(chunk))})", chunk)
+
+
+def _owe_routed(conn: sqlite3.Connection, routing: Routing, where: str, params: Sequence[Any]) -> Counter[str]:
+    """Each matching span, not yet owed to a sharing exporter, owed to its owner alone."""
+    names = sorted(routing.routed)
+    rows = conn.execute(f"SELECT {OWED_COLUMNS} FROM spans WHERE {where} AND NOT EXISTS (SELECT 1 FROM deliveries d"
+                        f" WHERE d.seq = spans.seq AND d.exporter IN ({_marks(len(names))}))", (*params, *names)).fetchall()
+    if not rows:
+        return Counter()
+    owners = routing.owners(conn, rows)
+    conn.executemany("INSERT INTO deliveries (exporter, seq) VALUES (?, ?)", zip(owners, (r[0] for r in rows)))
+    return Counter(owners)
+
+
+def _owe(conn: sqlite3.Connection, exporters: Sequence[str], routing: Routing | None, where: str,
+         params: Sequence[Any]) -> dict[str, int]:
+    """Rows for the spans matching ``where``: one per exporter, the sharing ones' to the owner alone."""
+    routed = routing.routed if routing is not None else frozenset()
+    counts: dict[str, int] = {}
     for name in exporters:
-        n = conn.execute("INSERT INTO deliveries (exporter, seq) SELECT ?, seq FROM spans WHERE seq > ? AND state = 0",
-                         (name, after_seq)).rowcount
-    return n
+        if name not in routed:
+            counts[name] = conn.execute(f"INSERT OR IGNORE INTO deliveries (exporter, seq) SELECT ?, seq FROM spans"
+                                        f" WHERE {where}", (name, *params)).rowcount
+    if routing is not None and routed & set(exporters):
+        counts.update(_owe_routed(conn, routing, where, params))
+    return counts
 
 
-def owe_held(conn: sqlite3.Connection, exporters: Sequence[str], trace_ids: Sequence[str]) -> int:
-    """Every exporter owes the held spans of these kept trajectories (before they turn pending)."""
-    n = 0
+def _add(total: dict[str, int], more: dict[str, int]) -> None:
+    for name, n in more.items():
+        total[name] = total.get(name, 0) + n
+
+
+def owe_new(conn: sqlite3.Connection, exporters: Sequence[str], after_seq: int,
+            routing: Routing | None = None) -> dict[str, int]:
+    """The exporters owe the pending spans just inserted (seq > ``after_seq``); rows per exporter."""
+    return _owe(conn, exporters, routing, "seq > ? AND state = 0", (after_seq,))
+
+
+def owe_held(conn: sqlite3.Connection, exporters: Sequence[str], trace_ids: Sequence[str],
+             routing: Routing | None = None) -> dict[str, int]:
+    """The exporters owe the held spans of these kept trajectories (before they turn pending)."""
+    total: dict[str, int] = {}
     for i in range(0, len(trace_ids), 500):
         chunk = list(trace_ids[i:i + 500])
-        for name in exporters:
-            added = conn.execute(f"INSERT OR IGNORE INTO deliveries (exporter, seq) SELECT ?, seq FROM spans"
-                                 f" WHERE state = 3 AND trace_id IN ({_marks(len(chunk))})", (name, *chunk)).rowcount
-        n += added
-    return n
+        _add(total, _owe(conn, exporters, routing, f"state = 3 AND trace_id IN ({_marks(len(chunk))})", chunk))
+    return total
 
 
-def owe_seqs(conn: sqlite3.Connection, exporters: Sequence[str], seqs: Sequence[int]) -> int:
-    """Every exporter owes these spans (engine spans released from AWAITING); rows per exporter."""
-    n = 0
+def owe_seqs(conn: sqlite3.Connection, exporters: Sequence[str], seqs: Sequence[int],
+             routing: Routing | None = None) -> dict[str, int]:
+    """The exporters owe these spans (engine spans released from AWAITING); rows per exporter."""
+    total: dict[str, int] = {}
     for i in range(0, len(seqs), 500):
         chunk = list(seqs[i:i + 500])
-        for name in exporters:
-            added = conn.execute(f"INSERT OR IGNORE INTO deliveries (exporter, seq) SELECT ?, seq FROM spans"
-                                 f" WHERE seq IN ({_marks(len(chunk))})", (name, *chunk)).rowcount
-        n += added
-    return n
+        _add(total, _owe(conn, exporters, routing, f"seq IN ({_marks(len(chunk))})", chunk))
+    return total
 
 
 def next_owed(conn: sqlite3.Connection, exporter: str, limit: int) -> list[tuple[int, bytes, int | None, int | None]]:
@@ -140,9 +220,10 @@ def next_owed(conn: sqlite3.Connection, exporter: str, limit: int) -> list[tuple
 
 
 def settle(conn: sqlite3.Connection, exporters: Sequence[str], exporter: str, seqs: Sequence[int],
-           dead_ids: set[str], keep: bool) -> tuple[int, int, int, int]:
+           dead_ids: set[str], keep: bool, owing: int | None = None) -> tuple[int, int, int, int]:
     """Removes ``exporter``'s rows for ``seqs``; spans nobody owes any more become done (deleted
-    when not ``keep``), or dead when every exporter dead-lettered them.
+    when not ``keep``), or dead when every exporter that owed them (``owing`` of them: see
+    :func:`owing_per_span`) dead-lettered them.
 
     Returns (rows removed, spans finished, their bytes, bytes deleted).
     """
@@ -159,7 +240,7 @@ def settle(conn: sqlite3.Connection, exporters: Sequence[str], exporter: str, se
     for seq, nbytes, span_id in finished:
         if span_id in dead_ids and conn.execute(
                 f"SELECT COUNT(*) FROM dead_letters WHERE span_id = ? AND exporter IN ({_marks(len(exporters))})",
-                (span_id, *exporters)).fetchone()[0] >= len(exporters):
+                (span_id, *exporters)).fetchone()[0] >= (len(exporters) if owing is None else owing):
             dead.append(seq)
         else:
             done.append((seq, nbytes))

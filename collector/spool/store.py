@@ -211,11 +211,14 @@ _KEYS = (int, str)  # the types an index column takes from attributes (an int or
 class Spool:
     """Thread-safe spool. Writes are serialised by a lock (callers run them in one executor)."""
 
-    def __init__(self, path: Path, *, local_only: bool, sync: str = "normal", exporters: Sequence[str] = ()) -> None:
+    def __init__(self, path: Path, *, local_only: bool, sync: str = "normal", exporters: Sequence[str] = (),
+                 routing: deliveries.Routing | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.local_only = local_only
         self.exporters = tuple(exporters)
+        # exporters that share the spans, one owner a span (a node's several gateways), decided when owed
+        self.routing = routing
         # two or more destinations: a delivery cursor each (the deliveries table), else the state column alone
         self.multi = len(self.exporters) >= 2 and not local_only
         self._write = _connect(path, sync)
@@ -237,7 +240,8 @@ class Spool:
             self._write.execute("ALTER TABLE spans ADD COLUMN node TEXT")
         # spools from before fan-out: dead letters rekeyed by (span, exporter), cursors reconciled
         deliveries.migrate_dead_letters(self._write, self.exporters[0] if len(self.exporters) == 1 else "")
-        deliveries.reconcile(self._write, self.exporters if self.multi else self.exporters[:1])
+        deliveries.reconcile(self._write, self.exporters if self.multi else self.exporters[:1], routing)
+        self._owing = deliveries.owing_per_span(self.exporters, routing)
         self.owed: dict[str, int] = {}  # multi: spans each exporter still owes
         self._read = _connect(path, sync)
         # Local mode: called with the number of rows that just reached the store (state done)
@@ -304,7 +308,7 @@ class Spool:
                     " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     [_row_params(r, state, now) for r in fresh],
                 )
-                owed = deliveries.owe_new(conn, self.exporters, last_seq) if self.multi and fresh else 0
+                owed = deliveries.owe_new(conn, self.exporters, last_seq, self.routing) if self.multi and fresh else {}
                 per_sample: list[tuple[str, Any, int]] = []
                 per_trace: list[tuple[Any, int]] = []
                 for k, i, keep in decisions:
@@ -395,7 +399,7 @@ class Spool:
                     conn.execute("UPDATE spans SET payload = ?, nbytes = ?, inputs_at = NULL, output_at = NULL"
                                  " WHERE span_id = ?", (payload, size, span_id))
                     delta_bytes += size - old[0]
-                owed = deliveries.owe_held(conn, self.exporters, kept) if self.multi and target == PENDING else 0
+                owed = deliveries.owe_held(conn, self.exporters, kept, self.routing) if self.multi and target == PENDING else {}
                 moved, moved_bytes = _apply_to_held(conn, kept, "UPDATE spans SET state = ?", (target,))
                 gone, gone_bytes = _apply_to_held(conn, dropped, "DELETE FROM spans", ())
                 stayed, stayed_bytes = _apply_to_held(conn, local, "UPDATE spans SET state = ?", (DONE,))
@@ -506,10 +510,9 @@ class Spool:
             ).fetchall()
 
     # ---- forwarding ----------------------------------------------------------------------
-    def _owe(self, per_exporter: int) -> None:
-        if self.multi:
-            for name in self.exporters:
-                self.owed[name] = self.owed.get(name, 0) + per_exporter
+    def _owe(self, rows: dict[str, int]) -> None:
+        for name, n in rows.items():
+            self.owed[name] = self.owed.get(name, 0) + n
 
     def next_pending(self, limit: int, exporter: str | None = None) -> list[tuple[int, bytes, int | None, int | None]]:
         """Oldest pending spans first (of ``exporter``'s cursor, with several), so each trace is
@@ -573,7 +576,7 @@ class Spool:
                 if dead:
                     self._insert_dead(conn, exporter, dead, time.time())
                 removed, n, nbytes, deleted = deliveries.settle(
-                    conn, self.exporters, exporter, seqs, {d[1] for d in dead}, keep)
+                    conn, self.exporters, exporter, seqs, {d[1] for d in dead}, keep, self._owing)
             self.owed[exporter] = self.owed.get(exporter, 0) - removed
             self.pending_count -= n
             self.pending_bytes -= nbytes
@@ -712,7 +715,7 @@ class Spool:
                                          (*columns, payload, nbytes, inputs_at, output_at, seq))
                         after += nbytes
                         conn.execute("UPDATE spans SET state = ? WHERE seq = ?", (target, seq))
-                owed = deliveries.owe_seqs(conn, self.exporters, seqs) if self.multi and target == PENDING else 0
+                owed = deliveries.owe_seqs(conn, self.exporters, seqs, self.routing) if self.multi and target == PENDING else {}
             self.awaiting_count -= len(rows)
             self.awaiting_bytes -= before
             self.stored_bytes += after - before

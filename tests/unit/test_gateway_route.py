@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import orjson
 
 from tracecar.collector.exporters.gateway_route import GatewayRouter, exporter_name, gateway_identity, owner, route_key
+from tracecar.collector.spool.store import Spool, SpoolRow
 
 GATEWAYS = [f"http://10.0.0.{i}:4318" for i in range(1, 5)]
 KEYS = [route_key(f"exp{e}", v, s) for e in range(5) for v in (False, True) for s in range(-1, 60)]
@@ -33,27 +38,103 @@ def test_the_order_and_spelling_of_the_list_do_not_change_owners() -> None:
     assert exporter_name("HTTP://GW-1.example:4318/") == "gateway@gw-1.example:4318"
 
 
-def test_a_step_stays_whole_and_spans_without_a_step_follow_their_trajectory() -> None:
-    looked_up: list[list[str]] = []
+def _span(span_id: str, trace: str, kind: str = "op", route: str | None = None, **attrs: object) -> SpoolRow:
+    s: dict[str, Any] = {"span_id": span_id, "trace_id": trace, "parent_id": None, "name": "agent_loop", "kind": kind,
+                         "start_time": 1.0, "end_time": 2.0, "attributes": attrs, "inputs": {}, "output": None,
+                         "exception": None, "worker": "w0", "project": "p", "entity": "e"}
+    if route is not None:
+        s["route"] = route
+    return SpoolRow(s, orjson.dumps(s), None)  # type: ignore[arg-type]
 
-    def lookup(trace_ids: list[str]) -> dict[str, str]:  # what the node's spool holds: t-old's step
-        looked_up.append(trace_ids)
-        return {"t-old": route_key("exp", False, 7)} if "t-old" in trace_ids else {}
 
-    router = GatewayRouter(GATEWAYS, lookup)
+def _spool(path: Path, gateways: list[str], *others: str) -> Spool:
+    router = GatewayRouter(gateways)
+    return Spool(path, local_only=False, exporters=[*router.names, *others], routing=router)
 
-    def span(trace: str, kind: str = "op", **attrs: object) -> dict[str, object]:
-        return {"span_id": f"{trace}-{kind}-{len(attrs)}", "trace_id": trace, "kind": kind, "attributes": attrs}
 
-    step3 = {"experiment_name": "exp", "validate": False, "step": 3}
-    spans = [span("t1", **step3), span("t2", **step3), span("t1", "annotation", reward=1.0),
-             span("t-old", "annotation", reward=0.5), span("t-none", "annotation", reward=0.0), span("t-none", "op")]
-    got = router.owners(spans)
-    assert got[0] == got[1] == got[2] == owner(route_key("exp", False, 3), router.gateways)  # a step, its annotation
-    assert got[3] == owner(route_key("exp", False, 7), router.gateways)  # read from the spool
-    assert got[4] == got[5] == owner("trace:t-none", router.gateways)  # no step anywhere: by its trace id, whole
-    assert looked_up == [["t-none", "t-old"]]  # t1 was known from its own spans in the batch
+def _owed(spool: Spool) -> dict[str, list[str]]:
+    """span id -> the exporters that owe it (sorted)."""
+    out: dict[str, list[str]] = {}
+    for r in spool.query("SELECT s.span_id, d.exporter FROM deliveries d JOIN spans s ON s.seq = d.seq ORDER BY d.exporter"):
+        out.setdefault(r["span_id"], []).append(r["exporter"])
+    return out
+
+
+def _name(key: str, gateways: list[str]) -> str:
+    return exporter_name(gateways[owner(key, [gateway_identity(g) for g in gateways])])
+
+
+STEP3 = {"experiment_name": "exp", "validate": False, "step": 3}
+
+
+def test_a_step_stays_whole_and_spans_without_a_step_follow_their_trajectory(tmp_path: Path) -> None:
+    spool = _spool(tmp_path / "s.db", GATEWAYS, "weave")
+    spool.write([_span("old-root", "t-old", experiment_name="exp", validate=False, step=7)])
+    spool.write([_span("t1-root", "t1", **STEP3), _span("t2-root", "t2", **STEP3), _span("t1-ann", "t1", "annotation", reward=1.0),
+                 _span("t-old-ann", "t-old", "annotation", reward=0.5),
+                 _span("carried", "t-away", "annotation", route=orjson.dumps(["exp", True, 9]).decode()),
+                 _span("none-ann", "t-none", "annotation"), _span("none-op", "t-none")])
+    owed = _owed(spool)
+    step3 = _name(route_key("exp", False, 3) or "", GATEWAYS)
+    assert owed["t1-root"] == owed["t2-root"] == owed["t1-ann"] == [step3, "weave"]  # a step, its annotation
+    assert owed["t-old-ann"] == [_name(route_key("exp", False, 7) or "", GATEWAYS), "weave"]  # read from the spool
+    assert owed["carried"] == [_name(route_key("exp", True, 9) or "", GATEWAYS), "weave"]  # the trainer's route
+    assert owed["none-ann"] == owed["none-op"] == [_name("trace:t-none", GATEWAYS), "weave"]  # by its trace id, whole
     assert route_key("exp", None, 3) == route_key("exp", False, 3) and route_key("exp", True, "3") is None
+
+
+def test_an_owner_is_decided_once_whatever_arrives_or_restarts_later(tmp_path: Path) -> None:
+    """A span without a step, owed before its trajectory arrived, keeps its owner: a later span, a restart,
+    the trajectory's spans leaving the spool never send it to a second gateway, or to none."""
+    path = tmp_path / "s.db"
+    spool = _spool(path, GATEWAYS)
+    trace = next(f"t{i}" for i in range(100)
+                 if _name(f"trace:t{i}", GATEWAYS) != _name(route_key("exp", False, 3) or "", GATEWAYS))
+    spool.write([_span("early", trace, "annotation", reward=1.0)])
+    spool.write([_span("root", trace, **STEP3), _span("late", trace, "annotation", reward=2.0)])
+    before = _owed(spool)
+    assert before["early"] == [_name(f"trace:{trace}", GATEWAYS)]  # all it could know when owed
+    assert before["root"] == before["late"] == [_name(route_key("exp", False, 3) or "", GATEWAYS)]
+    taken = {name: [r[0] for r in spool.next_pending(100, name)] for name in spool.exporters}
+    assert sorted(seq for seqs in taken.values() for seq in seqs) == [1, 2, 3]  # each span to one gateway
+    owner_of_root = before["root"][0]
+    spool.mark_forwarded(taken[owner_of_root], keep=False, exporter=owner_of_root)  # the trajectory leaves the spool
+    reopened = _spool(path, list(reversed(GATEWAYS)))  # a restart, the list in another order
+    assert _owed(reopened) == {"early": before["early"]}
+    assert reopened.pending_count == 1 and reopened.owed_count(before["early"][0]) == 1
+
+
+def test_a_changed_gateway_list_owes_each_pending_span_again_to_one_owner(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    spool = _spool(path, GATEWAYS, "weave")
+    spool.write([_span(f"s{step}", f"t{step}", experiment_name="exp", validate=False, step=step) for step in range(40)])
+    gone = exporter_name(GATEWAYS[0])
+    first = [r[0] for r in spool.next_pending(5, gone)]
+    spool.mark_forwarded(first, keep=True, exporter=gone)  # five delivered to the gateway that leaves
+    delivered = {r["span_id"] for r in spool.query(f"SELECT span_id FROM spans WHERE seq IN ({','.join('?' * 5)})", first)}
+    shrunk = [*GATEWAYS[1:], "http://10.0.0.9:4318"]
+    reopened = _spool(path, shrunk, "weave")
+    owed = _owed(reopened)
+    for step in range(40):
+        want = _name(route_key("exp", False, step) or "", shrunk)
+        if f"s{step}" in delivered:
+            assert owed[f"s{step}"] == ["weave"]  # the gone gateway had it: not sent to another
+        else:
+            assert owed[f"s{step}"] == sorted([want, "weave"])  # one owner in the new list
+    moved = [s for s in range(40) if _name(route_key("exp", False, s) or "", GATEWAYS) == gone and f"s{s}" not in delivered]
+    assert moved  # the gone gateway still owed these: now its survivors or the new one do
+    counts = Counter(name for names in owed.values() for name in names)
+    assert {name: reopened.owed_count(name) for name in reopened.exporters} == {n: counts.get(n, 0) for n in reopened.exporters}
+
+
+def test_a_span_is_dead_when_its_owner_and_every_other_exporter_refused_it(tmp_path: Path) -> None:
+    spool = _spool(tmp_path / "s.db", GATEWAYS[:2])
+    spool.write([_span("a", "ta", **STEP3)])
+    name = _owed(spool)["a"][0]
+    (seq, *_), = spool.next_pending(10, name)
+    spool.mark_dead([(seq, "a", "ta", "agent_loop", "refused")], name, keep=True)
+    assert spool.query("SELECT state FROM spans")[0]["state"] == 2  # dead: its one gateway refused it
+    assert spool.pending_count == 0
 
 
 def test_names_and_urls_a_node_refuses_or_folds() -> None:
