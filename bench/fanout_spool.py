@@ -4,8 +4,9 @@ batch while another owes a big backlog.
 Same run, same machine, same spans (``--batch`` spans of ``--payload`` bytes per commit):
 
 * ingest: spans/s committed by ``Spool.write`` with one exporter (today's fast path: the state
-  column alone) and with two (one ``deliveries`` row per exporter per span); the ratio is the
-  price of a second destination at the spool;
+  column alone), with two (one ``deliveries`` row per exporter per span), and with two gateways
+  (a node listing two: each span's one owner decided at the write, exporters/gateway_route.py);
+  the ratios are the price of a second destination, and of routing, at the spool;
 * healthy exporter: the time of one forward cycle of ``--forward-batch`` spans (``next_pending``
   + ``mark_forwarded``) for exporter ``a`` while exporter ``b`` is caught up, and again while
   ``b`` owes ``--backlog`` spans (its backend down), then again once ``b`` has caught up on
@@ -26,7 +27,10 @@ from pathlib import Path
 
 import orjson
 
+from tracecar.collector.exporters.gateway_route import GatewayRouter
 from tracecar.collector.spool.store import Spool, SpoolRow
+
+GATEWAYS = ("http://10.0.0.1:9470", "http://10.0.0.2:9470")
 
 
 class Ids:
@@ -43,15 +47,17 @@ class Ids:
             span_id = trace if self.n % 8 == 0 else f"1{self.n:031x}"
             span = {"span_id": span_id, "trace_id": trace, "parent_id": None if span_id == trace else trace,
                     "name": "Agent.generate", "kind": "op", "worker": "w0", "start_time": 1.0, "end_time": 2.0,
-                    "exception": None, "attributes": {"step": 1, "sample_index": self.n // 8, "rollout_n": 0,
+                    "exception": None, "attributes": {"step": self.n // 4096, "sample_index": self.n // 8, "rollout_n": 0,
                                                        "experiment_name": "bench"},
                     "inputs": {"blob": blob}, "output": {"token_ids": list(range(16))}}
             rows.append(SpoolRow(span=span, payload=orjson.dumps(span), warnings=None))
         return rows
 
 
-def ingest_rate(path: Path, exporters: tuple[str, ...], ids: Ids, spans: int, batch: int, payload: int) -> float:
-    spool = Spool(path, local_only=False, exporters=exporters)
+def ingest_rate(path: Path, exporters: tuple[str, ...], ids: Ids, spans: int, batch: int, payload: int,
+                routed: bool = False) -> float:
+    router = GatewayRouter(GATEWAYS) if routed else None
+    spool = Spool(path, local_only=False, exporters=tuple(router.names) if router else exporters, routing=router)
     batches = [ids.span_rows(batch, payload) for _ in range(spans // batch)]
     started = time.perf_counter()
     for rows in batches:
@@ -92,15 +98,16 @@ def main() -> None:
     print(f"load at start: {os.getloadavg()[0]:.2f} (cores: {os.cpu_count()})")
     ids = Ids()
     with tempfile.TemporaryDirectory(prefix="tracecar-fanout-bench-") as tmp:
-        rates: dict[int, list[float]] = {1: [], 2: []}
-        for r in range(args.repeats):  # back-to-back pairs, order alternating, so a busy moment hits both modes alike
-            modes = [(1, ("a",)), (2, ("a", "b"))]
+        rates: dict[int, list[float]] = {1: [], 2: [], 3: []}
+        for r in range(args.repeats):  # back-to-back rounds, order alternating, so a busy moment hits every mode alike
+            modes = [(1, ("a",)), (2, ("a", "b")), (3, ())]
             for n, exporters in modes if r % 2 == 0 else modes[::-1]:
                 rates[n].append(ingest_rate(Path(tmp) / f"ingest-{n}-{r}.sqlite3", exporters, ids,
-                                            args.spans, args.batch, args.payload))
+                                            args.spans, args.batch, args.payload, routed=n == 3))
         pair_ratios = [two / one for one, two in zip(rates[1], rates[2])]
-        print(f"ingest, 1 exporter:  median {statistics.median(rates[1]):,.0f} spans/s (runs: {', '.join(f'{x:,.0f}' for x in rates[1])})")
-        print(f"ingest, 2 exporters: median {statistics.median(rates[2]):,.0f} spans/s (runs: {', '.join(f'{x:,.0f}' for x in rates[2])})")
+        routed_ratios = [routed / two for two, routed in zip(rates[2], rates[3])]
+        for n, what in ((1, "1 exporter: "), (2, "2 exporters:"), (3, "2 gateways: ")):
+            print(f"ingest, {what} median {statistics.median(rates[n]):,.0f} spans/s (runs: {', '.join(f'{x:,.0f}' for x in rates[n])})")
 
         spool = Spool(Path(tmp) / "forward.sqlite3", local_only=False, exporters=("a", "b"))
         small = forward_cycles(spool, ids, "a", args.rounds, args.forward_batch, args.payload, others=("b",))
@@ -127,6 +134,8 @@ def main() -> None:
     print("RATIOS")
     print(f"  ingest 2 exporters / 1 exporter (spans/s, median of {len(pair_ratios)} back-to-back pairs): "
           f"{statistics.median(pair_ratios):.2f} (pairs: {', '.join(f'{x:.2f}' for x in pair_ratios)})")
+    print(f"  ingest 2 gateways (routed) / 2 exporters (spans/s, median of {len(routed_ratios)} rounds): "
+          f"{statistics.median(routed_ratios):.2f} (rounds: {', '.join(f'{x:.2f}' for x in routed_ratios)})")
     print(f"  healthy batch with backlog elsewhere / without, same file (median): {med_behind / med_up:.2f}")
 
 

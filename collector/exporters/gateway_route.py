@@ -85,9 +85,13 @@ class GatewayRouter:
     def owners(self, conn: sqlite3.Connection, rows: Sequence[OwedRow]) -> list[str]:
         """The owning gateway's exporter name for each row, in order."""
         keys: list[str | None] = []
+        batch_keys: dict[tuple[Any, Any, Any], str | None] = {}  # a batch holds a step or two: one key each
+        seen: set[str] = set()
         for _, trace_id, kind, experiment, validate, step, _payload in rows:
-            key = route_key(experiment, validate, step)
-            if key is not None and kind != "annotation":
+            column = (experiment, validate, step)
+            key = batch_keys[column] if column in batch_keys else batch_keys.setdefault(column, route_key(*column))
+            if key is not None and kind != "annotation" and trace_id not in seen:
+                seen.add(trace_id)
                 self._keys.put(trace_id, key)
             keys.append(key)
         unknown = sorted({r[1] for r, k in zip(rows, keys) if k is None and r[1] not in self._keys})
