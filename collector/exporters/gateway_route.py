@@ -70,11 +70,6 @@ class GatewayRouter:
         self._keys: Lru = Lru(remember)  # trace id -> route key, from its stepped spans
         self._owners: Lru = Lru(4096)  # route key -> exporter name (a handful of steps in flight)
 
-    @staticmethod
-    def shares(name: str) -> bool:
-        """A gateway's cursor name, of this run or an earlier one (``gateway``, ``gateway@HOST:PORT``)."""
-        return name == "gateway" or name.startswith("gateway@")
-
     def owner_of(self, key: str) -> str:
         name = self._owners.get(key)
         if name is None:
@@ -94,6 +89,8 @@ class GatewayRouter:
                 seen.add(trace_id)
                 self._keys.put(trace_id, key)
             keys.append(key)
+        # looked up again at each batch while none is known (not remembered: a held stepped span may arrive
+        # without passing here, and a stale "none" would send the rest of its trajectory apart)
         unknown = sorted({r[1] for r, k in zip(rows, keys) if k is None and r[1] not in self._keys})
         if unknown:
             for trace_id, key in lookup_route_keys(conn, unknown).items():
@@ -123,8 +120,8 @@ def lookup_route_keys(conn: sqlite3.Connection, trace_ids: list[str]) -> dict[st
     """Route keys of traces this node's spool knows a step of: a stepped span it holds, else the trajectory's
     tail decision (which outlives its spans)."""
     out: dict[str, str] = {}
-    for i in range(0, len(trace_ids), 500):
-        part = trace_ids[i:i + 500]
+    for i in range(0, len(trace_ids), 400):  # bound twice: within SQLite's oldest limit of 999 variables
+        part = trace_ids[i:i + 400]
         marks = ",".join("?" * len(part))
         rows = conn.execute(f"SELECT trace_id, experiment, validate, step FROM trajectory_decisions WHERE trace_id IN ({marks})"
                             f" UNION ALL SELECT trace_id, experiment, validate, step FROM spans WHERE step IS NOT NULL"

@@ -237,7 +237,7 @@ def read_progress(spool: Any, delivered: int, held_owed: bool = True, exporter: 
     caller reports the steps it holds beside it (TailSelector.holding_report).
 
     With several gateways (``exporter``: one of them, the spool keeping a delivery cursor each), what that
-    gateway's cursor still owes: the spans routed to the others are passed over by its forwarder."""
+    gateway's cursor still owes: the spool owes each span to one of them (spool/deliveries.py)."""
     if exporter is not None and getattr(spool, "multi", False):
         owed_sql, params = "SELECT seq FROM deliveries WHERE exporter = ? ORDER BY seq LIMIT 1 OFFSET ?", [exporter, max(0, delivered)]
     else:

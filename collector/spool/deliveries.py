@@ -15,7 +15,8 @@ restart or eviction can send it to a second gateway, or to none.
 Each exporter reads its own rows through the ``(exporter, seq)`` primary key, so a healthy
 exporter's batch costs the same whatever another one owes. ``spool_meta`` remembers the
 exporter set, so a restart with a changed set is reconciled: an added exporter owes every
-pending span, a removed one owes nothing any more.
+pending span (an added gateway, its share of what the old gateways still owed), a removed one
+owes nothing any more.
 """
 
 from __future__ import annotations
@@ -73,10 +74,6 @@ class Routing(Protocol):
 
     routed: frozenset[str]
 
-    def shares(self, name: str) -> bool:
-        """Whether ``name`` is (or was, in an earlier run's set) one of the sharing exporters."""
-        ...
-
     def owners(self, conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> list[str]:
         """The owner's name for each of ``rows`` (the columns of :data:`OWED_COLUMNS`), in order."""
         ...
@@ -85,6 +82,8 @@ class Routing(Protocol):
 # what a routing decides an owner from: a stepless annotation's payload carries its trajectory's route
 OWED_COLUMNS = ("seq, trace_id, kind, experiment, validate, step,"
                 " CASE WHEN step IS NULL AND kind = 'annotation' THEN payload END")
+# spool_meta: the gateway cursors' rows name one owner a span (spools of 6489206–6a1227e owed every span to each)
+ONE_GATEWAY_A_SPAN = "gateway_rows_one_owner"
 
 
 def owing_per_span(exporters: Sequence[str], routing: Routing | None) -> int:
@@ -96,8 +95,9 @@ def owing_per_span(exporters: Sequence[str], routing: Routing | None) -> int:
 def reconcile(conn: sqlite3.Connection, exporters: Sequence[str], routing: Routing | None = None) -> None:
     """Brings the cursors in line with this run's exporters (one transaction, at open).
 
-    With a routing, spans owed to a sharing exporter that left (or to the old set, when the set
-    changed) are owed again to their owner in the new set: each pending span stays owed to one."""
+    A node's gateway cursors (``gateway``, ``gateway@HOST:PORT``: :func:`is_gateway_cursor`) owe each
+    span once between them; when their set changed, what the old ones still owed is owed again, once,
+    to its gateway in the new set (what an old one already took stays taken)."""
     multi = len(exporters) >= 2
     if not multi and not _has_table(conn, "deliveries"):
         return  # single-exporter spool, as ever
@@ -107,52 +107,85 @@ def reconcile(conn: sqlite3.Connection, exporters: Sequence[str], routing: Routi
         row = conn.execute("SELECT value FROM spool_meta WHERE key = 'exporters'").fetchone()
         previous: list[str] = orjson.loads(row[0]) if row else []
         if multi:
-            routed = routing.routed & set(exporters) if routing is not None else frozenset()
             if len(previous) < 2:  # from single mode (or an old spool): every pending span is owed to all
                 conn.execute("DELETE FROM deliveries")
-                added, removed = list(exporters), []
+                added, removed, gateways_before = list(exporters), [], []
             else:
                 added = [e for e in exporters if e not in previous]
                 removed = [e for e in previous if e not in exporters]
+                gateways_before = [p for p in previous if is_gateway_cursor(p)]
             for name in removed:
-                if not (routed and routing is not None and routing.shares(name)):
+                if not is_gateway_cursor(name):
                     conn.execute("DELETE FROM deliveries WHERE exporter = ?", (name,))
             for name in added:
-                if name not in routed:
+                if not is_gateway_cursor(name):
                     conn.execute("INSERT OR IGNORE INTO deliveries (exporter, seq) SELECT ?, seq FROM spans WHERE state = 0", (name,))
-            if routed and routing is not None:
-                _reroute(conn, routing, [p for p in previous if routing.shares(p)] if len(previous) >= 2 else [])
+            one_owner = conn.execute("SELECT 1 FROM spool_meta WHERE key = ?", (ONE_GATEWAY_A_SPAN,)).fetchone() is not None
+            _regate(conn, routing, gateways_before, [e for e in exporters if is_gateway_cursor(e)], one_owner)
             # spans only a removed exporter still owed: nobody owes them now
             conn.execute("UPDATE spans SET state = ? WHERE state = 0 AND NOT EXISTS"
                          " (SELECT 1 FROM deliveries d WHERE d.seq = spans.seq)", (DONE,))
             conn.execute("INSERT OR REPLACE INTO spool_meta (key, value) VALUES ('exporters', ?)",
                          (orjson.dumps(list(exporters)).decode(),))
+            conn.execute("INSERT OR REPLACE INTO spool_meta (key, value) VALUES (?, '1')", (ONE_GATEWAY_A_SPAN,))
         else:  # back to one exporter (or none): what it already took is done, the fast path resumes
             if len(exporters) == 1 and exporters[0] in previous:
                 conn.execute("UPDATE spans SET state = ? WHERE state = 0 AND NOT EXISTS"
                              " (SELECT 1 FROM deliveries d WHERE d.seq = spans.seq AND d.exporter = ?)", (DONE, exporters[0]))
             conn.execute("DELETE FROM deliveries")
-            conn.execute("DELETE FROM spool_meta WHERE key = 'exporters'")
+            conn.execute("DELETE FROM spool_meta WHERE key IN ('exporters', ?)", (ONE_GATEWAY_A_SPAN,))
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
         raise
 
 
-def _reroute(conn: sqlite3.Connection, routing: Routing, previous_routed: list[str]) -> None:
-    """The sharing exporters' rows after a restart: unchanged when the set is; else what the old set
-    still owed is owed again to its owner in the new one; with no sharing set before, every pending span."""
-    if not previous_routed:
-        _owe_routed(conn, routing, "state = 0", ())
+def is_gateway_cursor(name: str) -> bool:
+    """A node's gateway cursor, of this run or an earlier one: ``gateway`` alone, ``gateway@HOST:PORT`` of several."""
+    return name == "gateway" or name.startswith("gateway@")
+
+
+def _regate(conn: sqlite3.Connection, routing: Routing | None, before: list[str], now: list[str], one_owner: bool) -> None:
+    """The gateway cursors' rows after a restart (inside reconcile's transaction)."""
+    if not now:  # no gateway any more: nothing is owed to one
+        for name in before:
+            conn.execute("DELETE FROM deliveries WHERE exporter = ?", (name,))
         return
-    if set(previous_routed) == routing.routed:
+    if not before:  # no gateway before (or from single mode): every pending span, to its gateway
+        _owe_gateways(conn, routing, now, "state = 0", ())
         return
-    marks = _marks(len(previous_routed))
-    seqs = [r[0] for r in conn.execute(f"SELECT DISTINCT seq FROM deliveries WHERE exporter IN ({marks})", previous_routed)]
-    conn.execute(f"DELETE FROM deliveries WHERE exporter IN ({marks})", previous_routed)
-    for i in range(0, len(seqs), 500):
-        chunk = seqs[i:i + 500]
-        _owe_routed(conn, routing, f"state = 0 AND seq IN ({_marks(len(chunk))})", chunk)
+    if not one_owner and len(before) >= 2 and routing is not None and set(before) == set(now):
+        _keep_owners_rows(conn, routing, before)  # a spool of 6489206–6a1227e: every gateway owed every span
+        return
+    if set(before) == set(now):
+        return
+    marks = _marks(len(before))
+    seqs = [r[0] for r in conn.execute(f"SELECT DISTINCT seq FROM deliveries WHERE exporter IN ({marks})", before)]
+    conn.execute(f"DELETE FROM deliveries WHERE exporter IN ({marks})", before)
+    for i in range(0, len(seqs), 400):
+        chunk = seqs[i:i + 400]
+        _owe_gateways(conn, routing, now, f"state = 0 AND seq IN ({_marks(len(chunk))})", chunk)
+
+
+def _owe_gateways(conn: sqlite3.Connection, routing: Routing | None, gateways: list[str], where: str,
+                  params: Sequence[Any]) -> None:
+    if routing is not None:
+        _owe_routed(conn, routing, where, params)
+    else:  # one gateway
+        conn.execute(f"INSERT OR IGNORE INTO deliveries (exporter, seq) SELECT ?, seq FROM spans WHERE {where}",
+                     (gateways[0], *params))
+
+
+def _keep_owners_rows(conn: sqlite3.Connection, routing: Routing, gateways: list[str]) -> None:
+    """Rows left by read-time routing (each gateway owed each span, the others passed over it): each span keeps
+    its owner's row, or none when its owner took it already."""
+    marks = _marks(len(gateways))
+    seqs = [r[0] for r in conn.execute(f"SELECT DISTINCT seq FROM deliveries WHERE exporter IN ({marks})", gateways)]
+    for i in range(0, len(seqs), 400):
+        chunk = seqs[i:i + 400]
+        rows = conn.execute(f"SELECT {OWED_COLUMNS} FROM spans WHERE seq IN ({_marks(len(chunk))})", chunk).fetchall()
+        conn.executemany(f"DELETE FROM deliveries WHERE seq = ? AND exporter != ? AND exporter IN ({marks})",
+                         [(r[0], name, *gateways) for r, name in zip(rows, routing.owners(conn, rows))])
 
 
 def _owe_routed(conn: sqlite3.Connection, routing: Routing, where: str, params: Sequence[Any]) -> Counter[str]:
@@ -196,8 +229,8 @@ def owe_held(conn: sqlite3.Connection, exporters: Sequence[str], trace_ids: Sequ
              routing: Routing | None = None) -> dict[str, int]:
     """The exporters owe the held spans of these kept trajectories (before they turn pending)."""
     total: dict[str, int] = {}
-    for i in range(0, len(trace_ids), 500):
-        chunk = list(trace_ids[i:i + 500])
+    for i in range(0, len(trace_ids), 400):
+        chunk = list(trace_ids[i:i + 400])
         _add(total, _owe(conn, exporters, routing, f"state = 3 AND trace_id IN ({_marks(len(chunk))})", chunk))
     return total
 
@@ -206,8 +239,8 @@ def owe_seqs(conn: sqlite3.Connection, exporters: Sequence[str], seqs: Sequence[
              routing: Routing | None = None) -> dict[str, int]:
     """The exporters owe these spans (engine spans released from AWAITING); rows per exporter."""
     total: dict[str, int] = {}
-    for i in range(0, len(seqs), 500):
-        chunk = list(seqs[i:i + 500])
+    for i in range(0, len(seqs), 400):
+        chunk = list(seqs[i:i + 400])
         _add(total, _owe(conn, exporters, routing, f"seq IN ({_marks(len(chunk))})", chunk))
     return total
 

@@ -156,3 +156,86 @@ def test_a_node_learns_budgets_once_every_gateway_answered_the_same() -> None:
     assert learned == [] and agreement.disagree
     agreement.heard("gateway@b:1", {"k": 1})
     assert learned == [{"k": 1}] and not agreement.disagree
+
+
+def test_held_and_awaiting_spans_are_owed_to_their_steps_gateway_when_released(tmp_path: Path) -> None:
+    """A tail budget's held spans and an engine span awaiting its trajectory are owed when released, to the
+    gateway of the step they then carry (an engine span joined to its call takes the call's step)."""
+    from tracecar.collector.spool.store import PENDING
+
+    spool = _spool(tmp_path / "s.db", GATEWAYS, "weave")
+    steps = [s for s in range(40) if _name(route_key("exp", False, s) or "", GATEWAYS) != _name("trace:engine", GATEWAYS)]
+    held_step, joined_step = steps[0], steps[1]
+    spool.write([SpoolRow({**_span("h-root", "th", experiment_name="exp", validate=False, step=held_step).span},
+                          _span("h-root", "th").payload, None, held=True),
+                 SpoolRow(_span("h-ann", "th", "annotation").span, _span("h-ann", "th", "annotation").payload, None, held=True),
+                 SpoolRow(_span("engine", "tengine").span, _span("engine", "tengine").payload, None, awaiting=True)])
+    assert _owed(spool) == {}  # neither is owed yet
+    spool.release(["th"], [])
+
+    def joined(payload: dict[str, Any]) -> tuple[tuple[Any, ...], bytes, int, int]:
+        payload.update(trace_id="tj", attributes={"experiment_name": "exp", "validate": False, "step": joined_step})
+        return ("tj", None, "w0", "p", "e", "exp", joined_step, None, None, 0), orjson.dumps(payload), 0, 0
+
+    spool.settle_awaiting("tengine", PENDING, joined)
+    owed = _owed(spool)
+    held_gateway = _name(route_key("exp", False, held_step) or "", GATEWAYS)
+    assert owed["h-root"] == owed["h-ann"] == [held_gateway, "weave"]
+    assert owed["engine"] == [_name(route_key("exp", False, joined_step) or "", GATEWAYS), "weave"]  # not its own trace's
+    counts = Counter(name for names in owed.values() for name in names)
+    assert {name: spool.owed_count(name) for name in spool.exporters} == {n: counts.get(n, 0) for n in spool.exporters}
+
+
+def test_a_gateway_down_holds_back_only_its_own_share(tmp_path: Path) -> None:
+    spool = _spool(tmp_path / "s.db", GATEWAYS[:2])
+    spool.write([_span(f"s{step}", f"t{step}", experiment_name="exp", validate=False, step=step) for step in range(30)])
+    down, up = spool.exporters
+    while rows := spool.next_pending(7, up):
+        spool.mark_forwarded([r[0] for r in rows], keep=False, exporter=up)
+    assert spool.owed_count(up) == 0 and spool.owed_count(down) == spool.pending_count > 0  # the rest is the down one's
+    assert spool.pending_count == sum(1 for s in range(30) if _name(route_key("exp", False, s) or "", GATEWAYS[:2]) ==
+                                      down)
+
+
+def test_from_two_gateways_to_one_the_spans_either_took_are_not_sent_again(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    spool = _spool(path, GATEWAYS[:2], "weave")
+    spool.write([_span(f"s{step}", f"t{step}", experiment_name="exp", validate=False, step=step) for step in range(30)])
+    taken = {r[0] for r in spool.next_pending(100, spool.exporters[1])}
+    spool.mark_forwarded(sorted(taken), keep=True, exporter=spool.exporters[1])  # still pending: weave owes them
+    one = Spool(path, local_only=False, exporters=["gateway", "weave"])  # TRACECAR_GATEWAY_URL lists one now
+    owed_to_one = {r["seq"] for r in one.query("SELECT seq FROM deliveries WHERE exporter = 'gateway'")}
+    assert owed_to_one and not owed_to_one & taken
+    assert one.owed_count("gateway") == 30 - len(taken) and one.owed_count("weave") == 30
+
+
+def test_a_spool_of_read_time_routing_keeps_each_spans_owner_row_alone(tmp_path: Path) -> None:
+    """Spools written by 6489206–6a1227e owed every span to every gateway (each forwarder passed over the
+    others'): reopened, a span keeps its owner's row, or none when its owner took it already."""
+    from tracecar.collector.spool import deliveries
+
+    path = tmp_path / "s.db"
+    names = [exporter_name(g) for g in GATEWAYS[:2]]
+    old = Spool(path, local_only=False, exporters=[*names, "weave"])  # no routing: every exporter owes every span
+    old.write([_span(f"s{step}", f"t{step}", experiment_name="exp", validate=False, step=step) for step in range(20)])
+    first = names[0]
+    mine = [r[0] for r in old.next_pending(100, first)
+            if _name(route_key("exp", False, r[0] - 1) or "", GATEWAYS[:2]) == first][:3]
+    old.mark_forwarded(mine, keep=True, exporter=first)  # the owner delivered three
+    old.query("SELECT 1")  # (reads still work)
+    old._write.execute("DELETE FROM spool_meta WHERE key = ?", (deliveries.ONE_GATEWAY_A_SPAN,))  # as that code left it
+    reopened = _spool(path, GATEWAYS[:2], "weave")
+    owed = _owed(reopened)
+    for step in range(20):
+        gateways = [n for n in owed[f"s{step}"] if n != "weave"]
+        want = [] if step + 1 in mine else [_name(route_key("exp", False, step) or "", GATEWAYS[:2])]
+        assert gateways == want, step
+
+
+def test_batches_of_many_stepless_traces_stay_within_sqlites_oldest_variable_limit(tmp_path: Path) -> None:
+    import sqlite3
+
+    spool = _spool(tmp_path / "s.db", GATEWAYS)
+    spool._write.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)  # SQLite before 3.32
+    spool.write([_span(f"a{i}", f"t{i}", "annotation") for i in range(1200)])
+    assert sum(spool.owed_count(n) for n in spool.exporters) == 1200
