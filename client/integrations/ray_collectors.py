@@ -22,6 +22,15 @@ forward to it (the tail budgets, the store, the viewer and the W&B credentials a
     ...
     collectors.shutdown(); gateway.shutdown()   # nodes first: they drain into the gateway
 
+Beyond one gateway's rate, :func:`start_gateways` runs several (one a node, the head's first), and
+``start_node_collectors(gateway=gateways)`` lists them all on every node: each step goes whole to
+one of them (rendezvous hashing, docs/cluster.md *Several gateways*)::
+
+    gateways = ray_collectors.start_gateways(2, port=9471, settings={"max_trajectories_per_step": 256})
+    collectors = ray_collectors.start_node_collectors(port=9470, gateway=gateways)
+    ...
+    collectors.shutdown(); [g.shutdown() for g in gateways]
+
 Actors are named ``tracecar-collector-<node_id>`` in the ``tracecar`` namespace, so a second
 driver (or a worker, through :func:`node_local_url`) finds them.  The collector is also tied to
 its actor's process by ``PR_SET_PDEATHSIG`` (Linux) and ``--parent-pid`` (a thread watching it,
@@ -44,7 +53,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -380,6 +389,11 @@ class GatewayCollector:
         return result
 
 
+def gateway_actor_name(index: int = 0) -> str:
+    """The first gateway keeps the one name (``tracecar-gateway``); more are ``tracecar-gateway-1``, ..."""
+    return GATEWAY_ACTOR if index == 0 else f"{GATEWAY_ACTOR}-{index}"
+
+
 def _head_node_id() -> str:
     import ray
 
@@ -400,6 +414,7 @@ def start_gateway(
     namespace: str = NAMESPACE,
     detached: bool = False,
     ready_timeout_s: float = 60.0,
+    index: int = 0,
 ) -> GatewayCollector:
     """Starts (or finds) the gateway collector (``TRACECAR_ROLE=gateway``) as an actor on the head node.
 
@@ -407,7 +422,8 @@ def start_gateway(
     nodes reach (set ``settings={"token": ...}``: the nodes get it as their gateway token).
     ``settings``: CollectorSettings fields: the tail budgets and the exporters (Weave, OTLP,
     MLflow) go here; W&B credentials in the head node's environment are inherited.
-    ``data_dir``: default ``$TMPDIR/tracecar-ray/gateway-{port}``.
+    ``data_dir``: default ``$TMPDIR/tracecar-ray/gateway-{port}`` (``{index}``, ``{port}`` and
+    ``{node_id}`` are filled in). ``index``: which of several (:func:`start_gateways`): its actor's name.
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -418,13 +434,15 @@ def start_gateway(
     token = env.get("TRACECAR_TOKEN")
     target = node_id or _head_node_id()
     options: dict[str, Any] = dict(
-        name=GATEWAY_ACTOR, namespace=namespace, get_if_exists=True, num_cpus=num_cpus, max_restarts=0,
+        name=gateway_actor_name(index), namespace=namespace, get_if_exists=True, num_cpus=num_cpus, max_restarts=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(target, soft=False),
         runtime_env={"env_vars": {"TRACECAR_URL": "", IN_COLLECTOR_ENV: "1", "RAY_kill_child_processes_on_worker_exit": "false"}},
     )
     if detached:
         options["lifetime"] = "detached"
-    template = data_dir or str(Path(tempfile.gettempdir()) / "tracecar-ray" / "gateway-{port}")
+    template = data_dir or str(Path(tempfile.gettempdir()) / "tracecar-ray" / ("gateway-{port}" if index == 0
+                                                                             else "gateway{index}-{port}"))
+    template = template.replace("{index}", str(index))
     actor: Any = ray.remote(CollectorActor).options(**options).remote(port, env, template, namespace, host, False)
     try:
         info: dict[str, Any] = ray.get(actor.wait_ready.remote(ready_timeout_s), timeout=ready_timeout_s + 120)
@@ -437,6 +455,54 @@ def start_gateway(
     return GatewayCollector(namespace, actor, info, token)
 
 
+def start_gateways(
+    count: int,
+    port: int = DEFAULT_GATEWAY_PORT,
+    settings: Mapping[str, Any] | None = None,
+    data_dir: str | None = None,
+    *,
+    node_ids: Sequence[str] | None = None,
+    **options: Any,
+) -> list[GatewayCollector]:
+    """Starts (or finds) ``count`` gateways, one a node: the head node's first, then the other alive nodes in
+    node-id order (or ``node_ids``). Every one runs the same ``settings`` (the tail budgets must agree: the
+    nodes check). Pass the list to ``start_node_collectors(gateway=...)``. ``options``: as :func:`start_gateway`."""
+    import ray
+
+    if count < 1:
+        raise ValueError("start_gateways needs count >= 1")
+    if not ray.is_initialized():
+        raise RuntimeError("start_gateways needs ray.init() first")
+    if node_ids is None:
+        head = _head_node_id()
+        node_ids = [head, *sorted(n for n in _alive_node_ids() if n != head)]
+    if len(node_ids) < count:
+        raise ValueError(f"{count} gateways need {count} nodes ({len(node_ids)} given or alive): one gateway a node")
+    started: list[GatewayCollector] = []
+    try:
+        for i, node_id in enumerate(node_ids[:count]):
+            started.append(start_gateway(port, settings, data_dir, node_id=node_id, index=i, **options))
+    except BaseException:
+        for gateway in started:
+            gateway.shutdown(timeout_s=10)
+        raise
+    return started
+
+
+def _gateway_env(gateway: GatewayCollector | str | Sequence[GatewayCollector | str]) -> dict[str, str]:
+    """TRACECAR_GATEWAY_URL (and the gateways' one token) for every node collector."""
+    gateways = [gateway] if isinstance(gateway, (str, GatewayCollector)) else list(gateway)
+    if not gateways:
+        raise ValueError("gateway: an empty list")
+    env = {"TRACECAR_ROLE": "node", "TRACECAR_GATEWAY_URL": ",".join(g if isinstance(g, str) else g.url for g in gateways)}
+    tokens = {g.token for g in gateways if not isinstance(g, str) and g.token}
+    if len(tokens) > 1:
+        raise ValueError("the gateways have different tokens: a node sends one (TRACECAR_GATEWAY_TOKEN)")
+    if tokens:
+        env["TRACECAR_GATEWAY_TOKEN"] = tokens.pop()
+    return env
+
+
 def start_node_collectors(
     port: int = DEFAULT_PORT,
     settings: Mapping[str, Any] | None = None,
@@ -447,7 +513,7 @@ def start_node_collectors(
     detached: bool = False,
     ready_timeout_s: float = 60.0,
     node_ids: list[str] | None = None,
-    gateway: GatewayCollector | str | None = None,
+    gateway: GatewayCollector | str | Sequence[GatewayCollector | str] | None = None,
 ) -> NodeCollectors:
     """Starts (or finds) one collector actor on every alive Ray node and waits until all are ready.
 
@@ -459,9 +525,10 @@ def start_node_collectors(
     forwarded at the next start).  ``detached``: the actors outlive this driver (stop them with
     ``find_node_collectors().shutdown()``); otherwise they end with this job.
     Calling it again (from any driver) returns the running actors and starts only missing ones.
-    ``gateway`` (a :func:`start_gateway` result, or the gateway's URL): every node collector
-    forwards to it (``TRACECAR_GATEWAY_URL``, named by its node id), and W&B credentials in the
-    nodes' environment are not passed on to them (the gateway holds them).
+    ``gateway`` (a :func:`start_gateway` result, or the gateway's URL; or a list of them,
+    :func:`start_gateways`): every node collector forwards to it (``TRACECAR_GATEWAY_URL``, named by
+    its node id; several: each step to one of them), and W&B credentials in the nodes' environment
+    are not passed on to them (the gateway holds them).
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -471,10 +538,10 @@ def start_node_collectors(
     env = settings_env(settings)
     drop_env: tuple[str, ...] = ()
     if gateway is not None:
-        env["TRACECAR_ROLE"] = "node"
-        env["TRACECAR_GATEWAY_URL"] = gateway if isinstance(gateway, str) else gateway.url
-        if not isinstance(gateway, str) and gateway.token and "TRACECAR_GATEWAY_TOKEN" not in env:
-            env["TRACECAR_GATEWAY_TOKEN"] = gateway.token
+        wired = _gateway_env(gateway)
+        if "TRACECAR_GATEWAY_TOKEN" in env:  # a token in the settings wins over the gateways' own
+            wired.pop("TRACECAR_GATEWAY_TOKEN", None)
+        env.update(wired)
         drop_env = _GATEWAY_ONLY_ENV
     remote_cls = ray.remote(CollectorActor)
     actors: dict[str, Any] = {}

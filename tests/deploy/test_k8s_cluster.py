@@ -1,11 +1,13 @@
-"""deploy/k8s-cluster: a gateway Deployment + Service, the training pods' sidecars as node collectors.
+"""deploy/k8s-cluster: a gateway StatefulSet + Services, the training pods' sidecars as node collectors;
+deploy/k8s-two-gateways: the same with two gateways, every node listing both.
 
 Validated statically, like deploy/k8s: the files parsed, each collector's environment built
 into the collector's own settings and checked with the checks ``tracecar serve`` runs
-(service/roles.py: the role's contradictions; config_check: the exporters), the Service's
-selector and ports against the Deployment, the node's gateway URL against the Service. The
-overlay is rendered by ``kubectl kustomize`` when it is installed; otherwise the base pod's
-sidecar is patched here by the same rule (env merged by name, ``$patch: delete`` removes).
+(service/roles.py: the role's contradictions; config_check: the exporters), the Services'
+selectors and ports against the StatefulSet, the node's gateway URLs against the Services and
+the gateways' pod names. The overlays are rendered by ``kubectl kustomize`` when it is installed;
+otherwise the base pod's sidecar is patched here by the same rule (env merged by name, ``$patch:
+delete`` removes).
 """
 
 from __future__ import annotations
@@ -23,16 +25,23 @@ from .manifests import DATA_DIR, REPO, build_settings, container_port, k8s_env, 
 CLUSTER_DIR = REPO / "deploy" / "k8s-cluster"
 GATEWAY_YAML = CLUSTER_DIR / "gateway.yaml"
 NODE_PATCH = CLUSTER_DIR / "node-sidecar.yaml"
+TWO_DIR = REPO / "deploy" / "k8s-two-gateways"
 
 
 @pytest.fixture(scope="module")
 def gateway_docs() -> dict[str, dict[str, Any]]:
-    return {d["kind"]: d for d in yaml.safe_load_all(GATEWAY_YAML.read_text()) if d}
+    """The gateway's documents by kind; the two Services as ``Service`` (ClusterIP) and ``Service/headless``."""
+    out: dict[str, dict[str, Any]] = {}
+    for d in yaml.safe_load_all(GATEWAY_YAML.read_text()):
+        if d:
+            headless = d["kind"] == "Service" and d["spec"].get("clusterIP") == "None"
+            out[d["kind"] + ("/headless" if headless else "")] = d
+    return out
 
 
 @pytest.fixture(scope="module")
 def gateway_container(gateway_docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    (container,) = gateway_docs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    (container,) = gateway_docs["StatefulSet"]["spec"]["template"]["spec"]["containers"]
     return container
 
 
@@ -66,20 +75,24 @@ def node_sidecar(sidecar: dict[str, Any]) -> dict[str, Any]:
     return node
 
 
-def test_gateway_is_one_recreated_replica_behind_its_service(gateway_docs: dict[str, dict[str, Any]],
-                                                             gateway_container: dict[str, Any]) -> None:
-    assert {"Deployment", "Service", "PersistentVolumeClaim"} <= set(gateway_docs)
-    deployment, service = gateway_docs["Deployment"], gateway_docs["Service"]
-    spec = deployment["spec"]
-    assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"  # one writer of the store
+def test_gateway_is_a_stateful_set_each_with_its_volume_behind_its_services(gateway_docs: dict[str, dict[str, Any]],
+                                                                          gateway_container: dict[str, Any]) -> None:
+    assert {"StatefulSet", "Service", "Service/headless"} <= set(gateway_docs)
+    statefulset = gateway_docs["StatefulSet"]
+    spec = statefulset["spec"]
+    # one writer of each store: a StatefulSet replaces a pod only once the old one is gone
+    assert spec["replicas"] == 1 and spec["updateStrategy"]["type"] == "RollingUpdate"
+    assert spec["serviceName"] == gateway_docs["Service/headless"]["metadata"]["name"]  # each pod's DNS name
     labels = spec["template"]["metadata"]["labels"]
     assert spec["selector"]["matchLabels"].items() <= labels.items()
-    assert service["spec"]["selector"].items() <= labels.items()
-    (port,) = service["spec"]["ports"]
-    assert container_port(gateway_container, port["targetPort"]) == 9470
-    volumes = {v["name"]: v for v in spec["template"]["spec"]["volumes"]}
+    for service in (gateway_docs["Service"], gateway_docs["Service/headless"]):
+        assert service["spec"]["selector"].items() <= labels.items()
+        (port,) = service["spec"]["ports"]
+        assert container_port(gateway_container, port["targetPort"]) == 9470
     data = next(m for m in gateway_container["volumeMounts"] if m["mountPath"] == DATA_DIR)
-    assert volumes[data["name"]]["persistentVolumeClaim"]["claimName"] == gateway_docs["PersistentVolumeClaim"]["metadata"]["name"]
+    claims = {c["metadata"]["name"]: c for c in spec["volumeClaimTemplates"]}
+    assert data["name"] in claims and claims[data["name"]]["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert data["name"] not in {v["name"] for v in spec["template"]["spec"]["volumes"]}  # its own volume, not a shared one
     for probe, path in (("startupProbe", "/healthz"), ("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
         assert gateway_container[probe]["httpGet"]["path"] == path
         assert container_port(gateway_container, gateway_container[probe]["httpGet"]["port"]) == 9470
@@ -98,7 +111,7 @@ def test_gateway_settings_are_a_valid_gateway_with_the_credentials(gateway_conta
     for item in gateway_container["env"]:
         if looks_secret(item["name"], secret_env_names):
             assert "secretKeyRef" in item["valueFrom"], item["name"]
-    grace = gateway_docs["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    grace = gateway_docs["StatefulSet"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace > settings.shutdown_drain_s + 5
 
 
@@ -123,9 +136,56 @@ def test_the_cluster_overlay_renders_with_kustomize(node_sidecar: dict[str, Any]
     out = subprocess.run(["kubectl", "kustomize", str(CLUSTER_DIR)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
-    assert {"Deployment", "Service", "PersistentVolumeClaim", "Pod"} <= {d["kind"] for d in docs}
+    assert {"StatefulSet", "Service", "Pod"} <= {d["kind"] for d in docs}
     pod = next(d for d in docs if d["kind"] == "Pod")
     rendered = next(c for c in pod["spec"]["initContainers"] if c["name"] == node_sidecar["name"])
     assert sorted(rendered["env"], key=lambda i: i["name"]) == sorted(node_sidecar["env"], key=lambda i: i["name"])
-    deployment = next(d for d in docs if d["kind"] == "Deployment")
-    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == rendered["image"]
+    statefulset = next(d for d in docs if d["kind"] == "StatefulSet")
+    assert statefulset["spec"]["template"]["spec"]["containers"][0]["image"] == rendered["image"]
+
+
+def two_gateways(node_sidecar: dict[str, Any], gateway_docs: dict[str, dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+    """deploy/k8s-two-gateways applied by its own rules: (the StatefulSet's replicas, the node's sidecar)."""
+    kustomization = yaml.safe_load((TWO_DIR / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["../k8s-cluster"]
+    replicas = gateway_docs["StatefulSet"]["spec"]["replicas"]
+    node = copy.deepcopy(node_sidecar)
+    for patch in kustomization["patches"]:
+        if "target" in patch:  # JSON 6902 on the StatefulSet
+            assert patch["target"] == {"kind": "StatefulSet", "name": gateway_docs["StatefulSet"]["metadata"]["name"]}
+            (op,) = yaml.safe_load(patch["patch"])
+            assert op["op"] == "replace" and op["path"] == "/spec/replicas"
+            replicas = op["value"]
+        else:
+            pod = yaml.safe_load((TWO_DIR / patch["path"]).read_text())
+            (patched,) = [c for c in pod["spec"]["initContainers"] if c["name"] == node["name"]]
+            node["env"] = _merge_env(node["env"], patched["env"])
+    return replicas, node
+
+
+def test_two_gateways_are_two_replicas_every_node_lists_by_their_pod_names(node_sidecar: dict[str, Any],
+                                                                          gateway_docs: dict[str, dict[str, Any]],
+                                                                          settings_cls: type,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    replicas, node = two_gateways(node_sidecar, gateway_docs)
+    settings = build_settings(settings_cls, k8s_env(node), monkeypatch)
+    statefulset, headless = gateway_docs["StatefulSet"], gateway_docs["Service/headless"]
+    port = headless["spec"]["ports"][0]["port"]
+    want = [f"http://{statefulset['metadata']['name']}-{i}.{headless['metadata']['name']}:{port}" for i in range(replicas)]
+    assert replicas == 2 and settings.gateway_urls == want  # every gateway, by the name the StatefulSet gives it
+    assert settings.effective_exporters == [f"gateway@{u.split('//')[1]}" for u in want]  # a delivery cursor each
+    assert settings.wandb_api_key is None
+    _checked(settings)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl")
+def test_the_two_gateways_overlay_renders_with_kustomize(node_sidecar: dict[str, Any],
+                                                         gateway_docs: dict[str, dict[str, Any]]) -> None:
+    out = subprocess.run(["kubectl", "kustomize", str(TWO_DIR)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    replicas, node = two_gateways(node_sidecar, gateway_docs)
+    assert next(d for d in docs if d["kind"] == "StatefulSet")["spec"]["replicas"] == replicas
+    pod = next(d for d in docs if d["kind"] == "Pod")
+    rendered = next(c for c in pod["spec"]["initContainers"] if c["name"] == node["name"])
+    assert sorted(rendered["env"], key=lambda i: i["name"]) == sorted(node["env"], key=lambda i: i["name"])
