@@ -13,7 +13,11 @@ at the gateway), and CPU seconds per 1,000 spans of the collector, the gateway a
 read store in ClickHouse (embedded chDB, ``TRACECAR_STORE=clickhouse``), rounds A B C alternating:
 spans/s to queryable at the gateway and its CPU per 1,000 spans, chDB against SQLite.
 
-    .venv/bin/python bench/cluster.py [--nodes 4] [--trajectories 600] [--rounds 2] [--clickhouse]
+``--gateways N``: also round D, the same volume through a cluster whose nodes list N gateways (each
+step to one of them): spans/s to queryable over all of them, their CPU per 1,000 spans together and
+the nodes' (what routing costs them), against round B's one gateway.
+
+    .venv/bin/python bench/cluster.py [--nodes 4] [--trajectories 600] [--rounds 2] [--clickhouse] [--gateways 2]
 """
 
 from __future__ import annotations
@@ -87,14 +91,19 @@ def feed(urls: list[str], count: int, experiment: str) -> float:
     return time.perf_counter() - started
 
 
-def wait_queryable(url: str, experiment: str, count: int, timeout_s: float = 600) -> None:
+def queryable(url: str, experiment: str) -> int:
+    return int(httpx.get(url + "/v1/trajectories", params={"experiment": experiment, "limit": 1}, timeout=60).json()["total"])
+
+
+def wait_queryable(urls: str | list[str], experiment: str, count: int, timeout_s: float = 600) -> None:
+    """Until ``count`` trajectories are listed at ``urls`` together (several gateways: each lists its steps)."""
+    urls = [urls] if isinstance(urls, str) else urls
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        page = httpx.get(url + "/v1/trajectories", params={"experiment": experiment, "limit": 1}, timeout=60).json()
-        if page["total"] >= count:
+        if sum(queryable(url, experiment) for url in urls) >= count:
             return
         time.sleep(0.05)
-    raise TimeoutError(f"{count} trajectories of {experiment} not queryable at {url}")
+    raise TimeoutError(f"{count} trajectories of {experiment} not queryable at {', '.join(urls)}")
 
 
 def round_direct(single: ProcessCollector, nodes: int, count: int, r: int) -> dict[str, float]:
@@ -109,17 +118,20 @@ def round_direct(single: ProcessCollector, nodes: int, count: int, r: int) -> di
 
 
 def round_cluster(cluster: Cluster, count: int, r: int) -> dict[str, float]:
-    experiment = f"cluster-{r}"
-    gw0, nodes0 = cpu_s(cluster.gateway), sum(cpu_s(n) for n in cluster.nodes)
+    experiment = f"cluster-{len(cluster.gateways)}-{r}"
+    gw0, nodes0 = sum(cpu_s(g) for g in cluster.gateways), sum(cpu_s(n) for n in cluster.nodes)
     started = time.perf_counter()
     acked = feed([n.url for n in cluster.nodes], count, experiment)
-    wait_queryable(cluster.gateway.url, experiment, count)
-    queryable = time.perf_counter() - started
+    wait_queryable([g.url for g in cluster.gateways], experiment, count)
+    took = time.perf_counter() - started
     spans = count * SPANS_PER_TRAJECTORY
-    return {"acked_rate": spans / acked, "queryable_rate": spans / queryable,
-            "gateway_cpu_per_1k": (cpu_s(cluster.gateway) - gw0) / spans * 1000,
-            "nodes_cpu_per_1k": (sum(cpu_s(n) for n in cluster.nodes) - nodes0) / spans * 1000,
-            "behind_s": queryable - acked}
+    out = {"acked_rate": spans / acked, "queryable_rate": spans / took,
+           "gateway_cpu_per_1k": (sum(cpu_s(g) for g in cluster.gateways) - gw0) / spans * 1000,
+           "nodes_cpu_per_1k": (sum(cpu_s(n) for n in cluster.nodes) - nodes0) / spans * 1000,
+           "behind_s": took - acked}
+    if len(cluster.gateways) > 1:  # the share of the trajectories the busiest gateway got
+        out["largest_share"] = max(queryable(g.url, experiment) for g in cluster.gateways) / count
+    return out
 
 
 def main() -> None:
@@ -128,15 +140,18 @@ def main() -> None:
     ap.add_argument("--trajectories", type=int, default=600, help="per round")
     ap.add_argument("--rounds", type=int, default=2, help="pairs of rounds (A B)")
     ap.add_argument("--clickhouse", action="store_true", help="round C: a second cluster, its gateway's store on chDB")
+    ap.add_argument("--gateways", type=int, default=1, help="round D when > 1: a cluster whose nodes list this many gateways")
     args = ap.parse_args()
     print(f"load at start: {os.getloadavg()}")
     root = Path(tempfile.mkdtemp(prefix="tracecar-bench-cluster-"))
     single = process_collector(root / "single", log_level="warning").start()
     cluster = start_cluster(root, args.nodes)
     chdb = start_cluster(root / "chdb", args.nodes, gateway={"store": "clickhouse"}) if args.clickhouse else None
+    several = start_cluster(root / "several", args.nodes, gateways=args.gateways) if args.gateways > 1 else None
     direct: list[dict[str, float]] = []
     tier: list[dict[str, float]] = []
     tier_ch: list[dict[str, float]] = []
+    tier_n: list[dict[str, float]] = []
     try:
         for r in range(args.rounds):
             direct.append(round_direct(single, args.nodes, args.trajectories, r))
@@ -146,7 +161,12 @@ def main() -> None:
             if chdb is not None:
                 tier_ch.append(round_cluster(chdb, args.trajectories, r))
                 print(f"C cluster, gateway on chDB {r}: " + ", ".join(f"{k}={v:.3f}" for k, v in tier_ch[-1].items()))
+            if several is not None:
+                tier_n.append(round_cluster(several, args.trajectories, r))
+                print(f"D cluster, {args.gateways} gateways {r}: " + ", ".join(f"{k}={v:.3f}" for k, v in tier_n[-1].items()))
     finally:
+        if several is not None:
+            several.stop()
         if chdb is not None:
             chdb.stop()
         cluster.stop()
@@ -171,6 +191,15 @@ def main() -> None:
               f"gateway CPU-s per 1,000 spans {med(tier_ch, 'gateway_cpu_per_1k'):.3f} / {med(tier, 'gateway_cpu_per_1k'):.3f} = "
               f"{med(tier_ch, 'gateway_cpu_per_1k') / med(tier, 'gateway_cpu_per_1k'):.2f}; queryable "
               f"{med(tier_ch, 'behind_s'):.2f} s after the last node acknowledgement")
+
+    if tier_n:
+        print(f"  {args.gateways} gateways / one: spans/s to queryable {med(tier_n, 'queryable_rate'):.0f} / "
+              f"{med(tier, 'queryable_rate'):.0f} = {med(tier_n, 'queryable_rate') / med(tier, 'queryable_rate'):.2f}; "
+              f"gateways' CPU-s per 1,000 spans together {med(tier_n, 'gateway_cpu_per_1k'):.3f} / "
+              f"{med(tier, 'gateway_cpu_per_1k'):.3f} = {med(tier_n, 'gateway_cpu_per_1k') / med(tier, 'gateway_cpu_per_1k'):.2f}; "
+              f"nodes' {med(tier_n, 'nodes_cpu_per_1k'):.3f} / {med(tier, 'nodes_cpu_per_1k'):.3f} = "
+              f"{med(tier_n, 'nodes_cpu_per_1k') / med(tier, 'nodes_cpu_per_1k'):.2f}; the busiest gateway's share "
+              f"{med(tier_n, 'largest_share'):.2f}; queryable {med(tier_n, 'behind_s'):.2f} s after the last acknowledgement")
 
 
 if __name__ == "__main__":
