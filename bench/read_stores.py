@@ -62,6 +62,8 @@ def main() -> None:
     ap.add_argument("--spans", type=int, default=1_000_000)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--keep", type=Path, help="build (or reuse) the spool in this directory")
+    ap.add_argument("--reuse-stores", action="store_true",
+                    help="with --keep: reuse the read stores a previous run left caught up there (times the reads again only)")
     args = ap.parse_args()
     print(machine_note(), flush=True)
     ratios: list[str] = []
@@ -73,13 +75,14 @@ def main() -> None:
             started = time.perf_counter()
             spans, trajectories = build(spool, args.spans)
             print(f"built {spans:,} spans ({trajectories:,} trajectories) in {time.perf_counter() - started:.0f} s")
-        for leftover in ("viewer-index.sqlite3", "ch-index.sqlite3"):
+        reuse = bool(args.keep and args.reuse_stores)
+        for leftover in () if reuse else ("viewer-index.sqlite3", "ch-index.sqlite3"):
             for suffix in ("", "-wal", "-shm"):
                 Path(str(root / leftover) + suffix).unlink(missing_ok=True)
         sqlite = TrajectoryIndex(spool)
         settings = CollectorSettings(data_dir=root, backend="local", store="clickhouse")
         ch_dir = root / "clickhouse"
-        if ch_dir.exists():
+        if ch_dir.exists() and not reuse:
             import shutil
 
             shutil.rmtree(ch_dir)
@@ -92,7 +95,8 @@ def main() -> None:
             rates[name] = total / seconds
             print(f"{name:10} caught up with {total:,} spans in {seconds:6.1f} s: {rates[name]:9,.0f} spans/s to queryable",
                   flush=True)
-        ratios.append(f"{'spans/s to queryable, from nothing':45} {rates['clickhouse'] / rates['sqlite']:6.2f}")
+        if not reuse:  # caught up already: the rates mean nothing
+            ratios.append(f"{'spans/s to queryable, from nothing':45} {rates['clickhouse'] / rates['sqlite']:6.2f}")
         facets = sqlite.facets()
         experiment = facets["experiments"][-1]["experiment"]
         step = facets["experiments"][-1]["step_max"]

@@ -97,7 +97,7 @@ CREATE TABLE IF NOT EXISTS {table} (
     prompt Nullable(String) CODEC(ZSTD(3)),
     response Nullable(String) CODEC(ZSTD(3)),
     words String CODEC(ZSTD(3)),
-    attributes Map(String, String) CODEC(ZSTD(3)),
+    attributes Map(LowCardinality(String), String) CODEC(ZSTD(3)),
     drift_checked Nullable(Int64),
     drift_turns Nullable(Int64),
     fate Nullable(String),
@@ -126,8 +126,11 @@ SELECT = ("trace_id, name, experiment, step, sample_index_int, sample_index_str,
 FLOATS = ("start_time", "end_time", "duration", "reward", "advantage", "inclusion_probability")
 # columns added since the table's first release: a table made before them gets each (its rows refill with the
 # index, whose version changed with them: see _sync_token)
+# the root's attributes: keys of a dictionary each (a job has a few dozen names), which halves the bytes an ``attr=``
+# filter reads (245 against 110 MiB at 10 M spans; a table of c09d988–10b3ca3 is altered to it at start)
+ATTRIBUTES_TYPE = "Map(LowCardinality(String), String)"
 ADDED = ("inclusion_probability Nullable(Float64) AFTER kept_because", "node Nullable(String) AFTER worker",
-         "attributes Map(String, String) CODEC(ZSTD(3))", "drift_checked Nullable(Int64)", "drift_turns Nullable(Int64)",
+         f"attributes {ATTRIBUTES_TYPE} CODEC(ZSTD(3))", "drift_checked Nullable(Int64)", "drift_turns Nullable(Int64)",
          "fate Nullable(String)", "refill UInt8", "tt_mismatch Nullable(UInt8)", "lp_max Nullable(Float64)",
          "reward_components Map(String, Float64)")
 ADDED_INDEXES = ("attribute_values mapValues(attributes) TYPE bloom_filter GRANULARITY 4",)
@@ -319,12 +322,23 @@ class ClickHouseStore:
                 self._run(f"ALTER TABLE {self.table} ADD COLUMN IF NOT EXISTS {column}")
             for skip_index in ADDED_INDEXES:
                 self._run(f"ALTER TABLE {self.table} ADD INDEX IF NOT EXISTS {skip_index}")
+            self._retype_attributes()
         except ClickHouseUnavailable as exc:  # e.g. a user that may not create tables, a full disk: one line at start
             self._engine.close()
             raise StoreStartError(f"{exc.public} while creating its tables: {exc}") from None
         except StoreStartError:
             self._engine.close()
             raise
+
+    def _retype_attributes(self) -> None:
+        """A table whose attributes' keys are plain strings gets dictionary keys (a mutation, in the background:
+        reads go on meanwhile, each part converted as it is read until rewritten)."""
+        database, table = self.table.split(".", 1)
+        bind = _Params()
+        found = self._select(f"SELECT type FROM system.columns WHERE database = {bind(database)} AND table = {bind(table)}"
+                             " AND name = 'attributes'", bind)
+        if found and found[0]["type"] != ATTRIBUTES_TYPE:
+            self._run(f"ALTER TABLE {self.table} MODIFY COLUMN attributes {ATTRIBUTES_TYPE} CODEC(ZSTD(3))")
 
     def _claim(self, data_dir: Path) -> None:
         """One collector per server database: the mirror (``_sync_token``) empties a table whose token is not its
@@ -581,8 +595,14 @@ class ClickHouseStore:
                                          " ORDER BY t NULLS FIRST, f NULLS FIRST")]
         nodes = [{"node": r["k"], "trajectories": r["n"]} for r in self._select(
             f"SELECT node AS k, count() AS n FROM {self.table} FINAL WHERE deleted = 0 AND node IS NOT NULL GROUP BY k ORDER BY k")]
+        # the numeric reward components (viewer/truth.py component_keys), from the rows' own map: the index's table
+        # took 0.4 s to group at 10 M spans, a third of the facets
+        components = [{"key": r["k"], "trajectories": r["n"], "min": r["lo"], "max": r["hi"]} for r in self._select(
+            f"SELECT k, count() AS n, min(v) AS lo, max(v) AS hi FROM {self.table} FINAL ARRAY JOIN"
+            " mapKeys(reward_components) AS k, mapValues(reward_components) AS v WHERE deleted = 0"
+            " GROUP BY k ORDER BY n DESC, k LIMIT 32")]
         result = {"experiments": order, "kept_because": rules, "trainer": trainer, "nodes": nodes,
-                  "reward_components": self.index.reward_component_keys()}
+                  "reward_components": components}
         self._cache["facets"] = result
         return result
 

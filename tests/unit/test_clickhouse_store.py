@@ -237,6 +237,37 @@ def test_attr_and_truth_filters_answer_from_clickhouse_what_the_index_answers(tm
     sqlite.close()
 
 
+def test_a_table_with_plain_attribute_keys_gets_dictionary_keys_and_answers_the_same(tmp_path: Path,
+                                                                                    store_url: str | None) -> None:
+    """Tables of c09d988–10b3ca3 keyed the attributes with plain strings: opening one alters it (a mutation, no
+    refill), and ``attr=`` answers what it answered before."""
+    path = tmp_path / "spool.sqlite3"
+    spool = Spool(path, local_only=True, sync="normal")
+    rng = random.Random(11)
+    rows = []
+    for t in range(4):
+        spans = trajectory(rng, t, 16)
+        root = next(s for s in spans if s["parent_id"] is None and s["kind"] == "trajectory")
+        root["attributes"] = {**root["attributes"], "source": ("a", "b")[t % 2]}
+        rows += [SpoolRow(s, orjson.dumps(s), None) for s in spans]
+    spool.write(rows)
+    spool.close()
+    settings = CollectorSettings(data_dir=tmp_path, backend="local", store="clickhouse", store_url=store_url)
+    store = ClickHouseStore(TrajectoryIndex(path, track_changes=True), settings)
+    assert store.refresh(budget_s=60)
+    before = rows_of(store, attributes=(("source", "a"),))
+    assert len(before) == 2
+    store._run(f"ALTER TABLE {store.table} MODIFY COLUMN attributes Map(String, String) CODEC(ZSTD(3))")
+    store.close()
+    again = ClickHouseStore(TrajectoryIndex(path, track_changes=True), settings)
+    database, table = again.table.split(".")
+    (column,) = again._select(f"SELECT type FROM system.columns WHERE database = '{database}' AND table = '{table}'"
+                              " AND name = 'attributes'")
+    assert column["type"] == "Map(LowCardinality(String), String)"
+    assert again.refresh(budget_s=60) and rows_of(again, attributes=(("source", "a"),)) == before
+    again.close()
+
+
 def test_a_server_url_maps_to_clickhouse_connects_options(monkeypatch: pytest.MonkeyPatch) -> None:
     """TLS by the scheme, the port or ?secure=true (clickhouse-connect itself reads only the port), the user and
     password decoded, no session (threads query at once), no retries (TRACECAR_STORE_TIMEOUT_S bounds a statement),
