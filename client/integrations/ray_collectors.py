@@ -362,7 +362,7 @@ def _alive_node_ids() -> list[str]:
 
 @dataclass
 class GatewayCollector:
-    """The job's gateway collector (an actor on the head node); ``url`` is what the nodes post to."""
+    """A gateway collector of the job (an actor, on the head node unless placed elsewhere); ``url`` is what the nodes post to."""
 
     namespace: str
     actor: Any
@@ -422,8 +422,10 @@ def start_gateway(
     nodes reach (set ``settings={"token": ...}``: the nodes get it as their gateway token).
     ``settings``: CollectorSettings fields: the tail budgets and the exporters (Weave, OTLP,
     MLflow) go here; W&B credentials in the head node's environment are inherited.
-    ``data_dir``: default ``$TMPDIR/tracecar-ray/gateway-{port}`` (``{index}``, ``{port}`` and
-    ``{node_id}`` are filled in). ``index``: which of several (:func:`start_gateways`): its actor's name.
+    ``data_dir``: default ``$TMPDIR/tracecar-ray/gateway-{port}`` (``gateway{index}-{port}`` for index > 0;
+    ``{index}``, ``{port}`` and ``{node_id}`` are filled in). ``index``: which of several
+    (:func:`start_gateways`, which also places them one a node): its actor's name. A fixed ``port`` takes
+    one gateway a host.
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -466,7 +468,11 @@ def start_gateways(
 ) -> list[GatewayCollector]:
     """Starts (or finds) ``count`` gateways, one a node: the head node's first, then the other alive nodes in
     node-id order (or ``node_ids``). Every one runs the same ``settings`` (the tail budgets must agree: the
-    nodes check). Pass the list to ``start_node_collectors(gateway=...)``. ``options``: as :func:`start_gateway`."""
+    nodes check). Pass the list to ``start_node_collectors(gateway=...)``. ``options``: as :func:`start_gateway`.
+
+    A gateway already running under its name (``tracecar-gateway-N``) is found and kept as it runs (its
+    settings, node and port are not changed); if a later one fails to start, only those this call started
+    are stopped. ``data_dir``: put ``{index}`` or ``{node_id}`` in it when it is on a shared file system."""
     import ray
 
     if count < 1:
@@ -478,24 +484,40 @@ def start_gateways(
         node_ids = [head, *sorted(n for n in _alive_node_ids() if n != head)]
     if len(node_ids) < count:
         raise ValueError(f"{count} gateways need {count} nodes ({len(node_ids)} given or alive): one gateway a node")
+    namespace = options.get("namespace", NAMESPACE)
+    gateways: list[GatewayCollector] = []
     started: list[GatewayCollector] = []
     try:
         for i, node_id in enumerate(node_ids[:count]):
-            started.append(start_gateway(port, settings, data_dir, node_id=node_id, index=i, **options))
+            found = _actor_exists(gateway_actor_name(i), namespace)
+            gateways.append(start_gateway(port, settings, data_dir, node_id=node_id, index=i, **options))
+            if not found:
+                started.append(gateways[-1])
     except BaseException:
         for gateway in started:
             gateway.shutdown(timeout_s=10)
         raise
-    return started
+    return gateways
+
+
+def _actor_exists(name: str, namespace: str) -> bool:
+    import ray
+
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return False
+    return True
 
 
 def _gateway_env(gateway: GatewayCollector | str | Sequence[GatewayCollector | str]) -> dict[str, str]:
     """TRACECAR_GATEWAY_URL (and the gateways' one token) for every node collector."""
-    gateways = [gateway] if isinstance(gateway, (str, GatewayCollector)) else list(gateway)
+    one = isinstance(gateway, str) or hasattr(gateway, "url")  # a GatewayCollector, or anything with its url
+    gateways: list[Any] = [gateway] if one else list(gateway)  # type: ignore[arg-type]
     if not gateways:
         raise ValueError("gateway: an empty list")
     env = {"TRACECAR_ROLE": "node", "TRACECAR_GATEWAY_URL": ",".join(g if isinstance(g, str) else g.url for g in gateways)}
-    tokens = {g.token for g in gateways if not isinstance(g, str) and g.token}
+    tokens: set[str] = {g.token for g in gateways if not isinstance(g, str) and getattr(g, "token", None)}
     if len(tokens) > 1:
         raise ValueError("the gateways have different tokens: a node sends one (TRACECAR_GATEWAY_TOKEN)")
     if tokens:

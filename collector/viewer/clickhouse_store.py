@@ -331,14 +331,23 @@ class ClickHouseStore:
             raise
 
     def _retype_attributes(self) -> None:
-        """A table whose attributes' keys are plain strings gets dictionary keys (a mutation, in the background:
-        reads go on meanwhile, each part converted as it is read until rewritten)."""
+        """A table whose attributes' keys are plain strings gets dictionary keys: a mutation left to run in the
+        background (``alter_sync = 0``: the start does not wait; reads go on, each part converted as it is read
+        until rewritten). Best effort: both types answer the same, so a server that refuses it (before about
+        25.11 ClickHouse forbids altering a column a skip index reads; a user without ALTER MODIFY) keeps the
+        plain keys, and says so once."""
         database, table = self.table.split(".", 1)
         bind = _Params()
         found = self._select(f"SELECT type FROM system.columns WHERE database = {bind(database)} AND table = {bind(table)}"
                              " AND name = 'attributes'", bind)
-        if found and found[0]["type"] != ATTRIBUTES_TYPE:
-            self._run(f"ALTER TABLE {self.table} MODIFY COLUMN attributes {ATTRIBUTES_TYPE} CODEC(ZSTD(3))")
+        if not found or found[0]["type"] == ATTRIBUTES_TYPE:
+            return
+        try:
+            self._run(f"ALTER TABLE {self.table} MODIFY COLUMN attributes {ATTRIBUTES_TYPE} CODEC(ZSTD(3))"
+                      " SETTINGS alter_sync = 0")
+        except ClickHouseUnavailable as exc:
+            log.warning("clickhouse store: the attributes' keys stay plain strings (attr= reads more bytes): %s", exc.public,
+                        extra={"event": "clickhouse_store_retype_skipped"})
 
     def _claim(self, data_dir: Path) -> None:
         """One collector per server database: the mirror (``_sync_token``) empties a table whose token is not its
@@ -595,14 +604,8 @@ class ClickHouseStore:
                                          " ORDER BY t NULLS FIRST, f NULLS FIRST")]
         nodes = [{"node": r["k"], "trajectories": r["n"]} for r in self._select(
             f"SELECT node AS k, count() AS n FROM {self.table} FINAL WHERE deleted = 0 AND node IS NOT NULL GROUP BY k ORDER BY k")]
-        # the numeric reward components (viewer/truth.py component_keys), from the rows' own map: the index's table
-        # took 0.4 s to group at 10 M spans, a third of the facets
-        components = [{"key": r["k"], "trajectories": r["n"], "min": r["lo"], "max": r["hi"]} for r in self._select(
-            f"SELECT k, count() AS n, min(v) AS lo, max(v) AS hi FROM {self.table} FINAL ARRAY JOIN"
-            " mapKeys(reward_components) AS k, mapValues(reward_components) AS v WHERE deleted = 0"
-            " GROUP BY k ORDER BY n DESC, k LIMIT 32")]
         result = {"experiments": order, "kept_because": rules, "trainer": trainer, "nodes": nodes,
-                  "reward_components": components}
+                  "reward_components": self.index.reward_component_keys()}
         self._cache["facets"] = result
         return result
 

@@ -150,16 +150,23 @@ def two_gateways(node_sidecar: dict[str, Any], gateway_docs: dict[str, dict[str,
     assert kustomization["resources"] == ["../k8s-cluster"]
     replicas = gateway_docs["StatefulSet"]["spec"]["replicas"]
     node = copy.deepcopy(node_sidecar)
+    pinned = None
     for patch in kustomization["patches"]:
-        if "target" in patch:  # JSON 6902 on the StatefulSet
-            assert patch["target"] == {"kind": "StatefulSet", "name": gateway_docs["StatefulSet"]["metadata"]["name"]}
+        if "target" in patch and patch["target"]["kind"] == "StatefulSet":  # JSON 6902: the replicas
+            assert patch["target"]["name"] == gateway_docs["StatefulSet"]["metadata"]["name"]
             (op,) = yaml.safe_load(patch["patch"])
             assert op["op"] == "replace" and op["path"] == "/spec/replicas"
             replicas = op["value"]
+        elif "target" in patch:  # the ClusterIP Service (the viewer's address) pinned to one gateway
+            assert patch["target"] == {"kind": "Service", "name": gateway_docs["Service"]["metadata"]["name"]}
+            (op,) = yaml.safe_load(patch["patch"])
+            assert op["op"] == "add" and op["path"] == "/spec/selector/statefulset.kubernetes.io~1pod-name"
+            pinned = op["value"]
         else:
             pod = yaml.safe_load((TWO_DIR / patch["path"]).read_text())
             (patched,) = [c for c in pod["spec"]["initContainers"] if c["name"] == node["name"]]
             node["env"] = _merge_env(node["env"], patched["env"])
+    assert pinned == f"{gateway_docs['StatefulSet']['metadata']['name']}-0"  # not a different gateway per connection
     return replicas, node
 
 
