@@ -228,20 +228,23 @@ def owe_new(conn: sqlite3.Connection, exporters: Sequence[str], after_seq: int,
 def owe_held(conn: sqlite3.Connection, exporters: Sequence[str], trace_ids: Sequence[str],
              routing: Routing | None = None) -> dict[str, int]:
     """The exporters owe the held spans of these kept trajectories (before they turn pending)."""
-    total: dict[str, int] = {}
-    for i in range(0, len(trace_ids), 400):
-        chunk = list(trace_ids[i:i + 400])
-        _add(total, _owe(conn, exporters, routing, f"state = 3 AND trace_id IN ({_marks(len(chunk))})", chunk))
-    return total
+    return _owe_in(conn, exporters, routing, "state = 3 AND trace_id", trace_ids)
 
 
 def owe_seqs(conn: sqlite3.Connection, exporters: Sequence[str], seqs: Sequence[int],
              routing: Routing | None = None) -> dict[str, int]:
     """The exporters owe these spans (engine spans released from AWAITING); rows per exporter."""
+    return _owe_in(conn, exporters, routing, "seq", seqs)
+
+
+def _owe_in(conn: sqlite3.Connection, exporters: Sequence[str], routing: Routing | None, column: str,
+            values: Sequence[Any]) -> dict[str, int]:
+    """:func:`_owe` of the spans whose ``column`` is one of ``values``, 400 at a time (the routing binds its
+    names beside them: within SQLite's oldest limit of 999 variables)."""
     total: dict[str, int] = {}
-    for i in range(0, len(seqs), 400):
-        chunk = list(seqs[i:i + 400])
-        _add(total, _owe(conn, exporters, routing, f"seq IN ({_marks(len(chunk))})", chunk))
+    for i in range(0, len(values), 400):
+        chunk = list(values[i:i + 400])
+        _add(total, _owe(conn, exporters, routing, f"{column} IN ({_marks(len(chunk))})", chunk))
     return total
 
 

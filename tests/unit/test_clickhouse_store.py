@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import orjson
@@ -154,20 +154,26 @@ def test_caught_up_when_the_spools_last_rows_were_deleted(tmp_path: Path) -> Non
     store.close()
 
 
-def test_a_table_from_before_inclusion_probability_gets_the_column_and_its_values(tmp_path: Path) -> None:
-    """An older release's table (no inclusion_probability column) and index (version 8): opening them adds the
-    column, and the index's rebuild refills the table, so the stamped chances are listed."""
+def spool_of_roots(tmp_path: Path, seed: int, n: int, root_attributes: Callable[[int], dict[str, object]]) -> Path:
+    """A local spool of ``n`` trajectories whose roots carry ``root_attributes(t)`` too; its path."""
     path = tmp_path / "spool.sqlite3"
     spool = Spool(path, local_only=True, sync="normal")
-    rng = random.Random(5)
+    rng = random.Random(seed)
     rows = []
-    for t in range(3):
+    for t in range(n):
         spans = trajectory(rng, t, 16)
         root = next(s for s in spans if s["parent_id"] is None and s["kind"] == "trajectory")
-        root["attributes"] = {**root["attributes"], "kept_because": "fill", "inclusion_probability": 0.25}
+        root["attributes"] = {**root["attributes"], **root_attributes(t)}
         rows += [SpoolRow(s, orjson.dumps(s), None) for s in spans]
     spool.write(rows)
     spool.close()
+    return path
+
+
+def test_a_table_from_before_inclusion_probability_gets_the_column_and_its_values(tmp_path: Path) -> None:
+    """An older release's table (no inclusion_probability column) and index (version 8): opening them adds the
+    column, and the index's rebuild refills the table, so the stamped chances are listed."""
+    path = spool_of_roots(tmp_path, 5, 3, lambda t: {"kept_because": "fill", "inclusion_probability": 0.25})
     settings = CollectorSettings(data_dir=tmp_path, backend="local", store="clickhouse")
     store = ClickHouseStore(TrajectoryIndex(path, track_changes=True), settings)
     assert store.refresh(budget_s=60)
@@ -241,17 +247,7 @@ def test_a_table_with_plain_attribute_keys_gets_dictionary_keys_and_answers_the_
                                                                                     store_url: str | None) -> None:
     """Tables of c09d988–10b3ca3 keyed the attributes with plain strings: opening one alters it (a mutation, no
     refill, not waited for), and ``attr=`` answers what it answered before."""
-    path = tmp_path / "spool.sqlite3"
-    spool = Spool(path, local_only=True, sync="normal")
-    rng = random.Random(11)
-    rows = []
-    for t in range(4):
-        spans = trajectory(rng, t, 16)
-        root = next(s for s in spans if s["parent_id"] is None and s["kind"] == "trajectory")
-        root["attributes"] = {**root["attributes"], "source": ("a", "b")[t % 2]}
-        rows += [SpoolRow(s, orjson.dumps(s), None) for s in spans]
-    spool.write(rows)
-    spool.close()
+    path = spool_of_roots(tmp_path, 11, 4, lambda t: {"source": ("a", "b")[t % 2]})
     settings = CollectorSettings(data_dir=tmp_path, backend="local", store="clickhouse", store_url=store_url)
     store = ClickHouseStore(TrajectoryIndex(path, track_changes=True), settings)
     assert store.refresh(budget_s=60)
