@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sqlite3
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
 from tracecar.collector.exporters.gateway_route import GatewayRouter, exporter_name, gateway_identity, owner, route_key
 from tracecar.collector.spool.store import Spool, SpoolRow
@@ -232,9 +234,8 @@ def test_a_spool_of_read_time_routing_keeps_each_spans_owner_row_alone(tmp_path:
         assert gateways == want, step
 
 
+@pytest.mark.skipif(not hasattr(sqlite3.Connection, "setlimit"), reason="Connection.setlimit: Python 3.11+")
 def test_batches_of_many_stepless_traces_stay_within_sqlites_oldest_variable_limit(tmp_path: Path) -> None:
-    import sqlite3
-
     spool = _spool(tmp_path / "s.db", GATEWAYS)
     spool._write.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)  # SQLite before 3.32
     spool.write([_span(f"a{i}", f"t{i}", "annotation") for i in range(1200)])
