@@ -53,6 +53,8 @@ class Metrics:
         self.forward_probes = Counter("tracecar_forward_probes", "One-span probes of a failing backend while the spool is at its bound, by exporter.", ["exporter"], registry=r)
         self.store_evicted_trajectories = Counter("tracecar_store_evicted_trajectories", "Forwarded trajectories evicted from the store, by reason (max_bytes, max_age, disk_full).", ["reason"], registry=r)
         self.store_evicted_spans = Counter("tracecar_store_evicted_spans", "Spans of evicted trajectories, by reason.", ["reason"], registry=r)
+        self.store_archived_spans = Counter("tracecar_store_archived_spans", "Spans of evicted trajectories moved to the ClickHouse store's span archive (TRACECAR_STORE=clickhouse) instead of deleted; their readers find them there.", registry=r)
+        self.store_archive_failures = Counter("tracecar_store_archive_failures", "Evictions the span archive refused (the trajectories stay in the spool, retried next tick; logged rate-limited).", registry=r)
         self.decisions_evicted = Counter("tracecar_decisions_evicted", "Oldest sampling-decision rows deleted above TRACECAR_DECISIONS_MAX_ROWS, by table.", ["table"], registry=r)
         self.http_closed = Counter("tracecar_http_closed", "Connections the collector closed on a client, by reason (header_timeout, body_timeout, idle_timeout, header_too_large).", ["reason"], registry=r)
         self.tokenizer_refused = Counter("tracecar_tokenizer_refused", "Tokenizer loads refused or failed, by reason (not_allowed, too_large, not_found, load_failed).", ["reason"], registry=r)

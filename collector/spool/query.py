@@ -12,11 +12,12 @@ from typing import Any
 
 import orjson
 
-from .full_payloads import full_spans, spool_loader
+from .full_payloads import Loader, full_spans, spool_loader, with_rows
 from .store import Spool
 
 
-def get_trajectory(spool: Spool, trace_id: str, max_depth: int = 64) -> dict[str, Any] | None:
+def get_trajectory(spool: Spool, trace_id: str, max_depth: int = 64,
+                   archived: dict[str, list[dict[str, Any]]] | None = None) -> dict[str, Any] | None:
     """The whole trajectory: every span (payload included) nested under its parent.
 
     Built without recursion, so any depth the store accepted is readable. Spans deeper than
@@ -26,9 +27,9 @@ def get_trajectory(spool: Spool, trace_id: str, max_depth: int = 64) -> dict[str
     arrived, or whose parent chain loops (a cycle across batches), is attached to the root and
     flagged ``parent_missing``; every stored span appears exactly once.
     """
-    rows = spool.query(
-        "SELECT span_id, parent_id, kind, state, payload FROM spans WHERE trace_id = ? ORDER BY start_time, seq", [trace_id]
-    )
+    rows = spool.with_archive(trace_id, spool.query(
+        "SELECT seq, span_id, parent_id, kind, state, start_time, payload FROM spans WHERE trace_id = ? ORDER BY start_time, seq",
+        [trace_id]), archived)  # and what retention moved to the archive (spool/archive.py; ``archived``: read already)
     if not rows:
         return None
     spans: dict[str, dict[str, Any]] = {}
@@ -44,7 +45,7 @@ def get_trajectory(spool: Spool, trace_id: str, max_depth: int = 64) -> dict[str
             annotations.append(span)
         else:
             spans[row["span_id"]] = span
-    full_spans([*spans.values(), *annotations], spool_loader(spool.query))  # stored prompt references, rebuilt
+    full_spans([*spans.values(), *annotations], trajectory_loader(spool, trace_id, rows))  # stored prompt references, rebuilt
     root = spans.get(trace_id)
     if root is None:  # a root from another OTLP producer keeps its own span id
         root = next((s for s in spans.values() if s["parent_id"] is None), None)
@@ -66,6 +67,15 @@ def get_trajectory(spool: Spool, trace_id: str, max_depth: int = 64) -> dict[str
             _place(span, kids, max_depth, placed, depth=1, cap_parent=root if max_depth <= 1 else None)
     return {"trace_id": trace_id, "root": root, "annotations": annotations, "span_count": len(spans),
             "depth_cap": max_depth}
+
+
+def trajectory_loader(spool: Spool, trace_id: str, rows: list[dict[str, Any]]) -> Loader:
+    """What rebuilds a trajectory's stored prompt references: the spool, and the rows in hand first when some came
+    from the archive (a reference names a span of its own trajectory, which may no longer be in the spool)."""
+    load = spool_loader(spool.query)
+    if spool.archive is None:
+        return load
+    return with_rows({r["span_id"]: (trace_id, r["payload"]) for r in rows}, load)
 
 
 def _place(top: dict[str, Any], kids: dict[str, list[dict[str, Any]]], max_depth: int, placed: set[int],

@@ -24,8 +24,9 @@ import logging
 import os
 import time
 
+from ..loudness import RateLimited
 from ..metrics import Metrics
-from .store import Spool, SpoolFull
+from .store import ArchiveFailed, Spool, SpoolFull
 
 log = logging.getLogger("tracecar.collector.retention")
 
@@ -54,6 +55,7 @@ class Retention:
         self._age_checked = 0.0
         self._decisions_checked = 0.0
         self._disk_full_seen: float | None = None
+        self._archive_failures = RateLimited()
 
     async def run(self) -> None:
         """Applies the rules every tick until cancelled (on a worker thread: SQLite work)."""
@@ -104,7 +106,7 @@ class Retention:
         if self.max_age_s is not None and time.monotonic() - self._age_checked >= min(_AGE_CHECK_S, self.max_age_s):
             self._age_checked = time.monotonic()
             while True:
-                batch = self.spool.oldest_forwarded(500, before=now - self.max_age_s)
+                batch = self.spool.oldest_forwarded(500, before=now - self.max_age_s, listed_only=True)
                 if not batch or not self._evict([t for t, _, _ in batch], "max_age")[0]:
                     break
 
@@ -153,7 +155,7 @@ class Retention:
                 return
             target = excess + self.max_bytes // 20  # evict 5 % below the bound: fewer, larger rounds
             chosen, total = [], 0
-            for trace_id, _, nbytes in self.spool.oldest_forwarded(2000):
+            for trace_id, _, nbytes in self.spool.oldest_forwarded(2000, listed_only=True):
                 chosen.append(trace_id)
                 total += nbytes
                 if total >= target:
@@ -163,7 +165,21 @@ class Retention:
             self.spool.shrink()  # the file itself follows the bound
 
     def _evict(self, trace_ids: list[str], reason: str) -> tuple[int, int]:
-        trajectories, spans = self.spool.evict(trace_ids)
+        """Evicts these trajectories (to the archive first, when there is one: spool/archive.py); an archive that
+        refuses keeps them in the spool, counted and logged (at most once a minute), never lost."""
+        try:
+            trajectories, spans = self.spool.evict(trace_ids)
+        except ArchiveFailed as failed:
+            trajectories, spans = failed.moved, failed.spans
+            self.metrics.store_archive_failures.inc()
+            count = self._archive_failures.hit()
+            if count is not None:
+                archive = self.spool.archive
+                log.warning("retention: %s refused evicted trajectories (%d time(s) since last said); they stay in the "
+                            "spool, retried next tick: %s", archive.describe if archive else "the archive", count,
+                            str(failed)[:300], extra={"event": "store_archive_failed", "reason": reason})
+        if spans and self.spool.archive is not None:
+            self.metrics.store_archived_spans.inc(spans)
         if trajectories:
             self.metrics.store_evicted_trajectories.labels(reason=reason).inc(trajectories)
             self.metrics.store_evicted_spans.labels(reason=reason).inc(spans)

@@ -29,6 +29,8 @@ import orjson
 
 from ..types import Span
 from . import deliveries
+from .archive import COLUMNS as ARCHIVE_COLUMNS
+from .archive import SpanArchive, with_archived
 from .full_payloads import DANGLING, REFS_MARK, conn_loader, full_rows, is_compact, spool_loader
 
 PENDING, DONE, DEAD, HELD = 0, 1, 2, 3
@@ -115,6 +117,10 @@ CREATE TABLE IF NOT EXISTS forgotten_spans (span_id TEXT PRIMARY KEY);
 -- each trajectory's head-budget decision (sampling.head): its late annotations follow it, also
 -- after a restart; bounded with the decision tables (TRACECAR_DECISIONS_MAX_ROWS)
 CREATE TABLE IF NOT EXISTS trace_decisions (trace_id TEXT PRIMARY KEY, keep INTEGER NOT NULL);
+-- trajectories some of whose spans retention moved to the archive (spool/archive.py) without their root
+-- (the root was still to come): their readers look in the archive even once the root is here; bounded
+-- with the decision tables (TRACECAR_DECISIONS_MAX_ROWS)
+CREATE TABLE IF NOT EXISTS archived_partial (trace_id TEXT PRIMARY KEY);
 -- spool facts: 'exporters' (spool.deliveries), 'stored_refs' (a span was stored as a prompt reference)
 CREATE TABLE IF NOT EXISTS spool_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TRIGGER IF NOT EXISTS spans_forgotten AFTER DELETE ON spans BEGIN
@@ -133,6 +139,18 @@ _COUNTS_SQL = (
     " COALESCE(SUM(nbytes), 0), COALESCE(SUM(state = 3), 0),"
     " COALESCE(SUM(CASE WHEN state = 3 THEN nbytes END), 0) FROM spans"
 )
+
+
+ARCHIVE_CHUNK = 100  # trajectories moved to the archive per insert (their payloads are read into memory)
+
+
+class ArchiveFailed(Exception):
+    """The archive refused a write during an eviction: that chunk and the rest stay in the spool. ``moved`` and
+    ``spans`` say what earlier chunks moved (and deleted); ``__cause__`` is the archive's error."""
+
+    def __init__(self, moved: int, spans: int, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.moved, self.spans = moved, spans
 
 
 class SpoolFull(Exception):
@@ -254,6 +272,13 @@ class Spool:
         self.awaiting_count = self.awaiting_bytes = 0
         self.disk_full_at: float | None = None  # monotonic time of the last write refused for a full disk
         self._refs_marked = False  # spool_meta says 'stored_refs' (set by this process's first write of one)
+        # where evicted trajectories go instead of being deleted, and where readers find them (spool/archive.py;
+        # the ClickHouse store's span table, set by the viewer when TRACECAR_STORE=clickhouse); None: deleted
+        self.archive: SpanArchive | None = None
+        # the seq through which the read store has folded every span (set by the viewer; it may catch up first):
+        # the size and age rules evict nothing past it (oldest_forwarded listed_only), so no trajectory leaves the
+        # spool unlisted. None: no read store
+        self.readers_through: Callable[[], int] | None = None
         self.recount()
 
     @contextlib.contextmanager
@@ -750,10 +775,18 @@ class Spool:
             free = self._read.execute("PRAGMA freelist_count").fetchone()[0]
         return (pages - free) * page_size
 
-    def oldest_forwarded(self, limit: int, before: float | None = None) -> list[tuple[str, int, int]]:
-        """(trace_id, spans, bytes) of the trajectories whose spans are all forwarded, oldest last arrival first."""
-        having = " AND MAX(received_at) < ?" if before is not None else ""
-        params: tuple[Any, ...] = (DONE, DONE, before, limit) if before is not None else (DONE, DONE, limit)
+    def oldest_forwarded(self, limit: int, before: float | None = None, *, listed_only: bool = False) -> list[tuple[str, int, int]]:
+        """(trace_id, spans, bytes) of the trajectories whose spans are all forwarded, oldest last arrival first.
+
+        ``listed_only``: only those whose every span the read store has folded (``readers_through``), so that
+        no trajectory leaves the spool before it is listed."""
+        having = ""
+        params: list[Any] = [DONE, DONE]
+        if before is not None:
+            having, params = having + " AND MAX(received_at) < ?", [*params, before]
+        if listed_only and self.readers_through is not None:
+            having, params = having + " AND MAX(seq) <= ?", [*params, self.readers_through()]
+        params.append(limit)
         with self._read_lock:
             return self._read.execute(
                 "SELECT trace_id, COUNT(*), SUM(nbytes) FROM spans GROUP BY trace_id"
@@ -761,13 +794,16 @@ class Spool:
             ).fetchall()
 
     def evict(self, trace_ids: Sequence[str]) -> tuple[int, int]:
-        """Deletes these trajectories whole, if every span of each is still forwarded (done).
+        """Deletes these trajectories whole, if every span of each is still forwarded (done); with an
+        archive, moves them there first (:meth:`_archive_and_delete`).
 
         Returns (trajectories, spans) deleted. A trajectory that gained a pending span since it
         was chosen is left alone, so no trajectory is ever half evicted.
         """
         if not trace_ids:
             return 0, 0
+        if self.archive is not None:
+            return self._archive_and_delete(self.archive, trace_ids)
         with self._write_lock:
             with self._transaction() as conn:
                 ids = list(trace_ids)
@@ -789,6 +825,87 @@ class Spool:
             self.stored_bytes -= nbytes
         return len(ids), n
 
+    def _archive_and_delete(self, archive: SpanArchive, trace_ids: Sequence[str]) -> tuple[int, int]:
+        """Writes the done trajectories among ``trace_ids`` to the archive, then deletes exactly the rows it took,
+        ``ARCHIVE_CHUNK`` trajectories at a time (one archive insert each: bounded memory).
+
+        The archive's write comes first and outside the write lock (ingest goes on meanwhile). When it fails,
+        nothing of that chunk is deleted: :class:`ArchiveFailed` carries what earlier chunks moved. A span that
+        arrived or was forwarded since the rows were read stays in the spool (it was not archived); a
+        trajectory whose archived rows had no root is marked in ``archived_partial`` so that its readers still
+        look in the archive once the root is here.
+        """
+        ids = list(trace_ids)
+        moved = spans = 0
+        for i in range(0, len(ids), ARCHIVE_CHUNK):
+            chunk = ids[i:i + ARCHIVE_CHUNK]
+            found = self.query(f"SELECT {', '.join(ARCHIVE_COLUMNS)}, state FROM spans WHERE trace_id IN"
+                               f" ({','.join('?' * len(chunk))}) ORDER BY seq", chunk)
+            busy = {r["trace_id"] for r in found if r["state"] != DONE}
+            rows = [r for r in found if r["trace_id"] not in busy]
+            if not rows:
+                continue
+            try:
+                archive.keep(rows)
+            except Exception as exc:  # noqa: BLE001 - any archive failure: this chunk stays, the caller counts it
+                raise ArchiveFailed(moved, spans, exc) from exc
+            del found
+            rootless = {r["trace_id"] for r in rows} - {r["trace_id"] for r in rows
+                                                         if r["parent_id"] is None and r["kind"] != "annotation"}
+            moved += len({r["trace_id"] for r in rows})
+            spans += self._delete_archived([r["seq"] for r in rows], rootless)
+        return moved, spans
+
+    def _delete_archived(self, seqs: list[int], rootless: set[str]) -> int:
+        """Deletes the archived rows that are still done (all of them, unless a span changed meanwhile); marks the
+        trajectories archived without their root. Returns the rows deleted."""
+        n = nbytes = 0
+        with self._write_lock:
+            with self._transaction() as conn:
+                for i in range(0, len(seqs), 500):
+                    chunk = seqs[i:i + 500]
+                    marks = ",".join("?" * len(chunk))
+                    c, b = conn.execute(f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans WHERE state = ?"
+                                        f" AND seq IN ({marks})", (DONE, *chunk)).fetchone()
+                    conn.execute(f"DELETE FROM spans WHERE state = ? AND seq IN ({marks})", (DONE, *chunk))
+                    n, nbytes = n + c, nbytes + b
+                conn.executemany("INSERT OR IGNORE INTO archived_partial (trace_id) VALUES (?)", [(t,) for t in rootless])
+            self.stored_bytes -= nbytes
+        return n
+
+    def may_be_archived(self, trace_id: str) -> bool:
+        """Whether some of this trajectory's spans may be in the archive (see spool/archive.py): an indexed
+        lookup or two; False without an archive."""
+        if self.archive is None:
+            return False
+        if not self.query("SELECT 1 AS x FROM spans WHERE trace_id = ? AND parent_id IS NULL AND kind != 'annotation' LIMIT 1",
+                          [trace_id]):
+            return True
+        return bool(self.query("SELECT 1 AS x FROM archived_partial WHERE trace_id = ?", [trace_id]))
+
+    def with_archive(self, trace_id: str, rows: list[dict[str, Any]],
+                     fetched: dict[str, list[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
+        """The spool's ``rows`` of one trajectory (with ``seq``, ``span_id``, ``start_time``) and, when it may
+        have been archived, its archived spans not among them, in the spool's order. ``fetched``: the archived
+        rows of several trajectories read at once (:meth:`archived_of`: an export's page), else one read. Raises
+        what the archive raises (a reader's 503)."""
+        archive = self.archive
+        if archive is None or not self.may_be_archived(trace_id):
+            return rows
+        return with_archived(rows, fetched.get(trace_id, []) if fetched is not None else archive.spans_of([trace_id]))
+
+    def archived_of(self, trace_ids: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+        """The archived rows of those of ``trace_ids`` that may have been archived, by trace id: one archive read
+        for a page of trajectories instead of one each."""
+        archive = self.archive
+        if archive is None:
+            return {}
+        wanted = [t for t in trace_ids if self.may_be_archived(t)]
+        out: dict[str, list[dict[str, Any]]] = {}
+        for row in archive.spans_of(wanted) if wanted else ():
+            out.setdefault(row["trace_id"], []).append(row)
+        return out
+
     def trim_decisions(self, max_rows: int) -> dict[str, int]:
         """Deletes the oldest sampling-decision rows above ``max_rows`` per table (5 % more, so
         trimming is rare); returns the rows deleted per table.
@@ -796,7 +913,7 @@ class Spool:
         These tables only grow (one row per sampled index or decided trajectory); the oldest rows
         are of steps long closed, whose late spans no longer come.
         """
-        return self._trim(("sample_decisions", "trajectory_decisions", "trace_decisions"), max_rows)
+        return self._trim(("sample_decisions", "trajectory_decisions", "trace_decisions", "archived_partial"), max_rows)
 
     def trim_forgotten(self, max_rows: int) -> int:
         """Deletes the oldest ids of deleted spans above ``max_rows`` (see ``forgotten_spans``)."""

@@ -44,6 +44,8 @@ def _matches(spool: Spool, fragment: str, suffix: bool) -> list[str]:
     for table in ("spans", "trajectory_decisions", "trace_decisions"):
         rows = spool.query(f"SELECT DISTINCT trace_id FROM {table} WHERE {where} LIMIT ?", [*params, SHOWN + 1])
         found.extend(r["trace_id"] for r in rows if r["trace_id"] not in found)
+    if spool.archive is not None and len(found) <= SHOWN:  # and those retention moved to the archive (spool/archive.py)
+        found.extend(t for t in spool.archive.trace_ids_matching(fragment, suffix, SHOWN + 1) if t not in found)
     return found
 
 
@@ -94,7 +96,8 @@ def resolve(spool: Spool, text: str) -> Resolution:
     decision = sampling_decision(spool, full)
     if decision is not None and not decision["keep"]:
         return Resolution(reason=describe_decision(full, decision), decision=decision, candidates=[full])
-    if not spool.query("SELECT 1 FROM spans WHERE trace_id = ? LIMIT 1", [full]):
+    if not spool.query("SELECT 1 FROM spans WHERE trace_id = ? LIMIT 1", [full]) and not (
+            spool.may_be_archived(full) and spool.archive is not None and spool.archive.spans_of([full])):
         return Resolution(reason=f"trajectory {full} is no longer in the store (evicted or deleted after forwarding)",
                           candidates=[full])
     return Resolution(trace_id=full)

@@ -31,7 +31,8 @@ Weave's own trace server does. What it stores and how it is fed:
   components); the index's version changed with them, so a table filled before is filled again.
   The truth tables themselves (drift per turn, the trainer's rows) stay in the index: their
   values are attached to the rows this store lists, and a step's truth counts come from there. Spans (a trajectory's tree, its
-  tokens) stay in the spool for both stores.
+  tokens) are read from the spool for both stores; with this one, retention moves the trajectories it evicts into
+  the same database's ``spans`` table (viewer/clickhouse_spans.py) and readers find them there.
 """
 
 from __future__ import annotations
@@ -401,6 +402,27 @@ class ClickHouseStore:
         if rows:
             with self._statement():
                 self._engine.insert(self.table, b"\n".join(orjson.dumps(r) for r in rows))
+
+    # ---- for the span archive (viewer/clickhouse_spans.py): its own table, the same engine and error handling --
+    @property
+    def database(self) -> str:
+        return self._engine.database
+
+    @property
+    def engine_name(self) -> str:
+        return self._engine.describe
+
+    def run(self, sql: str, params: dict[str, Any] | None = None) -> None:
+        self._run(sql, params)
+
+    def select(self, sql: str, bind: _Params | None = None) -> builtins.list[dict[str, Any]]:
+        return self._select(sql, bind)
+
+    def insert_into(self, table: str, lines: builtins.list[bytes]) -> None:
+        """``JSONEachRow`` lines into another table of this store's database, one insert."""
+        if lines:
+            with self._statement():
+                self._engine.insert(table, b"\n".join(lines))
 
     # ---- catching up ---------------------------------------------------------------------------
     def _sync_token(self) -> None:

@@ -40,6 +40,7 @@ from .truth import TRUTH_COLUMNS, truth_fields
 FORMATS = ("jsonl", "parquet")
 MEDIA_TYPES = {"jsonl": "application/x-ndjson", "parquet": "application/vnd.apache.parquet"}
 PAGE_TRAJECTORIES = 200  # summaries read per index page
+ARCHIVE_PAGE = 100  # trajectories whose archived spans (spool/archive.py) are read at once: one ClickHouse query each
 ROW_GROUP_ROWS = 500  # Parquet rows per row group (bounded by bytes too)
 ROW_GROUP_BYTES = 16 << 20
 JSONL_CHUNK_BYTES = 256 << 10
@@ -202,20 +203,34 @@ def record(tree: dict[str, Any], summary: dict[str, Any], *, token_ids: bool = F
 
 def records(spool: Spool, index: ReadStore, flt: ListFilter, *, token_ids: bool = False,
             limit: int | None = None, on_skip: OnSkip | None = None) -> Iterator[dict[str, Any]]:
-    """The selection's records, one trajectory read at a time (one dropped meanwhile is skipped).
+    """The selection's records, one trajectory read at a time (one dropped meanwhile is skipped; those retention moved
+    to the archive read ``ARCHIVE_PAGE`` at a time).
 
     A trajectory whose record cannot be built (a stored value no rule foresaw) is left out and
     named to ``on_skip``: it costs that row, never the stream."""
-    for summary in selected(index, flt, limit=limit):
-        tree = get_trajectory(spool, summary["trace_id"])
-        if tree is None:
-            continue
-        try:
-            row = record(tree, summary, token_ids=token_ids)
-        except Exception as exc:  # noqa: BLE001 - one trajectory's values must not tear the whole export
-            _skipped(on_skip, summary["trace_id"], exc)
-            continue
-        yield row
+    for page in _pages(selected(index, flt, limit=limit), ARCHIVE_PAGE):
+        archived = spool.archived_of([s["trace_id"] for s in page])  # evicted ones: one archive read a page
+        for summary in page:
+            tree = get_trajectory(spool, summary["trace_id"], archived=archived)
+            if tree is None:
+                continue
+            try:
+                row = record(tree, summary, token_ids=token_ids)
+            except Exception as exc:  # noqa: BLE001 - one trajectory's values must not tear the whole export
+                _skipped(on_skip, summary["trace_id"], exc)
+                continue
+            yield row
+
+
+def _pages(rows: Iterator[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
+    page: list[dict[str, Any]] = []
+    for row in rows:
+        page.append(row)
+        if len(page) >= size:
+            yield page
+            page = []
+    if page:
+        yield page
 
 
 def _skipped(on_skip: OnSkip | None, trace_id: Any, exc: BaseException) -> None:

@@ -20,7 +20,7 @@ from ..loudness import RateLimited
 from ..query_params import ATTR_QUERY, INT64_MAX, Int64, OptionalInt64, attribute_filters, sample_index_filter
 from ..read_store import ReadStore
 from ..spool.full_payloads import full_spans, spool_loader
-from ..spool.query import get_trajectory
+from ..spool.query import get_trajectory, trajectory_loader
 from ..spool.store import Spool
 from . import StoreOwner
 from .export import FORMATS, MEDIA_TYPES, IndexBehind, export_chunks, parquet_available, settle
@@ -45,12 +45,17 @@ def _json(payload: Any) -> Response:
 
 def root_and_annotations(spool: Spool, trace_id: str) -> dict[str, Any] | None:
     """What a group without diffs needs of a trajectory (its advantage): the root and annotations only."""
-    rows = spool.query("SELECT kind, payload FROM spans WHERE trace_id = ? AND (parent_id IS NULL OR kind = 'annotation') "
+    rows = spool.query("SELECT seq, span_id, kind, payload FROM spans WHERE trace_id = ? AND (parent_id IS NULL OR kind = 'annotation') "
                        "ORDER BY seq", [trace_id])
+    load = spool_loader(spool.query)
+    if spool.may_be_archived(trace_id):  # retention moved some of it to the archive (spool/archive.py)
+        every = spool.with_archive(trace_id, rows)
+        load = trajectory_loader(spool, trace_id, every)
+        rows = sorted((r for r in every if r.get("parent_id") is None or r["kind"] == "annotation"), key=lambda r: r["seq"])
     if not rows:
         return None
     spans = [orjson.loads(r["payload"]) for r in rows]
-    full_spans(spans, spool_loader(spool.query))  # a root or annotation another client sent with a prompt reference
+    full_spans(spans, load)  # a root or annotation another client sent with a prompt reference
     root: dict[str, Any] = next((s for k, s in zip((r["kind"] for r in rows), spans) if k != "annotation"), {"attributes": {}})
     return {"trace_id": trace_id, "root": root, "annotations": [s for r, s in zip(rows, spans) if r["kind"] == "annotation"]}
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
+import logging
 import mimetypes
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -39,6 +41,8 @@ from .search import QUERY_MAX_CHARS
 from .stores import open_read_store
 from .tokens import trajectory_tokens
 from .truth_api import TruthFilters, add_trainer_logprobs, add_truth
+
+log = logging.getLogger("tracecar.collector.viewer")
 
 STATIC = Path(__file__).with_name("static")
 COOKIE = "tracecar_viewer"
@@ -104,12 +108,30 @@ class ViewerRouter(APIRouter):
     viewer_auth: ViewerAuth
 
 
+def _listed_through(index: ReadStore) -> int:
+    """The spool seq through which ``index`` has folded every span, after letting it catch up for a moment (held
+    spans released meanwhile included): retention evicts nothing past it. A failing catch-up (a full disk under
+    the index) answers what the index has."""
+    try:
+        index.refresh(budget_s=2.0, all_held=True)
+    except Exception:  # noqa: BLE001 - the index's own readers report its failures; eviction waits for it
+        log.debug("index catch-up before eviction failed", exc_info=True)
+    return int(index.status().get("indexed_seq") or 0)
+
+
 def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
     """The viewer's routes for one collector; the trajectory index closes with the app."""
     settings = collector.settings
     index = open_read_store(collector.spool.path, settings,
                             prune_deleted=not collector.spool.local_only and not settings.keep_forwarded,
                             on_error=collector.metrics.store_errors.labels(store=settings.store).inc)
+    collector.spool.readers_through = functools.partial(_listed_through, index)  # retention evicts only what is listed
+    if settings.store == "clickhouse" and settings.store_archive:
+        from .clickhouse_spans import ClickHouseSpanArchive  # imports chDB: only with the ClickHouse store
+        from .clickhouse_store import ClickHouseStore
+
+        assert isinstance(index, ClickHouseStore)
+        collector.spool.archive = ClickHouseSpanArchive(index)  # retention moves evicted trajectories there
     auth = ViewerAuth(token)
     files = _static_files()
 

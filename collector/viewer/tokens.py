@@ -19,6 +19,7 @@ import orjson
 
 from ..processors.token_arrays import TokenArrays
 from ..spool.full_payloads import full_payloads, spool_loader
+from ..spool.query import trajectory_loader
 from ..spool.store import Spool
 
 LOWEST = 10
@@ -70,6 +71,20 @@ def span_tokens(span_id: str, name: str, start_time: float | None, aggregate: bo
     }
 
 
+def _with_archived(spool: Spool, trace_id: str) -> list[dict[str, Any]] | None:
+    """Every span of a trajectory retention may have moved to the archive (spool/archive.py), the spool's and the
+    archive's, each with ``aggregate`` (it has children: the agent loop's whole output); None if neither has it."""
+    rows = spool.with_archive(trace_id, spool.query(
+        "SELECT seq, span_id, parent_id, name, start_time, payload, token_arrays FROM spans WHERE trace_id = ?"
+        " ORDER BY start_time, seq", [trace_id]))
+    if not rows:
+        return None
+    parents = {r["parent_id"] for r in rows}
+    for r in rows:
+        r["aggregate"] = r["span_id"] in parents
+    return rows
+
+
 def _why_no_text(text: str | None, arrays: TokenArrays) -> str:
     if text is None:
         return "response not decoded (token2text off, or no tokenizer): token ids only"
@@ -82,13 +97,21 @@ def trajectory_tokens(spool: Spool, trace_id: str, lowest: int = LOWEST) -> dict
     ``lowest`` (trajectory-wide) comes from the agent loop's whole output when there is one (it
     holds every turn), else from all spans.
     """
-    rows = spool.query(
-        "SELECT s.span_id, s.name, s.start_time, s.payload, s.token_arrays,"
-        " EXISTS (SELECT 1 FROM spans c WHERE c.parent_id = s.span_id AND c.trace_id = s.trace_id) AS aggregate"
-        " FROM spans s WHERE s.trace_id = ? AND s.token_arrays IS NOT NULL ORDER BY s.start_time, s.seq", [trace_id])
-    if not rows and not spool.query("SELECT 1 AS x FROM spans WHERE trace_id = ? LIMIT 1", [trace_id]):
-        return None
-    payloads = full_payloads([r["payload"] for r in rows], spool_loader(spool.query))  # stored prompt references, rebuilt
+    if spool.may_be_archived(trace_id):
+        rows = _with_archived(spool, trace_id)
+        if rows is None:
+            return None
+        load = trajectory_loader(spool, trace_id, rows)
+        rows = [r for r in rows if r["token_arrays"] is not None]
+    else:
+        rows = spool.query(
+            "SELECT s.span_id, s.name, s.start_time, s.payload, s.token_arrays,"
+            " EXISTS (SELECT 1 FROM spans c WHERE c.parent_id = s.span_id AND c.trace_id = s.trace_id) AS aggregate"
+            " FROM spans s WHERE s.trace_id = ? AND s.token_arrays IS NOT NULL ORDER BY s.start_time, s.seq", [trace_id])
+        if not rows and not spool.query("SELECT 1 AS x FROM spans WHERE trace_id = ? LIMIT 1", [trace_id]):
+            return None
+        load = spool_loader(spool.query)
+    payloads = full_payloads([r["payload"] for r in rows], load)  # stored prompt references, rebuilt
     spans = [span_tokens(r["span_id"], r["name"], r["start_time"], bool(r["aggregate"]), p or b"{}", r["token_arrays"], lowest)
              for r, p in zip(rows, payloads)]
     pool = [s for s in spans if s["aggregate"]] or spans
