@@ -137,6 +137,8 @@ class CollectorSettings(BudgetSettings, BaseSettings):
     # --- the cluster tier (issue 26): node collectors feed a gateway (collector/service/roles.py) ---
     role: Literal["node", "gateway"] = Field("node", description="node: the collector beside the workers (today's collector; with TRACECAR_GATEWAY_URL it forwards its decoded trajectories to that gateway); gateway: takes node collectors' trajectories, decides the global (tail) budgets, stores, serves the viewer and read APIs for the whole job and fans out to the exporters.")
     gateway_url: str | None = Field(None, description="role=node: the gateway's base URL (http(s)://HOST:PORT), or several, comma-separated (every node lists the same ones: each step goes to one gateway by rendezvous hashing of (experiment, validate, step), docs/cluster.md); the node then forwards everything its head budget keeps to it (exporter gateway, or gateway@HOST:PORT each; candidates only where the gateway's tail budget decomposes, node_candidates) and the gateway decides the tail budgets.")
+    gateway_peers: str | None = Field(None, description="role=gateway with several gateways: every gateway of the job (the nodes' gateway_url list, this one included), comma-separated; this gateway then answers the lists, one trajectory, one step, the JSONL export and the viewer's facets for all of them, merged (viewer/federation.py); each asked with the caller's own credentials. Unset: its own store only.")
+    gateway_peers_timeout_s: float = Field(30.0, gt=0, le=600, description="gateway_peers: seconds per request to one gateway; one that does not answer makes a merged list partial (said in the answer), one trajectory or step 503 naming it.")
     gateway_token: SecretStr | None = Field(None, description="role=node: the bearer token the gateway requires (its TRACECAR_TOKEN); unset: this node's own TRACECAR_TOKEN.")
     node_name: str | None = Field(None, max_length=256, description="role=node: this node's name at the gateway (its metrics' node label, the forwarded batches' envelope); unset: <hostname>:<port>.")
     gateway_timeout_s: float = Field(30.0, gt=0, description="role=node: timeout of one forward request to the gateway.")
@@ -181,6 +183,13 @@ class CollectorSettings(BudgetSettings, BaseSettings):
         if problem is not None:
             raise ValueError(f"TRACECAR_STORE_URL {problem}")
         return value
+
+    @model_validator(mode="after")
+    def _peers_are_a_gateways(self) -> CollectorSettings:
+        if self.gateway_peers and self.role != "gateway":
+            raise ValueError("TRACECAR_GATEWAY_PEERS lists the job's gateways for a gateway (TRACECAR_ROLE=gateway) to "
+                             "answer reads for all of them; a node lists them in TRACECAR_GATEWAY_URL")
+        return self
 
     @model_validator(mode="after")
     def _server_url_needs_the_clickhouse_store(self) -> CollectorSettings:
@@ -255,6 +264,25 @@ class CollectorSettings(BudgetSettings, BaseSettings):
     def gateway_urls(self) -> list[str]:
         """The gateways of TRACECAR_GATEWAY_URL (comma-separated), in the order given."""
         return [u.strip() for u in (self.gateway_url or "").split(",") if u.strip()]
+
+    @property
+    def gateway_peer_urls(self) -> list[str]:
+        """The gateways of TRACECAR_GATEWAY_PEERS (comma-separated), in the order given."""
+        return [u.strip() for u in (self.gateway_peers or "").split(",") if u.strip()]
+
+    @field_validator("gateway_peers")
+    @classmethod
+    def _peer_urls(cls, value: str | None) -> str | None:
+        """http(s)://HOST[:PORT] each, no user or password (the caller's own credentials are passed on)."""
+        from urllib.parse import urlsplit
+
+        for url in (u.strip() for u in (value or "").split(",") if u.strip()):
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"{url!r:.80} is not an http(s)://HOST:PORT URL")
+            if parts.username or parts.password:
+                raise ValueError("a gateway URL with a user or password: the caller's own credentials are passed on")
+        return value
 
     @property
     def effective_node_name(self) -> str:

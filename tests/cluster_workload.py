@@ -167,9 +167,10 @@ def post(client: httpx.Client, url: str, worker: str, spans: list[dict[str, Any]
     return answer
 
 
-def kept_set(url: str, experiment: str, step: int, headers: dict[str, str] | None = None) -> dict[str, tuple[bool, str]]:
+def kept_set(url: str, experiment: str, step: int, headers: dict[str, str] | None = None,
+             **params: Any) -> dict[str, tuple[bool, str]]:
     """trace_id -> (kept, rule or reason) of one step's tail decisions (``/v1/decisions``)."""
-    answer = httpx.get(url + "/v1/decisions", params={"experiment": experiment, "step": step}, headers=headers,
+    answer = httpx.get(url + "/v1/decisions", params={"experiment": experiment, "step": step, **params}, headers=headers,
                        timeout=30).json()
     return {d["trace_id"]: (d["keep"], d["rule"] if d["keep"] else d["reason"]) for d in answer["decisions"]}
 

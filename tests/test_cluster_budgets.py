@@ -52,8 +52,9 @@ def decided(url: str, headers: dict[str, str] | None = None) -> bool:
     return True
 
 
-def groups(url: str, experiment: str, step: int) -> dict[str, Any]:
-    answer = httpx.get(url + "/v1/groups", params={"experiment": experiment, "step": step, "limit": 1000}, timeout=30).json()
+def groups(url: str, experiment: str, step: int, **params: Any) -> dict[str, Any]:
+    answer = httpx.get(url + "/v1/groups", params={"experiment": experiment, "step": step, "limit": 1000, **params},
+                       timeout=30).json()
     answer.pop("index", None)  # the viewer index's own progress, not the answer
     return answer
 

@@ -61,8 +61,9 @@ def step_decided(url: str, experiment: str, step: int) -> bool:
     return len(answer["decisions"]) == PER_STEP and not answer["open"]
 
 
-def two_gateway_cluster(tmp_path: Path, **gateway: Any) -> tuple[Cluster, list[str]]:
-    """Four nodes and two gateways (not started), on ports chosen so that both gateways own steps."""
+def two_gateway_cluster(tmp_path: Path, peers: bool = False, **gateway: Any) -> tuple[Cluster, list[str]]:
+    """Four nodes and two gateways (not started), on ports chosen so that both gateways own steps; ``peers``: each
+    gateway lists both (TRACECAR_GATEWAY_PEERS), answering reads for the two."""
     cluster: Cluster = start_cluster(tmp_path, NODES, gateway={**TAIL_BUDGETS, **gateway}, gateways=2, start=False)
     for gw, port in zip(cluster.gateways, two_gateway_ports()):
         gw.url = f"http://127.0.0.1:{port}"
@@ -70,12 +71,17 @@ def two_gateway_cluster(tmp_path: Path, **gateway: Any) -> tuple[Cluster, list[s
     urls = [g.url for g in cluster.gateways]
     for n in cluster.nodes:
         n.env["TRACECAR_GATEWAY_URL"] = ",".join(urls)
+    if peers:
+        for gw in cluster.gateways:
+            gw.env["TRACECAR_GATEWAY_PEERS"] = ",".join(urls)
     return cluster, urls
 
 
 def test_two_gateways_each_decide_their_steps_exactly_as_one_collector(tmp_path: Path) -> None:
+    """Each gateway's own answers (``scope=local``) hold its steps only; either gateway's merged answers
+    (TRACECAR_GATEWAY_PEERS) are the single collector's (see test_either_gateway_answers_for_both)."""
     single = process_collector(tmp_path / "single", log_level="warning", **TAIL_BUDGETS).start()
-    cluster, urls = two_gateway_cluster(tmp_path)
+    cluster, urls = two_gateway_cluster(tmp_path, peers=True)
     try:
         for pc in cluster.all:
             pc.start()
@@ -88,15 +94,20 @@ def test_two_gateways_each_decide_their_steps_exactly_as_one_collector(tmp_path:
             wait_until(lambda: step_decided(urls[i], experiment, step), 120, f"gateway {i} decided {experiment} {step}")
         for (experiment, step), i in own.items():
             want = kept_set(single.url, experiment, step)
-            assert kept_set(urls[i], experiment, step) == want, (experiment, step)
-            assert kept_set(urls[1 - i], experiment, step) == {}, (experiment, step)  # nothing of it on the other
+            assert kept_set(urls[i], experiment, step, scope="local") == want, (experiment, step)
+            assert kept_set(urls[1 - i], experiment, step, scope="local") == {}, (experiment, step)  # nothing on the other
             kept = sorted(t for t, (keep, _) in want.items() if keep)
-            assert listed(urls[i], experiment=experiment, step=step) == kept
-            assert listed(urls[1 - i], experiment=experiment, step=step) == []
-            assert groups(urls[i], experiment, step) == groups(single.url, experiment, step)  # whole, rewards and all
+            assert listed(urls[i], experiment=experiment, step=step, scope="local") == kept
+            assert listed(urls[1 - i], experiment=experiment, step=step, scope="local") == []
+            single_groups = groups(single.url, experiment, step)
+            assert groups(urls[i], experiment, step, scope="local") == single_groups  # whole, rewards and all
+            # either gateway answers for the step, wherever it lives
+            assert kept_set(urls[1 - i], experiment, step) == want and groups(urls[1 - i], experiment, step) == single_groups
+            assert listed(urls[1 - i], experiment=experiment, step=step) == kept
         everything = listed(single.url)
-        parts = [listed(u) for u in urls]
+        parts = [listed(u, scope="local") for u in urls]
         assert parts[0] and parts[1] and sorted(parts[0] + parts[1]) == everything
+        either_gateway_answers_for_both(single.url, urls, parts)
         # each node heard from both, and delivered to each only its share: the forwarded counters add up
         for n in cluster.nodes:
             per_gateway = [scrape_metric(n.url, "tracecar_spans_forwarded_total", exporter="gateway@" + u.split("//", 1)[1])
@@ -108,9 +119,56 @@ def test_two_gateways_each_decide_their_steps_exactly_as_one_collector(tmp_path:
                          for n in cluster.nodes) for u in urls]
         assert received == forwarded, (received, forwarded)  # nothing sent to a gateway that does not own it
         trainer_annotations_follow_their_route(cluster, urls, own)
+        cluster.more_gateways[0].kill()  # the second gateway down: the first answers what it has, and says so
+        down = httpx.get(urls[0] + "/v1/trajectories", params={"limit": 1000}, timeout=60).json()
+        assert down["partial"] and down["gateways"][1]["error"].startswith("unreachable") and down["total"] == len(parts[0])
+        gone = httpx.get(f"{urls[0]}/v1/trajectories/{parts[1][0]}", timeout=60)
+        assert gone.status_code == 503 and urls[1] in gone.text and gone.headers["retry-after"]
     finally:
         cluster.stop()
         single.terminate()
+
+
+def either_gateway_answers_for_both(single: str, urls: list[str], parts: list[list[str]]) -> None:
+    """TRACECAR_GATEWAY_PEERS: a merged list is the single collector's (every sort, pages across the two gateways' rows),
+    one trajectory and its tokens come from the gateway that holds it, the JSONL export and the facets cover both; with
+    one gateway down a list says it is partial and a trajectory only it holds is a 503 naming it."""
+    def page(url: str, **params: Any) -> dict[str, Any]:
+        r = httpx.get(url + "/v1/trajectories", params={"limit": 1000, **params}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    whole = page(single, sort="reward", order="desc")
+    for url in urls:
+        for sort, order in (("reward", "desc"), ("reward", "asc"), ("start", "desc"), ("sample_index", "asc"),
+                            ("turns", "desc"), ("advantage", "asc")):
+            merged, one = page(url, sort=sort, order=order), page(single, sort=sort, order=order)
+            assert merged["total"] == one["total"] and not merged["partial"], (sort, order)
+            key = {"start": "start_time", "turns": "turns"}.get(sort, sort)
+            assert [t[key] for t in merged["trajectories"]] == [t[key] for t in one["trajectories"]], (url, sort, order)
+            assert sorted(t["trace_id"] for t in merged["trajectories"]) == sorted(t["trace_id"] for t in one["trajectories"])
+        full = page(url, sort="reward", order="desc")["trajectories"]
+        for offset, limit in ((0, 7), (7, 11), (len(full) - 3, 10)):
+            assert page(url, sort="reward", order="desc", offset=offset, limit=limit)["trajectories"] == full[offset:offset + limit]
+        assert [t["reward"] for t in full] == [t["reward"] for t in whole["trajectories"]]
+        ui = httpx.get(url + "/ui/api/trajectories", params={"limit": 500, "sort": "reward"}, timeout=60).json()
+        assert ui["total"] == whole["total"]
+        facets = httpx.get(url + "/ui/api/facets", timeout=60).json()
+        want = httpx.get(single + "/ui/api/facets", timeout=60).json()
+        assert {e["experiment"]: e["trajectories"] for e in facets["experiments"]} == {
+            e["experiment"]: e["trajectories"] for e in want["experiments"]}
+        exported = sorted(orjson.loads(line)["trace_id"] for line in
+                          httpx.get(url + "/v1/export", timeout=120).content.splitlines())
+        assert exported == sorted(parts[0] + parts[1])
+    for i, part in enumerate(parts):  # one held by gateway i, read through the other one
+        trace = part[0]
+        for path in (f"/v1/trajectories/{trace}", f"/v1/trajectories/{trace}/tokens", f"/ui/api/trajectories/{trace}"):
+            through = httpx.get(urls[1 - i] + path, timeout=60)
+            assert through.status_code == 200 and through.content == httpx.get(urls[i] + path, params={"scope": "local"},
+                                                                               timeout=60).content, path
+        assert httpx.get(urls[1 - i] + f"/v1/trajectories/{trace}", params={"scope": "local"}, timeout=60).status_code == 404
+    assert httpx.get(urls[0] + "/v1/trajectories/nosuchtrajectory000", timeout=60).status_code == 404
+    assert httpx.get(urls[0] + "/v1/trajectories", params={"offset": 9_990, "limit": 20}, timeout=60).status_code == 422
 
 
 def test_two_gateways_with_a_node_and_a_gateway_killed_lose_nothing_and_deliver_once(tmp_path: Path,
@@ -197,10 +255,10 @@ def trainer_annotations_follow_their_route(cluster: Cluster, urls: list[str], ow
     def arrived(t: Any) -> bool:
         gateway = urls[own[(t.experiment, t.step)]]
         trace_id = t.spans[0]["trace_id"]
-        page = httpx.get(gateway + "/v1/trajectories", params={"experiment": t.experiment, "step": t.step, "limit": 1000},
-                         timeout=30).json()
+        page = httpx.get(gateway + "/v1/trajectories", params={"experiment": t.experiment, "step": t.step, "limit": 1000,
+                                                              "scope": "local"}, timeout=30).json()
         row = next(r for r in page["trajectories"] if r["trace_id"] == trace_id)
-        detail = httpx.get(f"{gateway}/v1/trajectories/{trace_id}", timeout=30).text
+        detail = httpx.get(f"{gateway}/v1/trajectories/{trace_id}", params={"scope": "local"}, timeout=30).text
         assert "tracecar_route" not in detail
         return row.get("trained_on_version") == 99
 

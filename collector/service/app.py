@@ -229,10 +229,14 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
     collector = Collector(settings, sink, sinks)
     auth = BearerAuth(settings.token.get_secret_value() if settings.token else None, on_failure=collector.auth_failures)
 
+    federations: list[Any] = []  # viewer/federation.py's middleware (with TRACECAR_GATEWAY_PEERS): its clients closed at stop
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await collector.start()
         yield
+        for federation in federations:
+            await federation.aclose()
         await collector.stop()
 
     # With a token, the schema is behind it like the API it describes, and the interactive
@@ -418,6 +422,11 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
     # running trajectories (root not yet arrived), for /v1/live and the viewer's "Running now"
     app.include_router(build_live_router(collector, auth, viewer.viewer_auth, collector.pipeline.open_calls))
     check_bounded_ints(app.routes)  # every integer query parameter fits SQLite, or the app does not start
+    if settings.gateway_peer_urls:  # any gateway answers the read APIs for every gateway of the job (docs/cluster.md)
+        from ..viewer.federation import Federation
+
+        app.add_middleware(Federation, peers=settings.gateway_peer_urls, timeout_s=settings.gateway_peers_timeout_s,
+                           made=federations)
     return app
 
 

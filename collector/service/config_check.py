@@ -111,7 +111,7 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
             parts.append(f"{loc}: unknown setting{_did_you_mean(last, budget_keys)}")
             continue
         value = err.get("input")
-        secret = any(word in loc.lower() for word in ("key", "token", "secret", "password", "header", "store_url"))
+        secret = any(word in loc.lower() for word in ("key", "token", "secret", "password", "header", "store_url", "gateway"))
         shown = "" if secret or isinstance(value, (dict, list)) or value is None else f" (got {value!r:.60})"
         parts.append(f"{loc or 'settings'}: {err.get('msg')}{shown}")
     return f"{source}: " + "; ".join(parts)

@@ -144,19 +144,27 @@ def test_the_cluster_overlay_renders_with_kustomize(node_sidecar: dict[str, Any]
     assert statefulset["spec"]["template"]["spec"]["containers"][0]["image"] == rendered["image"]
 
 
-def two_gateways(node_sidecar: dict[str, Any], gateway_docs: dict[str, dict[str, Any]]) -> tuple[int, dict[str, Any]]:
-    """deploy/k8s-two-gateways applied by its own rules: (the StatefulSet's replicas, the node's sidecar)."""
+def two_gateways(node_sidecar: dict[str, Any], gateway_docs: dict[str, dict[str, Any]],
+                 gateway: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+    """deploy/k8s-two-gateways applied by its own rules: (the StatefulSet's replicas, the node's sidecar); the
+    gateway container's env patched into ``gateway`` when given."""
     kustomization = yaml.safe_load((TWO_DIR / "kustomization.yaml").read_text())
     assert kustomization["resources"] == ["../k8s-cluster"]
     replicas = gateway_docs["StatefulSet"]["spec"]["replicas"]
     node = copy.deepcopy(node_sidecar)
     pinned = None
     for patch in kustomization["patches"]:
-        if "target" in patch and patch["target"]["kind"] == "StatefulSet":  # JSON 6902: the replicas
+        if "target" in patch and patch["target"]["kind"] == "StatefulSet":  # JSON 6902: the replicas, the peer list
             assert patch["target"]["name"] == gateway_docs["StatefulSet"]["metadata"]["name"]
-            (op,) = yaml.safe_load(patch["patch"])
-            assert op["op"] == "replace" and op["path"] == "/spec/replicas"
-            replicas = op["value"]
+            ops = yaml.safe_load(patch["patch"])
+            for op in ops:
+                if op["path"] == "/spec/replicas":
+                    assert op["op"] == "replace"
+                    replicas = op["value"]
+                else:
+                    assert op["op"] == "add" and op["path"] == "/spec/template/spec/containers/0/env/-"
+                    if gateway is not None:
+                        gateway["env"] = _merge_env(gateway["env"], [op["value"]])
         elif "target" in patch:  # the ClusterIP Service (the viewer's address) pinned to one gateway
             assert patch["target"] == {"kind": "Service", "name": gateway_docs["Service"]["metadata"]["name"]}
             (op,) = yaml.safe_load(patch["patch"])
@@ -185,13 +193,29 @@ def test_two_gateways_are_two_replicas_every_node_lists_by_their_pod_names(node_
     _checked(settings)
 
 
+def test_each_of_the_two_gateways_lists_both_to_answer_reads_for_the_job(node_sidecar: dict[str, Any],
+                                                                        gateway_docs: dict[str, dict[str, Any]],
+                                                                        gateway_container: dict[str, Any],
+                                                                        settings_cls: type,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    gateway = copy.deepcopy(gateway_container)
+    _, node = two_gateways(node_sidecar, gateway_docs, gateway)
+    nodes = build_settings(settings_cls, k8s_env(node), monkeypatch)
+    settings = build_settings(settings_cls, k8s_env(gateway), monkeypatch)
+    assert settings.role == "gateway" and settings.gateway_peer_urls == nodes.gateway_urls  # the same gateways, same order
+    _checked(settings)
+
+
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl")
 def test_the_two_gateways_overlay_renders_with_kustomize(node_sidecar: dict[str, Any],
                                                          gateway_docs: dict[str, dict[str, Any]]) -> None:
     out = subprocess.run(["kubectl", "kustomize", str(TWO_DIR)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
-    replicas, node = two_gateways(node_sidecar, gateway_docs)
+    gateway = copy.deepcopy(next(d for d in docs if d["kind"] == "StatefulSet")["spec"]["template"]["spec"]["containers"][0])
+    replicas, node = two_gateways(node_sidecar, gateway_docs, want := copy.deepcopy(gateway_docs["StatefulSet"]["spec"]
+                                                                                     ["template"]["spec"]["containers"][0]))
+    assert sorted(gateway["env"], key=lambda i: i["name"]) == sorted(want["env"], key=lambda i: i["name"])
     assert next(d for d in docs if d["kind"] == "StatefulSet")["spec"]["replicas"] == replicas
     pod = next(d for d in docs if d["kind"] == "Pod")
     rendered = next(c for c in pod["spec"]["initContainers"] if c["name"] == node["name"])

@@ -1,0 +1,317 @@
+"""One read side over several gateways: any gateway answers for the whole job (``TRACECAR_GATEWAY_PEERS``).
+
+With several gateways each one stores the steps it owns (docs/cluster.md, *Several gateways*), so a
+user would otherwise have to know which gateway holds what. A gateway given the job's gateway list
+answers the read APIs a user browses with over all of them: it asks every listed gateway (itself
+included, over HTTP, so it needs no special case) for its own answer (``scope=local``, which a
+gateway answers from its own store alone) with the caller's own credentials (each gateway checks
+them: no one reads through a gateway what that gateway would refuse), and merges:
+
+* **lists** (``/v1/trajectories``, ``/ui/api/trajectories``): every gateway's rows down to
+  ``offset + limit``, merged by the sort key in the same order as one store (rows without the key
+  last either way; ties in gateway order, then each gateway's own), ``total`` summed. Pages deeper
+  than ``MAX_DEPTH`` merged rows are refused by name (narrow the list: experiment, step, ``q=``).
+* **one trajectory** (its tree, tokens, truth, the viewer's trajectory): the first gateway that
+  has it; 404 when none has, 503 naming the gateway when one that could have it did not answer.
+* **one step** (``/v1/groups``, ``/v1/decisions``, ``/v1/health?step=``): a step lives on one
+  gateway: the answer of the gateway that has it.
+* **the JSONL export**: each gateway's export in turn, streamed (Parquet: one gateway's, with
+  ``scope=local``); **the viewer's facets**: counts summed per experiment, rule, trainer verdict, node.
+
+A gateway that does not answer makes a list ``partial: true`` with its error under ``gateways``;
+everything else on a gateway (its health totals, metrics, live view, dead letters, overview) stays
+its own. Bounded: ``TRACECAR_GATEWAY_PEERS_TIMEOUT_S`` per request to a gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+from urllib.parse import urlencode
+
+import httpx
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .index import SORTS
+
+MAX_DEPTH = 10_000  # merged rows a list pages through at most (each gateway is asked for offset + limit rows)
+PEER_PAGE = {"/v1/trajectories": 1000, "/ui/api/trajectories": 500}  # each list's own limit bound
+ROW_KEYS = {"tools": "tool_calls", "tokens": "response_tokens", "spans": "span_count", "start": "start_time"}
+FORWARDED_HEADERS = ("authorization", "cookie", "accept")
+_ONE = re.compile(r"^(/v1/trajectories/[^/]+(/tokens|/truth)?|/ui/api/trajectories/[^/]+(/tokens)?)$")
+_LISTS = ("/v1/trajectories", "/ui/api/trajectories")
+_STEPPED = {"/v1/groups": "groups", "/v1/decisions": "decisions", "/v1/health": "step"}
+
+
+class Federation:
+    """ASGI middleware: the merged answers of the listed gateways for the routes above, the app's own for the rest."""
+
+    def __init__(self, app: ASGIApp, peers: list[str], timeout_s: float, made: list[Federation] | None = None) -> None:
+        self.app = app
+        self.peers = [p.rstrip("/") for p in peers]
+        self.timeout = httpx.Timeout(timeout_s)
+        self._held: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
+        if made is not None:  # the app closes its clients when it stops (aclose)
+            made.append(self)
+
+    async def aclose(self) -> None:
+        if self._held is not None:
+            await self._held[1].aclose()
+            self._held = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "GET":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        if request.query_params.get("scope") == "local":
+            await self.app(scope, receive, send)
+            return
+        handler = self._handler(request)
+        if handler is None:
+            await self.app(scope, receive, send)
+            return
+        response = await handler(request)
+        await response(scope, receive, send)
+
+    def _handler(self, request: Request) -> Callable[[Request], Awaitable[Response]] | None:
+        path = request.url.path
+        if path in _LISTS:
+            return self._list
+        if _ONE.match(path):
+            return self._one
+        if path in _STEPPED and (path != "/v1/health" or "step" in request.query_params):
+            return self._step
+        if path == "/v1/export":
+            return self._export
+        if path == "/ui/api/facets":
+            return self._facets
+        return None
+
+    # ---- asking the gateways ---------------------------------------------------------------------
+    def _url(self, peer: str, request: Request, **override: Any) -> str:
+        params = [(k, v) for k, v in request.query_params.multi_items() if k not in override and k != "scope"]
+        params += [(k, str(v)) for k, v in override.items()] + [("scope", "local")]
+        return f"{peer}{request.url.path}?{urlencode(params)}"
+
+    def _headers(self, request: Request) -> dict[str, str]:
+        return {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
+
+    def _client(self) -> httpx.AsyncClient:
+        """One client (its kept-alive connections to the gateways) per event loop: the server's."""
+        loop = asyncio.get_running_loop()
+        if self._held is None or self._held[0] is not loop or self._held[1].is_closed:
+            self._held = (loop, httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(max_connections=64)))
+        return self._held[1]
+
+    async def _ask_all(self, request: Request, **override: Any) -> list[httpx.Response | Exception]:
+        client = self._client()
+
+        async def ask(peer: str) -> httpx.Response | Exception:
+            try:
+                return await client.get(self._url(peer, request, **override), headers=self._headers(request))
+            except httpx.HTTPError as exc:
+                return exc
+
+        return list(await asyncio.gather(*(ask(p) for p in self.peers)))
+
+    @staticmethod
+    def _why(answer: httpx.Response | Exception) -> str:
+        if isinstance(answer, Exception):
+            return f"unreachable ({type(answer).__name__})"
+        return f"answered {answer.status_code}"
+
+    def _refused(self, answers: list[httpx.Response | Exception]) -> Response | None:
+        """A caller every gateway refuses (401/403) or asked wrongly (422) gets that answer, as one gateway gives it."""
+        for answer in answers:
+            if isinstance(answer, httpx.Response) and answer.status_code in (401, 403, 422):
+                return _passed(answer)
+        return None
+
+    def _unavailable(self, answers: list[httpx.Response | Exception]) -> Response:
+        down = [f"{peer} {self._why(a)}" for peer, a in zip(self.peers, answers)
+                if isinstance(a, Exception) or a.status_code >= 500]
+        return _json({"error": f"gateway(s) not answering: {'; '.join(down)}; retry later"}, 503, {"Retry-After": "2"})
+
+    # ---- merged answers --------------------------------------------------------------------------
+    async def _list(self, request: Request) -> Response:
+        try:
+            offset, limit = int(request.query_params.get("offset", 0)), int(request.query_params.get("limit", 50))
+        except ValueError:
+            return _json({"error": {"field": "offset", "reason": "offset and limit are integers"}}, 422)
+        depth = offset + limit
+        if depth > MAX_DEPTH:
+            return _json({"error": {"field": "offset", "reason": f"a list merged over {len(self.peers)} gateways pages at "
+                                    f"most {MAX_DEPTH} rows deep (offset + limit): narrow it (experiment, step, q), or "
+                                    "ask one gateway with scope=local"}}, 422)
+        page_max = PEER_PAGE[request.url.path]
+        first = await self._ask_all(request, offset=0, limit=min(depth, page_max))
+        refused = self._refused(first)
+        if refused is not None:
+            return refused
+        rows: list[list[dict[str, Any]]] = [[] for _ in self.peers]
+        bodies: list[dict[str, Any] | None] = [None] * len(self.peers)
+        errors: dict[int, str] = {}
+        for i, answer in enumerate(first):
+            if isinstance(answer, Exception) or answer.status_code != 200:
+                errors[i] = self._why(answer)
+                continue
+            bodies[i] = orjson.loads(answer.content)
+            rows[i] = bodies[i]["trajectories"]  # type: ignore[index]
+        for start in range(page_max, depth, page_max):  # deeper than one page of a gateway's own list
+            more = await self._ask_all(request, offset=start, limit=min(depth - start, page_max))
+            for i, answer in enumerate(more):
+                if i in errors or len(rows[i]) < start:
+                    continue
+                if isinstance(answer, Exception) or answer.status_code != 200:
+                    errors[i] = self._why(answer)
+                    continue
+                rows[i] += orjson.loads(answer.content)["trajectories"]
+        answered = [b for b in bodies if b is not None]
+        if not answered:
+            return self._unavailable(first)
+        sort = request.query_params.get("sort", "start")
+        merged = merge_rows(rows, ROW_KEYS.get(sort, sort), request.query_params.get("order", "desc") == "desc")
+        out = dict(answered[0])
+        out.update(trajectories=merged[offset:offset + limit], offset=offset, limit=limit,
+                   total=sum(b["total"] for b in answered),
+                   index={"caught_up": all(b.get("index", {}).get("caught_up", True) for b in answered) and not errors,
+                          "behind_spans": sum(b.get("index", {}).get("behind_spans") or 0 for b in answered),
+                          "gateways": [b.get("index") if b is not None else None for b in bodies]},
+                   gateways=[{"url": p, "total": b["total"]} if b is not None else {"url": p, "error": errors.get(i)}
+                             for i, (p, b) in enumerate(zip(self.peers, bodies))],
+                   partial=bool(errors))
+        return _json(out)
+
+    async def _one(self, request: Request) -> Response:
+        answers = await self._ask_all(request)
+        for answer in answers:
+            if isinstance(answer, httpx.Response) and answer.status_code == 200:
+                return _passed(answer)
+        refused = self._refused(answers)
+        if refused is not None:
+            return refused
+        if any(isinstance(a, Exception) or a.status_code >= 500 for a in answers):
+            return self._unavailable(answers)  # the one that did not answer may hold it
+        return _passed(next(a for a in answers if isinstance(a, httpx.Response)))  # every gateway's 404
+
+    async def _step(self, request: Request) -> Response:
+        answers = await self._ask_all(request)
+        refused = self._refused(answers)
+        if refused is not None:
+            return refused
+        key = _STEPPED[request.url.path]
+        ok = [a for a in answers if isinstance(a, httpx.Response) and a.status_code == 200]
+        for answer in ok:
+            body = orjson.loads(answer.content)
+            found = body.get(key)
+            if found and (key != "step" or found.get("trajectories") or found.get("held_spans")
+                          or (found.get("sampling") or {}).get("kept")):
+                return _passed(answer)
+        if len(ok) < len(answers):
+            return self._unavailable(answers)
+        return _passed(ok[0])  # no gateway has the step: the first one's (empty) answer
+
+    async def _export(self, request: Request) -> Response:
+        if request.query_params.get("format", "jsonl") != "jsonl":
+            return _json({"error": {"field": "format", "reason": "an export merged over several gateways is JSONL; ask "
+                                    "each gateway for its Parquet with scope=local"}}, 422)
+        client = httpx.AsyncClient(timeout=self.timeout)
+        heads: list[httpx.Response] = []
+        for peer in self.peers:  # every gateway must answer before the first byte goes out: a 200 cannot be taken back
+            try:
+                r = await client.send(client.build_request("GET", self._url(peer, request), headers=self._headers(request)),
+                                      stream=True)
+            except httpx.HTTPError as exc:
+                await _close(client, heads)
+                return _json({"error": f"gateway {peer} {self._why(exc)}; retry later"}, 503, {"Retry-After": "2"})
+            heads.append(r)
+            if r.status_code != 200:
+                await r.aread()
+                await _close(client, heads)
+                return self._refused([r]) or _json({"error": f"gateway {peer} {self._why(r)}; retry later"}, 503,
+                                                   {"Retry-After": "2"})
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                for r in heads:
+                    async for chunk in r.aiter_bytes():
+                        yield chunk
+            finally:
+                await _close(client, heads)
+
+        return StreamingResponse(body(), media_type="application/x-ndjson", headers={"Cache-Control": "no-store"})
+
+    async def _facets(self, request: Request) -> Response:
+        answers = await self._ask_all(request)
+        refused = self._refused(answers)
+        if refused is not None:
+            return refused
+        ok = [orjson.loads(a.content) for a in answers if isinstance(a, httpx.Response) and a.status_code == 200]
+        if not ok:
+            return self._unavailable(answers)
+        return _json({**merge_facets(ok), "partial": len(ok) < len(answers)})
+
+
+async def _close(client: httpx.AsyncClient, heads: list[httpx.Response]) -> None:
+    for r in heads:
+        await r.aclose()
+    await client.aclose()
+
+
+def _passed(answer: httpx.Response) -> Response:
+    headers = {k: v for k, v in answer.headers.items() if k in ("content-type", "retry-after", "cache-control")}
+    return Response(answer.content, status_code=answer.status_code, headers=headers)
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS), status_code=status, media_type="application/json",
+                    headers={"Cache-Control": "no-store", **(headers or {})})
+
+
+def _rank(value: Any) -> tuple[int, Any]:
+    """SQLite's order across types: numbers before text."""
+    return (0, value) if isinstance(value, (int, float)) and not isinstance(value, bool) else (1, str(value))
+
+
+def merge_rows(per_gateway: list[list[dict[str, Any]]], key: str, descending: bool) -> list[dict[str, Any]]:
+    """Each gateway's rows (each already in the list's order) merged into one list in that order: rows with the key
+    by it (ties: gateway order, then each gateway's own), then the rows without it, in gateway order."""
+    if key not in {*SORTS.values(), "start_time"}:
+        key = "start_time"
+    keyed = [r for rows in per_gateway for r in rows if r.get(key) is not None]
+    keyed.sort(key=lambda r: _rank(r[key]), reverse=descending)  # stable: ties keep gateway, then own, order
+    return keyed + [r for rows in per_gateway for r in rows if r.get(key) is None]
+
+
+def merge_facets(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The viewer's facets of several gateways: counts summed by experiment, rule, trainer verdict and node; step
+    ranges widened; experiments in the order the gateways list them (the latest first in each)."""
+    experiments: dict[Any, dict[str, Any]] = {}
+    counts: dict[str, dict[Any, dict[str, Any]]] = {"kept_because": {}, "trainer": {}, "nodes": {}}
+    keys = {"kept_because": ("rule",), "trainer": ("trained", "filtered_by"), "nodes": ("node",)}
+    components: list[Any] = []
+    for answer in answers:
+        for e in answer.get("experiments", []):
+            have = experiments.setdefault(e["experiment"], {**e, "trajectories": 0, "train": 0, "validation": 0,
+                                                            "step_min": None, "step_max": None})
+            for k in ("trajectories", "train", "validation"):
+                have[k] += e.get(k) or 0
+            for k, pick in (("step_min", min), ("step_max", max)):
+                if e.get(k) is not None:
+                    have[k] = e[k] if have[k] is None else pick(have[k], e[k])
+        for facet, names in keys.items():
+            for row in answer.get(facet, []):
+                have = counts[facet].setdefault(tuple(row.get(n) for n in names), {**row, "trajectories": 0})
+                have["trajectories"] += row.get("trajectories") or 0
+        components += [c for c in answer.get("reward_components", []) if c not in components]
+    out = dict(answers[0])
+    out.update(experiments=list(experiments.values()), reward_components=components,
+               **{facet: list(rows.values()) for facet, rows in counts.items()})
+    out["nodes"].sort(key=lambda r: str(r["node"]))
+    return out

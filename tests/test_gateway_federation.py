@@ -1,0 +1,76 @@
+"""Any gateway answers for every gateway of the job (TRACECAR_GATEWAY_PEERS), with the caller's own credentials.
+
+Two gateway-role collectors (uvicorn on 127.0.0.1, one token) list each other; each holds its own
+trajectories. The merged answers need the caller's token at every gateway (no one reads through a gateway
+what it would refuse), cover both, and a misconfigured peer list is refused at start. The whole cluster
+(four nodes routing steps to two gateways, merged answers equal to one collector's, a gateway down) is
+tests/test_cluster_gateways.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from tests.support import free_port
+from tracecar.collector.settings import CollectorSettings
+
+TOKEN = "federation-token-0123456789"
+
+
+def test_merged_reads_need_the_callers_own_token_and_cover_both_gateways(start_collector: Any, kit: Any) -> None:
+    ports = [free_port(), free_port()]
+    peers = ",".join(f"http://127.0.0.1:{p}" for p in ports)
+    gateways = [start_collector(port=p, role="gateway", token=TOKEN, gateway_peers=peers) for p in ports]
+    held: list[list[str]] = [[], []]
+    for i, gw in enumerate(gateways):
+        for step in range(3):
+            spans = kit.trajectory(step=step + 10 * i, experiment=f"exp{i}")
+            assert kit.post(gw.url, spans, token=TOKEN).status_code == 200
+            held[i].append(spans[-1]["trace_id"])
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    def page(url: str, **params: Any) -> httpx.Response:
+        return httpx.get(url + "/v1/trajectories", params={"limit": 100, **params}, headers=auth, timeout=30)
+
+    kit.wait_for(lambda: all(page(g.url, scope="local").json()["total"] == 3 for g in gateways), timeout=30)
+    for gw in gateways:
+        assert httpx.get(gw.url + "/v1/trajectories", timeout=30).status_code == 401  # merged: refused as one gateway would
+        assert httpx.get(gw.url + "/v1/trajectories", headers={"Authorization": "Bearer wrong"}, timeout=30).status_code == 401
+        assert httpx.get(f"{gw.url}/v1/trajectories/{held[1][0]}", timeout=30).status_code == 401
+        merged = page(gw.url).json()
+        assert merged["total"] == 6 and not merged["partial"]
+        assert sorted(t["trace_id"] for t in merged["trajectories"]) == sorted(held[0] + held[1])
+        assert [t["step"] for t in page(gw.url, sort="step", order="asc").json()["trajectories"]] == [0, 1, 2, 10, 11, 12]
+        for i in (0, 1):
+            one = httpx.get(f"{gw.url}/v1/trajectories/{held[i][1]}", headers=auth, timeout=30)
+            assert one.status_code == 200 and one.json()["trace_id"] == held[i][1]
+        steps = httpx.get(gw.url + "/v1/decisions", params={"experiment": "exp1", "step": 11}, headers=auth, timeout=30)
+        assert steps.status_code == 200
+        # the viewer's cookie (what a browser holds after logging in) is passed on like a bearer token
+        login = httpx.get(gw.url + "/ui/", params={"token": TOKEN}, timeout=30, follow_redirects=False)
+        cookie = login.cookies.get("tracecar_viewer")
+        assert cookie, login.headers
+        ui = httpx.get(gw.url + "/ui/api/trajectories", params={"limit": 100}, headers={"Cookie": f"tracecar_viewer={cookie}"},
+                       timeout=30)
+        assert ui.status_code == 200 and ui.json()["total"] == 6
+        assert httpx.get(gw.url + "/ui/api/trajectories", timeout=30).status_code == 401
+    own = [sorted(t["trace_id"] for t in page(g.url, scope="local").json()["trajectories"]) for g in gateways]
+    assert own == [sorted(held[0]), sorted(held[1])]  # scope=local: each gateway's own store alone
+
+
+@pytest.mark.parametrize("settings, says", [
+    ({"role": "node", "gateway_peers": "http://127.0.0.1:1"}, "TRACECAR_ROLE=gateway"),
+    ({"role": "gateway", "gateway_peers": "http://user:pw@127.0.0.1:1"}, "user or password"),
+    ({"role": "gateway", "gateway_peers": "127.0.0.1:9470"}, "not an http(s)://HOST:PORT URL"),
+])
+def test_a_wrong_peer_list_is_refused_at_start_by_name(tmp_path: Any, settings: dict[str, Any], says: str) -> None:
+    from tracecar.collector.service.config_check import _format_validation_error
+
+    with pytest.raises(ValidationError) as caught:
+        CollectorSettings(data_dir=tmp_path, **settings)
+    line = _format_validation_error(caught.value, "settings")  # the one line the collector exits with
+    assert says in line and "pw@" not in line and "\n" not in line
