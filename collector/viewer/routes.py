@@ -125,13 +125,15 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
     index = open_read_store(collector.spool.path, settings,
                             prune_deleted=not collector.spool.local_only and not settings.keep_forwarded,
                             on_error=collector.metrics.store_errors.labels(store=settings.store).inc)
-    collector.spool.readers_through = functools.partial(_listed_through, index)  # retention evicts only what is listed
     if settings.store == "clickhouse" and settings.store_archive:
         from .clickhouse_spans import ClickHouseSpanArchive  # imports chDB: only with the ClickHouse store
         from .clickhouse_store import ClickHouseStore
 
         assert isinstance(index, ClickHouseStore)
         collector.spool.archive = ClickHouseSpanArchive(index)  # retention moves evicted trajectories there
+        # and evicts only what is listed: an archived trajectory is found through its list row. (Without the archive
+        # the index stays lazy, folded only when read: an evicted trajectory's spans are gone either way.)
+        collector.spool.readers_through = functools.partial(_listed_through, index)
     auth = ViewerAuth(token)
     files = _static_files()
 
