@@ -85,8 +85,9 @@ class ReadStore(Protocol):
         """Experiments (latest first) with step ranges and counts; kept rules; the trainer's; reward components."""
         ...
 
-    def overview(self, experiment: str | None, validate: bool | None = False, bins: int = 12) -> dict[str, Any]:
-        """Per step: reward distribution, best and worst, kept per rule."""
+    def overview(self, experiment: str | None, validate: bool | None = False, bins: int = 12,
+                 bounds: tuple[float, float] | None = None) -> dict[str, Any]:
+        """Per step: reward distribution, best and worst, kept per rule (``bounds``: the histogram's reward range)."""
         ...
 
     def page_after(self, flt: TrajectoryFilter, after: int = 0, limit: int = 500) -> builtins.list[dict[str, Any]]:

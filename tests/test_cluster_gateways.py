@@ -157,6 +157,17 @@ def either_gateway_answers_for_both(single: str, urls: list[str], parts: list[li
         want = httpx.get(single + "/ui/api/facets", timeout=60).json()
         assert {e["experiment"]: e["trajectories"] for e in facets["experiments"]} == {
             e["experiment"]: e["trajectories"] for e in want["experiments"]}
+        for experiment in EXPERIMENTS:  # each gateway's steps, binned over the job's reward range: the single one's
+            merged_view = httpx.get(url + "/ui/api/overview", params={"experiment": experiment}, timeout=60).json()
+            single_view = httpx.get(single + "/ui/api/overview", params={"experiment": experiment}, timeout=60).json()
+            assert not merged_view["partial"] and merged_view["steps"], experiment
+            for key in ("bin_edges", "trajectories", "rules"):
+                assert merged_view[key] == single_view[key], (experiment, key)
+            strip = ("worst", "best")  # ties between equal rewards break by each store's own row order
+            assert [{k: v for k, v in e.items() if k not in strip} for e in merged_view["steps"]] == [
+                {k: v for k, v in e.items() if k not in strip} for e in single_view["steps"]], experiment
+            assert [(e.get("worst") or {}).get("reward") for e in merged_view["steps"]] == [
+                (e.get("worst") or {}).get("reward") for e in single_view["steps"]]
         exported = sorted(orjson.loads(line)["trace_id"] for line in
                           httpx.get(url + "/v1/export", timeout=120).content.splitlines())
         assert exported == sorted(parts[0] + parts[1])

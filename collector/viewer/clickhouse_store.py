@@ -631,8 +631,9 @@ class ClickHouseStore:
         self._cache["facets"] = result
         return result
 
-    def overview(self, experiment: str | None, validate: bool | None = False, bins: int = 12) -> dict[str, Any]:
-        key = ("overview", experiment, validate, bins)
+    def overview(self, experiment: str | None, validate: bool | None = False, bins: int = 12,
+                 bounds: tuple[float, float] | None = None) -> dict[str, Any]:
+        key = ("overview", experiment, validate, bins, bounds)
         cached = self._cache.get(key)
         if cached is not None:
             return cached
@@ -644,7 +645,7 @@ class ClickHouseStore:
                              " ORDER BY step NULLS FIRST, reward NULLS FIRST, kept_because NULLS FIRST, trace_id", bind)
         rows = [(r["step"], None if r["reward"] is None else float(r["reward"]), r["kept_because"], r["trace_id"], r["rid"])
                 for r in found]
-        result = overview_of(rows, experiment, validate, bins)
+        result = overview_of(rows, experiment, validate, bins, bounds)
         self._cache[key] = result
         return result
 

@@ -16,11 +16,13 @@ them: no one reads through a gateway what that gateway would refuse), and merges
 * **one step** (``/v1/groups``, ``/v1/decisions``, ``/v1/health?step=``): a step lives on one
   gateway: the answer of the gateway that has it.
 * **the JSONL export**: each gateway's export in turn, streamed (Parquet: one gateway's, with
-  ``scope=local``); **the viewer's facets**: counts summed per experiment, rule, trainer verdict, node.
+  ``scope=local``); **the viewer's facets**: counts summed per experiment, rule, trainer verdict, node;
+  **its overview** of an experiment: each gateway's steps, histograms binned over the job's reward
+  range (asked twice: each gateway's range, then each overview over the whole one).
 
 A gateway that does not answer makes a list ``partial: true`` with its error under ``gateways``;
-everything else on a gateway (its health totals, metrics, live view, dead letters, overview) stays
-its own. Bounded: ``TRACECAR_GATEWAY_PEERS_TIMEOUT_S`` per request to a gateway.
+everything else on a gateway (its health totals, metrics, live view, dead letters) stays its own.
+Bounded: ``TRACECAR_GATEWAY_PEERS_TIMEOUT_S`` per request to a gateway.
 """
 
 from __future__ import annotations
@@ -91,13 +93,16 @@ class Federation:
             return self._export
         if path == "/ui/api/facets":
             return self._facets
+        if path == "/ui/api/overview":
+            return self._overview
         return None
 
     # ---- asking the gateways ---------------------------------------------------------------------
-    def _url(self, peer: str, request: Request, **override: Any) -> str:
-        params = [(k, v) for k, v in request.query_params.multi_items() if k not in override and k != "scope"]
+    def _url(self, peer: str, request: Request, path: str | None = None, **override: Any) -> str:
+        """The request as one gateway's own (``scope=local``); ``path``: another route, without the request's query."""
+        params = [] if path else [(k, v) for k, v in request.query_params.multi_items() if k not in override and k != "scope"]
         params += [(k, str(v)) for k, v in override.items()] + [("scope", "local")]
-        return f"{peer}{request.url.path}?{urlencode(params)}"
+        return f"{peer}{path or request.url.path}?{urlencode(params)}"
 
     def _headers(self, request: Request) -> dict[str, str]:
         return {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
@@ -109,12 +114,12 @@ class Federation:
             self._held = (loop, httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(max_connections=64)))
         return self._held[1]
 
-    async def _ask_all(self, request: Request, **override: Any) -> list[httpx.Response | Exception]:
+    async def _ask_all(self, request: Request, path: str | None = None, **override: Any) -> list[httpx.Response | Exception]:
         client = self._client()
 
         async def ask(peer: str) -> httpx.Response | Exception:
             try:
-                return await client.get(self._url(peer, request, **override), headers=self._headers(request))
+                return await client.get(self._url(peer, request, path, **override), headers=self._headers(request))
             except httpx.HTTPError as exc:
                 return exc
 
@@ -258,6 +263,32 @@ class Federation:
         return _json({**merge_facets(ok), "partial": len(ok) < len(answers)})
 
 
+    async def _overview(self, request: Request) -> Response:
+        """Each gateway's steps of the experiment, binned over the job's reward range: the range first (each
+        gateway's own overview), then each overview again over it, merged by step."""
+        override: dict[str, Any] = {}
+        if "experiment" not in request.query_params:  # the job's latest experiment, not each gateway's
+            facets = await self._ask_all(request, "/ui/api/facets")
+            ok = [orjson.loads(a.content) for a in facets if isinstance(a, httpx.Response) and a.status_code == 200]
+            known = merge_facets(ok)["experiments"] if ok else []
+            if known:
+                override["experiment"] = known[0]["experiment"] if known[0]["experiment"] is not None else ""
+        first = await self._ask_all(request, **override)
+        refused = self._refused(first)
+        if refused is not None:
+            return refused
+        ok = [orjson.loads(a.content) for a in first if isinstance(a, httpx.Response) and a.status_code == 200]
+        if not ok:
+            return self._unavailable(first)
+        lows = [st["min"] for o in ok for st in o["steps"] if "min" in st]
+        if lows and "reward_low" not in request.query_params:
+            highs = [st["max"] for o in ok for st in o["steps"] if "max" in st]
+            again = await self._ask_all(request, **override, reward_low=min(lows), reward_high=max(highs))
+            ok = [orjson.loads(a.content) for a in again if isinstance(a, httpx.Response) and a.status_code == 200]
+            if not ok:
+                return self._unavailable(again)
+        return _json({**merge_overviews(ok), "partial": len(ok) < len(first)})
+
 async def _close(client: httpx.AsyncClient, heads: list[httpx.Response]) -> None:
     for r in heads:
         await r.aclose()
@@ -314,4 +345,33 @@ def merge_facets(answers: list[dict[str, Any]]) -> dict[str, Any]:
     out.update(experiments=list(experiments.values()), reward_components=components,
                **{facet: list(rows.values()) for facet, rows in counts.items()})
     out["nodes"].sort(key=lambda r: str(r["node"]))
+    return out
+
+
+def merge_overviews(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several gateways' overviews of one experiment, binned alike, as one: each step from the gateway that holds it
+    (a step split between two, by a list change mid-step, gets its counts and histogram summed, its extremes widened,
+    the rest from the larger part)."""
+    steps: dict[Any, dict[str, Any]] = {}
+    for answer in answers:
+        for entry in answer["steps"]:
+            have = steps.get(entry["step"])
+            if have is None:
+                steps[entry["step"]] = dict(entry)
+                continue
+            larger = entry if entry["scored"] > have["scored"] else have
+            merged = {**larger, "trajectories": have["trajectories"] + entry["trajectories"],
+                      "scored": have["scored"] + entry["scored"], "hist": [a + b for a, b in zip(have["hist"], entry["hist"])],
+                      "kept": {k: have["kept"].get(k, 0) + entry["kept"].get(k, 0) for k in {*have["kept"], *entry["kept"]}}}
+            scored = [e for e in (have, entry) if "min" in e]
+            if scored:
+                merged["mean"] = sum(e["mean"] * e["scored"] for e in scored) / sum(e["scored"] for e in scored)
+                merged["worst"] = min((e["worst"] for e in scored), key=lambda w: w["reward"])
+                merged["best"] = max((e["best"] for e in scored), key=lambda b: b["reward"])
+                merged["min"], merged["max"] = min(e["min"] for e in scored), max(e["max"] for e in scored)
+            steps[entry["step"]] = merged
+    out = dict(answers[0])
+    out.update(trajectories=sum(a["trajectories"] for a in answers),
+               rules=sorted({rule for a in answers for rule in a["rules"]}),
+               steps=sorted(steps.values(), key=lambda e: (e["step"] is not None, _rank(e["step"]) if e["step"] is not None else 0)))
     return out

@@ -241,14 +241,16 @@ def _latest_seq(conn: sqlite3.Connection) -> int:
     return int(row[0]) if row else 0
 
 
-def overview_of(rows: list[tuple[Any, ...]], experiment: str | None, validate: bool | None, bins: int) -> dict[str, Any]:
+def overview_of(rows: list[tuple[Any, ...]], experiment: str | None, validate: bool | None, bins: int,
+                bounds: tuple[float, float] | None = None) -> dict[str, Any]:
     """The overview from ``(step, reward, kept_because, trace_id, tie-break)`` rows ordered by step, reward:
-    shared by every read store (collector/read_store.py)."""
+    shared by every read store (collector/read_store.py). ``bounds``: the histogram's reward range (several
+    gateways' overviews binned alike, viewer/federation.py); default the rows' own."""
     by_step: dict[Any, list[tuple[Any, ...]]] = {}
     for row in rows:
         by_step.setdefault(row[0], []).append(row)
     scored = [r[1] for r in rows if r[1] is not None]
-    low, high = (min(scored), max(scored)) if scored else (0.0, 1.0)
+    low, high = bounds if bounds is not None else (min(scored), max(scored)) if scored else (0.0, 1.0)
     if high == low:
         low, high = low - 0.5, high + 0.5
     width = (high - low) / bins
@@ -266,7 +268,7 @@ def overview_of(rows: list[tuple[Any, ...]], experiment: str | None, validate: b
                 kept[r[2]] = kept.get(r[2], 0) + 1
         hist = [0] * bins
         for value in values:
-            hist[min(bins - 1, int((value - low) / width))] += 1
+            hist[max(0, min(bins - 1, int((value - low) / width)))] += 1
         entry: dict[str, Any] = {"step": step, "trajectories": len(group), "scored": len(values), "kept": kept, "hist": hist}
         if values:
             assert worst_row is not None and best_row is not None  # the rows of those values
@@ -831,15 +833,16 @@ class TrajectoryIndex:
             params.append(int(validate))
         return sql + " ORDER BY step, reward", params
 
-    def overview(self, experiment: str | None, validate: bool | None = False, bins: int = 12) -> dict[str, Any]:
+    def overview(self, experiment: str | None, validate: bool | None = False, bins: int = 12,
+                 bounds: tuple[float, float] | None = None) -> dict[str, Any]:
         """Per step: reward distribution (quantiles, histogram), best and worst, kept per rule."""
-        key = ("overview", experiment, validate, bins)
+        key = ("overview", experiment, validate, bins, bounds)
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None:
                 return cached
             rows = self._db().execute(*self.overview_sql(experiment, validate)).fetchall()
-        result = overview_of(rows, experiment, validate, bins)
+        result = overview_of(rows, experiment, validate, bins, bounds)
         with self._lock:
             self._cache[key] = result
         return result

@@ -185,17 +185,26 @@ def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:
 
     @guarded.get("/api/overview")
     async def overview(experiment: str | None = None,
-                       split: str = Query("train", pattern="^(train|validation|all)$")) -> Any:
+                       split: str = Query("train", pattern="^(train|validation|all)$"),
+                       reward_low: float | None = Query(None, allow_inf_nan=False),
+                       reward_high: float | None = Query(None, allow_inf_nan=False)) -> Any:
         """Per-step reward distribution of one experiment (default: the latest), kept per rule.
 
-        ``experiment=`` (empty) is the trajectories sent without an experiment name.
+        ``experiment=`` (empty) is the trajectories sent without an experiment name. ``reward_low`` and
+        ``reward_high`` (both or neither): the histogram's range instead of the rewards' own (several gateways'
+        overviews binned alike, viewer/federation.py).
         """
+        if (reward_low is None) != (reward_high is None) or (reward_low is not None and reward_high is not None
+                                                             and reward_high < reward_low):
+            raise HTTPException(422, detail={"field": "reward_high", "reason": "reward_low and reward_high come together, "
+                                                                              "reward_high >= reward_low"})
+        bounds = (reward_low, reward_high) if reward_low is not None and reward_high is not None else None
         state = await asyncio.to_thread(fresh)
         if experiment is None:
             known = (await asyncio.to_thread(read_index, index.facets))["experiments"]
             experiment = known[0]["experiment"] if known else None
         validate = {"train": False, "validation": True, "all": None}[split]
-        result = await asyncio.to_thread(read_index, index.overview, experiment or None, validate)
+        result = await asyncio.to_thread(read_index, index.overview, experiment or None, validate, 12, bounds)
         return _json({**result, "split": split, "index": state})
 
     @guarded.get("/api/trajectories")
