@@ -116,6 +116,7 @@ class CollectorSettings(BudgetSettings, BaseSettings):
     store_reserve_bytes: int = Field(64 * MiB, ge=0, description="When forwarding (any backend but local): disk space held back in a preallocated file (data_dir/reserve), released on a full disk so forwarded trajectories can be evicted, then taken again; 0: none; else at least 8 MiB (less cannot let SQLite checkpoint its WAL on a full disk: refused at start).")
     store: Literal["sqlite", "clickhouse"] = Field("sqlite", description="The read store every read API answers from (lists, groups, search, export, health): sqlite, the trajectory index beside the spool; clickhouse, embedded chDB under data_dir/clickhouse (pip install 'tracecar[clickhouse]'), fed from the index's change cursor in batches. The spool stays SQLite either way.")
     store_url: SecretStr | None = Field(None, description="store=clickhouse: a ClickHouse server's HTTP interface instead of embedded chDB, clickhouse://USER:PASSWORD@HOST:8123/DATABASE (https:// or port 8443: TLS; ?compress=true: compressed responses; DATABASE default tracecar, one collector per database); through clickhouse-connect. Unset: embedded chDB.")
+    store_database: str | None = Field(None, description="store_url: the ClickHouse database, instead of the URL's (default tracecar); characters other than letters, digits and _ become _ (TRACECAR_STORE_DATABASE=tracecar_$(POD_NAME): one database per gateway replica on one server, each collector's own).")
     store_timeout_s: float = Field(30.0, gt=0, le=3600, description="store_url: seconds to connect to the ClickHouse server, and per query or insert; a read past it answers 503, an insert is retried by the next catch-up.")
     store_batch_rows: int = Field(5000, ge=1, le=1_000_000, description="clickhouse store: trajectories per insert (ClickHouse wants few large inserts).")
     store_archive: bool = Field(True, description="clickhouse store: trajectories that retention evicts from the spool (store_max_bytes, store_max_age_s, a full disk) move to the store's span table instead of being deleted; every reader (tree, tokens, truth, group diffs, export) finds them there. false: deleted, as with the sqlite store.")
@@ -170,6 +171,21 @@ class CollectorSettings(BudgetSettings, BaseSettings):
         if value is not None and len(set(value)) != len(value):
             raise ValueError("names an exporter twice")
         return value
+
+    @field_validator("store_database")
+    @classmethod
+    def _a_database_name(cls, value: str | None) -> str | None:
+        """A plain identifier (the store puts it into its SQL unquoted): a pod's name (tracecar-gateway-0) spelled so."""
+        if value is None or not value.strip():
+            return None
+        import re
+
+        from .store_url import DATABASE_NAME
+
+        name = re.sub(r"[^A-Za-z0-9_]", "_", value.strip())
+        if not DATABASE_NAME.match(name):
+            raise ValueError("must start with a letter or _ and be at most 64 characters (letters, digits, _)")
+        return name
 
     @field_validator("store_url")
     @classmethod

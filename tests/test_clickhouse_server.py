@@ -113,6 +113,12 @@ def test_the_server_going_away_is_a_503_naming_it_and_the_store_catches_up_once_
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         assert done.returncode == 2 and len(lines) == 1 and "another collector's" in lines[0], done.stderr[-2000:]
         assert "s3cret-pw" not in done.stderr
+        # on its own database (a second gateway replica: TRACECAR_STORE_DATABASE=tracecar_$(POD_NAME)) it starts
+        second.env["TRACECAR_STORE_DATABASE"] = "tracecar_tracecar-gateway-1"
+        second.start()
+        assert listed(second.url)["total"] == 0 and listed(pc.url)["total"] == first["total"]
+        assert server_sql(server, "SELECT value FROM tracecar_tracecar_gateway_1.meta FINAL WHERE key = 'owner'")
+        second.terminate()
 
         server.stop()  # the server goes away: ingest goes on (the spool is the collector's), reads say why they cannot
         with httpx.Client() as client:

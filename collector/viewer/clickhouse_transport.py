@@ -123,14 +123,14 @@ def start_reason(exc: BaseException, password: str | None) -> str:
 class Server:
     """A ClickHouse server over its HTTP interface (clickhouse-connect), shared by the store's threads."""
 
-    def __init__(self, url: str, timeout_s: float) -> None:
+    def __init__(self, url: str, timeout_s: float, database: str | None = None) -> None:
         try:
             import clickhouse_connect
         except ImportError:
             raise StoreStartError("TRACECAR_STORE_URL needs clickhouse-connect: pip install 'tracecar[clickhouse]'") from None
         logging.getLogger("clickhouse_connect").setLevel(logging.ERROR)  # its warnings repeat per request, as urllib3's
         parts = urlsplit(url)
-        self.database = parts.path.strip("/") or DEFAULT_DATABASE
+        self.database = database or parts.path.strip("/") or DEFAULT_DATABASE  # TRACECAR_STORE_DATABASE first
         self.describe = "server"  # what a reader's 503 may name: not the server's address (read_store.StoreUnavailable)
         # the URL's query: clickhouse-connect's options as text (?compress=true, ?secure=true, ?verify=false)
         options: dict[str, Any] = {k: v[0] for k, v in parse_qs(parts.query).items()}
@@ -172,5 +172,5 @@ def open_transport(settings: Any, path: Path | None = None) -> Transport:
     """The engine ``TRACECAR_STORE_URL`` names (a server), else chDB under ``path`` (default: the data dir's ``clickhouse``)."""
     url = settings.store_url.get_secret_value() if settings.store_url is not None else ""
     if url:
-        return Server(url, settings.store_timeout_s)
+        return Server(url, settings.store_timeout_s, settings.store_database)
     return Embedded(path or Path(settings.data_dir) / "clickhouse")
