@@ -85,6 +85,10 @@ class ReadStore(Protocol):
         """Experiments (latest first) with step ranges and counts; kept rules; the trainer's; reward components."""
         ...
 
+    def listed_through(self) -> int:
+        """The spool seq through which every span is listed (held spans waited on excluded)."""
+        ...
+
     def overview(self, experiment: str | None, validate: bool | None = False, bins: int = 12,
                  bounds: tuple[float, float] | None = None) -> dict[str, Any]:
         """Per step: reward distribution, best and worst, kept per rule (``bounds``: the histogram's reward range)."""

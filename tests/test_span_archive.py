@@ -126,3 +126,25 @@ def _same(got: bytes, want: bytes, why: str) -> None:
     """Asserts equal bytes, showing where they part."""
     at = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
     assert got == want, f"{why} at byte {at}: {got[max(0, at - 120):at + 80]!r} against {want[max(0, at - 120):at + 80]!r}"
+
+
+def test_an_archive_read_the_store_refuses_is_a_503_naming_it(start_collector: Any, kit: Any) -> None:
+    """A trajectory that may be archived (its root not in the spool: running, or evicted) is read from ClickHouse;
+    a refused read is the 503 + Retry-After naming the store that lists give, never a 500, on every reader."""
+    from tracecar.collector.viewer.clickhouse_store import unavailable
+
+    col = start_collector(store="clickhouse")
+    spans = kit.trajectory()
+    assert kit.post(col.url, spans[:-1]).status_code == 200  # running: its root (sent last) still to come
+    trace = spans[0]["trace_id"]
+    assert httpx.get(f"{col.url}/v1/trajectories/{trace}", timeout=30).status_code == 200
+
+    def refused(trace_ids: Any) -> Any:
+        raise unavailable(RuntimeError("Code: 243. DB::Exception: Cannot reserve 1.00 MiB on /data/x (NOT_ENOUGH_SPACE)"))
+
+    col.collector.spool.archive.spans_of = refused
+    for path in ("", "/tokens", "/truth"):
+        r = httpx.get(f"{col.url}/v1/trajectories/{trace}{path}", timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"], (path, r.status_code, r.text)
+        assert "ClickHouse store" in r.text and "NOT_ENOUGH_SPACE" in r.text and "/data" not in r.text, r.text
+    assert httpx.get(f"{col.url}/ui/api/trajectories/{trace}", timeout=30).status_code == 503

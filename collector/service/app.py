@@ -39,6 +39,7 @@ from ..query_params import (
     sample_index_filter,
     validation_error_body,
 )
+from ..read_store import StoreUnavailable
 from ..receivers.otlp import build_router as build_otlp_router
 from ..receivers.pipeline import Backpressure, IngestPipeline
 from ..receivers.receive import BodyError
@@ -52,7 +53,7 @@ from ..trajectory_filter import TrajectoryFilter
 from ..viewer.group_export_api import build_router as build_group_export_router
 from ..viewer.index import SORTS
 from ..viewer.list_api import caught_up as viewer_list_caught_up
-from ..viewer.list_api import list_page, read_index
+from ..viewer.list_api import index_unavailable, list_page, read_index
 from ..viewer.live_api import build_router as build_live_router
 from ..viewer.routes import build_router as build_viewer_router
 from ..viewer.search import QUERY_MAX_CHARS
@@ -254,6 +255,13 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(request: Request, exc: RequestValidationError) -> Response:
         return _json(validation_error_body(exc.errors()), status_code=422)
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        """A read of the ClickHouse store (a trajectory's archived spans, viewer/clickhouse_spans.py) it refused: the
+        same 503 naming the store as every list gives (viewer/list_api.py), never a 500."""
+        refused = index_unavailable(exc)
+        return JSONResponse({"error": refused.detail}, status_code=refused.status_code, headers=refused.headers)
 
     @app.exception_handler(SampleIndexError)
     async def _bad_sample_index(request: Request, exc: SampleIndexError) -> Response:

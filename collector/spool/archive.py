@@ -19,6 +19,7 @@ stayed behind). A trajectory never evicted costs readers one indexed lookup, not
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 #: the spool's columns an archived span keeps (the readers' and the archive's shared row shape)
@@ -45,6 +46,15 @@ class SpanArchive(Protocol):
     def trace_ids_matching(self, fragment: str, suffix: bool, limit: int) -> list[str]:
         """Archived trajectory ids ending (``suffix``) or starting with ``fragment``, at most ``limit``."""
         ...
+
+
+@dataclass
+class Fetched:
+    """The archived rows of a page of trajectories read at once, by trace id (each one that may have been archived,
+    rows or none), and the spool's eviction count when they were read: stale once another eviction happened."""
+
+    rows: dict[str, list[dict[str, Any]]]
+    generation: int
 
 
 def _order(row: dict[str, Any]) -> tuple[bool, float, int]:

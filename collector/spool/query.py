@@ -12,12 +12,12 @@ from typing import Any
 
 import orjson
 
+from .archive import Fetched
 from .full_payloads import Loader, full_spans, spool_loader, with_rows
 from .store import Spool
 
 
-def get_trajectory(spool: Spool, trace_id: str, max_depth: int = 64,
-                   archived: dict[str, list[dict[str, Any]]] | None = None) -> dict[str, Any] | None:
+def get_trajectory(spool: Spool, trace_id: str, max_depth: int = 64, archived: Fetched | None = None) -> dict[str, Any] | None:
     """The whole trajectory: every span (payload included) nested under its parent.
 
     Built without recursion, so any depth the store accepted is readable. Spans deeper than

@@ -129,8 +129,8 @@ class Retention:
             batch = self.spool.oldest_forwarded(200)
             if not batch:
                 break
-            try:
-                done, _ = self._evict([t for t, _, _ in batch], "disk_full")
+            try:  # deleted, not moved: an embedded ClickHouse on this same full disk could not take them
+                done, _ = self._evict([t for t, _, _ in batch], "disk_full", to_archive=False)
             except SpoolFull:
                 break
             if not done:
@@ -164,11 +164,11 @@ class Retention:
                 return  # nothing forwarded left to evict: the spool's own bound applies
             self.spool.shrink()  # the file itself follows the bound
 
-    def _evict(self, trace_ids: list[str], reason: str) -> tuple[int, int]:
-        """Evicts these trajectories (to the archive first, when there is one: spool/archive.py); an archive that
-        refuses keeps them in the spool, counted and logged (at most once a minute), never lost."""
+    def _evict(self, trace_ids: list[str], reason: str, to_archive: bool = True) -> tuple[int, int]:
+        """Evicts these trajectories (to the archive first, when there is one and ``to_archive``: spool/archive.py);
+        an archive that refuses keeps them in the spool, counted and logged (at most once a minute), never lost."""
         try:
-            trajectories, spans = self.spool.evict(trace_ids)
+            trajectories, spans = self.spool.evict(trace_ids, to_archive)
         except ArchiveFailed as failed:
             trajectories, spans = failed.moved, failed.spans
             self.metrics.store_archive_failures.inc()
@@ -178,7 +178,7 @@ class Retention:
                 log.warning("retention: %s refused evicted trajectories (%d time(s) since last said); they stay in the "
                             "spool, retried next tick: %s", archive.describe if archive else "the archive", count,
                             str(failed)[:300], extra={"event": "store_archive_failed", "reason": reason})
-        if spans and self.spool.archive is not None:
+        if spans and self.spool.archive is not None and to_archive:
             self.metrics.store_archived_spans.inc(spans)
         if trajectories:
             self.metrics.store_evicted_trajectories.labels(reason=reason).inc(trajectories)

@@ -30,7 +30,7 @@ import orjson
 from ..types import Span
 from . import deliveries
 from .archive import COLUMNS as ARCHIVE_COLUMNS
-from .archive import SpanArchive, with_archived
+from .archive import Fetched, SpanArchive, with_archived
 from .full_payloads import DANGLING, REFS_MARK, conn_loader, full_rows, is_compact, spool_loader
 
 PENDING, DONE, DEAD, HELD = 0, 1, 2, 3
@@ -275,6 +275,7 @@ class Spool:
         # where evicted trajectories go instead of being deleted, and where readers find them (spool/archive.py;
         # the ClickHouse store's span table, set by the viewer when TRACECAR_STORE=clickhouse); None: deleted
         self.archive: SpanArchive | None = None
+        self.archived_generation = 0  # evictions into the archive committed by this process (Fetched's staleness)
         # the seq through which the read store has folded every span (set by the viewer; it may catch up first):
         # the size and age rules evict nothing past it (oldest_forwarded listed_only), so no trajectory leaves the
         # spool unlisted. None: no read store
@@ -793,16 +794,16 @@ class Spool:
                 f" HAVING MIN(state) = ? AND MAX(state) = ?{having} ORDER BY MAX(received_at) LIMIT ?", params,
             ).fetchall()
 
-    def evict(self, trace_ids: Sequence[str]) -> tuple[int, int]:
+    def evict(self, trace_ids: Sequence[str], to_archive: bool = True) -> tuple[int, int]:
         """Deletes these trajectories whole, if every span of each is still forwarded (done); with an
-        archive, moves them there first (:meth:`_archive_and_delete`).
+        archive (and ``to_archive``), moves them there first (:meth:`_archive_and_delete`).
 
         Returns (trajectories, spans) deleted. A trajectory that gained a pending span since it
         was chosen is left alone, so no trajectory is ever half evicted.
         """
         if not trace_ids:
             return 0, 0
-        if self.archive is not None:
+        if self.archive is not None and to_archive:
             return self._archive_and_delete(self.archive, trace_ids)
         with self._write_lock:
             with self._transaction() as conn:
@@ -826,14 +827,15 @@ class Spool:
         return len(ids), n
 
     def _archive_and_delete(self, archive: SpanArchive, trace_ids: Sequence[str]) -> tuple[int, int]:
-        """Writes the done trajectories among ``trace_ids`` to the archive, then deletes exactly the rows it took,
+        """Writes the done trajectories among ``trace_ids`` to the archive, then deletes them from the spool,
         ``ARCHIVE_CHUNK`` trajectories at a time (one archive insert each: bounded memory).
 
         The archive's write comes first and outside the write lock (ingest goes on meanwhile). When it fails,
-        nothing of that chunk is deleted: :class:`ArchiveFailed` carries what earlier chunks moved. A span that
-        arrived or was forwarded since the rows were read stays in the spool (it was not archived); a
-        trajectory whose archived rows had no root is marked in ``archived_partial`` so that its readers still
-        look in the archive once the root is here.
+        nothing of that chunk is deleted: :class:`ArchiveFailed` carries what earlier chunks moved. A trajectory
+        that changed since its rows were read (a span arrived, one not yet forwarded) is left whole in the spool,
+        as :meth:`evict` leaves a busy one (its archived copy collapses with the next). A trajectory whose
+        archived rows had no root is marked in ``archived_partial`` so that its readers still look in the archive
+        once the root is here.
         """
         ids = list(trace_ids)
         moved = spans = 0
@@ -850,32 +852,51 @@ class Spool:
             except Exception as exc:  # noqa: BLE001 - any archive failure: this chunk stays, the caller counts it
                 raise ArchiveFailed(moved, spans, exc) from exc
             del found
+            taken: dict[str, set[int]] = {}
+            for r in rows:
+                taken.setdefault(r["trace_id"], set()).add(r["seq"])
             rootless = {r["trace_id"] for r in rows} - {r["trace_id"] for r in rows
                                                          if r["parent_id"] is None and r["kind"] != "annotation"}
-            moved += len({r["trace_id"] for r in rows})
-            spans += self._delete_archived([r["seq"] for r in rows], rootless)
+            done, n = self._delete_archived(taken, rootless)
+            moved, spans = moved + done, spans + n
         return moved, spans
 
-    def _delete_archived(self, seqs: list[int], rootless: set[str]) -> int:
-        """Deletes the archived rows that are still done (all of them, unless a span changed meanwhile); marks the
-        trajectories archived without their root. Returns the rows deleted."""
+    def _delete_archived(self, taken: dict[str, set[int]], rootless: set[str]) -> tuple[int, int]:
+        """Deletes the archived trajectories whose spool rows are still exactly the archived ones, all done (one
+        that changed meanwhile stays whole); marks those archived without their root. Returns (trajectories,
+        rows) deleted."""
         n = nbytes = 0
         with self._write_lock:
             with self._transaction() as conn:
+                ids = list(taken)
+                now: dict[str, set[int]] = {}
+                changed: set[str] = set()
+                for i in range(0, len(ids), 500):
+                    chunk = ids[i:i + 500]
+                    for trace_id, seq, state in conn.execute(
+                            f"SELECT trace_id, seq, state FROM spans WHERE trace_id IN ({','.join('?' * len(chunk))})", chunk):
+                        now.setdefault(trace_id, set()).add(seq)
+                        if state != DONE:
+                            changed.add(trace_id)
+                gone = [t for t in ids if t not in changed and now.get(t, set()) <= taken[t]]
+                seqs = [seq for t in gone for seq in now.get(t, ())]
                 for i in range(0, len(seqs), 500):
-                    chunk = seqs[i:i + 500]
-                    marks = ",".join("?" * len(chunk))
-                    c, b = conn.execute(f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans WHERE state = ?"
-                                        f" AND seq IN ({marks})", (DONE, *chunk)).fetchone()
-                    conn.execute(f"DELETE FROM spans WHERE state = ? AND seq IN ({marks})", (DONE, *chunk))
+                    part = seqs[i:i + 500]
+                    marks = ",".join("?" * len(part))
+                    c, b = conn.execute(f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans WHERE seq IN ({marks})",
+                                        part).fetchone()
+                    conn.execute(f"DELETE FROM spans WHERE seq IN ({marks})", part)
                     n, nbytes = n + c, nbytes + b
-                conn.executemany("INSERT OR IGNORE INTO archived_partial (trace_id) VALUES (?)", [(t,) for t in rootless])
+                conn.executemany("INSERT OR IGNORE INTO archived_partial (trace_id) VALUES (?)",
+                                 [(t,) for t in gone if t in rootless])
             self.stored_bytes -= nbytes
-        return n
+            self.archived_generation += 1  # after the commit: readers holding archive rows read before it read again
+        return len(gone), n
 
     def may_be_archived(self, trace_id: str) -> bool:
         """Whether some of this trajectory's spans may be in the archive (see spool/archive.py): an indexed
-        lookup or two; False without an archive."""
+        lookup or two; False without an archive. (A trajectory without its root in the spool — evicted, still
+        running, or unknown — may be.)"""
         if self.archive is None:
             return False
         if not self.query("SELECT 1 AS x FROM spans WHERE trace_id = ? AND parent_id IS NULL AND kind != 'annotation' LIMIT 1",
@@ -883,28 +904,31 @@ class Spool:
             return True
         return bool(self.query("SELECT 1 AS x FROM archived_partial WHERE trace_id = ?", [trace_id]))
 
-    def with_archive(self, trace_id: str, rows: list[dict[str, Any]],
-                     fetched: dict[str, list[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
-        """The spool's ``rows`` of one trajectory (with ``seq``, ``span_id``, ``start_time``) and, when it may
-        have been archived, its archived spans not among them, in the spool's order. ``fetched``: the archived
-        rows of several trajectories read at once (:meth:`archived_of`: an export's page), else one read. Raises
-        what the archive raises (a reader's 503)."""
+    def with_archive(self, trace_id: str, rows: list[dict[str, Any]], fetched: Fetched | None = None) -> list[dict[str, Any]]:
+        """The spool's ``rows`` of one trajectory (with ``seq``, ``span_id``, ``start_time``), read just before, and,
+        when it may have been archived, its archived spans not among them, in the spool's order. The archive is
+        read after the spool (a span moved meanwhile was archived before it was deleted: found either way);
+        ``fetched``: the archived rows of a page of trajectories read at once (:meth:`archived_of`), used while no
+        eviction happened since (else read again). Raises what the archive raises (a reader's 503)."""
         archive = self.archive
         if archive is None or not self.may_be_archived(trace_id):
             return rows
-        return with_archived(rows, fetched.get(trace_id, []) if fetched is not None else archive.spans_of([trace_id]))
+        if fetched is not None and fetched.generation == self.archived_generation and trace_id in fetched.rows:
+            return with_archived(rows, fetched.rows[trace_id])
+        return with_archived(rows, archive.spans_of([trace_id]))
 
-    def archived_of(self, trace_ids: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
-        """The archived rows of those of ``trace_ids`` that may have been archived, by trace id: one archive read
-        for a page of trajectories instead of one each."""
+    def archived_of(self, trace_ids: Sequence[str]) -> Fetched | None:
+        """The archived rows of those of ``trace_ids`` that may have been archived: one archive read for a page of
+        trajectories (an export's) instead of one each; None without an archive."""
         archive = self.archive
         if archive is None:
-            return {}
+            return None
+        generation = self.archived_generation
         wanted = [t for t in trace_ids if self.may_be_archived(t)]
-        out: dict[str, list[dict[str, Any]]] = {}
+        out: dict[str, list[dict[str, Any]]] = {t: [] for t in wanted}
         for row in archive.spans_of(wanted) if wanted else ():
-            out.setdefault(row["trace_id"], []).append(row)
-        return out
+            out[row["trace_id"]].append(row)
+        return Fetched(out, generation)
 
     def trim_decisions(self, max_rows: int) -> dict[str, int]:
         """Deletes the oldest sampling-decision rows above ``max_rows`` per table (5 % more, so

@@ -629,6 +629,14 @@ class TrajectoryIndex:
             return {"indexed_seq": self._watermark, "latest_seq": latest, "behind_spans": behind,
                     "caught_up": behind == 0, "held_spans": held}
 
+    def listed_through(self) -> int:
+        """The spool seq through which every span is folded into this index: the watermark, and below the lowest
+        held span it still waits on (held spans pass the watermark unfolded, and are folded once released).
+        Retention evicts into the archive nothing past it (viewer/routes.py)."""
+        with self._lock:
+            low = self._db().execute("SELECT MIN(seq) FROM held").fetchone()[0]
+            return self._watermark if low is None else min(self._watermark, int(low) - 1)
+
     # ---- a mirror's cursor (viewer/clickhouse_store.py) -----------------------------------------
     def mirror_token(self) -> str | None:
         """The token a mirror last synced this index under; None after a rebuild or a run without tracking."""

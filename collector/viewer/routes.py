@@ -30,6 +30,7 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Resp
 
 from ..bearer import bearer_matches
 from ..json_out import dumps_deep
+from ..loudness import RateLimited
 from ..query_params import ATTR_QUERY, INT64_MAX, OptionalInt64, attribute_filters, sample_index_filter
 from ..read_store import ReadStore
 from ..shape import shape
@@ -108,15 +109,21 @@ class ViewerRouter(APIRouter):
     viewer_auth: ViewerAuth
 
 
+_catch_up_failures = RateLimited()
+
+
 def _listed_through(index: ReadStore) -> int:
-    """The spool seq through which ``index`` has folded every span, after letting it catch up for a moment (held
-    spans released meanwhile included): retention evicts nothing past it. A failing catch-up (a full disk under
-    the index) answers what the index has."""
+    """The spool seq through which ``index`` has listed every span, after letting it catch up for a moment (held
+    spans released meanwhile included): retention moves nothing past it to the archive. A failing catch-up (a
+    full disk under the index) answers what the index has, and says so (eviction waits for the index)."""
     try:
         index.refresh(budget_s=2.0, all_held=True)
-    except Exception:  # noqa: BLE001 - the index's own readers report its failures; eviction waits for it
-        log.debug("index catch-up before eviction failed", exc_info=True)
-    return int(index.status().get("indexed_seq") or 0)
+    except Exception as exc:  # noqa: BLE001 - eviction goes on with what the index has listed
+        count = _catch_up_failures.hit()
+        if count is not None:
+            log.warning("the trajectory index cannot catch up before eviction (%d time(s) since last said): retention "
+                        "moves only what it listed: %s", count, str(exc)[:300], extra={"event": "index_behind_eviction"})
+    return index.listed_through()
 
 
 def build_router(collector: StoreOwner, token: str | None) -> ViewerRouter:

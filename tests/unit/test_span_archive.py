@@ -134,3 +134,59 @@ def test_retention_evicts_only_what_the_read_store_has_listed(tmp_path: Path) ->
     finally:
         index.close()
         spool.close()
+
+
+def test_a_trajectory_that_changes_while_it_is_archived_stays_whole_in_the_spool(stores: Any) -> None:
+    """A span of the trajectory arrives while the archive takes its rows (outside the spool's lock): the trajectory
+    is not deleted at all (never half evicted: a later turn stored as a reference to an archived one would dangle
+    for the forwarder); the next eviction takes it whole."""
+    spool, _ = stores
+    spool.write(rows(span("t7", "t7", None, 0.0), span("t7", "g1", "t7", 1.0)))
+    real = spool.archive
+
+    class Racing:
+        describe = real.describe
+
+        def keep(self, taken: Any) -> None:
+            real.keep(taken)
+            spool.write(rows(span("t7", "g2", "t7", 2.0)))  # committed between the archive's insert and the delete
+
+    spool.archive = Racing()
+    assert spool.evict(["t7"]) == (0, 0)
+    assert sorted(r["span_id"] for r in spool.query("SELECT span_id FROM spans WHERE trace_id = 't7'")) == ["g1", "g2", "t7"]
+    spool.archive = real
+    assert spool.evict(["t7"]) == (1, 3)
+    assert _ids(get_trajectory(spool, "t7") or {}) == ["g1", "g2", "t7"]
+
+
+def test_archive_rows_read_for_a_page_before_an_eviction_are_read_again(stores: Any) -> None:
+    """An export reads a page's archived rows at once; a trajectory evicted after that read (here: still running,
+    its root to come) is read again, not left out."""
+    spool, _ = stores
+    spool.write(rows(span("t8", "h1", "t8", 1.0), span("t8", "h2", "t8", 2.0)))
+    fetched = spool.archived_of(["t8"])
+    assert fetched is not None and fetched.rows == {"t8": []}  # no root here: it may be archived; nothing is yet
+    assert spool.evict(["t8"]) == (1, 2)
+    tree = get_trajectory(spool, "t8", archived=fetched)
+    assert tree is not None and _ids(tree) == ["h1", "h2", "t8"]  # the missing root shown as such, both spans there
+
+
+def test_a_held_trajectory_released_is_not_evicted_before_the_index_folds_it(tmp_path: Path) -> None:
+    """Held spans (awaiting a tail decision) pass the index's watermark unfolded; once released and done they must
+    not reach the archive before the index lists them: the listed seq stops below the lowest span it still holds."""
+    spool = Spool(tmp_path / "spool.sqlite3", local_only=True, sync="normal")
+    index = TrajectoryIndex(spool.path, tmp_path / "index.sqlite3")
+    try:
+        spool.write([SpoolRow(s, orjson.dumps(s), None, held=True) for s in (span("h9", "h9", None, 0.0),
+                                                                            span("h9", "k1", "h9", 1.0))])
+        spool.write(rows(span("n1", "n1", None, 0.0)))  # a later, plain trajectory
+        assert index.refresh(budget_s=30)
+        spool.release(["h9"], [])  # kept: done now, not yet re-read by the index
+        spool.readers_through = index.listed_through  # no catch-up: what the index has listed
+        assert [t for t, _, _ in spool.oldest_forwarded(10, listed_only=True)] == []  # n1 waits behind h9 too
+        assert index.refresh(budget_s=30, all_held=True)
+        assert {t for t, _, _ in spool.oldest_forwarded(10, listed_only=True)} == {"h9", "n1"}
+        assert index.summary("h9") is not None  # listed before it may leave
+    finally:
+        index.close()
+        spool.close()
