@@ -119,6 +119,7 @@ class CollectorSettings(BudgetSettings, BaseSettings):
     store_database: str | None = Field(None, description="store_url: the ClickHouse database, instead of the URL's (default tracecar); characters other than letters, digits and _ become _ (TRACECAR_STORE_DATABASE=tracecar_$(POD_NAME): one database per gateway replica on one server, each collector's own).")
     store_timeout_s: float = Field(30.0, gt=0, le=3600, description="store_url: seconds to connect to the ClickHouse server, and per query or insert; a read past it answers 503, an insert is retried by the next catch-up.")
     store_batch_rows: int = Field(5000, ge=1, le=1_000_000, description="clickhouse store: trajectories per insert (ClickHouse wants few large inserts).")
+    store_archive_max_bytes: int | None = Field(None, ge=MiB, description="clickhouse store with store_archive: bound on the span archive's bytes on disk (ClickHouse's, compressed); above it the oldest hour of archived spans is dropped, whole (checked every minute, counted in tracecar_store_archive_dropped_bytes_total); the trajectories stay listed, their spans gone as after an eviction without the archive. Unset: no bound (an embedded chDB shares TRACECAR_DATA_DIR's disk with the spool).")
     store_archive: bool = Field(True, description="clickhouse store: trajectories that retention evicts from the spool (store_max_bytes, store_max_age_s, a full disk) move to the store's span table instead of being deleted; every reader (tree, tokens, truth, group diffs, export) finds them there. false: deleted, as with the sqlite store.")
     store_max_age_s: float | None = Field(None, gt=0, description="Forwarded trajectories older than this (by arrival of their last span) are evicted whole; unset keeps them.")
     decisions_max_rows: int = Field(1_000_000, ge=1000, description="Bound on each table of sampling decisions (head budgets' per-sample rows, tail budgets' per-trajectory rows): above it the oldest rows are deleted.")
@@ -137,7 +138,7 @@ class CollectorSettings(BudgetSettings, BaseSettings):
 
     # --- the cluster tier (issue 26): node collectors feed a gateway (collector/service/roles.py) ---
     role: Literal["node", "gateway"] = Field("node", description="node: the collector beside the workers (today's collector; with TRACECAR_GATEWAY_URL it forwards its decoded trajectories to that gateway); gateway: takes node collectors' trajectories, decides the global (tail) budgets, stores, serves the viewer and read APIs for the whole job and fans out to the exporters.")
-    gateway_url: str | None = Field(None, description="role=node: the gateway's base URL (http(s)://HOST:PORT), or several, comma-separated (every node lists the same ones: each step goes to one gateway by rendezvous hashing of (experiment, validate, step), docs/cluster.md); the node then forwards everything its head budget keeps to it (exporter gateway, or gateway@HOST:PORT each; candidates only where the gateway's tail budget decomposes, node_candidates) and the gateway decides the tail budgets.")
+    gateway_url: str | None = Field(None, description="role=node: the gateway's base URL (http(s)://HOST:PORT), or several, comma-separated (every node lists the same ones: each step goes to one gateway by rendezvous hashing of (experiment, step), docs/cluster.md); the node then forwards everything its head budget keeps to it (exporter gateway, or gateway@HOST:PORT each; candidates only where the gateway's tail budget decomposes, node_candidates) and the gateway decides the tail budgets.")
     gateway_peers: str | None = Field(None, description="role=gateway with several gateways: every gateway of the job (the nodes' gateway_url list, this one included), comma-separated; this gateway then answers the lists, one trajectory, one step, the JSONL export and the viewer's facets for all of them, merged (viewer/federation.py); each asked with the caller's own credentials. Unset: its own store only.")
     gateway_peers_timeout_s: float = Field(30.0, gt=0, le=600, description="gateway_peers: seconds per request to one gateway; one that does not answer makes a merged list partial (said in the answer), one trajectory or step 503 naming it.")
     gateway_token: SecretStr | None = Field(None, description="role=node: the bearer token the gateway requires (its TRACECAR_TOKEN); unset: this node's own TRACECAR_TOKEN.")
@@ -292,12 +293,18 @@ class CollectorSettings(BudgetSettings, BaseSettings):
         """http(s)://HOST[:PORT] each, no user or password (the caller's own credentials are passed on)."""
         from urllib.parse import urlsplit
 
+        from .gateway_names import gateway_identity
+
+        seen: set[str] = set()
         for url in (u.strip() for u in (value or "").split(",") if u.strip()):
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"{url!r:.80} is not an http(s)://HOST:PORT URL")
             if parts.username or parts.password:
                 raise ValueError("a gateway URL with a user or password: the caller's own credentials are passed on")
+            if gateway_identity(url) in seen:
+                raise ValueError(f"lists {url!r:.80} twice (each gateway's rows would count twice)")
+            seen.add(gateway_identity(url))
         return value
 
     @property

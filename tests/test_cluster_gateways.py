@@ -124,6 +124,7 @@ def test_two_gateways_each_decide_their_steps_exactly_as_one_collector(tmp_path:
         assert down["partial"] and down["gateways"][1]["error"].startswith("unreachable") and down["total"] == len(parts[0])
         gone = httpx.get(f"{urls[0]}/v1/trajectories/{parts[1][0]}", timeout=60)
         assert gone.status_code == 503 and urls[1] in gone.text and gone.headers["retry-after"]
+        assert scrape_metric(urls[0], "tracecar_gateway_peer_failures_total", gateway=urls[1], reason="unreachable") >= 2
     finally:
         cluster.stop()
         single.terminate()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from pydantic import ValidationError
 
@@ -61,11 +62,41 @@ def test_merged_reads_need_the_callers_own_token_and_cover_both_gateways(start_c
     own = [sorted(t["trace_id"] for t in page(g.url, scope="local").json()["trajectories"]) for g in gateways]
     assert own == [sorted(held[0]), sorted(held[1])]  # scope=local: each gateway's own store alone
 
+    # a refused caller costs the other gateways nothing: the gateway itself refuses (and counts) before asking them
+    before = kit.metrics(gateways[1].url, "tracecar_auth_failures_total")
+    for path in ("/v1/trajectories", "/v1/export", "/ui/api/trajectories", f"/v1/trajectories/{held[1][0]}"):
+        assert httpx.get(gateways[0].url + path, timeout=30).status_code == 401, path
+    assert kit.metrics(gateways[1].url, "tracecar_auth_failures_total") == before
+
+    # bad paging is refused by name, as one gateway refuses it
+    for params, field in (({"limit": 5000}, "limit"), ({"offset": -1}, "offset"), ({"limit": "many"}, "limit")):
+        r = httpx.get(gateways[0].url + "/v1/trajectories", params=params, headers=auth, timeout=30)
+        assert r.status_code == 422 and r.json()["error"]["field"] == field, (params, r.text)
+
+    # the job's latest experiment (exp1's trajectories started last), not each gateway's own: the facets' first, and a
+    # step asked without an experiment
+    facets = httpx.get(gateways[0].url + "/ui/api/facets", headers=auth, timeout=30).json()
+    assert [e["experiment"] for e in facets["experiments"]] == ["exp1", "exp0"]
+    for path in ("/v1/groups", "/ui/api/groups"):
+        groups = httpx.get(gateways[0].url + path, params={"step": 11}, headers=auth, timeout=30).json()
+        assert [g["sample_index"] for g in groups["groups"]] == [0], (path, groups)
+    assert httpx.get(gateways[0].url + "/v1/health", params={"step": 11}, headers=auth, timeout=30).json()["step"][
+        "trajectories"] == 1
+
+    # the export over both: every trajectory once, a limit over all of them, the file's name kept
+    for path in ("/v1/export", "/ui/api/export"):
+        whole = httpx.get(gateways[0].url + path, headers=auth, timeout=30)
+        assert sorted(orjson.loads(line)["trace_id"] for line in whole.content.splitlines()) == sorted(held[0] + held[1])
+        assert "attachment" in whole.headers["content-disposition"]
+        cut = httpx.get(gateways[0].url + path, params={"limit": 4}, headers=auth, timeout=30).content
+        assert len(cut.splitlines()) == 4 and cut.endswith(b"\n") and cut == b"".join(whole.content.splitlines(True)[:4])
+
 
 @pytest.mark.parametrize("settings, says", [
     ({"role": "node", "gateway_peers": "http://127.0.0.1:1"}, "TRACECAR_ROLE=gateway"),
     ({"role": "gateway", "gateway_peers": "http://user:pw@127.0.0.1:1"}, "user or password"),
     ({"role": "gateway", "gateway_peers": "127.0.0.1:9470"}, "not an http(s)://HOST:PORT URL"),
+    ({"role": "gateway", "gateway_peers": "http://gw-a:9470,http://GW-A:9470/"}, "twice"),
 ])
 def test_a_wrong_peer_list_is_refused_at_start_by_name(tmp_path: Any, settings: dict[str, Any], says: str) -> None:
     from tracecar.collector.service.config_check import _format_validation_error

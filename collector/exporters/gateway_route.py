@@ -2,9 +2,11 @@
 
 Tail budgets are decided per step, and a GRPO group lives inside its step, so every span of a
 step must reach the same gateway: a span is routed by its trajectory's **route key**,
-(experiment, validate, step), with rendezvous (highest-random-weight) hashing over the gateway
-list. Every node computes the same owner from the same list, and adding a gateway moves only the
-keys it now wins (about 1/(n+1) of them); removing one moves only its own.
+(experiment, step), with rendezvous (highest-random-weight) hashing over the gateway list. A
+step's training and validation rollouts (two budget keys) go to the same gateway, so that one
+gateway answers for the whole step (viewer/federation.py). Every node computes the same owner from
+the same list, and adding a gateway moves only the keys it now wins (about 1/(n+1) of them);
+removing one moves only its own.
 
 The owner is decided **once, when the span is owed** (the spool's write, or the release of a held
 or awaiting span: spool/deliveries.py), and kept as that gateway's delivery row: a restart, an
@@ -42,10 +44,11 @@ OwedRow = tuple[int, str, str, Any, Any, Any, "bytes | None"]
 
 
 def route_key(experiment: Any, validate: Any, step: Any) -> str | None:
-    """The route key of a trajectory (canonical JSON), or None when it has no int step."""
+    """The route key of a trajectory (canonical JSON), or None when it has no int step. ``validate`` does not split
+    a step: its training and validation rollouts share the key (taken so every caller names the whole column)."""
     if type(step) is not int:
         return None
-    return orjson.dumps([experiment if type(experiment) in _KEY_TYPES else None, bool(validate), step]).decode()
+    return orjson.dumps([experiment if type(experiment) in _KEY_TYPES else None, step]).decode()
 
 
 def owner(key: str, gateways: Sequence[str]) -> int:

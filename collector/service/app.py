@@ -142,7 +142,8 @@ class Collector:
                                    max_age_s=settings.store_max_age_s, evict_on_disk_full=not self.spool.local_only,
                                    decisions_max_rows=settings.decisions_max_rows,
                                    forgotten_ids_max=settings.forgotten_ids_max,
-                                   reserve_bytes=settings.store_reserve_bytes)
+                                   reserve_bytes=settings.store_reserve_bytes,
+                                   archive_max_bytes=settings.store_archive_max_bytes)
         self.pipeline.make_room = self.retention.make_room
         self.pipeline.disk_short = lambda: self.retention.reserve_out
         self.metrics.bind_spool(
@@ -434,7 +435,9 @@ def create_app(settings: CollectorSettings | None = None, sink: Sink | None = No
         from ..viewer.federation import Federation
 
         app.add_middleware(Federation, peers=settings.gateway_peer_urls, timeout_s=settings.gateway_peers_timeout_s,
-                           made=federations)
+                           made=federations, token=settings.token.get_secret_value() if settings.token else None,
+                           on_failure=lambda gateway, reason: collector.metrics.gateway_peer_failures.labels(
+                               gateway=gateway, reason=reason).inc())
     return app
 
 

@@ -43,6 +43,10 @@ class SpanArchive(Protocol):
         """Every archived row of these trajectories (``COLUMNS`` and ``state``), each once."""
         ...
 
+    def trim(self, max_bytes: int) -> int:
+        """Drops the oldest archived spans while the archive is above ``max_bytes``; returns the bytes dropped."""
+        ...
+
     def trace_ids_matching(self, fragment: str, suffix: bool, limit: int) -> list[str]:
         """Archived trajectory ids ending (``suffix``) or starting with ``fragment``, at most ``limit``."""
         ...

@@ -26,18 +26,21 @@ import time
 
 from ..loudness import RateLimited
 from ..metrics import Metrics
+from .archive import SpanArchive
 from .store import ArchiveFailed, Spool, SpoolFull
 
 log = logging.getLogger("tracecar.collector.retention")
 
 _DISK_FULL_EVICT_BYTES = 16 * 2**20  # at least this much is evicted after a full-disk refusal
 _AGE_CHECK_S = 10.0  # the age rule scans the store; the size rule is three PRAGMAs
+_ARCHIVE_CHECK_S = 60.0  # the span archive's bound: one query of ClickHouse's parts
 
 
 class Retention:
     def __init__(self, spool: Spool, metrics: Metrics, *, max_bytes: int | None, max_age_s: float | None,
                  evict_on_disk_full: bool, reserve_bytes: int = 0, tick_s: float = 1.0,
-                 decisions_max_rows: int | None = None, forgotten_ids_max: int | None = None) -> None:
+                 decisions_max_rows: int | None = None, forgotten_ids_max: int | None = None,
+                 archive_max_bytes: int | None = None) -> None:
         self.spool = spool
         # disk space held back (a preallocated file): SQLite cannot even delete on a full disk
         # (a delete writes the WAL, a checkpoint may grow the main file), so a full disk first
@@ -56,6 +59,8 @@ class Retention:
         self._decisions_checked = 0.0
         self._disk_full_seen: float | None = None
         self._archive_failures = RateLimited()
+        self.archive_max_bytes = archive_max_bytes  # the span archive's own bound (spool/archive.py)
+        self._archive_checked = 0.0
 
     async def run(self) -> None:
         """Applies the rules every tick until cancelled (on a worker thread: SQLite work)."""
@@ -102,6 +107,11 @@ class Retention:
                 self.metrics.decisions_evicted.labels(table=table).inc(rows)
             if self.forgotten_ids_max is not None:
                 self.metrics.decisions_evicted.labels(table="forgotten_spans").inc(self.spool.trim_forgotten(self.forgotten_ids_max))
+        archive = self.spool.archive
+        if archive is not None and self.archive_max_bytes is not None and \
+                time.monotonic() - self._archive_checked >= _ARCHIVE_CHECK_S:
+            self._archive_checked = time.monotonic()
+            self._trim_archive(archive, self.archive_max_bytes)
         now = time.time()
         if self.max_age_s is not None and time.monotonic() - self._age_checked >= min(_AGE_CHECK_S, self.max_age_s):
             self._age_checked = time.monotonic()
@@ -163,6 +173,18 @@ class Retention:
             if not chosen or not self._evict(chosen, "max_bytes")[0]:
                 return  # nothing forwarded left to evict: the spool's own bound applies
             self.spool.shrink()  # the file itself follows the bound
+
+    def _trim_archive(self, archive: SpanArchive, max_bytes: int) -> None:
+        try:
+            dropped = archive.trim(max_bytes)
+        except Exception as exc:  # noqa: BLE001 - the store's own error count has it; the next check retries
+            log.warning("retention: could not bound %s's span archive: %s", archive.describe, str(exc)[:300],
+                        extra={"event": "store_archive_trim_failed"})
+            return
+        if dropped:
+            self.metrics.store_archive_dropped_bytes.inc(dropped)
+            log.warning("retention: dropped the oldest %d bytes of archived spans above TRACECAR_STORE_ARCHIVE_MAX_BYTES",
+                        dropped, extra={"event": "store_archive_dropped", "bytes": dropped})
 
     def _evict(self, trace_ids: list[str], reason: str, to_archive: bool = True) -> tuple[int, int]:
         """Evicts these trajectories (to the archive first, when there is one and ``to_archive``: spool/archive.py);

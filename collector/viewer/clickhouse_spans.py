@@ -35,19 +35,21 @@ CREATE TABLE IF NOT EXISTS {table} (
     token_arrays Nullable(String) CODEC(ZSTD(3)),
     archived_at DateTime DEFAULT now()
 ) ENGINE = ReplacingMergeTree
+PARTITION BY toStartOfInterval(archived_at, INTERVAL {partition_s} SECOND)
 ORDER BY (trace_id, seq)
 """
+PARTITION_S = 3600  # an hour of evictions a partition: what TRACECAR_STORE_ARCHIVE_MAX_BYTES drops, oldest first
 _BINARY = "b64:"  # a payload kept as base64 (a JSON payload starts with "{")
 
 
 class ClickHouseSpanArchive:
     """:class:`~tracecar.collector.spool.archive.SpanArchive` on the ClickHouse store's engine (chDB or a server)."""
 
-    def __init__(self, store: ClickHouseStore) -> None:
+    def __init__(self, store: ClickHouseStore, partition_s: int = PARTITION_S) -> None:
         self.store = store
         self.table = f"{store.database}.{TABLE}"
         self.describe = f"the ClickHouse store ({store.engine_name})"
-        store.run(SCHEMA.format(table=self.table))
+        store.run(SCHEMA.format(table=self.table, partition_s=int(partition_s)))
 
     def keep(self, rows: Sequence[dict[str, Any]]) -> None:
         self.store.insert_into(self.table, [_row_in(r) for r in rows])
@@ -57,6 +59,23 @@ class ClickHouseSpanArchive:
         found = self.store.select(f"SELECT {', '.join(COLUMNS)} FROM {self.table} WHERE trace_id IN {bind(list(trace_ids))}"
                                   " ORDER BY trace_id, seq LIMIT 1 BY trace_id, seq", bind)
         return [_row_out(r) for r in found]
+
+    def trim(self, max_bytes: int) -> int:
+        """Drops the oldest partitions (an hour of evictions each) while the table is above ``max_bytes`` on disk,
+        never the newest; returns the bytes dropped. A trajectory is archived in one insert, so it leaves whole."""
+        bind = _Params()
+        database, table = self.table.split(".", 1)
+        parts = self.store.select(f"SELECT partition_id, sum(bytes_on_disk) AS b FROM system.parts WHERE database = {bind(database)}"
+                                  f" AND table = {bind(table)} AND active GROUP BY partition_id ORDER BY min(min_time), partition_id",
+                                  bind)
+        total = sum(int(p["b"]) for p in parts)
+        dropped = 0
+        for part in parts[:-1]:
+            if total - dropped <= max_bytes:
+                break
+            self.store.run(f"ALTER TABLE {self.table} DROP PARTITION ID {{p:String}}", {"p": part["partition_id"]})
+            dropped += int(part["b"])
+        return dropped
 
     def trace_ids_matching(self, fragment: str, suffix: bool, limit: int) -> list[str]:
         """Archived trajectory ids that end (``suffix``) or start with ``fragment``: ``tracecar show …000000e7``."""

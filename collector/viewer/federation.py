@@ -28,6 +28,7 @@ Bounded: ``TRACECAR_GATEWAY_PEERS_TIMEOUT_S`` per request to a gateway.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -39,25 +40,37 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..bearer import bearer_matches
+from ..loudness import RateLimited
 from .index import SORTS
+from .routes import ViewerAuth
+
+log = logging.getLogger("tracecar.collector.federation")
 
 MAX_DEPTH = 10_000  # merged rows a list pages through at most (each gateway is asked for offset + limit rows)
 PEER_PAGE = {"/v1/trajectories": 1000, "/ui/api/trajectories": 500}  # each list's own limit bound
 ROW_KEYS = {"tools": "tool_calls", "tokens": "response_tokens", "spans": "span_count", "start": "start_time"}
 FORWARDED_HEADERS = ("authorization", "cookie", "accept")
+PASSED_HEADERS = ("content-type", "retry-after", "cache-control", "www-authenticate", "content-disposition")
 _ONE = re.compile(r"^(/v1/trajectories/[^/]+(/tokens|/truth)?|/ui/api/trajectories/[^/]+(/tokens)?)$")
 _LISTS = ("/v1/trajectories", "/ui/api/trajectories")
-_STEPPED = {"/v1/groups": "groups", "/v1/decisions": "decisions", "/v1/health": "step"}
+_STEPPED = {"/v1/groups": "groups", "/ui/api/groups": "groups", "/v1/decisions": "decisions", "/v1/health": "step"}
+_EXPORTS = ("/v1/export", "/ui/api/export")
 
 
 class Federation:
     """ASGI middleware: the merged answers of the listed gateways for the routes above, the app's own for the rest."""
 
-    def __init__(self, app: ASGIApp, peers: list[str], timeout_s: float, made: list[Federation] | None = None) -> None:
+    def __init__(self, app: ASGIApp, peers: list[str], timeout_s: float, made: list[Federation] | None = None,
+                 token: str | None = None, on_failure: Callable[[str, str], None] = lambda gateway, reason: None) -> None:
         self.app = app
         self.peers = [p.rstrip("/") for p in peers]
         self.timeout = httpx.Timeout(timeout_s)
         self._held: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
+        self._auth = ViewerAuth(token)  # checked before asking any gateway: a refused caller costs no request
+        self._token = token.encode() if token else None
+        self._on_failure = on_failure  # tracecar_gateway_peer_failures_total{gateway, reason}
+        self._failures = RateLimited()
         if made is not None:  # the app closes its clients when it stops (aclose)
             made.append(self)
 
@@ -75,11 +88,27 @@ class Federation:
             await self.app(scope, receive, send)
             return
         handler = self._handler(request)
-        if handler is None:
+        if handler is None or not self._allowed(request):  # a refused caller: the app itself says 401 (and counts it)
             await self.app(scope, receive, send)
             return
         response = await handler(request)
         await response(scope, receive, send)
+
+    def _allowed(self, request: Request) -> bool:
+        """The check the route itself makes (the viewer's routes take the cookie too), made before any fan-out."""
+        if self._token is None:
+            return True
+        if request.url.path.startswith("/ui/"):
+            return self._auth.allowed(request)
+        return bearer_matches(request.headers.get("authorization", ""), self._token)
+
+    def _failed(self, peer: str, answer: httpx.Response | Exception) -> None:
+        reason = "unreachable" if isinstance(answer, Exception) else str(answer.status_code)
+        self._on_failure(peer, reason)
+        count = self._failures.hit()
+        if count is not None:
+            log.warning("gateway %s did not answer a merged read: %s (%d failure(s) since last said)", peer,
+                        self._why(answer), count, extra={"event": "gateway_peer_failed", "gateway": peer})
 
     def _handler(self, request: Request) -> Callable[[Request], Awaitable[Response]] | None:
         path = request.url.path
@@ -89,7 +118,7 @@ class Federation:
             return self._one
         if path in _STEPPED and (path != "/v1/health" or "step" in request.query_params):
             return self._step
-        if path == "/v1/export":
+        if path in _EXPORTS:
             return self._export
         if path == "/ui/api/facets":
             return self._facets
@@ -119,11 +148,26 @@ class Federation:
 
         async def ask(peer: str) -> httpx.Response | Exception:
             try:
-                return await client.get(self._url(peer, request, path, **override), headers=self._headers(request))
+                answer: httpx.Response | Exception = await client.get(self._url(peer, request, path, **override),
+                                                                      headers=self._headers(request))
             except httpx.HTTPError as exc:
-                return exc
+                answer = exc
+            if isinstance(answer, Exception) or answer.status_code >= 500:
+                self._failed(peer, answer)
+            return answer
 
         return list(await asyncio.gather(*(ask(p) for p in self.peers)))
+
+    async def _latest_experiment(self, request: Request) -> str | None:
+        """The job's latest experiment, as one store names it: the experiment of the newest trajectory (by start),
+        over every gateway ("" for the trajectories without one; None when nothing is listed)."""
+        answers = await self._ask_all(request, "/ui/api/trajectories", limit=1, sort="start", order="desc")
+        newest = [r for a in answers if isinstance(a, httpx.Response) and a.status_code == 200
+                  for r in orjson.loads(a.content)["trajectories"] if r.get("start_time") is not None]
+        if not newest:
+            return None
+        experiment = max(newest, key=lambda r: r["start_time"])["experiment"]
+        return "" if experiment is None else str(experiment)
 
     @staticmethod
     def _why(answer: httpx.Response | Exception) -> str:
@@ -145,16 +189,23 @@ class Federation:
 
     # ---- merged answers --------------------------------------------------------------------------
     async def _list(self, request: Request) -> Response:
-        try:
-            offset, limit = int(request.query_params.get("offset", 0)), int(request.query_params.get("limit", 50))
-        except ValueError:
-            return _json({"error": {"field": "offset", "reason": "offset and limit are integers"}}, 422)
+        page_max = PEER_PAGE[request.url.path]
+        values: dict[str, int] = {}
+        for field, default, low, high in (("offset", 0, 0, MAX_DEPTH), ("limit", 50, 1, page_max)):
+            try:
+                values[field] = int(request.query_params.get(field, default))
+            except ValueError:
+                return _json({"error": {"field": field, "reason": "an integer"}}, 422)
+            if not low <= values[field] <= high and field == "limit":
+                return _json({"error": {"field": field, "reason": f"from {low} to {high}"}}, 422)
+            if values[field] < low:
+                return _json({"error": {"field": field, "reason": f"at least {low}"}}, 422)
+        offset, limit = values["offset"], values["limit"]
         depth = offset + limit
         if depth > MAX_DEPTH:
             return _json({"error": {"field": "offset", "reason": f"a list merged over {len(self.peers)} gateways pages at "
                                     f"most {MAX_DEPTH} rows deep (offset + limit): narrow it (experiment, step, q), or "
                                     "ask one gateway with scope=local"}}, 422)
-        page_max = PEER_PAGE[request.url.path]
         first = await self._ask_all(request, offset=0, limit=min(depth, page_max))
         refused = self._refused(first)
         if refused is not None:
@@ -206,7 +257,12 @@ class Federation:
         return _passed(next(a for a in answers if isinstance(a, httpx.Response)))  # every gateway's 404
 
     async def _step(self, request: Request) -> Response:
-        answers = await self._ask_all(request)
+        override: dict[str, Any] = {}
+        if "experiment" not in request.query_params:  # the job's latest experiment, not each gateway's own
+            latest = await self._latest_experiment(request)
+            if latest is not None:
+                override["experiment"] = latest
+        answers = await self._ask_all(request, **override)
         refused = self._refused(answers)
         if refused is not None:
             return refused
@@ -226,6 +282,12 @@ class Federation:
         if request.query_params.get("format", "jsonl") != "jsonl":
             return _json({"error": {"field": "format", "reason": "an export merged over several gateways is JSONL; ask "
                                     "each gateway for its Parquet with scope=local"}}, 422)
+        try:  # at most this many records in all (each gateway is asked for as many; the stream stops there)
+            limit = int(request.query_params["limit"]) if "limit" in request.query_params else None
+        except ValueError:
+            return _json({"error": {"field": "limit", "reason": "an integer"}}, 422)
+        if limit is not None and limit < 1:
+            return _json({"error": {"field": "limit", "reason": "at least 1"}}, 422)
         client = httpx.AsyncClient(timeout=self.timeout)
         heads: list[httpx.Response] = []
         for peer in self.peers:  # every gateway must answer before the first byte goes out: a 200 cannot be taken back
@@ -233,24 +295,44 @@ class Federation:
                 r = await client.send(client.build_request("GET", self._url(peer, request), headers=self._headers(request)),
                                       stream=True)
             except httpx.HTTPError as exc:
+                self._failed(peer, exc)
                 await _close(client, heads)
                 return _json({"error": f"gateway {peer} {self._why(exc)}; retry later"}, 503, {"Retry-After": "2"})
             heads.append(r)
             if r.status_code != 200:
                 await r.aread()
                 await _close(client, heads)
+                if r.status_code >= 500:
+                    self._failed(peer, r)
                 return self._refused([r]) or _json({"error": f"gateway {peer} {self._why(r)}; retry later"}, 503,
                                                    {"Retry-After": "2"})
 
         async def body() -> AsyncIterator[bytes]:
+            left = limit
             try:
-                for r in heads:
-                    async for chunk in r.aiter_bytes():
-                        yield chunk
+                for peer, r in zip(self.peers, heads):
+                    try:
+                        async for chunk in r.aiter_bytes():
+                            if left is not None:
+                                ends = chunk.count(b"\n")
+                                if ends >= left:  # the last record wanted ends in this chunk
+                                    cut = -1
+                                    for _ in range(left):
+                                        cut = chunk.index(b"\n", cut + 1)
+                                    yield chunk[:cut + 1]
+                                    return
+                                left -= ends
+                            yield chunk
+                    except httpx.HTTPError as exc:  # after the 200: the stream is cut (the client sees it end early)
+                        self._failed(peer, exc)
+                        raise
             finally:
                 await _close(client, heads)
 
-        return StreamingResponse(body(), media_type="application/x-ndjson", headers={"Cache-Control": "no-store"})
+        disposition = heads[0].headers.get("content-disposition") if heads else None
+        return StreamingResponse(body(), media_type="application/x-ndjson",
+                                 headers={"Cache-Control": "no-store",
+                                          **({"Content-Disposition": disposition} if disposition else {})})
 
     async def _facets(self, request: Request) -> Response:
         answers = await self._ask_all(request)
@@ -260,7 +342,11 @@ class Federation:
         ok = [orjson.loads(a.content) for a in answers if isinstance(a, httpx.Response) and a.status_code == 200]
         if not ok:
             return self._unavailable(answers)
-        return _json({**merge_facets(ok), "partial": len(ok) < len(answers)})
+        merged = merge_facets(ok)
+        latest = await self._latest_experiment(request)  # first, then by name: as one store orders them
+        merged["experiments"].sort(key=lambda e: (latest is None or ("" if e["experiment"] is None else str(e["experiment"]))
+                                                  != latest, str(e["experiment"])))
+        return _json({**merged, "partial": len(ok) < len(answers)})
 
 
     async def _overview(self, request: Request) -> Response:
@@ -268,11 +354,9 @@ class Federation:
         gateway's own overview), then each overview again over it, merged by step."""
         override: dict[str, Any] = {}
         if "experiment" not in request.query_params:  # the job's latest experiment, not each gateway's
-            facets = await self._ask_all(request, "/ui/api/facets")
-            ok = [orjson.loads(a.content) for a in facets if isinstance(a, httpx.Response) and a.status_code == 200]
-            known = merge_facets(ok)["experiments"] if ok else []
-            if known:
-                override["experiment"] = known[0]["experiment"] if known[0]["experiment"] is not None else ""
+            latest = await self._latest_experiment(request)
+            if latest is not None:
+                override["experiment"] = latest
         first = await self._ask_all(request, **override)
         refused = self._refused(first)
         if refused is not None:
@@ -296,7 +380,7 @@ async def _close(client: httpx.AsyncClient, heads: list[httpx.Response]) -> None
 
 
 def _passed(answer: httpx.Response) -> Response:
-    headers = {k: v for k, v in answer.headers.items() if k in ("content-type", "retry-after", "cache-control")}
+    headers = {k: v for k, v in answer.headers.items() if k in PASSED_HEADERS}
     return Response(answer.content, status_code=answer.status_code, headers=headers)
 
 

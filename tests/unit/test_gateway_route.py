@@ -14,7 +14,13 @@ from tracecar.collector.exporters.gateway_route import GatewayRouter, exporter_n
 from tracecar.collector.spool.store import Spool, SpoolRow
 
 GATEWAYS = [f"http://10.0.0.{i}:4318" for i in range(1, 5)]
-KEYS = [route_key(f"exp{e}", v, s) for e in range(5) for v in (False, True) for s in range(-1, 60)]
+KEYS = [route_key(f"exp{e}", False, s) for e in range(5) for s in range(-1, 120)]
+
+
+def test_a_steps_training_and_validation_rollouts_share_one_gateway() -> None:
+    """One gateway answers for a whole step (viewer/federation.py): validate does not split the key."""
+    assert route_key("exp", True, 3) == route_key("exp", False, 3) != route_key("exp", False, 4)
+    assert route_key("exp", True, 3) != route_key("other", True, 3)
 
 
 def test_adding_a_gateway_moves_only_the_keys_it_wins_and_about_its_share() -> None:

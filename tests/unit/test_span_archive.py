@@ -190,3 +190,29 @@ def test_a_held_trajectory_released_is_not_evicted_before_the_index_folds_it(tmp
     finally:
         index.close()
         spool.close()
+
+
+def test_the_archive_bound_drops_the_oldest_partitions_whole_and_counts_them(tmp_path: Path) -> None:
+    """TRACECAR_STORE_ARCHIVE_MAX_BYTES: above it retention drops the oldest partitions of archived spans (an hour each;
+    a second here), never the newest, each trajectory whole (archived in one insert); counted and logged."""
+    spool = Spool(tmp_path / "spool.sqlite3", local_only=True, sync="normal")
+    settings = CollectorSettings(data_dir=tmp_path, backend="local", store="clickhouse")
+    store = ClickHouseStore(TrajectoryIndex(spool.path, tmp_path / "index.sqlite3", track_changes=True), settings)
+    try:
+        spool.archive = ClickHouseSpanArchive(store, partition_s=1)
+        for n in range(3):
+            trace = f"b{n}"
+            spool.write(rows(span(trace, trace, None, 0.0), *(span(trace, f"{trace}-{i}", trace, 1.0 + i,
+                                                                  blob="x" * 4000 + str(i)) for i in range(20))))
+            assert spool.evict([trace]) == (1, 21)
+            time.sleep(1.1)  # the next trajectory in the next partition
+        metrics = Metrics()
+        retention = Retention(spool, metrics, max_bytes=None, max_age_s=None, evict_on_disk_full=False,
+                              archive_max_bytes=1)
+        retention.apply()
+        assert metrics.store_archive_dropped_bytes._value.get() > 0
+        assert [len(spool.archive.spans_of([f"b{n}"])) for n in range(3)] == [0, 0, 21]  # the newest kept whole
+        assert get_trajectory(spool, "b0") is None and _ids(get_trajectory(spool, "b2") or {})[0] == "b2"
+    finally:
+        store.close()
+        spool.close()
