@@ -147,7 +147,9 @@ def assert_same_reads(single_url: str, gateway_url: str) -> None:
 
 def test_four_nodes_and_a_gateway_keep_exactly_what_one_collector_keeps(tmp_path: Path) -> None:
     single = process_collector(tmp_path / "single", log_level="warning", **TAIL_BUDGETS).start()
-    cluster = start_cluster(tmp_path, NODES, gateway={**TAIL_BUDGETS, "store": "clickhouse"})  # the gateway on chDB
+    # the gateway on chDB, moving each trajectory to its span archive 2 s after it arrived (once listed): the reads
+    # below (trajectories, exports) come from ClickHouse's span table as much as from the spool
+    cluster = start_cluster(tmp_path, NODES, gateway={**TAIL_BUDGETS, "store": "clickhouse", "store_max_age_s": 2})
     try:
         trajectories = workload()
         split = {(t.experiment, t.step, t.sample_index) for t in trajectories
@@ -170,6 +172,11 @@ def test_four_nodes_and_a_gateway_keep_exactly_what_one_collector_keeps(tmp_path
         assert received == 5 * (others + sent), (received, others, sent)  # 4 spans and a reward annotation each
         print(f"\ncandidates only: {sent:.0f} of {sent + kept_home:.0f} trajectories of exp-uniform and exp-topk forwarded "
               f"({kept_home:.0f} kept on their nodes); gateway received {received:.0f} spans")
+        kept = httpx.get(cluster.gateway.url + "/v1/trajectories", params={"limit": 1}, timeout=30).json()["total"]
+        wait_until(lambda: scrape_metric(cluster.gateway.url, "tracecar_store_evicted_trajectories_total", reason="max_age")
+                   >= kept > 0, 60, "the gateway moved every kept trajectory to its archive")
+        assert scrape_metric(cluster.gateway.url, "tracecar_store_archived_spans_total") == \
+            scrape_metric(cluster.gateway.url, "tracecar_store_evicted_spans_total", reason="max_age")
         assert_same_reads(single.url, cluster.gateway.url)
         # a node's own view has part of a split group; the gateway's has it whole
         experiment, step, sample = sorted(split)[0]
