@@ -80,8 +80,13 @@ def test_merged_reads_need_the_callers_own_token_and_cover_both_gateways(start_c
     for path in ("/v1/groups", "/ui/api/groups"):
         groups = httpx.get(gateways[0].url + path, params={"step": 11}, headers=auth, timeout=30).json()
         assert [g["sample_index"] for g in groups["groups"]] == [0], (path, groups)
-    assert httpx.get(gateways[0].url + "/v1/health", params={"step": 11}, headers=auth, timeout=30).json()["step"][
-        "trajectories"] == 1
+    for path in ("/v1/health", "/ui/api/health"):  # the viewer's step line too
+        assert httpx.get(gateways[0].url + path, params={"step": 11}, headers=auth, timeout=30).json()["step"][
+            "trajectories"] == 1, path
+    # a cookie header holding other bytes than ASCII beside the viewer's is passed on as it came
+    login = httpx.get(gateways[0].url + "/ui/", params={"token": TOKEN}, timeout=30, follow_redirects=False)
+    odd = {"Cookie": ("other=caf\u00e9; tracecar_viewer=" + login.cookies["tracecar_viewer"]).encode("latin-1")}
+    assert httpx.get(gateways[0].url + "/ui/api/trajectories", headers=odd, timeout=30).json()["total"] == 6
 
     # the export over both: every trajectory once, a limit over all of them, the file's name kept
     for path in ("/v1/export", "/ui/api/export"):
@@ -90,6 +95,14 @@ def test_merged_reads_need_the_callers_own_token_and_cover_both_gateways(start_c
         assert "attachment" in whole.headers["content-disposition"]
         cut = httpx.get(gateways[0].url + path, params={"limit": 4}, headers=auth, timeout=30).content
         assert len(cut.splitlines()) == 4 and cut.endswith(b"\n") and cut == b"".join(whole.content.splitlines(True)[:4])
+    # Parquet (the viewer's download link): one file written from every gateway's records
+    pq = pytest.importorskip("pyarrow.parquet")
+    import io
+
+    r = httpx.get(gateways[0].url + "/ui/api/export", params={"format": "parquet"}, headers=auth, timeout=60)
+    assert r.status_code == 200 and "parquet" in r.headers["content-disposition"], r.text[:300]
+    table = pq.read_table(io.BytesIO(r.content))
+    assert sorted(table.column("trace_id").to_pylist()) == sorted(held[0] + held[1])
 
 
 @pytest.mark.parametrize("settings, says", [

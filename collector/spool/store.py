@@ -878,7 +878,8 @@ class Spool:
                         now.setdefault(trace_id, set()).add(seq)
                         if state != DONE:
                             changed.add(trace_id)
-                gone = [t for t in ids if t not in changed and now.get(t, set()) <= taken[t]]
+                # still exactly (a subset of) the archived rows, all done; none left: another eviction took it
+                gone = [t for t in ids if t in now and t not in changed and now[t] <= taken[t]]
                 seqs = [seq for t in gone for seq in now.get(t, ())]
                 for i in range(0, len(seqs), 500):
                     part = seqs[i:i + 500]
@@ -889,8 +890,10 @@ class Spool:
                     n, nbytes = n + c, nbytes + b
                 conn.executemany("INSERT OR IGNORE INTO archived_partial (trace_id) VALUES (?)",
                                  [(t,) for t in gone if t in rootless])
+                # before the commit: a reader that sees these rows gone sees the new count too, and reads the archive
+                # again rather than use rows it fetched before them (Fetched)
+                self.archived_generation += 1
             self.stored_bytes -= nbytes
-            self.archived_generation += 1  # after the commit: readers holding archive rows read before it read again
         return len(gone), n
 
     def may_be_archived(self, trace_id: str) -> bool:

@@ -4,10 +4,12 @@ The spool (SQLite) keeps the recent past and the queue; this table keeps every s
 evicted, as the spool stored it (spool/archive.py says when readers look here). One row per span
 in a ``ReplacingMergeTree`` ordered by ``(trace_id, seq)``: a trajectory is one range of the
 primary key (a reader's lookup reads a granule or two), and a row written again after a crash
-between this insert and the spool's delete collapses with the first (reads take each ``seq``
-once, merged or not). The payload (JSON, with its stored prompt references) and the packed token
-arrays are ZSTD-compressed columns; the arrays are binary, so they travel as base64 text (JSON
-rows), as does a payload that is not UTF-8 (never written by the pipeline; kept whole all the same).
+between this insert and the spool's delete is read once (reads take each ``seq`` once; the engine
+collapses the copies when it merges the part, within an hour's partition). The payload (JSON,
+with its stored prompt references) and the packed token arrays are ZSTD-compressed columns; the
+arrays are binary, so they travel as base64 text (JSON rows), as does a payload that is not UTF-8
+(never written by the pipeline; kept whole all the same). Partitioned by the hour of eviction:
+what ``TRACECAR_STORE_ARCHIVE_MAX_BYTES`` drops, oldest first.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ class ClickHouseSpanArchive:
 
     def trim(self, max_bytes: int) -> int:
         """Drops the oldest partitions (an hour of evictions each) while the table is above ``max_bytes`` on disk,
-        never the newest; returns the bytes dropped. A trajectory is archived in one insert, so it leaves whole."""
+        never the newest; returns the bytes dropped. A trajectory archived in one insert leaves whole; one archived
+        in pieces (spans moved before its root arrived) may lose its earlier pieces an hour before the rest."""
         bind = _Params()
         database, table = self.table.split(".", 1)
         parts = self.store.select(f"SELECT partition_id, sum(bytes_on_disk) AS b FROM system.parts WHERE database = {bind(database)}"
@@ -73,7 +76,10 @@ class ClickHouseSpanArchive:
         for part in parts[:-1]:
             if total - dropped <= max_bytes:
                 break
-            self.store.run(f"ALTER TABLE {self.table} DROP PARTITION ID {{p:String}}", {"p": part["partition_id"]})
+            partition = str(part["partition_id"])
+            if not partition.isdigit():  # an hour's start as a number: spelt into the SQL (servers before 23.10 bind none here)
+                continue
+            self.store.run(f"ALTER TABLE {self.table} DROP PARTITION ID '{partition}'")
             dropped += int(part["b"])
         return dropped
 

@@ -15,8 +15,12 @@ them: no one reads through a gateway what that gateway would refuse), and merges
   has it; 404 when none has, 503 naming the gateway when one that could have it did not answer.
 * **one step** (``/v1/groups``, ``/v1/decisions``, ``/v1/health?step=``): a step lives on one
   gateway: the answer of the gateway that has it.
-* **the JSONL export**: each gateway's export in turn, streamed (Parquet: one gateway's, with
-  ``scope=local``); **the viewer's facets**: counts summed per experiment, rule, trainer verdict, node;
+* **one step** of the viewer too (``/ui/api/groups``, ``/ui/api/health?step=``); a missing ``experiment``
+  is the job's latest (its newest trajectory's, over every gateway), except on ``/v1/decisions``
+  (the trajectories sent without one, as on one gateway).
+* **the export** (``/v1/export``, ``/ui/api/export``): each gateway's JSONL in turn, streamed,
+  ``limit`` counted over all of them; Parquet written here from those records (spooled to a
+  temporary file first); **the viewer's facets**: counts summed per experiment, rule, trainer verdict, node;
   **its overview** of an experiment: each gateway's steps, histograms binned over the job's reward
   range (asked twice: each gateway's range, then each overview over the whole one).
 
@@ -30,7 +34,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 from urllib.parse import urlencode
 
@@ -42,6 +47,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..bearer import bearer_matches
 from ..loudness import RateLimited
+from .export import MEDIA_TYPES, parquet_available, parquet_chunks
 from .index import SORTS
 from .routes import ViewerAuth
 
@@ -54,7 +60,10 @@ FORWARDED_HEADERS = ("authorization", "cookie", "accept")
 PASSED_HEADERS = ("content-type", "retry-after", "cache-control", "www-authenticate", "content-disposition")
 _ONE = re.compile(r"^(/v1/trajectories/[^/]+(/tokens|/truth)?|/ui/api/trajectories/[^/]+(/tokens)?)$")
 _LISTS = ("/v1/trajectories", "/ui/api/trajectories")
-_STEPPED = {"/v1/groups": "groups", "/ui/api/groups": "groups", "/v1/decisions": "decisions", "/v1/health": "step"}
+_STEPPED = {"/v1/groups": "groups", "/ui/api/groups": "groups", "/v1/decisions": "decisions", "/v1/health": "step",
+            "/ui/api/health": "step"}
+_LATEST_BY_DEFAULT = ("/v1/groups", "/ui/api/groups", "/v1/health", "/ui/api/health")  # a missing experiment: the latest
+# (on /v1/decisions a missing experiment means the trajectories sent without one, as on one gateway)
 _EXPORTS = ("/v1/export", "/ui/api/export")
 
 
@@ -116,7 +125,7 @@ class Federation:
             return self._list
         if _ONE.match(path):
             return self._one
-        if path in _STEPPED and (path != "/v1/health" or "step" in request.query_params):
+        if path in _STEPPED and (not path.endswith("/health") or "step" in request.query_params):
             return self._step
         if path in _EXPORTS:
             return self._export
@@ -133,8 +142,9 @@ class Federation:
         params += [(k, str(v)) for k, v in override.items()] + [("scope", "local")]
         return f"{peer}{path or request.url.path}?{urlencode(params)}"
 
-    def _headers(self, request: Request) -> dict[str, str]:
-        return {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
+    def _headers(self, request: Request) -> dict[bytes, bytes]:
+        """The caller's credentials, byte for byte (a cookie may hold any byte: as it came, latin-1)."""
+        return {k.encode(): v.encode("latin-1") for k, v in request.headers.items() if k in FORWARDED_HEADERS}
 
     def _client(self) -> httpx.AsyncClient:
         """One client (its kept-alive connections to the gateways) per event loop: the server's."""
@@ -258,8 +268,8 @@ class Federation:
 
     async def _step(self, request: Request) -> Response:
         override: dict[str, Any] = {}
-        if "experiment" not in request.query_params:  # the job's latest experiment, not each gateway's own
-            latest = await self._latest_experiment(request)
+        if "experiment" not in request.query_params and request.url.path in _LATEST_BY_DEFAULT:
+            latest = await self._latest_experiment(request)  # the job's latest experiment, not each gateway's own
             if latest is not None:
                 override["experiment"] = latest
         answers = await self._ask_all(request, **override)
@@ -279,9 +289,9 @@ class Federation:
         return _passed(ok[0])  # no gateway has the step: the first one's (empty) answer
 
     async def _export(self, request: Request) -> Response:
-        if request.query_params.get("format", "jsonl") != "jsonl":
-            return _json({"error": {"field": "format", "reason": "an export merged over several gateways is JSONL; ask "
-                                    "each gateway for its Parquet with scope=local"}}, 422)
+        parquet = request.query_params.get("format", "jsonl") == "parquet"
+        if parquet and not parquet_available():
+            return _json({"error": {"field": "format", "reason": "parquet needs pyarrow: pip install 'tracecar[export]'"}}, 501)
         try:  # at most this many records in all (each gateway is asked for as many; the stream stops there)
             limit = int(request.query_params["limit"]) if "limit" in request.query_params else None
         except ValueError:
@@ -291,9 +301,9 @@ class Federation:
         client = httpx.AsyncClient(timeout=self.timeout)
         heads: list[httpx.Response] = []
         for peer in self.peers:  # every gateway must answer before the first byte goes out: a 200 cannot be taken back
-            try:
-                r = await client.send(client.build_request("GET", self._url(peer, request), headers=self._headers(request)),
-                                      stream=True)
+            try:  # JSONL from each (a Parquet file is written here from their records: files cannot be concatenated)
+                r = await client.send(client.build_request("GET", self._url(peer, request, format="jsonl"),
+                                                           headers=self._headers(request)), stream=True)
             except httpx.HTTPError as exc:
                 self._failed(peer, exc)
                 await _close(client, heads)
@@ -329,10 +339,31 @@ class Federation:
             finally:
                 await _close(client, heads)
 
-        disposition = heads[0].headers.get("content-disposition") if heads else None
-        return StreamingResponse(body(), media_type="application/x-ndjson",
-                                 headers={"Cache-Control": "no-store",
-                                          **({"Content-Disposition": disposition} if disposition else {})})
+        headers = {"Cache-Control": "no-store"}
+        if not parquet:
+            disposition = heads[0].headers.get("content-disposition") if heads else None
+            return StreamingResponse(body(), media_type="application/x-ndjson",
+                                     headers={**headers, **({"Content-Disposition": disposition} if disposition else {})})
+        # Parquet: the merged records to a spooled file first (bounded memory), then one file written from them in a
+        # worker thread, a row group at a time (export.parquet_chunks, the same writer as one gateway's)
+        records = tempfile.SpooledTemporaryFile(max_size=32 << 20)
+        try:
+            async for chunk in body():
+                await asyncio.to_thread(records.write, chunk)
+        except httpx.HTTPError:
+            records.close()
+            return _json({"error": "a gateway stopped answering during the export; retry later"}, 503, {"Retry-After": "2"})
+        records.seek(0)
+        token_ids = request.query_params.get("token_ids", "").lower() in ("1", "true", "yes", "on")
+
+        def parquet_file() -> Iterator[bytes]:
+            try:
+                yield from parquet_chunks((orjson.loads(line) for line in records if line.strip()), token_ids=token_ids)
+            finally:
+                records.close()
+
+        return StreamingResponse(parquet_file(), media_type=MEDIA_TYPES["parquet"],
+                                 headers={**headers, "Content-Disposition": 'attachment; filename="tracecar-export.parquet"'})
 
     async def _facets(self, request: Request) -> Response:
         answers = await self._ask_all(request)

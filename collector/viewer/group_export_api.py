@@ -75,6 +75,8 @@ def groups_of_step(collector: StoreOwner, index: ReadStore, experiment: str | No
     if experiment is None:  # as the overview: the latest experiment
         known = index.facets()["experiments"]
         experiment = known[0]["experiment"] if known else None
+    elif experiment == "":  # experiment= (empty): the trajectories sent without one, as on every list
+        experiment = None
     flt = ListFilter(experiment=experiment if experiment is not None else "", step=step, validate=validate)
     page = index.list(flt, sort="sample_index", descending=False, limit=MAX_STEP_TRAJECTORIES)
     truncated = page["total"] > len(page["trajectories"])
