@@ -39,6 +39,7 @@ CREATE TABLE IF NOT EXISTS {table} (
 ) ENGINE = ReplacingMergeTree
 PARTITION BY toStartOfInterval(archived_at, INTERVAL {partition_s} SECOND)
 ORDER BY (trace_id, seq)
+SETTINGS index_granularity = 1024
 """
 PARTITION_S = 3600  # an hour of evictions a partition: what TRACECAR_STORE_ARCHIVE_MAX_BYTES drops, oldest first
 _BINARY = "b64:"  # a payload kept as base64 (a JSON payload starts with "{")
