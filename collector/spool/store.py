@@ -815,14 +815,7 @@ class Spool:
                         f"SELECT DISTINCT trace_id FROM spans WHERE state != ? AND trace_id IN ({','.join('?' * len(chunk))})",
                         (DONE, *chunk)))
                 ids = [t for t in ids if t not in busy]
-                n = nbytes = 0
-                for i in range(0, len(ids), 500):
-                    chunk = ids[i:i + 500]
-                    marks = ",".join("?" * len(chunk))
-                    c, b = conn.execute(f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans WHERE trace_id IN ({marks})",
-                                        chunk).fetchone()
-                    conn.execute(f"DELETE FROM spans WHERE trace_id IN ({marks})", chunk)
-                    n, nbytes = n + c, nbytes + b
+                n, nbytes = _delete_counted(conn, "trace_id", ids)
             self.stored_bytes -= nbytes
         return len(ids), n
 
@@ -865,7 +858,6 @@ class Spool:
         """Deletes the archived trajectories whose spool rows are still exactly the archived ones, all done (one
         that changed meanwhile stays whole); marks those archived without their root. Returns (trajectories,
         rows) deleted."""
-        n = nbytes = 0
         with self._write_lock:
             with self._transaction() as conn:
                 ids = list(taken)
@@ -880,14 +872,7 @@ class Spool:
                             changed.add(trace_id)
                 # still exactly (a subset of) the archived rows, all done; none left: another eviction took it
                 gone = [t for t in ids if t in now and t not in changed and now[t] <= taken[t]]
-                seqs = [seq for t in gone for seq in now.get(t, ())]
-                for i in range(0, len(seqs), 500):
-                    part = seqs[i:i + 500]
-                    marks = ",".join("?" * len(part))
-                    c, b = conn.execute(f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans WHERE seq IN ({marks})",
-                                        part).fetchone()
-                    conn.execute(f"DELETE FROM spans WHERE seq IN ({marks})", part)
-                    n, nbytes = n + c, nbytes + b
+                n, nbytes = _delete_counted(conn, "seq", [seq for t in gone for seq in now.get(t, ())])
                 conn.executemany("INSERT OR IGNORE INTO archived_partial (trace_id) VALUES (?)",
                                  [(t,) for t in gone if t in rootless])
                 # before the commit: a reader that sees these rows gone sees the new count too, and reads the archive
@@ -1039,6 +1024,18 @@ class Spool:
             if self._decision_read is not None:
                 self._decision_read.close()
                 self._decision_read = None
+
+
+def _delete_counted(conn: sqlite3.Connection, column: str, values: Sequence[Any]) -> tuple[int, int]:
+    """Deletes the spans whose ``column`` is one of ``values`` (500 a statement); returns (rows, their bytes)."""
+    n = nbytes = 0
+    for i in range(0, len(values), 500):
+        chunk = list(values[i:i + 500])
+        marks = ",".join("?" * len(chunk))
+        c, b = conn.execute(f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM spans WHERE {column} IN ({marks})", chunk).fetchone()
+        conn.execute(f"DELETE FROM spans WHERE {column} IN ({marks})", chunk)
+        n, nbytes = n + c, nbytes + b
+    return n, nbytes
 
 
 def _apply_to_held(conn: sqlite3.Connection, trace_ids: Sequence[str], statement: str,

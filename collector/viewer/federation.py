@@ -168,6 +168,13 @@ class Federation:
 
         return list(await asyncio.gather(*(ask(p) for p in self.peers)))
 
+    async def _default_experiment(self, request: Request) -> dict[str, Any]:
+        """``experiment=`` the job's latest when the request names none (each gateway would take its own latest)."""
+        if "experiment" in request.query_params:
+            return {}
+        latest = await self._latest_experiment(request)
+        return {} if latest is None else {"experiment": latest}
+
     async def _latest_experiment(self, request: Request) -> str | None:
         """The job's latest experiment, as one store names it: the experiment of the newest trajectory (by start),
         over every gateway ("" for the trajectories without one; None when nothing is listed)."""
@@ -267,11 +274,7 @@ class Federation:
         return _passed(next(a for a in answers if isinstance(a, httpx.Response)))  # every gateway's 404
 
     async def _step(self, request: Request) -> Response:
-        override: dict[str, Any] = {}
-        if "experiment" not in request.query_params and request.url.path in _LATEST_BY_DEFAULT:
-            latest = await self._latest_experiment(request)  # the job's latest experiment, not each gateway's own
-            if latest is not None:
-                override["experiment"] = latest
+        override = await self._default_experiment(request) if request.url.path in _LATEST_BY_DEFAULT else {}
         answers = await self._ask_all(request, **override)
         refused = self._refused(answers)
         if refused is not None:
@@ -365,44 +368,43 @@ class Federation:
         return StreamingResponse(parquet_file(), media_type=MEDIA_TYPES["parquet"],
                                  headers={**headers, "Content-Disposition": 'attachment; filename="tracecar-export.parquet"'})
 
-    async def _facets(self, request: Request) -> Response:
-        answers = await self._ask_all(request)
+    async def _bodies(self, request: Request, **override: Any) -> tuple[list[dict[str, Any]], int] | Response:
+        """Every gateway's answer that came (parsed) and how many were asked, or the refusal or 503 to give."""
+        answers = await self._ask_all(request, **override)
         refused = self._refused(answers)
         if refused is not None:
             return refused
         ok = [orjson.loads(a.content) for a in answers if isinstance(a, httpx.Response) and a.status_code == 200]
-        if not ok:
-            return self._unavailable(answers)
+        return (ok, len(answers)) if ok else self._unavailable(answers)
+
+    async def _facets(self, request: Request) -> Response:
+        got = await self._bodies(request)
+        if isinstance(got, Response):
+            return got
+        ok, asked = got
         merged = merge_facets(ok)
         latest = await self._latest_experiment(request)  # first, then by name: as one store orders them
         merged["experiments"].sort(key=lambda e: (latest is None or ("" if e["experiment"] is None else str(e["experiment"]))
                                                   != latest, str(e["experiment"])))
-        return _json({**merged, "partial": len(ok) < len(answers)})
-
+        return _json({**merged, "partial": len(ok) < asked})
 
     async def _overview(self, request: Request) -> Response:
         """Each gateway's steps of the experiment, binned over the job's reward range: the range first (each
         gateway's own overview), then each overview again over it, merged by step."""
-        override: dict[str, Any] = {}
-        if "experiment" not in request.query_params:  # the job's latest experiment, not each gateway's
-            latest = await self._latest_experiment(request)
-            if latest is not None:
-                override["experiment"] = latest
-        first = await self._ask_all(request, **override)
-        refused = self._refused(first)
-        if refused is not None:
-            return refused
-        ok = [orjson.loads(a.content) for a in first if isinstance(a, httpx.Response) and a.status_code == 200]
-        if not ok:
-            return self._unavailable(first)
+        override = await self._default_experiment(request)
+        got = await self._bodies(request, **override)
+        if isinstance(got, Response):
+            return got
+        ok, asked = got
         lows = [st["min"] for o in ok for st in o["steps"] if "min" in st]
         if lows and "reward_low" not in request.query_params:
             highs = [st["max"] for o in ok for st in o["steps"] if "max" in st]
-            again = await self._ask_all(request, **override, reward_low=min(lows), reward_high=max(highs))
-            ok = [orjson.loads(a.content) for a in again if isinstance(a, httpx.Response) and a.status_code == 200]
-            if not ok:
-                return self._unavailable(again)
-        return _json({**merge_overviews(ok), "partial": len(ok) < len(first)})
+            got = await self._bodies(request, **override, reward_low=min(lows), reward_high=max(highs))
+            if isinstance(got, Response):
+                return got
+            ok, asked = got
+        return _json({**merge_overviews(ok), "partial": len(ok) < asked})
+
 
 async def _close(client: httpx.AsyncClient, heads: list[httpx.Response]) -> None:
     for r in heads:
