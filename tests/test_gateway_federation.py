@@ -95,6 +95,11 @@ def test_merged_reads_need_the_callers_own_token_and_cover_both_gateways(start_c
         assert "attachment" in whole.headers["content-disposition"]
         cut = httpx.get(gateways[0].url + path, params={"limit": 4}, headers=auth, timeout=30).content
         assert len(cut.splitlines()) == 4 and cut.endswith(b"\n") and cut == b"".join(whole.content.splitlines(True)[:4])
+    # a list that leaves the asking gateway out (or names one twice) is said and counted, not silently merged
+    assert kit.metrics(gateways[0].url, "tracecar_gateway_peer_failures_total", gateway="self", reason="list") == 0
+    stray = start_collector(role="gateway", token=TOKEN, gateway_peers=peers)  # lists the two, not itself
+    assert page(stray.url).json()["total"] == 6
+    assert kit.metrics(stray.url, "tracecar_gateway_peer_failures_total", gateway="self", reason="list") >= 1
     # Parquet (the viewer's download link): one file written from every gateway's records
     pq = pytest.importorskip("pyarrow.parquet")
     import io

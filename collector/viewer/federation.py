@@ -35,6 +35,7 @@ import asyncio
 import logging
 import re
 import tempfile
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 from urllib.parse import urlencode
@@ -43,7 +44,7 @@ import httpx
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..bearer import bearer_matches
 from ..loudness import RateLimited
@@ -57,6 +58,7 @@ MAX_DEPTH = 10_000  # merged rows a list pages through at most (each gateway is 
 PEER_PAGE = {"/v1/trajectories": 1000, "/ui/api/trajectories": 500}  # each list's own limit bound
 ROW_KEYS = {"tools": "tool_calls", "tokens": "response_tokens", "spans": "span_count", "start": "start_time"}
 FORWARDED_HEADERS = ("authorization", "cookie", "accept")
+IDENTITY_HEADER = b"x-tracecar-gateway"  # on a scope=local answer: the answering gateway process
 PASSED_HEADERS = ("content-type", "retry-after", "cache-control", "www-authenticate", "content-disposition")
 _ONE = re.compile(r"^(/v1/trajectories/[^/]+(/tokens|/truth)?|/ui/api/trajectories/[^/]+(/tokens)?)$")
 _LISTS = ("/v1/trajectories", "/ui/api/trajectories")
@@ -80,6 +82,8 @@ class Federation:
         self._token = token.encode() if token else None
         self._on_failure = on_failure  # tracecar_gateway_peer_failures_total{gateway, reason}
         self._failures = RateLimited()
+        self.instance = uuid.uuid4().hex.encode()  # this process, as its scope=local answers name it
+        self._list_checked = RateLimited()
         if made is not None:  # the app closes its clients when it stops (aclose)
             made.append(self)
 
@@ -93,8 +97,13 @@ class Federation:
             await self.app(scope, receive, send)
             return
         request = Request(scope)
-        if request.query_params.get("scope") == "local":
-            await self.app(scope, receive, send)
+        if request.query_params.get("scope") == "local":  # one gateway's own answer, signed with who gave it
+            async def signed(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    message = {**message, "headers": [*message.get("headers", []), (IDENTITY_HEADER, self.instance)]}
+                await send(message)
+
+            await self.app(scope, receive, signed)
             return
         handler = self._handler(request)
         if handler is None or not self._allowed(request):  # a refused caller: the app itself says 401 (and counts it)
@@ -166,7 +175,27 @@ class Federation:
                 self._failed(peer, answer)
             return answer
 
-        return list(await asyncio.gather(*(ask(p) for p in self.peers)))
+        answers = list(await asyncio.gather(*(ask(p) for p in self.peers)))
+        self._check_list(answers)
+        return answers
+
+    def _check_list(self, answers: list[httpx.Response | Exception]) -> None:
+        """Says (once a minute) when the list leaves this gateway out, or names one gateway twice (an address and a
+        name of it): its answers, signed by each gateway's process, show it."""
+        if any(isinstance(a, Exception) or a.status_code != 200 for a in answers):
+            return  # only a full set of answers tells
+        signed = [a.headers.get(IDENTITY_HEADER.decode(), "") for a in answers if isinstance(a, httpx.Response)]
+        problem = None
+        if self.instance.decode() not in signed:
+            problem = "does not list this gateway: its own store is left out of every merged answer"
+        elif len(set(signed)) < len(signed):
+            problem = "names one gateway twice (two spellings of one address): its rows count twice"
+        if problem is not None:
+            self._on_failure("self", "list")
+            count = self._list_checked.hit()
+            if count is not None:
+                log.error("TRACECAR_GATEWAY_PEERS %s (%s; %d time(s) since last said)", problem, ", ".join(self.peers), count,
+                          extra={"event": "gateway_peers_wrong"})
 
     async def _default_experiment(self, request: Request) -> dict[str, Any]:
         """``experiment=`` the job's latest when the request names none (each gateway would take its own latest)."""
