@@ -24,7 +24,6 @@ from typing import Any, Protocol
 
 #: the spool's columns an archived span keeps (the readers' and the archive's shared row shape)
 COLUMNS = ("seq", "span_id", "trace_id", "parent_id", "name", "kind", "start_time", "payload", "token_arrays")
-DONE = 1  # an archived span was forwarded (done) when evicted: its readers' forward_state
 
 
 class SpanArchive(Protocol):

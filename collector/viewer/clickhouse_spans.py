@@ -20,7 +20,8 @@ from typing import Any
 
 import orjson
 
-from ..spool.archive import COLUMNS, DONE
+from ..spool.archive import COLUMNS
+from ..spool.store import DONE  # an archived span was forwarded (done) when evicted: its readers' forward_state
 from .clickhouse_store import ClickHouseStore, _Params
 
 TABLE = "spans"  # in the store's database, beside ``trajectories``

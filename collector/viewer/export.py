@@ -21,6 +21,7 @@ Why the shape is what it is:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -208,7 +209,8 @@ def records(spool: Spool, index: ReadStore, flt: ListFilter, *, token_ids: bool 
 
     A trajectory whose record cannot be built (a stored value no rule foresaw) is left out and
     named to ``on_skip``: it costs that row, never the stream."""
-    for page in _pages(selected(index, flt, limit=limit), ARCHIVE_PAGE):
+    summaries = selected(index, flt, limit=limit)
+    for page in iter(lambda: list(itertools.islice(summaries, ARCHIVE_PAGE)), []):
         archived = spool.archived_of([s["trace_id"] for s in page])  # evicted ones: one archive read a page
         for summary in page:
             tree = get_trajectory(spool, summary["trace_id"], archived=archived)
@@ -220,17 +222,6 @@ def records(spool: Spool, index: ReadStore, flt: ListFilter, *, token_ids: bool 
                 _skipped(on_skip, summary["trace_id"], exc)
                 continue
             yield row
-
-
-def _pages(rows: Iterator[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
-    page: list[dict[str, Any]] = []
-    for row in rows:
-        page.append(row)
-        if len(page) >= size:
-            yield page
-            page = []
-    if page:
-        yield page
 
 
 def _skipped(on_skip: OnSkip | None, trace_id: Any, exc: BaseException) -> None:
