@@ -4,7 +4,8 @@ Semantics follow VERL's ``token2text``: a span whose output carries ``prompt_ids
 inputs' ``prompt_ids``) gains ``output.prompt_text``; ``response_ids`` (else ``token_ids``) gains
 ``output.response_text``; special tokens are kept. An output that arrived as a model (weave's
 type envelope) is then a plain dict, as VERL's ``_trace_output_copy`` (``model_dump``) makes it. Decoding is whole-sequence (byte-level BPE
-needs it) and batched with ``tokenizers``' ``decode_batch``, which releases the GIL. A failure
+needs it) and batched: from a checked per-id byte table for ``ByteLevel`` tokenizers (byte_level),
+else with ``tokenizers``' ``decode_batch``, which releases the GIL. A failure
 never loses the span: it is stored with a warning naming the field.
 """
 
@@ -23,6 +24,7 @@ from typing import Any, cast
 from tokenizers import Tokenizer
 
 from ..types import Span
+from . import byte_level
 from .token_arrays import ARRAY_KEYS
 from .token_pieces import ApproximateEnds, token_pieces
 
@@ -495,7 +497,7 @@ def decode_spans(spans: list[Span], tokenizer: Tokenizer, warnings: dict[str, li
     texts: list[str | None]
     decoded_lens = [len(ids) for ids in plan]
     try:
-        texts = cast("list[str | None]", tokenizer.decode_batch(plan, skip_special_tokens=False))
+        texts = cast("list[str | None]", byte_level.decode_batch(tokenizer, plan, False))
         for i, known_text in reused.items():
             texts[i] = known_text
     except Exception:  # noqa: BLE001 - one by one, so one bad sequence is named and the rest decoded
@@ -510,7 +512,7 @@ def decode_spans(spans: list[Span], tokenizer: Tokenizer, warnings: dict[str, li
                 texts.append(None)
                 continue
             try:
-                texts.append(tokenizer.decode(ids, skip_special_tokens=False))
+                texts.append(byte_level.decode(tokenizer, ids, False))
             except Exception as one:  # noqa: BLE001
                 warnings.setdefault(job.span["span_id"], []).append(f"output.{job.target}: decode failed: {one}")
                 texts.append(None)
@@ -529,7 +531,7 @@ def decode_spans(spans: list[Span], tokenizer: Tokenizer, warnings: dict[str, li
         outcomes["reused"] = outcomes.get("reused", 0) + len(joins) + len(suffixes) + len(reused) - len(whole)
         outcomes["full"] = outcomes.get("full", 0) + len(whole)
     if whole:  # a join was not safe: the whole list, as if no prefix were known
-        for i, whole_text in zip(whole, tokenizer.decode_batch([jobs[i].ids for i in whole], skip_special_tokens=False)):
+        for i, whole_text in zip(whole, byte_level.decode_batch(tokenizer, [jobs[i].ids for i in whole], False)):
             texts[i] = whole_text
             tokens += len(jobs[i].ids)
     for job, text, ids in zip(jobs, texts, sequences):

@@ -36,6 +36,9 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
+from . import byte_level
+from .byte_level import token_bytes
+
 REPLACEMENT = "\ufffd"
 WINDOW = 8  # ids of context before each token: enough for any UTF-8 character (4 bytes) and leading-space rules
 MAX_PREFIX_TOKENS = 4096  # the exact fallback decodes n prefixes (quadratic): only up to this many tokens
@@ -92,19 +95,6 @@ def _ends_from(before: list[str], after: list[str], text: str) -> list[int] | No
     return ends
 
 
-def _byte_alphabet() -> dict[str, int]:
-    """GPT-2's byte-to-character table, reversed: the character a ByteLevel vocabulary uses for each byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = list(printable), 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
-
-
-_ALPHABET = _byte_alphabet()
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -158,11 +148,7 @@ def _byte_level_ends(tokenizer: Tokenizer, ids: list[int], text: str) -> list[in
             piece = tokenizer.id_to_token(token_id)
             if piece is None:
                 return None
-            try:  # a token whose every character is in the byte alphabet is those bytes; any other is its UTF-8
-                raw = bytes(_ALPHABET[c] for c in piece)
-            except KeyError:
-                raw = piece.encode()
-            table[token_id] = raw
+            raw = table[token_id] = token_bytes(piece)
         piece = decoder.decode(raw)
         pieces.append(piece)
         at += len(piece)
@@ -237,12 +223,12 @@ def _byte_fallback_ends(tokenizer: Tokenizer, ids: list[int], text: str, window:
         else:
             units.append((i, i + 1))
     firsts = [units[max(0, k - window)][0] for k in range(len(units))]
-    decoded = tokenizer.decode_batch([ids[w:s] for w, (s, _) in zip(firsts, units)]
+    decoded = byte_level.decode_batch(tokenizer, [ids[w:s] for w, (s, _) in zip(firsts, units)]
                                      + [ids[w:e] for w, (_, e) in zip(firsts, units)], skip_special_tokens=skip_special_tokens)
     n = len(units)
     unit_ends = _unit_ends(decoded[:n], decoded[n:], text)
     if unit_ends is None and n <= MAX_PREFIX_TOKENS:
-        prefixes = tokenizer.decode_batch([ids[:s] for s, _ in units] + [ids], skip_special_tokens=skip_special_tokens)
+        prefixes = byte_level.decode_batch(tokenizer, [ids[:s] for s, _ in units] + [ids], skip_special_tokens=skip_special_tokens)
         unit_ends = _unit_ends(prefixes[:-1], prefixes[1:], text)
     if unit_ends is None:
         return None
@@ -268,7 +254,7 @@ def token_pieces(tokenizer: Tokenizer, ids: list[int], text: str | None = None, 
     ``byte_road=False`` skips the ByteLevel fast road (the tests hold both roads to one answer).
     """
     if text is None:
-        text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        text = byte_level.decode(tokenizer, ids, skip_special_tokens)
     if not ids:
         return Pieces(text, [], text == "")
     if byte_road and not skip_special_tokens:
@@ -279,14 +265,14 @@ def token_pieces(tokenizer: Tokenizer, ids: list[int], text: str | None = None, 
     if fallback is not None:
         return Pieces(text, fallback, True)
     windows = [(max(0, i - window), i) for i in range(len(ids))]
-    decoded = tokenizer.decode_batch([ids[s:i] for s, i in windows] + [ids[s:i + 1] for s, i in windows],
+    decoded = byte_level.decode_batch(tokenizer, [ids[s:i] for s, i in windows] + [ids[s:i + 1] for s, i in windows],
                                      skip_special_tokens=skip_special_tokens)
     n = len(ids)
     ends = _ends_from(decoded[:n], decoded[n:], text)
     if ends is not None:
         return Pieces(text, ends, True)
     if n <= MAX_PREFIX_TOKENS:
-        prefixes = tokenizer.decode_batch([ids[:i] for i in range(n + 1)], skip_special_tokens=skip_special_tokens)
+        prefixes = byte_level.decode_batch(tokenizer, [ids[:i] for i in range(n + 1)], skip_special_tokens=skip_special_tokens)
         ends = _ends_from(prefixes[:-1], prefixes[1:], text)
         if ends is not None:
             return Pieces(text, ends, True)
@@ -296,7 +282,7 @@ def token_pieces(tokenizer: Tokenizer, ids: list[int], text: str | None = None, 
 def _approximate(tokenizer: Tokenizer, ids: list[int], text: str, skip_special_tokens: bool) -> Pieces:
     """Last resort (a long sequence with a decoder that is not local): one-token decodes, clipped to ``text``."""
     ends, at = [], 0
-    for piece in tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=skip_special_tokens):
+    for piece in byte_level.decode_batch(tokenizer, [[i] for i in ids], skip_special_tokens=skip_special_tokens):
         found = text.find(_complete(piece), at) if _complete(piece) else -1
         if found == at:
             at += len(_complete(piece))

@@ -21,6 +21,7 @@ import orjson
 from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.responses import Response
 
+from ..processors import byte_level
 from ..read_store import ReadStore
 from ..truth_filter import FATES, parse_where
 from . import StoreOwner
@@ -58,7 +59,7 @@ def decoder_of(collector: StoreOwner) -> Callable[[list[int]], str] | None:
         tokenizer = pipeline.tokenizers.get(name)
     except Exception:  # noqa: BLE001 - no tokenizer: the ids are shown
         return None
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+    return lambda ids: byte_level.decode(tokenizer, ids, False)
 
 
 def trajectory_truth(index: ReadStore, trace_id: str, decode: Callable[[list[int]], str] | None,
