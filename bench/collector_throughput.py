@@ -156,6 +156,7 @@ class RawDecoder:
         import orjson
         from tokenizers import Tokenizer
 
+        from tracecar.collector.processors import byte_level
         from tracecar.collector.processors.decoding import collect_jobs
 
         from feed import BodyMaker
@@ -166,8 +167,11 @@ class RawDecoder:
         maker.close()
         self.tok = Tokenizer.from_file(tokenizer_path)
         self.tok.decode_batch(self.batches[0][:4], skip_special_tokens=False)
+        byte_level.table_of(self.tok)  # built and checked once, as the collector does
 
     def run(self, seconds: float) -> dict[str, float]:
+        from tracecar.collector.processors import byte_level
+
         tok, batches = self.tok, self.batches
         tokens, n, t0, cpu0 = 0, 0, time.perf_counter(), time.process_time()
         while time.perf_counter() - t0 < seconds:
@@ -176,12 +180,19 @@ class RawDecoder:
             tokens += sum(len(s) for s in batch)
             n += 1
         dt, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        table_tokens, n, cpu1 = 0, 0, time.process_time()  # the collector's own decoder (byte_level), as long again
+        while time.process_time() - cpu1 < cpu:
+            batch = batches[n % len(batches)]
+            byte_level.decode_batch(tok, batch, False)
+            table_tokens += sum(len(s) for s in batch)
+            n += 1
+        table_cpu = time.process_time() - cpu1
         seqs = batches[0]
         single = time.perf_counter()
         for ids in seqs:
             tok.decode(ids, skip_special_tokens=False)
         single = time.perf_counter() - single
-        return {"tokens_per_s": tokens / dt, "tokens_per_cpu_s": tokens / cpu,
+        return {"tokens_per_s": tokens / dt, "tokens_per_cpu_s": tokens / cpu, "table_tokens_per_cpu_s": table_tokens / table_cpu,
                 "single_thread_tokens_per_s": sum(len(s) for s in seqs) / single, "sequences_per_batch": len(seqs)}
 
 
@@ -192,7 +203,7 @@ def raw_decode_limit(tokenizer_path: str, seconds: float) -> dict[str, float]:
 
 def adjacent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """The raw baseline of a phase: the mean of the raw runs just before and just after it (ABA)."""
-    return {k: (before[k] + after[k]) / 2 for k in ("tokens_per_s", "tokens_per_cpu_s")}
+    return {k: (before[k] + after[k]) / 2 for k in ("tokens_per_s", "tokens_per_cpu_s", "table_tokens_per_cpu_s")}
 
 
 # ---- profiling ---------------------------------------------------------------------------
@@ -331,10 +342,11 @@ def main() -> None:
     header("RATIOS")
     for workers, report in reports.items():
         print(f"--- TRACECAR_WORKERS={workers} (each phase against the raw runs just before and after it)")
-        cpu_ratios, wall_ratios = [], []
+        cpu_ratios, wall_ratios, table_ratios = [], [], []
         for i, r in enumerate(report["A_rounds"]):
             per_core = r["tokens_per_s"] / max(r["collector_cores"], 1e-9)
             cpu_ratios.append(ratio(per_core, r["raw"]["tokens_per_cpu_s"]))
+            table_ratios.append(ratio(per_core, r["raw"]["table_tokens_per_cpu_s"]))
             wall_ratios.append(ratio(r["tokens_per_s"], r["raw"]["tokens_per_s"]))
             print(f"phase A round {i + 1}: decoded tokens per collector CPU-second (workers included) / raw decode_batch "
                   f"tokens per CPU-second = {per_core:,.0f} / {r['raw']['tokens_per_cpu_s']:,.0f} = {cpu_ratios[-1]:.2f}; "
@@ -342,6 +354,8 @@ def main() -> None:
         print(f"phase A: per CPU-second {median(cpu_ratios):.2f} of raw decode_batch, spread {min(cpu_ratios):.2f}–"
               f"{max(cpu_ratios):.2f} over {len(cpu_ratios)} alternations   (target >= 0.85); per second of wall time "
               f"{median(wall_ratios):.2f} ({min(wall_ratios):.2f}–{max(wall_ratios):.2f}; the feeders share the cores)")
+        print(f"phase A: per CPU-second {median(table_ratios):.2f} of the collector's own table decode alone "
+              f"({min(table_ratios):.2f}–{max(table_ratios):.2f}; what the rest of the pipeline leaves)")
         r = report["B"]
         per_core = r["tokens_per_s"] / max(r["collector_cores"], 1e-9)
         print(f"phase B (real client): per CPU-second {per_core:,.0f} / {r['raw']['tokens_per_cpu_s']:,.0f} = "
@@ -512,7 +526,8 @@ def run_step(url: str, share: list[int], firsts: list[int], turns: int, timing: 
 def print_raw(raw: dict[str, float]) -> None:
     print(f"decode_batch ({raw['sequences_per_batch']} sequences a batch, as in one client request): "
           f"{raw['tokens_per_s']:,.0f} tokens/s, {raw['tokens_per_cpu_s']:,.0f} tokens per CPU-second   "
-          f"(decode one by one, one thread: {raw['single_thread_tokens_per_s']:,.0f} tokens/s)")
+          f"(decode one by one, one thread: {raw['single_thread_tokens_per_s']:,.0f} tokens/s); the collector's "
+          f"byte-level table: {raw['table_tokens_per_cpu_s']:,.0f} tokens per CPU-second")
 
 
 def print_phase(name: str, r: dict[str, Any]) -> None:
