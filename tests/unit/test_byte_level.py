@@ -41,15 +41,9 @@ def _random_sequences(tok: Tokenizer, count: int, seed: int) -> list[list[int]]:
     return [[rng.choice(pick)() for _ in range(rng.randint(0, 60))] for _ in range(count)]
 
 
-def _trained(extra_added: list[AddedToken]) -> Tokenizer:
-    rng = random.Random(3)
-    words = ["tool", "call", "reward", "é", "数字", "🙂", "naïve", "\t", "  "]
-    corpus = [" ".join(rng.choice(words) + str(rng.randint(0, 9)) for _ in range(20)) for _ in range(500)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|im_start|>", "<|im_end|>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+def _trained(small_bpe_path: str, extra_added: list[AddedToken]) -> Tokenizer:
+    """conftest's byte-level BPE (trained here from generated text) with tokens added after training."""
+    tok = Tokenizer.from_file(small_bpe_path)
     tok.add_tokens(extra_added)
     return tok
 
@@ -70,10 +64,10 @@ def test_deepseek_texts_are_tokenizers_own(deepseek: Tokenizer) -> None:
     assert byte_level.decode(tok, real, False) == tok.decode(real, skip_special_tokens=False)
 
 
-def test_added_tokens_of_every_kind(tmp_path: Any) -> None:
+def test_added_tokens_of_every_kind(tmp_path: Any, small_bpe_path: str) -> None:
     """Added after training: a special one, a plain one with a space (its own UTF-8, not the byte
     alphabet's), one repeating a vocabulary string; saved and loaded as the collector loads it."""
-    tok = _trained([AddedToken("<tool_call>", special=True), AddedToken("hello world", special=False),
+    tok = _trained(small_bpe_path, [AddedToken("<tool_call>", special=True), AddedToken("hello world", special=False),
                     AddedToken("tool", special=False), AddedToken("</tool_call>", special=True)])
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
@@ -95,7 +89,7 @@ def test_what_the_table_cannot_answer_is_tokenizers_answer(deepseek: Tokenizer, 
         assert _table_answer(tok, sequences, skip) == _tokenizer_answer(tok, sequences, skip)
 
 
-def test_other_decoders_keep_tokenizers(tmp_path: Any) -> None:
+def test_other_decoders_keep_tokenizers(small_bpe_path: str) -> None:
     """Metaspace (SentencePiece style) and a Sequence are not a plain ByteLevel: no table."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
@@ -103,14 +97,15 @@ def test_other_decoders_keep_tokenizers(tmp_path: Any) -> None:
     tok.train_from_iterator(["a b c", "hello world"] * 50, trainers.BpeTrainer(vocab_size=60))
     assert byte_level.table_of(tok) is None
     assert byte_level.decode_batch(tok, [[1, 2, 3]], False) == tok.decode_batch([[1, 2, 3]], skip_special_tokens=False)
-    mixed = _trained([])
+    mixed = _trained(small_bpe_path, [])
     mixed.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])
     assert byte_level.table_of(mixed) is None
 
 
-def test_a_table_that_disagrees_is_not_used(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_table_that_disagrees_is_not_used(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                            small_bpe_path: str) -> None:
     """The check at build is real: a wrong byte mapping is caught and tokenizers decodes."""
-    tok = _trained([])
+    tok = _trained(small_bpe_path, [])
     right = byte_level.token_bytes
     monkeypatch.setattr(byte_level, "token_bytes", lambda token: right(token).replace(b"7", b"8"))
     with caplog.at_level(logging.WARNING, logger="tracecar.decode"):
