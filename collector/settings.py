@@ -83,6 +83,7 @@ class CollectorSettings(BudgetSettings, BaseSettings):
     tokenizer_root: Path | None = Field(None, description="Directory under which a batch may name any tokenizer (a tokenizer.json or a directory holding one); paths elsewhere are refused.")
     tokenizers: list[str] = Field(default_factory=list, description="Further tokenizers a batch may name (paths or Hugging Face names), besides TRACECAR_TOKENIZER, TRACECAR_TOKENIZER_ROOT and models in the local Hugging Face cache.")
     tokenizer_max_bytes: int = Field(64 * MiB, ge=1024, description="Largest tokenizer.json the collector will load; a bigger one is refused unread.")
+    decode_table: bool = Field(True, description="Decode byte-level BPE tokenizers (ByteLevel decoder) from a per-id byte table, checked against tokenizers when the tokenizer is loaded (several times less CPU); false: tokenizers' decode_batch for every tokenizer.")
     tokenizer_retry_s: float = Field(60.0, ge=0, description="A tokenizer that failed to load (or was refused) is tried again after this long, not cached as failed for good.")
     reward_wait_s: float = Field(30.0, ge=0, description="After a trajectory's root arrives, how long to wait for its reward annotation before deciding without it.")
     step_idle_s: float = Field(120.0, ge=0, description="A held step whose trajectories are complete is decided after this long without new spans (when no later step or count closes it first).")

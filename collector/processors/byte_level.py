@@ -7,20 +7,22 @@ sequence's text is one table look-up per id and one UTF-8 decode: several times 
 ``decode_batch``, whose per-token work (the token's string, its characters mapped one by one) is
 the collector's largest cost with token2text on.
 
-The table is built the first time a tokenizer decodes, only when its decoder is exactly
-``ByteLevel``, and is **checked against** ``decode_batch`` then (every id, byte tokens next to
-each other and to added tokens, special tokens kept and skipped); a tokenizer it disagrees with on
-anything decodes with tokenizers, as before. A sequence the table cannot answer exactly (an id
-past the vocabulary, a negative one, a value that is not an int) goes to tokenizers too, so every
-text and every error is tokenizers' own.
+The table is made when the collector loads a tokenizer (:func:`prepare`, from the tokenizer
+registry, with ``TRACECAR_DECODE_TABLE`` on), only when its decoder is exactly ``ByteLevel``, and
+is **checked against** ``decode_batch`` then (every id in runs of 64, each id whose bytes begin or
+end inside a character with byte tokens completing it, byte tokens side by side, every added token
+between byte tokens, special tokens kept and skipped); a tokenizer it disagrees with on anything
+decodes with tokenizers, as before. A loaded tokenizer is never changed afterwards (the table is
+of that state). A call the table cannot answer exactly (an id past the vocabulary, a negative
+one, a value that is not an int, a container or flag of another type) goes to tokenizers too, so
+every text and every error is tokenizers' own.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import threading
-from collections import OrderedDict
+import weakref
 from collections.abc import Sequence
 from operator import itemgetter
 from typing import Any
@@ -65,8 +67,10 @@ class ByteTable:
         self.kept, self.skipped = kept, skipped
 
     def decode(self, ids: Sequence[Any], skip_special_tokens: bool) -> str:
-        """The text, or IndexError / TypeError for what tokenizers must judge itself."""
-        if not len(ids):
+        """The text, or an error for what tokenizers must judge itself."""
+        if type(ids) is not list and type(ids) is not tuple:
+            raise TypeError("not a list of ids")
+        if not ids:
             return ""
         if min(ids) < 0:  # a negative id would index from the table's end
             raise IndexError("negative token id")
@@ -89,25 +93,66 @@ class ByteTable:
         return cls(kept, skipped)
 
 
+def _tail_completion(raw: bytes) -> bytes | None:
+    """Continuation bytes that complete the character ``raw`` ends inside, or None."""
+    for back in range(1, min(4, len(raw)) + 1):
+        lead = raw[-back]
+        if 0x80 <= lead <= 0xBF:
+            continue
+        if not 0xC2 <= lead <= 0xF4:
+            return None
+        missing = (2 if lead < 0xE0 else 3 if lead < 0xF0 else 4) - back
+        if missing <= 0:
+            return None
+        for fill in (b"\x80", b"\xa0", b"\x90", b"\xbf", b"\x8f"):
+            try:
+                (raw[-back:] + fill * missing).decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            return fill * missing
+        return None
+    return None
+
+
+_LEADS = {1: 0xC3, 2: 0xE1, 3: 0xF1}  # a lead byte that any 1, 2, 3 continuation bytes complete
+
+
 def _check_sequences(tokenizer: Tokenizer, table: ByteTable) -> list[list[int]]:
-    """Every id once (runs of 64), byte tokens side by side (split characters), and every added
-    token between byte tokens: what a table could get wrong, against tokenizers' own decode."""
+    """What a table could get wrong, to hold against tokenizers' own decode: every id once (runs of
+    64); every id whose bytes begin or end inside a character, with the byte tokens that complete it
+    (a wrong byte there would otherwise hide in a U+FFFD); byte tokens side by side; every added
+    token between byte tokens; random runs."""
     rng = random.Random(0)
     size = len(table.kept)
     sequences = [list(range(start, min(start + 64, size))) for start in range(0, size, 64)]
-    byte_ids = [i for i, raw in enumerate(table.kept) if len(raw) == 1]
+    byte_ids: dict[int, int] = {}
+    for i, raw in enumerate(table.kept):
+        if len(raw) == 1:
+            byte_ids.setdefault(raw[0], i)
+    for i, raw in enumerate(table.kept):
+        if not raw or raw.isascii():
+            continue
+        head = len(raw) - len(raw.lstrip(bytes(range(0x80, 0xC0))))
+        tail = _tail_completion(raw)
+        if not head and tail is None:
+            continue
+        before = [byte_ids[_LEADS[head]]] if head in _LEADS and _LEADS[head] in byte_ids else []
+        after = [byte_ids[b] for b in tail] if tail is not None and all(b in byte_ids for b in tail) else []
+        sequences.append([*before, i, *after])
+    singles = list(byte_ids.values())
     added = sorted(tokenizer.get_added_tokens_decoder())
-    if byte_ids:
-        sequences += [[rng.choice(byte_ids) for _ in range(rng.randint(1, 12))] for _ in range(512)]
-        sequences += [[rng.choice(byte_ids), a, rng.choice(byte_ids), rng.randrange(size)] for a in added]
+    if singles:
+        sequences += [[rng.choice(singles) for _ in range(rng.randint(1, 12))] for _ in range(512)]
+        sequences += [[rng.choice(singles), a, rng.choice(singles), rng.randrange(size)] for a in added]
     sequences += [[rng.randrange(size) for _ in range(rng.randint(0, 40))] for _ in range(256)]
     return sequences
 
 
-def checked_table(tokenizer: Tokenizer) -> ByteTable | None:
+def checked_table(tokenizer: Tokenizer, name: str = "") -> ByteTable | None:
     """The tokenizer's table, or None when its decoder is not ByteLevel or the table disagrees."""
     if type(tokenizer.decoder).__name__ != "ByteLevel":
         return None
+    label = name or "a tokenizer"
     try:
         table = ByteTable.build(tokenizer)
         sequences = _check_sequences(tokenizer, table)
@@ -115,44 +160,49 @@ def checked_table(tokenizer: Tokenizer) -> ByteTable | None:
             expected = tokenizer.decode_batch(sequences, skip_special_tokens=skip)
             wrong = sum(table.decode(ids, skip) != text for ids, text in zip(sequences, expected))
             if wrong:
-                log.warning("byte-level decoding table disagrees with tokenizers on %d of %d check sequences "
-                            "(skip_special_tokens=%s): this tokenizer decodes with tokenizers", wrong, len(sequences), skip)
+                log.warning("%s: the byte-level decoding table disagrees with tokenizers on %d of %d check sequences "
+                            "(skip_special_tokens=%s): decoded with tokenizers", label, wrong, len(sequences), skip)
                 return None
     except Exception as exc:  # noqa: BLE001 - an odd tokenizer: decoded by tokenizers, as before
-        log.warning("byte-level decoding table not built (%s: %s): this tokenizer decodes with tokenizers", type(exc).__name__, exc)
+        log.warning("%s: byte-level decoding table not built (%s: %s): decoded with tokenizers", label, type(exc).__name__, exc)
         return None
+    log.info("%s: byte-level decoding table of %d ids, checked on %d sequences", label, len(table.kept), len(sequences))
     return table
 
 
-_TABLES: OrderedDict[int, tuple[Tokenizer, ByteTable | None]] = OrderedDict()  # id(tokenizer) -> (it, its table); the last 8
-_LOCK = threading.Lock()
+_TABLES: weakref.WeakKeyDictionary[Tokenizer, ByteTable] = weakref.WeakKeyDictionary()  # gone with their tokenizer
+
+
+def prepare(tokenizer: Tokenizer, name: str = "") -> ByteTable | None:
+    """Makes and checks the tokenizer's table (a byte-level one's), so that its decodes use it."""
+    table = checked_table(tokenizer, name)
+    if table is not None:
+        _TABLES[tokenizer] = table
+    return table
 
 
 def table_of(tokenizer: Tokenizer) -> ByteTable | None:
-    """The checked table of a tokenizer (built on first use, under a lock), or None."""
-    with _LOCK:
-        found = _TABLES.get(id(tokenizer))
-        if found is not None and found[0] is tokenizer:
-            _TABLES.move_to_end(id(tokenizer))
-            return found[1]
-        table = checked_table(tokenizer)
-        _TABLES[id(tokenizer)] = (tokenizer, table)
-        while len(_TABLES) > 8:
-            _TABLES.popitem(last=False)
-        return table
+    """The checked table :func:`prepare` made for this tokenizer, or None."""
+    return _TABLES.get(tokenizer)
 
 
-def decode_batch(tokenizer: Tokenizer, sequences: Sequence[Sequence[Any]], skip_special_tokens: bool) -> list[str]:
+def decode_batch(tokenizer: Tokenizer, sequences: list[Any], skip_special_tokens: bool) -> list[str]:
     """``tokenizer.decode_batch``, from the table when there is one (same texts, same errors)."""
-    table = table_of(tokenizer)
+    table = _TABLES.get(tokenizer) if type(sequences) is list and type(skip_special_tokens) is bool else None
     if table is not None:
         try:
             return [table.decode(ids, skip_special_tokens) for ids in sequences]
-        except (IndexError, TypeError):
-            pass  # ids only tokenizers can judge: its answer (ids past the vocabulary skipped) or its error
+        except Exception:  # noqa: BLE001 - what only tokenizers can judge: its answer (ids past the vocabulary skipped) or its error
+            pass
     return tokenizer.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
 
 
-def decode(tokenizer: Tokenizer, ids: Sequence[Any], skip_special_tokens: bool) -> str:
-    """``tokenizer.decode``, from the table when there is one."""
-    return decode_batch(tokenizer, [ids], skip_special_tokens)[0]
+def decode(tokenizer: Tokenizer, ids: Any, skip_special_tokens: bool) -> str:
+    """``tokenizer.decode``, from the table when there is one (same text, same error)."""
+    table = _TABLES.get(tokenizer) if type(skip_special_tokens) is bool else None
+    if table is not None:
+        try:
+            return table.decode(ids, skip_special_tokens)
+        except Exception:  # noqa: BLE001 - tokenizers' own answer or error
+            pass
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

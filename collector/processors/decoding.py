@@ -118,12 +118,13 @@ class TokenizerPolicy:
     allowed: tuple[str, ...] = ()
     max_bytes: int = 64 * 2**20
     retry_s: float = 60.0
+    decode_table: bool = True  # byte-level tokenizers decode from a checked byte table (byte_level)
 
     @classmethod
     def from_settings(cls, settings: Any) -> TokenizerPolicy:
         """The operator's policy as configured (one place, for the pipeline and the start-up check)."""
         return cls(default=settings.tokenizer, root=settings.tokenizer_root, allowed=tuple(settings.tokenizers),
-                   max_bytes=settings.tokenizer_max_bytes, retry_s=settings.tokenizer_retry_s)
+                   max_bytes=settings.tokenizer_max_bytes, retry_s=settings.tokenizer_retry_s, decode_table=settings.decode_table)
 
     def resolve(self, name: str) -> Path:
         if name == self.default or name in self.allowed:
@@ -189,7 +190,7 @@ class TokenizerRegistry:
                 raise failed[1]
             try:
                 path = os.path.realpath(self.policy.resolve(name))
-                tokenizer = self._loaded.get(path) or Tokenizer.from_file(path)
+                tokenizer = self._loaded.get(path) or self._load(path)
             except TokenizerNotFound as exc:
                 error = exc
             except Exception as exc:  # noqa: BLE001 - a corrupt file is reported like a missing one
@@ -203,6 +204,14 @@ class TokenizerRegistry:
         if self.on_failure is not None:
             self.on_failure(error.reason, name, str(error))
         raise error
+
+    def _load(self, path: str) -> Tokenizer:
+        """A tokenizer from its file, with its byte table made and checked now (once per load, not
+        on a batch's decode); never changed after this (the table is of this state)."""
+        tokenizer = Tokenizer.from_file(path)
+        if self.policy.decode_table:
+            byte_level.prepare(tokenizer, path)
+        return tokenizer
 
     def loaded_names(self) -> list[str]:
         """The names batches or operators have named that loaded, most recently used last."""
