@@ -12,6 +12,7 @@ import difflib
 import os
 import re
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -180,8 +181,8 @@ def check_tokenizer(settings: CollectorSettings) -> str | None:
         return None
     from ..processors.decoding import TokenizerNotFound, TokenizerPolicy, TokenizerRegistry
 
-    try:
-        TokenizerRegistry(TokenizerPolicy.from_settings(settings)).get(name)
+    try:  # that it loads: its byte table is made by the pipeline's own registry, not twice
+        TokenizerRegistry(replace(TokenizerPolicy.from_settings(settings), decode_table=False)).get(name)
     except TokenizerNotFound as exc:
         raise ConfigError(f"TRACECAR_TOKENIZER: {exc} (mount the model's tokenizer.json into the collector, "
                           "or unset TRACECAR_TOKENIZER)") from None
