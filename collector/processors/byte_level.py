@@ -24,7 +24,8 @@ import logging
 import random
 import weakref
 from collections.abc import Sequence
-from operator import itemgetter
+from itertools import accumulate
+from operator import itemgetter, sub
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -58,13 +59,41 @@ def token_bytes(token: str) -> bytes:
         return token.encode()
 
 
-class ByteTable:
-    """Each id's bytes (``kept``), and the same with special tokens as empty bytes (``skipped``)."""
+_CONTINUATION = bytes(range(0x80, 0xC0))
+_CONTINUES = bytes(1 if 0x80 <= b < 0xC0 else 0 for b in range(256))  # bytes.translate: 1 for a continuation byte
 
-    __slots__ = ("kept", "skipped")
+
+class ByteTable:
+    """Each id's bytes (``kept``), the same with special tokens as empty bytes (``skipped``), and
+    per id its byte count and how many of its bytes start a character (for :meth:`ends`)."""
+
+    __slots__ = ("kept", "skipped", "lengths", "starts")
 
     def __init__(self, kept: list[bytes], skipped: list[bytes]) -> None:
         self.kept, self.skipped = kept, skipped
+        self.lengths = [len(raw) for raw in kept]
+        self.starts = [len(raw.translate(None, _CONTINUATION)) for raw in kept]
+
+    def ends(self, ids: list[int], text: str) -> list[int] | None:
+        """Each token's end offset in ``text`` (special tokens kept), as the incremental UTF-8
+        road of token_pieces makes them — a character belongs to the token that completes it —
+        when the ids' bytes are valid UTF-8 and decode to ``text``; else None (that road decides).
+
+        Valid UTF-8: the characters complete after a token are the character starts so far,
+        less one when the next byte continues a character. Prefix sums, no decoder per token.
+        """
+        if len(ids) < 2 or min(ids) < 0:
+            return None
+        try:
+            raw = b"".join(itemgetter(*ids)(self.kept))
+            if raw.decode("utf-8") != text:
+                return None
+            ends_at = itemgetter(*accumulate(itemgetter(*ids)(self.lengths)))  # each token's end, in bytes
+            starts = accumulate(itemgetter(*ids)(self.starts))
+        except (IndexError, TypeError, UnicodeDecodeError):
+            return None
+        continues = raw.translate(_CONTINUES) + b"\x00"  # 1 where a byte continues a character (0 past the end)
+        return list(map(sub, starts, ends_at(continues)))
 
     def decode(self, ids: Sequence[Any], skip_special_tokens: bool) -> str:
         """The text, or an error for what tokenizers must judge itself."""

@@ -139,6 +139,11 @@ def _byte_level_ends(tokenizer: Tokenizer, ids: list[int], text: str) -> list[in
     """The fast road for ByteLevel decoders (see the module); None when it does not rebuild ``text``."""
     if type(tokenizer.decoder).__name__ != "ByteLevel":
         return None
+    checked = byte_level.table_of(tokenizer)
+    if checked is not None:  # valid UTF-8 (the usual case): prefix sums over the checked table
+        found = checked.ends(ids, text)
+        if found is not None:
+            return found
     table = _bytes_table(tokenizer)
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     ends, pieces, at = [], [], 0

@@ -158,3 +158,30 @@ def test_a_table_that_disagrees_is_not_used(monkeypatch: pytest.MonkeyPatch, cap
     with caplog.at_level(logging.WARNING, logger="tracecar.decode"):
         assert byte_level.checked_table(tok) is None
     assert "disagrees with tokenizers" in caplog.text
+
+
+def test_token_ends_from_the_table_are_the_incremental_roads(deepseek: Tokenizer, deepseek_tokenizer_path: str) -> None:
+    """Each token's offsets (the token view, packed token arrays) from the table's prefix sums equal
+    the incremental UTF-8 decoder's, token by token, on real text and on ids split inside characters."""
+    from tracecar.collector.processors.token_pieces import token_pieces
+
+    plain = Tokenizer.from_file(deepseek_tokenizer_path)  # no table: the incremental road
+    assert byte_level.table_of(plain) is None
+    text = "def f(x):\n    return x + 1  # naïve 数字 🙂 — “quoted” ✓\n" * 30
+    whole = deepseek.encode(text).ids
+    rng = random.Random(4)
+    cuts = [sorted(rng.sample(range(len(whole)), 2)) for _ in range(100)]  # some cut inside a character
+    sequences = [whole, *(whole[a:b] for a, b in cuts), *_random_sequences(deepseek, 300, seed=21)]
+    answered = 0
+    for ids in sequences:
+        decoded = byte_level.decode(deepseek, ids, False)
+        fast = token_pieces(deepseek, ids, decoded)
+        slow = token_pieces(plain, ids, decoded)
+        assert (fast.text, fast.ends, fast.exact) == (slow.text, slow.ends, slow.exact)
+        table = byte_level.table_of(deepseek)
+        assert table is not None
+        found = table.ends(ids, decoded)
+        if found is not None:
+            answered += 1
+            assert found == slow.ends
+    assert answered >= 50  # the prefix sums answered the valid-UTF-8 sequences, not only the fallback
