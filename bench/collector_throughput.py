@@ -167,7 +167,7 @@ class RawDecoder:
         maker.close()
         self.tok = Tokenizer.from_file(tokenizer_path)
         self.tok.decode_batch(self.batches[0][:4], skip_special_tokens=False)
-        byte_level.table_of(self.tok)  # built and checked once, as the collector does
+        assert byte_level.prepare(self.tok) is not None  # made and checked once, as the collector's registry does
 
     def run(self, seconds: float) -> dict[str, float]:
         from tracecar.collector.processors import byte_level

@@ -1,13 +1,13 @@
-"""The byte table against ``decode_batch`` inside the collector: one step's wall time and CPU, ABAB.
+"""The byte table against ``decode_batch`` inside the collector: one step's wall time and CPU, ABBA.
 
 Two collector processes side by side (token2text on, the deepseek tokenizer, local store,
 ``TRACECAR_WORKERS`` as given), one with ``TRACECAR_DECODE_TABLE=true`` (the default), one with
 ``false`` (tokenizers' ``decode_batch``, which releases the GIL and decodes on every core). Each
 round posts the same step — ``--trajectories`` × ``--turns`` VERL-shaped trajectories (1,000–1,500
 prompt + 200–500 response ids a call), by ``--feeders`` processes at once — to each collector in
-alternating order (ABBA…), and takes the time until every span is acknowledged and the
-collector's CPU (its process tree) per span. Printed: per round, then medians, spreads and the
-ratios table / decode_batch.
+alternating order (ABBA…; both get the same ids in a round, under span ids of their own), and
+takes the time until every span is acknowledged and the collector's CPU (its process tree) per
+span. Printed: per round, then medians, spreads and the ratios table / decode_batch.
 
     .venv/bin/python bench/decode_table.py [--rounds 6] [--trajectories 512] [--turns 4] [--workers 1]
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +28,8 @@ from common import machine_note, median, ratio, services, start_collector, table
 
 
 def step_feeder(url: str, feeder: int, trajectories: int, first: int, turns: int, start: Any, out: Any) -> None:
-    """One feeder's share of a step, packed before the start, posted at it (span ids unique per ``feeder``)."""
+    """One feeder's share of a step (its ids seeded by ``first``: the same for both collectors),
+    packed before the start, posted at it (span ids unique per ``feeder``)."""
     from feed import BodyMaker, post_loop
 
     maker = BodyMaker(url, seed=first)
@@ -90,18 +92,19 @@ def main() -> None:
                                    decode_table=table_on)
              for name, table_on in (("table", True), ("decode_batch", False))}
     got: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
-    first = 0
-    with services(*sides.values()):
-        for svc in sides.values():  # warm: tokenizer loaded (the table made), caches as in steady state
-            one_step(svc.url, svc.pid, argparse.Namespace(**{**vars(args), "trajectories": 16}), first)
-            first += 16
-        for r in range(args.rounds):
-            order = list(sides) if r % 2 == 0 else list(reversed(sides))
-            for name in order:
-                got[name].append(one_step(sides[name].url, sides[name].pid, args, first))
-                first += args.trajectories
-            print(f"  round {r + 1}: " + "  ".join(
-                f"{n} {got[n][-1]['acked_s']:.2f} s, {got[n][-1]['cpu_us_per_span']:.0f} µs/span" for n in sides), flush=True)
+    try:
+        with services(*sides.values()):
+            for svc in sides.values():  # warm: tokenizer loaded (the table made), caches as in steady state
+                one_step(svc.url, svc.pid, argparse.Namespace(**{**vars(args), "trajectories": 16}), 0)
+            for r in range(args.rounds):
+                first = 16 + r * args.trajectories  # this round's trajectories (and ids): the same for both
+                order = list(sides) if r % 2 == 0 else list(reversed(sides))
+                for name in order:
+                    got[name].append(one_step(sides[name].url, sides[name].pid, args, first))
+                print(f"  round {r + 1}: " + "  ".join(
+                    f"{n} {got[n][-1]['acked_s']:.2f} s, {got[n][-1]['cpu_us_per_span']:.0f} µs/span" for n in sides), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     print("\n" + machine_note())
     rows: list[list[Any]] = []
     for key, label in (("acked_s", "step acknowledged, s"), ("cpu_us_per_span", "collector CPU per span, µs")):

@@ -179,6 +179,9 @@ class TokenizerRegistry:
         self._lock = threading.Lock()
 
     def get(self, name: str) -> Tokenizer:
+        """The tokenizer of ``name`` (loaded once; a byte-level one's table made by the loading call,
+        see byte_level; a loaded tokenizer is never changed)."""
+        prepare = False
         with self._lock:
             path = self._paths.get(name)
             loaded = self._loaded.get(path) if path is not None else None
@@ -190,7 +193,8 @@ class TokenizerRegistry:
                 raise failed[1]
             try:
                 path = os.path.realpath(self.policy.resolve(name))
-                tokenizer = self._loaded.get(path) or self._load(path)
+                known = self._loaded.get(path)
+                tokenizer = known or Tokenizer.from_file(path)
             except TokenizerNotFound as exc:
                 error = exc
             except Exception as exc:  # noqa: BLE001 - a corrupt file is reported like a missing one
@@ -199,19 +203,19 @@ class TokenizerRegistry:
                 self._failed.pop(name, None)
                 self._remember(self._paths, name, path, self.max_names)
                 self._remember(self._loaded, path, tokenizer, self.max_loaded)
-                return tokenizer
-            self._remember(self._failed, name, (time.monotonic(), error), self.max_names)
+                if known is not None or not self.policy.decode_table:
+                    return tokenizer
+                prepare = True
+            if not prepare:
+                self._remember(self._failed, name, (time.monotonic(), error), self.max_names)
+        if prepare:
+            # outside the lock (~0.6 s for 129k ids), so no other thread's get waits for it; until the
+            # table is in place, decodes of this tokenizer use tokenizers itself (the same texts)
+            byte_level.prepare(tokenizer, f"tokenizer {name!r}")
+            return tokenizer
         if self.on_failure is not None:
             self.on_failure(error.reason, name, str(error))
         raise error
-
-    def _load(self, path: str) -> Tokenizer:
-        """A tokenizer from its file, with its byte table made and checked now (once per load, not
-        on a batch's decode); never changed after this (the table is of this state)."""
-        tokenizer = Tokenizer.from_file(path)
-        if self.policy.decode_table:
-            byte_level.prepare(tokenizer, path)
-        return tokenizer
 
     def loaded_names(self) -> list[str]:
         """The names batches or operators have named that loaded, most recently used last."""
