@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import random
-import weakref
+import threading
 from collections.abc import Sequence
 from itertools import accumulate
 from operator import itemgetter, sub
@@ -199,25 +199,35 @@ def checked_table(tokenizer: Tokenizer, name: str = "") -> ByteTable | None:
     return table
 
 
-_TABLES: weakref.WeakKeyDictionary[Tokenizer, ByteTable] = weakref.WeakKeyDictionary()  # gone with their tokenizer
+_LOCK = threading.Lock()  # writers only: readers take one dict look-up (atomic under the GIL)
+#: id(tokenizer) -> (the tokenizer, kept so its id stays its; its table). Not a WeakKeyDictionary:
+#: tokenizers before 0.23 (transformers' pins, VERL's images) cannot be weakly referenced. Bounded
+#: above the registry's 8 loaded tokenizers; one pushed out decodes with tokenizers (same texts).
+_TABLES: dict[int, tuple[Tokenizer, ByteTable]] = {}
+MAX_TABLES = 16
 
 
 def prepare(tokenizer: Tokenizer, name: str = "") -> ByteTable | None:
-    """Makes and checks the tokenizer's table (a byte-level one's), so that its decodes use it."""
+    """Makes and checks the tokenizer's table (a byte-level one's), so that its decodes use it.
+    Never raises: a tokenizer without a table decodes with tokenizers."""
     table = checked_table(tokenizer, name)
     if table is not None:
-        _TABLES[tokenizer] = table
+        with _LOCK:
+            _TABLES[id(tokenizer)] = (tokenizer, table)
+            while len(_TABLES) > MAX_TABLES:
+                del _TABLES[next(iter(_TABLES))]  # the oldest made
     return table
 
 
 def table_of(tokenizer: Tokenizer) -> ByteTable | None:
     """The checked table :func:`prepare` made for this tokenizer, or None."""
-    return _TABLES.get(tokenizer)
+    found = _TABLES.get(id(tokenizer))
+    return found[1] if found is not None and found[0] is tokenizer else None
 
 
 def decode_batch(tokenizer: Tokenizer, sequences: list[Any], skip_special_tokens: bool) -> list[str]:
     """``tokenizer.decode_batch``, from the table when there is one (same texts, same errors)."""
-    table = _TABLES.get(tokenizer) if type(sequences) is list and type(skip_special_tokens) is bool else None
+    table = table_of(tokenizer) if type(sequences) is list and type(skip_special_tokens) is bool else None
     if table is not None:
         try:
             return [table.decode(ids, skip_special_tokens) for ids in sequences]
@@ -228,7 +238,7 @@ def decode_batch(tokenizer: Tokenizer, sequences: list[Any], skip_special_tokens
 
 def decode(tokenizer: Tokenizer, ids: Any, skip_special_tokens: bool) -> str:
     """``tokenizer.decode``, from the table when there is one (same text, same error)."""
-    table = _TABLES.get(tokenizer) if type(skip_special_tokens) is bool else None
+    table = table_of(tokenizer) if type(skip_special_tokens) is bool else None
     if table is not None:
         try:
             return table.decode(ids, skip_special_tokens)
