@@ -41,9 +41,12 @@ PACE_S = 0.03
 
 
 def assert_exact_and_once(single_url: str, gateway_url: str, feeder: Feeder, weave_calls: Callable[[], list[str]],
-                          headers: dict[str, str] | None = None) -> tuple[set[str], list[str]]:
+                          headers: dict[str, str] | None = None, gateway_kills: int = 0) -> tuple[set[str], list[str]]:
     """Decisions equal the fault-free single collector's; every acknowledged span of a kept trajectory is at
-    the gateway; each kept call reached Weave exactly once. Returns (kept trace ids, Weave's call span ids)."""
+    the gateway; each kept call reached Weave, once unless a gateway kill landed between Weave's answer and
+    the gateway's record of it: delivery to the backend is at-least-once (docs/guarantees.md), so each kill
+    may resend the one batch in flight — one run of repeated calls, right after the restart, at most.
+    Returns (kept trace ids, Weave's call span ids)."""
     assert feeder.errors == []
     kept: set[str] = set()
     for experiment in EXPERIMENTS:
@@ -66,7 +69,14 @@ def assert_exact_and_once(single_url: str, gateway_url: str, feeder: Feeder, wea
     wait_until(lambda: metric_value(httpx.get(gateway_url + "/metrics", timeout=10).text, "tracecar_spool_depth") == 0,
                120, "the gateway drained to Weave")
     delivered = weave_calls()
-    assert len(delivered) == len(set(delivered)), "a call reached Weave twice"
+    seen: set[str] = set()
+    resent_runs, repeating = 0, False
+    for span_id in delivered:  # a resent batch is one contiguous run of calls Weave had already taken
+        resent_runs += span_id in seen and not repeating
+        repeating = span_id in seen
+        seen.add(span_id)
+    assert resent_runs <= gateway_kills, (f"calls reached Weave twice in {resent_runs} runs ({len(delivered) - len(seen)} "
+                                          f"calls), more than {gateway_kills} gateway kill(s) can resend")
     assert set(delivered) == {s for s in wanted if not s.endswith("-r")}
     assert metric_value(httpx.get(gateway_url + "/metrics", timeout=10).text, "tracecar_dead_letters") == 0
     return kept, delivered
@@ -127,7 +137,7 @@ def test_nodes_and_gateway_killed_and_down_lose_nothing_and_deliver_once(tmp_pat
         cluster.wait_drained(120)
         wait_until(lambda: decided(gateway.url), 120, "the gateway decided every step")
 
-        kept, delivered = assert_exact_and_once(single.url, gateway.url, feeder, stub.delivered)
+        kept, delivered = assert_exact_and_once(single.url, gateway.url, feeder, stub.delivered, gateway_kills=2)
         print(f"\ncluster faults: batches={len(plan)} failed_posts={feeder.failed_posts} outage={outage_s:.1f}s "
               f"acked_while_down={acked_while_down} owed_while_down={owed_while_down:.0f} kept={len(kept)} "
               f"weave_calls={len(delivered)}")
@@ -193,7 +203,7 @@ def test_node_and_gateway_killed_with_the_gateway_on_clickhouse(tmp_path: Path, 
         reader.join(15)
         assert reader.answers > 0
 
-        kept, delivered = assert_exact_and_once(single.url, gateway.url, feeder, stub.delivered)
+        kept, delivered = assert_exact_and_once(single.url, gateway.url, feeder, stub.delivered, gateway_kills=2)
         assert_same_reads(single.url, gateway.url)  # lists, searches, per-step health, export: from chDB
         for experiment in EXPERIMENTS:
             for step in STEPS:
