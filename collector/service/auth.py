@@ -20,7 +20,13 @@ class BearerAuth:
         self._token = token.encode() if token else None
         self._on_failure = on_failure
 
-    def __call__(self, request: Request) -> None:
+    async def __call__(self, request: Request) -> None:
+        """A coroutine: FastAPI runs a plain function dependency in its thread pool, a thread
+        hand-off per request (~0.3 ms of CPU each on /v1/spans); this check does no I/O."""
+        self.check(request)
+
+    def check(self, request: Request) -> None:
+        """Raises 401 unless the request carries the token (or none is configured)."""
         if self._token is None:
             return
         header = request.headers.get("authorization", "")

@@ -145,7 +145,8 @@ def build_router(collector: StoreOwner, index: ReadStore, api_auth: Callable[...
         summary = await asyncio.to_thread(read_by_id, collector.spool, trace_id, index.summary)  # the viewer's short ids too
         trace_id = summary["trace_id"]
         turn_rows = await asyncio.to_thread(_turn_order, collector, trace_id)
-        found = await asyncio.to_thread(trajectory_truth, index, trace_id, decoder_of(collector), turn_rows)
+        # the decoder too: its first call loads the tokenizer and checks its byte table (~1 s), never on the loop
+        found = await asyncio.to_thread(lambda: trajectory_truth(index, trace_id, decoder_of(collector), turn_rows))
         return Response(orjson.dumps({"trace_id": trace_id, "summary": summary, **found}), media_type="application/json")
 
     return router

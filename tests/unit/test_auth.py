@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 from typing import Any
 
 import pytest
@@ -18,12 +20,13 @@ def request(authorization: str | None = None) -> Request:
 
 def test_without_a_token_every_request_passes() -> None:
     auth = BearerAuth(None)
-    assert auth(request()) is None and auth(request("Bearer anything")) is None
+    auth.check(request())  # no exception: passes
+    auth.check(request("Bearer anything"))
 
 
 def test_the_right_token_passes_and_nothing_is_reported() -> None:
     told: list[Any] = []
-    BearerAuth("s3cret", lambda *a: told.append(a))(request("Bearer s3cret"))
+    BearerAuth("s3cret", lambda *a: told.append(a)).check(request("Bearer s3cret"))
     assert told == []
 
 
@@ -31,9 +34,19 @@ def test_the_right_token_passes_and_nothing_is_reported() -> None:
 def test_a_missing_or_wrong_token_is_401_and_reported_without_the_value(header, missing) -> None:
     told: list[tuple[str, str | None, bool]] = []
     with pytest.raises(HTTPException) as e:
-        BearerAuth("s3cret", lambda *a: told.append(a))(request(header))
+        BearerAuth("s3cret", lambda *a: told.append(a)).check(request(header))
     assert e.value.status_code == 401 and e.value.headers == {"WWW-Authenticate": "Bearer"}
     assert e.value.detail == {"field": "Authorization", "reason": "missing or wrong bearer token"}
     assert told == [("POST unmatched", "10.0.0.7", missing)]
     assert "wrong" not in repr(told) and "s3cret" not in repr(e.value.detail)
 
+
+
+def test_the_dependency_is_a_coroutine_so_fastapi_runs_it_on_the_loop() -> None:
+    """A plain-function dependency is run in FastAPI's thread pool: a thread hand-off per request."""
+    auth = BearerAuth("s3cret")
+    assert inspect.iscoroutinefunction(auth.__call__)
+    assert asyncio.run(auth(request("Bearer s3cret"))) is None
+    with pytest.raises(HTTPException) as e:
+        asyncio.run(auth(request("Bearer wrong")))
+    assert e.value.status_code == 401
