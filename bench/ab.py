@@ -13,6 +13,9 @@ Workloads (``--parts``, all by default):
               the deepseek tokenizer), fed the same pre-packed client bodies (bench/feed.py:
               generate calls of ``--ids`` ids, 3/4 prompt, 1/4 response) in turns of ``--posts``
               bodies: the collector's CPU (its process tree) per span acknowledged
+  requests    the same collectors fed bodies of one such span each (what a client posts at a low rate,
+              or an OTLP exporter's small batches), ``--requests`` per side and round: the
+              collector's CPU per request, i.e. what every answer costs beside its spans
   hot         bench/hot_path.py's traced call (1,500 + 500 ids, a tool call, a reward), paced
               ``--gap-us`` apart, each side's client posting to its own collector, in a fresh
               process per side and round, beside an undecorated run: added caller time (median),
@@ -192,6 +195,36 @@ def collector_cpu(sides: tuple[Side, Side], args: argparse.Namespace, work: Path
     return out
 
 
+def request_cpu(sides: tuple[Side, Side], args: argparse.Namespace, work: Path) -> dict[str, list[float]]:
+    """µs of collector CPU per request of one span (token2text off), per side and round."""
+    maker = BodyMaker(DEAD_PROXY, seed=2)  # never posts: bodies only
+    maker.generate_spans(16, prompt=args.ids * 3 // 4, response=args.ids - args.ids * 3 // 4)
+    bodies, content_type = maker.bodies(max_spans=1), maker.content_type
+    maker.close()
+    out: dict[str, list[float]] = {s.label: [] for s in sides}
+    services = {s.label: start_side_collector(s, work / f"collector-requests-{i}", token2text=False, workers=args.workers)
+                for i, s in enumerate(sides)}
+    with running(*services.values()):
+        worker = 0x6000
+        for s in sides:
+            worker += 1
+            post_loop(services[s.label].url, worker, bodies, content_type, seconds=60, max_posts=50)
+        for r, order in alternate(args.rounds, sides):
+            for s in order:
+                svc = services[s.label]
+                worker += 1
+                cpu0 = tree_cpu(svc.pid)
+                sent = post_loop(svc.url, worker, bodies, content_type, seconds=args.turn_seconds, max_posts=args.requests)
+                time.sleep(0.2)
+                cpu = tree_cpu(svc.pid) - cpu0
+                if set(sent["statuses"]) != {200}:
+                    raise RuntimeError(f"collector {s.label} answered {sent['statuses']} (one-span requests)")
+                out[s.label].append(cpu * 1e6 / max(1, sent["posts"]))
+            print(f"  collector, one-span requests, round {r + 1}: "
+                  + "  ".join(f"{s.label} {out[s.label][-1]:.0f} µs/request" for s in sides), flush=True)
+    return out
+
+
 def hot_child(side_python: str, mode: str, collector_url: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """One bench/hot_path.py child (a fresh process) under ``side_python``."""
     workdir = Path(tempfile.mkdtemp(prefix=f"{mode}-", dir=work))
@@ -334,9 +367,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--against", help="the other revision (a commit, tag or branch of this repository)")
     parser.add_argument("--rounds", type=int, default=6, help="alternations per workload (6 or more for a quoted ratio)")
-    parser.add_argument("--parts", default="collector,hot,ingest", help="comma-separated: collector, hot, ingest")
+    parser.add_argument("--parts", default="collector,requests,hot,ingest", help="comma-separated: collector, requests, hot, ingest")
     parser.add_argument("--ids", type=int, default=2000, help="token ids per span in the collector workload")
     parser.add_argument("--posts", type=int, default=16, help="bodies per side and round in the collector workload (~1 MiB each)")
+    parser.add_argument("--requests", type=int, default=600, help="one-span requests per side and round in the requests workload")
     parser.add_argument("--calls", type=int, default=3000, help="traced calls per hot-path child")
     parser.add_argument("--gap-us", type=float, default=200.0, help="pause between hot-path calls (untimed)")
     parser.add_argument("--spans", type=int, default=2000, help="calls per side and round in the ingest workload")
@@ -354,7 +388,7 @@ def main() -> None:
     if not args.against:
         parser.error("--against REV is required")
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = set(parts) - {"collector", "hot", "ingest"}
+    unknown = set(parts) - {"collector", "requests", "hot", "ingest"}
     if unknown:
         parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
     if args.rounds < 6:
@@ -372,6 +406,7 @@ def main() -> None:
         steps: dict[str, Callable[[], None]] = {
             "collector": lambda: [rows.append(summary(f"collector CPU per span, token2text {'on' if t2t else 'off'}", "µs",
                                                       collector_cpu(sides, args, work, t2t), sides)) for t2t in (False, True)],
+            "requests": lambda: rows.append(summary("collector CPU per one-span request", "µs", request_cpu(sides, args, work), sides)),
             "hot": lambda: _hot_rows(rows, hot_path(sides, args, work), sides),
             "ingest": lambda: _ingest_rows(rows, ingest(sides, args, work), sides),
         }

@@ -89,11 +89,13 @@ class BodyMaker:
             with self.attr(sample_index=t // 8, step=1, rollout_n=t % 8):
                 loop.run({"temperature": 1.0}, request_id=f"t{t}")
 
-    def bodies(self) -> list[tuple[bytes, int]]:
-        """Everything recorded so far, packed with the client's default batch bounds."""
+    def bodies(self, max_spans: int | None = None) -> list[tuple[bytes, int]]:
+        """Everything recorded so far, packed with the client's default batch bounds (or at most
+        ``max_spans`` spans a body)."""
         sender = self.sender
         defaults = type(sender.config)()
-        sender.config = replace(sender.config, batch_max_spans=defaults.batch_max_spans, batch_max_bytes=defaults.batch_max_bytes)
+        sender.config = replace(sender.config, batch_max_spans=max_spans or defaults.batch_max_spans,
+                                batch_max_bytes=defaults.batch_max_bytes)
         out = []
         while sender.queue:
             built = sender._build_body()
