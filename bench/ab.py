@@ -169,30 +169,12 @@ def collector_cpu(sides: tuple[Side, Side], args: argparse.Namespace, work: Path
     maker.generate_spans(max(4, per_body * 8), prompt=args.ids * 3 // 4, response=args.ids - args.ids * 3 // 4)
     bodies, content_type = maker.bodies(), maker.content_type
     maker.close()
-    out: dict[str, list[float]] = {s.label: [] for s in sides}
     tag = "on" if token2text else "off"
     services = {s.label: start_side_collector(s, work / f"collector-{tag}-{i}", token2text=token2text, tokenizer=tokenizer,
                                               workers=args.workers)
                 for i, s in enumerate(sides)}
-    with running(*services.values()):
-        worker = 0x4000 + (0x800 if token2text else 0)
-        for s in sides:  # warm: tokenizer loaded, connections and caches as in steady state
-            worker += 1
-            post_loop(services[s.label].url, worker, bodies, content_type, seconds=120, max_posts=3)
-        for r, order in alternate(args.rounds, sides):
-            for s in order:
-                svc = services[s.label]
-                worker += 1
-                cpu0 = tree_cpu(svc.pid)
-                sent = post_loop(svc.url, worker, bodies, content_type, seconds=args.turn_seconds, max_posts=args.posts)
-                time.sleep(0.2)  # anything the answers left (metrics, the forwarder's tick)
-                cpu = tree_cpu(svc.pid) - cpu0
-                if set(sent["statuses"]) != {200}:
-                    raise RuntimeError(f"collector {s.label} answered {sent['statuses']} (token2text {tag})")
-                out[s.label].append(cpu * 1e6 / max(1, sent["spans"]))
-            print(f"  collector, token2text {tag}, round {r + 1}: "
-                  + "  ".join(f"{s.label} {out[s.label][-1]:.0f} µs/span" for s in sides), flush=True)
-    return out
+    return _posted_turns(sides, services, args, bodies, content_type, worker=0x4000 + (0x800 if token2text else 0),
+                         warm_posts=3, max_posts=args.posts, per="spans", what=f"token2text {tag}")
 
 
 def request_cpu(sides: tuple[Side, Side], args: argparse.Namespace, work: Path) -> dict[str, list[float]]:
@@ -201,27 +183,36 @@ def request_cpu(sides: tuple[Side, Side], args: argparse.Namespace, work: Path) 
     maker.generate_spans(16, prompt=args.ids * 3 // 4, response=args.ids - args.ids * 3 // 4)
     bodies, content_type = maker.bodies(max_spans=1), maker.content_type
     maker.close()
-    out: dict[str, list[float]] = {s.label: [] for s in sides}
     services = {s.label: start_side_collector(s, work / f"collector-requests-{i}", token2text=False, workers=args.workers)
                 for i, s in enumerate(sides)}
+    return _posted_turns(sides, services, args, bodies, content_type, worker=0x6000, warm_posts=50,
+                         max_posts=args.requests, per="posts", what="one-span requests")
+
+
+def _posted_turns(sides: tuple[Side, Side], services: dict[str, Service], args: argparse.Namespace,
+                  bodies: list[tuple[bytes, int]], content_type: str, *, worker: int, warm_posts: int, max_posts: int,
+                  per: str, what: str) -> dict[str, list[float]]:
+    """Each side's collector fed ``bodies`` in alternating turns: µs of its CPU (process tree) per
+    span (``per="spans"``) or per request (``per="posts"``), per side and round; stops the services."""
+    out: dict[str, list[float]] = {s.label: [] for s in sides}
+    unit = "span" if per == "spans" else "request"
     with running(*services.values()):
-        worker = 0x6000
-        for s in sides:
+        for s in sides:  # warm: tokenizer loaded, connections and caches as in steady state
             worker += 1
-            post_loop(services[s.label].url, worker, bodies, content_type, seconds=60, max_posts=50)
+            post_loop(services[s.label].url, worker, bodies, content_type, seconds=120, max_posts=warm_posts)
         for r, order in alternate(args.rounds, sides):
             for s in order:
                 svc = services[s.label]
                 worker += 1
                 cpu0 = tree_cpu(svc.pid)
-                sent = post_loop(svc.url, worker, bodies, content_type, seconds=args.turn_seconds, max_posts=args.requests)
-                time.sleep(0.2)
+                sent = post_loop(svc.url, worker, bodies, content_type, seconds=args.turn_seconds, max_posts=max_posts)
+                time.sleep(0.2)  # anything the answers left (metrics, the forwarder's tick)
                 cpu = tree_cpu(svc.pid) - cpu0
                 if set(sent["statuses"]) != {200}:
-                    raise RuntimeError(f"collector {s.label} answered {sent['statuses']} (one-span requests)")
-                out[s.label].append(cpu * 1e6 / max(1, sent["posts"]))
-            print(f"  collector, one-span requests, round {r + 1}: "
-                  + "  ".join(f"{s.label} {out[s.label][-1]:.0f} µs/request" for s in sides), flush=True)
+                    raise RuntimeError(f"collector {s.label} answered {sent['statuses']} ({what})")
+                out[s.label].append(cpu * 1e6 / max(1, sent[per]))
+            print(f"  collector, {what}, round {r + 1}: "
+                  + "  ".join(f"{s.label} {out[s.label][-1]:.0f} µs/{unit}" for s in sides), flush=True)
     return out
 
 
