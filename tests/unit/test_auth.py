@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 from typing import Any
 
+import httpx
 import pytest
-from fastapi import HTTPException
+from fastapi import Depends, FastAPI, HTTPException
 from starlette.requests import Request
 
 from tracecar.collector.service.auth import BearerAuth
@@ -46,7 +48,24 @@ def test_the_dependency_is_a_coroutine_so_fastapi_runs_it_on_the_loop() -> None:
     """A plain-function dependency is run in FastAPI's thread pool: a thread hand-off per request."""
     auth = BearerAuth("s3cret")
     assert inspect.iscoroutinefunction(auth.__call__)
-    assert asyncio.run(auth(request("Bearer s3cret"))) is None
-    with pytest.raises(HTTPException) as e:
-        asyncio.run(auth(request("Bearer wrong")))
-    assert e.value.status_code == 401
+    threads: list[int] = []
+
+    class Recording(BearerAuth):
+        def check(self, request: Request) -> None:
+            threads.append(threading.get_ident())
+            super().check(request)
+
+    app = FastAPI()
+
+    @app.get("/guarded", dependencies=[Depends(Recording("s3cret"))])
+    async def guarded() -> dict[str, Any]:
+        return {"loop": threading.get_ident()}
+
+    async def calls() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
+            return (await client.get("/guarded", headers={"Authorization": "Bearer s3cret"}),
+                    await client.get("/guarded", headers={"Authorization": "Bearer wrong"}))
+
+    ok, refused = asyncio.run(calls())
+    assert ok.status_code == 200 and threads[0] == ok.json()["loop"]  # checked on the event loop's thread
+    assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
