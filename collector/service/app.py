@@ -132,7 +132,7 @@ class Collector:
             self.forwarders.append(forwarder)
             if not local_only:  # a local-only store writes every span done: a commit leaves nothing pending to wake for
                 # (each wake cost a thread hand-off and a query per request; pending rows an earlier run with an
-                # exporter left behind are found by the forwarder's own poll, once a second)
+                # exporter left behind are found by the forwarder's first pass, then its own poll once a second)
                 self.pipeline.on_committed.append(forwarder.notify)
             if not local_only:
                 self.metrics.bind_exporter(s.name, functools.partial(self.spool.owed_count, s.name),
