@@ -130,11 +130,11 @@ class Collector:
             )
             self.watched_sinks.append(watched)
             self.forwarders.append(forwarder)
-            if not local_only:  # a local-only store writes every span done: a commit leaves nothing pending to wake for
-                # (each wake cost a thread hand-off and a query per request; pending rows an earlier run with an
-                # exporter left behind are found by the forwarder's first pass, then its own poll once a second)
-                self.pipeline.on_committed.append(forwarder.notify)
+            # a local-only store writes every span done: a commit leaves nothing pending to wake the forwarder for
+            # (each wake cost a thread hand-off and a query per request; pending rows an earlier run with an
+            # exporter left behind are found by the forwarder's first pass, then its own poll once a second)
             if not local_only:
+                self.pipeline.on_committed.append(forwarder.notify)
                 self.metrics.bind_exporter(s.name, functools.partial(self.spool.owed_count, s.name),
                                            functools.partial(getattr, forwarder, "backoff_s"))  # this exporter's, read at scrape
         self.watched_sink, self.forwarder = self.watched_sinks[0], self.forwarders[0]  # the first (or only) one

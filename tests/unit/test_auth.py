@@ -43,7 +43,6 @@ def test_a_missing_or_wrong_token_is_401_and_reported_without_the_value(header, 
     assert "wrong" not in repr(told) and "s3cret" not in repr(e.value.detail)
 
 
-
 def test_the_dependency_is_a_coroutine_so_fastapi_runs_it_on_the_loop() -> None:
     """A plain-function dependency is run in FastAPI's thread pool: a thread hand-off per request."""
     auth = BearerAuth("s3cret")

@@ -3,6 +3,7 @@ checks its byte table (about a second), which on the loop would stall every inge
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -17,9 +18,7 @@ async def _no_auth() -> None:
     return None
 
 
-@pytest.mark.anyio
-async def test_the_decoder_is_resolved_in_a_worker_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    loop_thread = threading.get_ident()
+def test_the_decoder_is_resolved_in_a_worker_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[str, int] = {}
 
     def decoder_of(collector: Any) -> Any:
@@ -40,8 +39,12 @@ async def test_the_decoder_is_resolved_in_a_worker_thread(monkeypatch: pytest.Mo
 
     app = FastAPI()
     app.include_router(truth_api.build_router(Collector(), Index(), _no_auth, 0.0))  # type: ignore[arg-type]
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
-        r = await client.get("/v1/trajectories/abc/truth")
+
+    async def call() -> tuple[httpx.Response, int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
+            return await client.get("/v1/trajectories/abc/truth"), threading.get_ident()
+
+    r, loop_thread = asyncio.run(call())
     assert r.status_code == 200, r.text
     assert r.json() == {"trace_id": "abc", "summary": {"trace_id": "abc"}, "turns": [], "decoded": False}
     assert seen["decoder"] != loop_thread
