@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tracecar.client import redact as redact_module
 from tracecar.client.redact import REDACTED, RedactKeys, scrub_exception
 from tracecar.client.wire import WireEncoder, pack_span
 
@@ -101,10 +102,13 @@ def test_a_non_finite_numpy_reward_travels_as_a_string_like_a_float_one() -> Non
 @pytest.mark.parametrize("extra", [(), ("x-api-key", "Password", "_", "123", "a")])
 def test_the_letter_anchored_search_finds_exactly_what_the_quoted_key_regex_finds(extra) -> None:
     """_holds_quoted (memchr on each key's rarest letter) against the regex it replaces: random
-    bodies with keys in any case, cut short, repeated past the per-body budget of places."""
+    bodies with keys in any case, cut short, repeated past the per-body budget of places, inside a
+    run of token ids long enough that the letters are searched (a short body goes to the regex)."""
     keys = RedactKeys(extra)
     rng = random.Random(7)
     alphabet = b'"_aAuUtThHpPiIkKeEyYzZoOrRnNdDsSwW-x:,{}[]0123456789 '
+    ids = b"[" + b",".join(b"%d" % rng.randrange(150_000) for _ in range(800)) + b"]"
+    assert len(ids) >= redact_module.REGEX_BELOW
     fell_back = found = 0
     for _ in range(6000):
         body = bytes(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
@@ -116,8 +120,12 @@ def test_the_letter_anchored_search_finds_exactly_what_the_quoted_key_regex_find
         if rng.random() < 0.2:
             body = body * rng.randint(5, 400)  # many places of one letter: past the budget, the regex decides
             fell_back += 1
+        at = rng.randint(0, len(body))
+        body = body[:at] + ids + body[at:]  # the ids may cut a key in two: the regex says what that is
         expected = keys._quoted_re.search(body) is not None
         found += expected
         assert keys._holds_quoted(body) == expected, body[:200]
         assert keys._holds_quoted(bytearray(body)) == expected
+        short = body[:at] + body[at + len(ids):]  # and without them: the regex at once, the same answer
+        assert keys._holds_quoted(short) == (keys._quoted_re.search(short) is not None)
     assert found > 500 and fell_back > 500
