@@ -9,8 +9,9 @@ worker that CPU is GIL time taken from the generation loop.
 So the sender keeps httpx's client, requests, responses and exceptions (its retry and failure
 logic is written against them), and only this transport underneath speaks HTTP/1.1 through the
 standard library: one keep-alive connection, the body written as it is, the answer parsed by
-``http.client``. It is used only where httpx would connect directly: a plain ``http://`` URL and
-no proxy in the environment (:func:`usable_for`); TLS and proxies stay httpx's own.
+``http.client``. It is used only where httpx would connect directly: a plain ``http://`` URL with
+no proxy in the environment, or one bypassed by ``NO_PROXY`` (:func:`usable_for`); TLS and
+proxies stay httpx's own.
 """
 
 from __future__ import annotations
@@ -23,8 +24,28 @@ import httpx
 
 
 def usable_for(url: str) -> bool:
-    """A plain-http URL with no proxy configured in the environment (where httpx connects directly)."""
-    return httpx.URL(url).scheme == "http" and not urllib.request.getproxies_environment()
+    """A plain-http URL that httpx would reach directly: no proxy for ``http://`` in the environment,
+    or a ``NO_PROXY`` entry that bypasses it for this host (a sidecar's ``127.0.0.1`` / ``localhost``,
+    a cluster domain). Entries are read as httpx reads them (``getproxies()``; ``*``; an IP or
+    ``localhost`` exactly; ``example.com`` that domain and below it; ``.example.com`` only below);
+    an entry httpx reads some other way (a scheme, a port, a network) is not taken as a bypass:
+    where this says "direct", httpx went direct too (tests/test_plain_http.py compares them)."""
+    parsed = httpx.URL(url)
+    if parsed.scheme != "http":
+        return False
+    proxies = urllib.request.getproxies()
+    if not (proxies.get("http") or proxies.get("all")):
+        return True
+    host = parsed.host.lower()
+    for entry in (e.strip().lower() for e in proxies.get("no", "").split(",")):
+        if entry == "*":
+            return True
+        if not entry or "://" in entry or "/" in entry or (":" in entry and host != entry):
+            continue
+        if entry == host or (not entry.startswith(".") and host.endswith("." + entry)) \
+                or (entry.startswith(".") and host.endswith(entry)):
+            return True
+    return False
 
 
 class PlainHttpTransport(httpx.BaseTransport):

@@ -91,6 +91,22 @@ def test_usable_only_for_plain_http_without_a_proxy(monkeypatch) -> None:
     assert not usable_for("https://collector.example:443")
     monkeypatch.setenv("HTTP_PROXY", "http://proxy.example:3128")  # httpx would route through it: httpx's own pool
     assert not usable_for("http://127.0.0.1:4318")
+    monkeypatch.setenv("NO_PROXY", "localhost,127.0.0.1,.svc.cluster.local")  # ... unless NO_PROXY says direct
+    assert usable_for("http://127.0.0.1:4318") and usable_for("http://localhost:4318")
+    assert usable_for("http://tracecar.ns.svc.cluster.local:4318")
+    assert not usable_for("http://collector.example:4318")
+    urls = ["http://127.0.0.1:4318", "http://localhost:4318", "http://tracecar.ns.svc.cluster.local:4318",
+            "http://svc.cluster.local:4318", "http://collector.example:4318", "http://sub.example.org:80",
+            "http://example.org:80", "http://badexample.org:80", "http://10.1.2.3:4318", "http://[::1]:4318"]
+    for no_proxy in ("localhost,127.0.0.1,.svc.cluster.local", "example.org", ".example.org", "*", "",
+                     "10.0.0.0/8,::1", "http://collector.example", "localhost:4318"):
+        monkeypatch.setenv("NO_PROXY", no_proxy)
+        with httpx.Client() as pool:  # where this says direct, httpx's own pool goes direct as well
+            for url in urls:
+                if usable_for(url):
+                    assert pool._transport_for_url(httpx.URL(url)) is pool._transport, (no_proxy, url)
+    monkeypatch.setenv("NO_PROXY", ".example.org")
+    assert usable_for("http://sub.example.org") and not usable_for("http://example.org")  # as httpx reads it
 
 
 def test_the_sender_posts_through_it_to_a_real_collector(start_collector, tracer_to) -> None:
