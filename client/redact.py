@@ -96,8 +96,8 @@ class RedactKeys:
 
         A body under :data:`REGEX_BELOW` bytes goes to the regex at once: the sender's span without
         its id lists is a few hundred bytes of names and text, where each key's letters are
-        common and every place costs a Python iteration (``bench/redact_search.py``: 7–20× the
-        regex's time on 0.3–1.4 KB of text; the memchr passes win only on long, digit-heavy bodies)."""
+        common and every place costs a Python iteration (``bench/redact_search.py``: 3–11× the
+        regex's time on a few hundred bytes; the memchr passes win only on long, digit-heavy bodies)."""
         if len(body) < REGEX_BELOW:
             return self._quoted_re.search(body) is not None
         find = body.find

@@ -24,7 +24,6 @@ import orjson
 from .config import ClientConfig, client_info, default_worker_id
 from .env_check import warn_unknown_env
 from .loud import FailureReporter
-from .plain_http import PlainHttpTransport, usable_for
 from .prompt_delta import UNRESOLVED_REASON, PromptDeltas
 from .redact import RedactKeys, scrub_exception
 from .retry_after import parse_retry_after
@@ -341,14 +340,10 @@ class Sender:
             headers = {"Content-Type": JSON_CONTENT_TYPE, "User-Agent": "tracecar-client/1"}
             if self.config.token:
                 headers["Authorization"] = f"Bearer {self.config.token}"
-            # a plain http:// collector with no proxy in the environment: the standard library's HTTP
-            # under httpx's interface (plain_http: ~0.9x the sender's CPU); else httpx's own pool
-            transport = PlainHttpTransport(self.config.http_timeout_s) if usable_for(str(self.config.url)) else None
             self._http = httpx.Client(
                 timeout=self.config.http_timeout_s,
                 headers=headers,
                 limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
-                transport=transport,
             )
         return self._http
 
