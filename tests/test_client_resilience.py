@@ -70,3 +70,28 @@ def test_a_long_context_span_larger_than_a_batch_still_goes_out(start_collector,
     [traj] = httpx.get(col.url + "/v1/trajectories").json()["trajectories"]
     tree = httpx.get(f"{col.url}/v1/trajectories/{traj['trace_id']}").json()
     assert tree["root"]["children"][0]["inputs"]["prompt_ids"] == prompt
+
+
+def test_a_bug_while_posting_counts_every_span_of_the_batch(tracer_to, caplog):
+    """An error the sender does not expect (not an HTTP failure) costs the batch it was sending:
+    each of its spans is counted as dropped, and the sender goes on with the next batch."""
+    tracer = tracer_to(f"http://127.0.0.1:{free_port()}", flush_interval_s=60)
+
+    class Broken:
+        def post(self, *args, **kwargs):
+            raise RuntimeError("a bug in the post path")
+
+    tracer.sender._client = lambda: Broken()
+    loop = Loop()
+
+    async def main() -> None:
+        for i in range(30):
+            with rollout_trace_attr(sample_index=i, step=1, rollout_n=0):
+                await loop.run([i, i + 1])
+
+    asyncio.run(main())
+    with caplog.at_level("ERROR", logger="tracecar"):
+        assert tracer.flush(10)
+    stats = tracer.stats()
+    assert stats["dropped"] == {"internal_error": 60} and stats["sent"] == 0  # 30 calls + 30 trajectories
+    assert any("unexpected error" in r.getMessage() for r in caplog.records)
