@@ -216,10 +216,12 @@ class Sender:
                 self._drain()
             except Exception:  # noqa: BLE001 - the sender must outlive any bug in one batch
                 log.exception("tracecar sender: unexpected error; batch dropped")
-                # every span of the batch it was sending (a failure while building one: that one, at least)
+                # every span of the batch it was sending (open markers are no spans); a failure while
+                # building one: that one, at least
                 lost = self._pending_body[1] if self._pending_body is not None else 1
-                with self._lock:
-                    self.stats.drop("internal_error", max(1, lost))
+                if lost:
+                    with self._lock:
+                        self.stats.drop("internal_error", lost)
                 self._pending_body = None
                 self._idle.set()
             self.reporter.dropped(self.stats.as_dict())
