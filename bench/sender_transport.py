@@ -102,17 +102,12 @@ def main() -> None:
     args = parser.parse_args()
     from tracecar.client import rollout_trace_attr, rollout_trace_op, tracer
     from tracecar.client import sender as sender_mod
+    from tracecar.client.wire import body_pieces
 
     bodies: list[list[bytes]] = []
 
     def keep_pieces(header: dict[str, Any], spans: list[list[bytes]]) -> bytes:
-        out = [sender_mod.orjson.dumps({**header, "spans": []})[:-3] + b"["]
-        for i, pieces in enumerate(spans):
-            if i:
-                out.append(b",")
-            out.extend(pieces)
-        out.append(b"]}")
-        bodies.append(out)
+        bodies.append(body_pieces(header, spans))
         return b""
 
     sender_mod.batch_body_pieces = keep_pieces  # type: ignore[assignment]  # the pieces, not the joined body
@@ -133,7 +128,7 @@ def main() -> None:
     port = free_port()
     sink = subprocess.Popen([sys.executable, "-c", SINK, str(port)])
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 10  # a connect, not an HTTP probe: no client made here before the runs
         while True:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
