@@ -125,6 +125,7 @@ class Sender:
         # span): the caller wakes the sender at it, and the sender posts on only while that much waits
         self._body_spans = self.config.batch_max_spans
         self._stopping = False
+        self._bug_logged = False  # an unexpected error's traceback was logged (once a process)
         self._thread: threading.Thread | None = None
         self._http: httpx.Client | None = None
         self._pending_body: tuple[bytes, int] | None = None
@@ -215,7 +216,10 @@ class Sender:
             try:
                 self._drain()
             except Exception:  # noqa: BLE001 - the sender must outlive any bug in one batch
-                log.exception("tracecar sender: unexpected error; batch dropped")
+                if not self._bug_logged:  # a bug in tracecar: its traceback once; the drops are reported with the others
+                    self._bug_logged = True
+                    log.exception("tracecar sender: unexpected error, its batch is dropped; this is a tracecar bug, "
+                                  "please report it with this traceback. Later ones are counted as internal_error drops.")
                 # every span of the batch it was sending (open markers are no spans); a failure while
                 # building one: that one, at least
                 lost = self._pending_body[1] if self._pending_body is not None else 1

@@ -74,8 +74,9 @@ def test_a_long_context_span_larger_than_a_batch_still_goes_out(start_collector,
 
 def test_a_bug_while_posting_counts_every_span_of_the_batch(tracer_to, caplog):
     """An error the sender does not expect (not an HTTP failure) costs the batch it was sending:
-    each of its spans is counted as dropped, and the sender goes on with the next batch."""
-    tracer = tracer_to(f"http://127.0.0.1:{free_port()}", flush_interval_s=60)
+    each of its spans is counted as dropped, and the sender goes on with the next batch; its
+    traceback is logged once, not once a batch."""
+    tracer = tracer_to(f"http://127.0.0.1:{free_port()}", flush_interval_s=60, batch_max_spans=10)
 
     class Broken:
         def post(self, *args, **kwargs):
@@ -94,4 +95,5 @@ def test_a_bug_while_posting_counts_every_span_of_the_batch(tracer_to, caplog):
         assert tracer.flush(10)
     stats = tracer.stats()
     assert stats["dropped"] == {"internal_error": 60} and stats["sent"] == 0  # 30 calls + 30 trajectories
-    assert any("unexpected error" in r.getMessage() for r in caplog.records)
+    errors = [r for r in caplog.records if "unexpected error" in r.getMessage()]
+    assert len(errors) == 1 and errors[0].exc_info is not None  # 6 batches failed: one traceback
