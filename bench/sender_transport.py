@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import random
 import resource
 import socket
 import statistics
@@ -31,10 +30,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import hot_path
 import httpx
+from sender_harness import keep_body_pieces, shutdown, traced_sender
 
-from common import free_port, token_ids, tool_call
+from common import free_port
 
 SINK = """
 import asyncio, sys
@@ -79,6 +78,10 @@ def posters(port: int) -> dict[str, Callable[[list[bytes]], None]]:
     def with_httpx(pieces: list[bytes]) -> None:
         client.post(url, content=b"".join(pieces), headers=headers).json()
 
+    def with_httpx_chunks(pieces: list[bytes]) -> None:
+        chunks = join_in_chunks(pieces)
+        client.post(url, content=chunks, headers={**headers, "Content-Length": str(sum(map(len, chunks)))}).json()
+
     def with_http_client(pieces: list[bytes]) -> None:
         plain.request("POST", "/v1/spans", body=b"".join(pieces), headers=headers)
         plain.getresponse().read()
@@ -92,7 +95,20 @@ def posters(port: int) -> dict[str, Callable[[list[bytes]], None]]:
         sendmsg_all(scatter.sock, pieces)
         scatter.getresponse().read()
 
-    return {"httpx": with_httpx, "http.client": with_http_client, "sendmsg": with_sendmsg}
+    return {"httpx": with_httpx, "httpx chunks": with_httpx_chunks, "http.client": with_http_client, "sendmsg": with_sendmsg}
+
+
+def join_in_chunks(pieces: list[bytes], chunk: int = 512 * 1024) -> list[bytes]:
+    out, run, size = [], [], 0
+    for piece in pieces:
+        run.append(piece)
+        size += len(piece)
+        if size >= chunk:
+            out.append(b"".join(run))
+            run, size = [], 0
+    if run:
+        out.append(b"".join(run))
+    return out
 
 
 def main() -> None:
@@ -100,30 +116,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--spans", type=int, default=2000, help="calls traced per path and round")
     args = parser.parse_args()
-    from tracecar.client import rollout_trace_attr, rollout_trace_op, tracer
-    from tracecar.client import sender as sender_mod
-    from tracecar.client.wire import body_pieces
-
-    bodies: list[list[bytes]] = []
-
-    def keep_pieces(header: dict[str, Any], spans: list[list[bytes]]) -> bytes:
-        bodies.append(body_pieces(header, spans))
-        return b""
-
-    sender_mod.batch_body_pieces = keep_pieces  # type: ignore[assignment]  # the pieces, not the joined body
-    sender_mod.Sender._start = lambda self: None  # type: ignore[method-assign]  # built on this thread, not posted by it
-    tr = tracer.configure(url="http://127.0.0.1:9", experiment="bench", queue_max_spans=10**6)
-    sender = tr.sender
-    sender._short_ids, sender._markers_ok = True, True
-    loop = hot_path.make_loop(rollout_trace_op)
-    rng = random.Random(1)
-    inputs = [(token_ids(1500, rng), token_ids(500, rng), tool_call(rng), round(rng.random(), 3)) for _ in range(8)]
-
-    def trace(n: int) -> None:
-        for t in range(n // 4):
-            with rollout_trace_attr(sample_index=t, step=1, rollout_n=0):
-                for i in range(4):
-                    loop.step(*inputs[(t * 4 + i) & 7])
+    traced = traced_sender()
+    bodies = keep_body_pieces()
+    sender, trace = traced.sender, traced.trace
 
     port = free_port()
     sink = subprocess.Popen([sys.executable, "-c", SINK, str(port)])
@@ -154,7 +149,7 @@ def main() -> None:
                     faults[name].append((resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0) / spans)
     finally:
         sink.kill()
-        tracer.shutdown(0)
+        shutdown()
     print(f"{args.rounds} rounds (ABAB), {args.spans} calls a path and round; build + post on this thread")
     print(f"{'path':12s} {'µs a span':>10s} {'faults a span':>14s}  against httpx (spread)")
     for name in post:

@@ -126,6 +126,7 @@ class Sender:
         self._body_spans = self.config.batch_max_spans
         self._stopping = False
         self._bug_logged = False  # an unexpected error's traceback was logged (once a process)
+        self._encode_error_logged = False  # a span that could not be encoded was logged (once a process)
         self._thread: threading.Thread | None = None
         self._http: httpx.Client | None = None
         self._pending_body: tuple[bytes, int] | None = None
@@ -289,9 +290,13 @@ class Sender:
                     shorten_record(wire, record, prefix)
                 packed = self._pack(wire, self.encoder, cfg.max_string_chars)
             except Exception as exc:  # noqa: BLE001 - one unserialisable span must not cost the batch
-                log.warning("tracecar: span %s could not be encoded: %s", record.name, exc)
                 with self._lock:
                     self.stats.drop("encode_error")
+                if not self._encode_error_logged:  # the rest are counted, and reported with the other drops (rate-limited)
+                    self._encode_error_logged = True
+                    log.warning("tracecar: span %s could not be encoded and is dropped (%s: %s). Later ones are counted "
+                                "as encode_error drops.", record.name, type(exc).__name__,
+                                self.encoder.redact.scrub_text(str(exc)))
                 continue
             packed_size = pieces_size(packed)
             if packed_size > cfg.max_span_bytes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import logging
 import math
 import random
 from typing import Any
@@ -334,6 +335,39 @@ def test_a_span_that_fails_to_pack_is_dropped_and_counted_not_raised() -> None:
         assert s.shutdown(10)
         assert collector.sent_names() == ["good"]
         assert s.stats.dropped == {"encode_error": 1} and s.stats.sent == 1
+    finally:
+        collector.server.shutdown()
+        collector.server.server_close()
+
+
+class SecretError:
+    """A value whose conversion raises with a secret in the message (a to_dict that validates a key)."""
+
+    @property
+    def to_dict(self) -> Any:
+        raise ValueError("bad config: api_key='sk-live-123456'")
+
+
+def test_spans_that_fail_to_encode_are_logged_once_scrubbed_and_every_one_counted(caplog: pytest.LogCaptureFixture) -> None:
+    collector = Collector()
+    s = Sender(ClientConfig(url=collector.url, worker_id="w-unit", flush_interval_s=0.01))
+    for i in range(6):
+        bad = SpanRecord(f"bad{i}", "op", 1.0, None, {"step": 1}, kwargs={"x": SecretError()})
+        bad.end = 2.0
+        s.enqueue(bad)
+    good = SpanRecord("good", "op", 1.0, None, {"step": 1}, kwargs={"ids": list(range(40))})
+    good.end = 2.0
+    s.enqueue(good)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tracecar.client"):
+            assert s.shutdown(10)
+        assert collector.sent_names() == ["good"]
+        assert s.stats.dropped == {"encode_error": 6} and s.stats.sent == 1
+        encode_lines = [r.getMessage() for r in caplog.records if "could not be encoded" in r.getMessage()]
+        assert len(encode_lines) == 1, encode_lines  # once a process, not once a span
+        assert "ValueError" in encode_lines[0] and "sk-live-123456" not in encode_lines[0]
+        assert "sk-live-123456" not in caplog.text
+        assert any("encode_error 6" in r.getMessage() for r in caplog.records)  # the shutdown line counts them all
     finally:
         collector.server.shutdown()
         collector.server.server_close()
