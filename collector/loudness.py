@@ -9,6 +9,7 @@ at most once per ``interval_s`` with the count since, counted in metrics, and de
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -43,6 +44,43 @@ class RateLimited:
     def reset(self) -> None:
         with self._lock:
             self._since, self._last = 0, None
+
+
+class BackgroundFailures:
+    """Failures of the collector's background work that repeat until their cause goes away (a full
+    disk, a locked store: every tick, every batch): the first of each task is logged with its
+    traceback, then at most one line per interval with how many happened since and the latest
+    error's type; each is counted in ``tracecar_background_failures_total{task}`` when a counter
+    is given. Call :meth:`failed` inside the ``except`` block."""
+
+    def __init__(self, counter: Any = None, interval_s: float = LOG_INTERVAL_S) -> None:
+        self.counter = counter
+        self.interval_s = interval_s
+        self._limits: dict[str, RateLimited] = {}
+        self._lock = threading.Lock()
+
+    def failed(self, task: str, message: str) -> None:
+        if self.counter is not None:
+            self.counter.labels(task=task).inc()
+        with self._lock:
+            limit = self._limits.setdefault(task, RateLimited(self.interval_s))
+        first = limit.total == 0
+        count = limit.hit()
+        if count is None:
+            return
+        if first:
+            log.exception("%s (later failures of %s are logged at most once every %g s)", message, task, self.interval_s,
+                          extra={"event": "background_failure", "task": task})
+        else:
+            error = sys.exc_info()[1]
+            log.warning("%s: %d time(s) in the last %g s (latest: %s)", message, count, self.interval_s,
+                        type(error).__name__ if error is not None else "unknown",
+                        extra={"event": "background_failure", "task": task})
+
+    def total(self, task: str) -> int:
+        with self._lock:
+            limit = self._limits.get(task)
+        return limit.total if limit is not None else 0
 
 
 class AuthFailures:

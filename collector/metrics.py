@@ -44,6 +44,7 @@ class Metrics:
         # per exporter (label ``exporter``, the TRACECAR_EXPORTERS name; ``backend`` kept for existing dashboards)
         self.forwarded = Counter("tracecar_spans_forwarded", "Spans delivered, by exporter (backend: the same name, or local).", ["backend", "exporter"], registry=r)
         self.forward_failures = Counter("tracecar_forward_failures", "Failed forward attempts, by exporter and kind.", ["exporter", "kind"], registry=r)
+        self.background_failures = Counter("tracecar_background_failures", "Failures of background work, retried (nothing acknowledged is lost), by task: engine_hold_settle, engine_hold_expire, selection, retention (logged: the first with its traceback, then at most once a minute).", ["task"], registry=r)
         self.dead_lettered = Counter("tracecar_spans_dead_lettered", "Spans an exporter's backend rejected permanently, by exporter.", ["exporter"], registry=r)
         self.partial_rejected = Counter("tracecar_otlp_partial_rejected_spans", "Spans an OTLP backend refused in a 2xx answer (ExportTraceServiceResponse.partial_success.rejected_spans), by exporter.", ["exporter"], registry=r)
         self.exporter_pending = Gauge("tracecar_exporter_pending", "Spans an exporter has still to deliver (its delivery cursor's backlog).", ["exporter"], registry=r)

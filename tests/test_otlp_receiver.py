@@ -331,6 +331,12 @@ def test_empty_unparsable_and_unsupported_requests(start_collector):
     assert bad_json.status_code == 400 and bad_json.json()["message"].startswith("body: invalid JSON")
     wrong_shape = httpx.post(url, content=b'{"resourceSpans": 5}', headers={"Content-Type": "application/json"})
     assert wrong_shape.status_code == 400 and "invalid OTLP/JSON" in wrong_shape.json()["message"]
+    # a value protobuf cannot parse is named by its field, never echoed (an attribute's value may be a secret)
+    secret = {"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "ab" * 16, "spanId": "cd" * 8, "name": "x",
+                                                            "attributes": [{"key": "k", "value": {"intValue": "sk-SECRET-42"}}]}]}]}]}
+    echoed = httpx.post(url, content=orjson.dumps(secret), headers={"Content-Type": "application/json"})
+    assert echoed.status_code == 400 and "intValue" in echoed.json()["message"], echoed.json()
+    assert "sk-SECRET-42" not in echoed.text
     bad_gzip = httpx.post(url, content=b"not gzip", headers={**PROTOBUF, "Content-Encoding": "gzip"})
     assert bad_gzip.status_code == 400
     other = httpx.post(url, content=b"hello", headers={"Content-Type": "text/plain"})

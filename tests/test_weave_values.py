@@ -566,3 +566,35 @@ def test_the_datetime_load_op_the_sink_publishes_is_the_code_weave_stores():
     op_type.save_instance(load, artifact, "obj")
     code = artifact.path_contents["obj.py"]
     assert (code.decode() if isinstance(code, bytes) else code) == LOAD_DATETIME_CODE
+
+
+def test_a_load_op_that_cannot_be_published_is_retried_once_a_minute_not_once_a_call(caplog: pytest.LogCaptureFixture):
+    """Weave refusing the datetime load op (a key that may not create objects) costs one request and one
+    log line a minute, not one of each for every call holding a datetime; the answer's credential is not logged."""
+    from tracecar.collector.exporters.weave_sink import _DATETIME_VALUE, WeaveSink
+
+    hits: collections.Counter[str] = collections.Counter()
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        hits[request.url.path] += 1
+        if request.url.path.endswith("/obj/create"):
+            return httpx.Response(403, text="object creation refused for Authorization: Bearer sk-WEAVE-LEAK")
+        return httpx.Response(200, json={"digest": "d1"})
+
+    sink = WeaveSink(api_key="k" * 40, entity="ent", project="proj", server_url="http://weave.invalid",
+                     transport=httpx.MockTransport(answer))
+    encoded = b'{"inputs":{"at":{"_type":"CustomWeaveType",' + _DATETIME_VALUE + b'"2026-12-07T00:00:00"}}}'
+
+    async def five_calls() -> list[bytes]:
+        try:
+            return [await sink._with_load_op("ent/proj", encoded) for _ in range(5)]
+        finally:
+            await sink.aclose()
+
+    with caplog.at_level("WARNING", logger="tracecar.collector"):
+        sent = asyncio.run(five_calls())
+    assert sent == [encoded] * 5  # the values still go, without the ref
+    assert sum(n for path, n in hits.items() if path.endswith("/obj/create")) == 1, hits
+    lines = [r.getMessage() for r in caplog.records if "load op" in r.getMessage()]
+    assert len(lines) == 1 and "403" in lines[0], lines
+    assert "sk-WEAVE-LEAK" not in caplog.text

@@ -25,6 +25,7 @@ from typing import Any, Protocol, cast
 
 import orjson
 
+from tracecar.client.redact import RedactKeys
 from tracecar.client.tracing import MARK  # the client's place mark on a span's attributes
 
 from ..loudness import RateLimited
@@ -175,7 +176,8 @@ class Forwarder:
 
     def __init__(self, spool: Spool, sink: Sink, metrics: Metrics, *, batch_spans: int,
                  retry_initial_s: float, retry_max_s: float, keep_forwarded: bool,
-                 probe_s: float = 1.0, urgent: Callable[[], bool] | None = None) -> None:
+                 probe_s: float = 1.0, urgent: Callable[[], bool] | None = None,
+                 redact: RedactKeys | None = None) -> None:
         self.spool = spool
         self.sink = sink
         self.metrics = metrics
@@ -188,6 +190,11 @@ class Forwarder:
         self.name: str = sink.name  # the exporter: its spool cursor and its metrics label
         self._refusals = RateLimited(30.0)
         self._span_errors = RateLimited(30.0)
+        self._dead_letters = RateLimited(30.0)
+        self._dead_since = 0  # spans dead-lettered since the last line about them
+        # a dead letter's reason is a backend's answer or an error's message, and either may quote span data:
+        # scrubbed like free text before it is logged or stored
+        self.redact = redact if redact is not None else RedactKeys()
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self.backoff_s = 0.0
@@ -324,12 +331,20 @@ class Forwarder:
             await self._record("forwarded", delivered)
         if result.rejected:
             by_id = {s["span_id"]: s for s in spans}
+            scrub = self.redact.scrub_text
             dead = [
-                (seq_of[sid], sid, by_id[sid].get("trace_id", ""), by_id[sid].get("name", ""), reason)
+                (seq_of[sid], sid, by_id[sid].get("trace_id", ""), by_id[sid].get("name", ""), scrub(str(reason))[:MAX_REASON_CHARS])
                 for sid, reason in result.rejected.items() if sid in seq_of
             ]
             self.metrics.dead_lettered.labels(exporter=self.name).inc(len(dead))
-            log.warning("forward to %s: %d spans dead-lettered: %s", self.name, len(dead), next(iter(result.rejected.values())))
+            self._dead_since += len(dead)
+            answers = self._dead_letters.hit()
+            if answers is not None and dead:
+                lettered, self._dead_since = self._dead_since, 0
+                log.warning("forward to %s: %d span(s) dead-lettered in %d answer(s) since the last line (latest: %s); "
+                            "`tracecar dead-letters` lists them, and this is logged at most once every %g s",
+                            self.name, lettered, answers, dead[-1][4], self._dead_letters.interval_s,
+                            extra={"event": "forward_dead_lettered", "exporter": self.name})
             await self._record("dead", dead)
         if result.refused:
             self._count_refused(result.refused, result.refused_reason)

@@ -49,9 +49,11 @@ import httpx
 import orjson
 import pydantic_core
 
+from tracecar.client.redact import RedactKeys
 from tracecar.client.retry_after import parse_retry_after
 from tracecar.client.tracing import ENGINE_REQUESTS, MARK  # the client's place mark on a span's attributes
 
+from ..loudness import RateLimited
 from .forward import RawJSON, SendResult
 
 if TYPE_CHECKING:  # weave's request model; importing weave at runtime costs ~1.5 s
@@ -484,6 +486,10 @@ async def resolve_default_entity(api_key: str, wandb_base_url: str = "https://ap
 
 
 # ------------------------------------------------------------------------------- sink ----
+LOAD_OP_RETRY_S = 60.0  # after a failed publish of the datetime load op, calls go without it this long
+_FREE_TEXT_REDACT = RedactKeys()  # weave's own redact keys and bearer credentials, in reasons
+
+
 @dataclass
 class _Failure:
     retryable: bool
@@ -537,6 +543,9 @@ class WeaveSink:
         self._sent_counts: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._file_digests: dict[tuple[str, str], str] = {}  # (project_id, code) -> the code file's digest
         self._op_refs: dict[tuple[str, str], str] = {}  # (project_id, name) -> op ref URI
+        # project id -> when publishing the datetime load op last failed: retried after LOAD_OP_RETRY_S, not per call
+        self._load_op_failed: dict[str, float] = {}
+        self._load_op_failures = RateLimited(LOAD_OP_RETRY_S)
         # span id -> place mark of calls sent lately: where a joined engine span goes (its parent's trace)
         self._marks: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
@@ -811,10 +820,19 @@ class WeaveSink:
             return encoded
         ref = self._op_refs.get((pid, LOAD_DATETIME_OP))
         if ref is None:
+            now = asyncio.get_running_loop().time()
+            failed_at = self._load_op_failed.get(pid)
+            if failed_at is not None and now - failed_at < LOAD_OP_RETRY_S:
+                return encoded  # it failed lately: these calls go without it, the publish is tried again later
             got = await self._publish_op(pid, LOAD_DATETIME_OP, LOAD_DATETIME_CODE)
             if isinstance(got, _Failure):
-                logger.warning("weave: datetime values sent without their load op: %s", got.reason)
+                self._load_op_failed[pid] = now
+                count = self._load_op_failures.hit()
+                if count is not None:
+                    logger.warning("weave: datetime values sent without their load op (%d failed publish(es) since the "
+                                   "last line; tried again every %g s): %s", count, LOAD_OP_RETRY_S, got.reason)
                 return encoded
+            self._load_op_failed.pop(pid, None)
             ref = self._op_refs[(pid, LOAD_DATETIME_OP)] = got
         marked = _DATETIME_VALUE[:-len(b'"val":')] + b'"load_op":' + orjson.dumps(ref) + b',"val":'
         return encoded.replace(_DATETIME_VALUE, marked)
@@ -865,9 +883,11 @@ class WeaveSink:
             return _Failure(True, f"publishing an op: no digest in the answer from {url}")
 
     def _redact(self, text: str) -> str:
+        """A failure's reason (a backend's answer, an error's message) without this sink's key and without
+        what reads as a credential or a redact key's value (the answer may quote the request)."""
         for s in self._secrets:
             text = text.replace(s, "***")
-        return text[:MAX_REASON_CHARS]
+        return _FREE_TEXT_REDACT.scrub_text(text)[:MAX_REASON_CHARS]
 
     @staticmethod
     def _mark(result: SendResult, sids: list[str], fail: _Failure) -> None:

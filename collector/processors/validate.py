@@ -8,6 +8,7 @@ recorded warning instead of being refused.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -149,6 +150,7 @@ def _described(value: Any) -> str:
 
 
 MAX_REWARD_COMPONENTS = 256
+_FATE_LIKE = re.compile(r"[A-Za-z_-]{1,32}")  # a word: what a misspelt fate looks like
 FATES = ("trained", "filtered", "evicted")  # what became of a trajectory (issue 29); "never reached the trainer" is no note
 
 
@@ -175,7 +177,8 @@ def _check_trainer_attributes(attrs: dict[str, Any]) -> None:
             raise ValueError(f"attributes.{key} must be a signed 64-bit integer, got {_described(value)}")
     fate = attrs.get("fate")
     if fate is not None and fate not in FATES:
-        given = repr(fate[:32]) if isinstance(fate, str) else _described(fate)
+        # a plausible misspelling is echoed; any other value (it may be anything, a secret too) only described
+        given = repr(fate) if isinstance(fate, str) and _FATE_LIKE.fullmatch(fate) else _described(fate)
         raise ValueError(f"attributes.fate must be one of {', '.join(FATES)}, got {given}")
     for key in ("fate_reason", "refill_of"):
         value = attrs.get(key)

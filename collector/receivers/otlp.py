@@ -99,9 +99,24 @@ def parse_request(body: bytes | bytearray, content_type: str | None, max_batch_s
         try:
             json_format.ParseDict(hex_ids_to_base64(data), request, ignore_unknown_fields=True)
         except (json_format.ParseError, ValueError, TypeError) as exc:
-            raise BodyError(400, "body", f"invalid OTLP/JSON: {exc}") from None
+            raise BodyError(400, "body", f"invalid OTLP/JSON: {_without_values(str(exc))}") from None
         return request
     raise BodyError(415, "Content-Type", f"unsupported content type {media or None!r}; OTLP/HTTP takes {PROTOBUF} or {JSON}")
+
+
+_PARSED_FIELD = re.compile(r"Failed to parse (\w+) field")
+_AT_PATH = re.compile(r" at (ExportTraceServiceRequest[\w.\[\]]*)")
+
+
+def _without_values(message: str) -> str:
+    """protobuf's parse error as the field it failed on and where, never the value (its messages quote
+    a client's value, and an attribute's value may be a secret: an answer never echoes one)."""
+    fields = _PARSED_FIELD.findall(message)
+    at = _AT_PATH.search(message)
+    where = f" at {at.group(1).rstrip('.')}" if at is not None else ""
+    if not fields:
+        return f"not an ExportTraceServiceRequest{where} (the value is not echoed)"
+    return f"field {'.'.join(fields)}{where}: a value of the wrong type or form (not echoed)"
 
 
 class OtlpRequest:

@@ -25,7 +25,7 @@ from typing import Any, cast
 from tracecar.client.redact import RedactKeys
 
 from ..heap import HEAP
-from ..loudness import TokenizerFailures
+from ..loudness import BackgroundFailures, TokenizerFailures
 from ..metrics import Metrics
 from ..processors.decoding import TokenizerNotFound, TokenizerPolicy, TokenizerRegistry, decode_spans
 from ..processors.open_calls import OPEN_KIND, OpenCalls
@@ -105,6 +105,7 @@ class IngestPipeline:
         self.prompt_contexts = PromptContexts(settings.prompt_refs_max_bytes, on_evict=metrics.prompt_refs_evicted.inc)
         metrics.prompt_refs_bytes.set_function(lambda: self.prompt_contexts.bytes)
         self.tokenizer_failures = TokenizerFailures()  # each unloadable name logged once
+        self.background = BackgroundFailures(metrics.background_failures)  # the hold's and selection's loops
         self.redact_keys = RedactKeys(settings.redact_keys)
         self.policies = Policies(settings)
         self.selection: TailSelector | None = None
@@ -292,7 +293,7 @@ class IngestPipeline:
         try:
             self.hold.after_write(validated.spans, held, validated.foreign_roots, by_request)
         except Exception:  # noqa: BLE001 - never fails an acknowledged batch
-            log.exception("engine hold: settling waiting engine spans failed; they keep waiting")
+            self.background.failed("engine_hold_settle", "engine hold: settling waiting engine spans failed; they keep waiting")
 
     async def run_hold(self) -> None:
         """Releases engine spans that waited past TRACECAR_OTLP_HOLD_MAX_AGE_S, until cancelled."""
@@ -304,7 +305,7 @@ class IngestPipeline:
             try:
                 released = await loop.run_in_executor(self.writer, self.hold.expire)
             except Exception:  # noqa: BLE001 - e.g. a full disk: retried next tick
-                log.exception("engine hold: releasing expired engine spans failed; retrying")
+                self.background.failed("engine_hold_expire", "engine hold: releasing expired engine spans failed; retrying")
                 continue
             if released:
                 for callback in self.on_committed:
@@ -660,7 +661,7 @@ class IngestPipeline:
             try:
                 released = await loop.run_in_executor(self.writer, selection.tick)
             except Exception:  # noqa: BLE001 - e.g. disk full: the step stays held, retried next tick
-                log.exception("selection: deciding failed; held spans stay held")
+                self.background.failed("selection", "selection: deciding failed; held spans stay held")
                 continue
             if released:
                 for callback in self.on_committed:

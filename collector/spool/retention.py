@@ -24,7 +24,7 @@ import logging
 import os
 import time
 
-from ..loudness import RateLimited
+from ..loudness import BackgroundFailures, RateLimited
 from ..metrics import Metrics
 from .archive import SpanArchive
 from .store import ArchiveFailed, Spool, SpoolFull
@@ -59,6 +59,7 @@ class Retention:
         self._decisions_checked = 0.0
         self._disk_full_seen: float | None = None
         self._archive_failures = RateLimited()
+        self._failures = BackgroundFailures(metrics.background_failures)
         self.archive_max_bytes = archive_max_bytes  # the span archive's own bound (spool/archive.py)
         self._archive_checked = 0.0
 
@@ -69,7 +70,7 @@ class Retention:
             try:
                 await asyncio.to_thread(self.apply)
             except Exception:  # noqa: BLE001 - retention must not stop; the next tick retries
-                log.exception("retention: eviction failed; retrying next tick")
+                self._failures.failed("retention", "retention: eviction failed; retrying next tick")
 
     def take_reserve(self) -> bool:
         """Preallocates the reserve file if it is missing; False when the disk has no room for it."""

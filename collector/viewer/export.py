@@ -30,6 +30,7 @@ from typing import Any
 import orjson
 
 from ..chat import chat_in, parse_template, strip_end
+from ..loudness import RateLimited
 from ..read_store import ReadStore
 from ..shape import RESPONSE_ID_KEYS, TOOL_METHODS, dict_or_empty, int_list, shape
 from ..spool.query import get_trajectory
@@ -49,6 +50,7 @@ SETTLE_TIMEOUT_S = 300.0  # how long an export waits for the trajectory index to
 
 
 log = logging.getLogger("tracecar.export")
+_unreported_skips = RateLimited(10.0)  # rows left out where no caller counts them (on_skip unset): logged rate-limited
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 #: told of each trajectory an export leaves out, with why (its record or its line could not be written)
 OnSkip = Callable[[str, str], None]
@@ -228,8 +230,11 @@ def _skipped(on_skip: OnSkip | None, trace_id: Any, exc: BaseException) -> None:
     reason = _skip_reason(exc)
     if on_skip is not None:
         on_skip(str(trace_id), reason)
-    else:
-        log.warning("export: trajectory %s left out: %s", trace_id, reason)
+        return
+    count = _unreported_skips.hit()
+    if count is not None:
+        log.warning("export: %d trajectory row(s) left out since the last line (latest: %s: %s); logged at most once "
+                    "every %g s", count, trace_id, reason, _unreported_skips.interval_s)
 
 
 # ---- writers -------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from typing import Any
 
 import orjson
 
+from ..loudness import BackgroundFailures
 from ..query_params import INT64_MAX, INT64_MIN
 from ..shape import is_engine_payload, is_tool, token_counts, token_output
 from ..spool.full_payloads import conn_loader, full_spans, is_compact, with_rows
@@ -311,6 +312,7 @@ class TrajectoryIndex:
         self._cache: dict[Any, Any] = {}
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._catch_up_failures = BackgroundFailures()  # per request at most: logged rate-limited
         self._pruned_at = 0.0
         self._held_checked_at = 0.0
         self._indexed_since_analyze = 0
@@ -426,7 +428,7 @@ class TrajectoryIndex:
             while not self._closed and not self.refresh(0.1):
                 time.sleep(0.005)  # let request threads take the lock between slices
         except Exception:  # noqa: BLE001 - a failed catch-up is retried by the next request
-            log.exception("viewer index catch-up failed")
+            self._catch_up_failures.failed("viewer_index", "viewer index catch-up failed; the next request retries it")
 
     def _step(self, conn: sqlite3.Connection) -> bool:
         """Indexes one chunk of new spans; False when there was nothing new."""

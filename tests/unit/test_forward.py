@@ -168,3 +168,22 @@ def test_isolating_stops_at_a_retryable_half_so_a_trace_still_arrives_in_order(t
     drain(spool, sink, seconds=2.0)
     assert sink.sent[:2] == [["a", "b", "c", "d"], ["a", "b"]]  # c, d wait with the retried half
     assert states(spool) == {"a": 1, "b": 1, "c": 1, "d": 2}
+
+
+def test_dead_letters_are_logged_rate_limited_and_their_reasons_scrubbed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A backend that refuses every batch (and quotes the request's credential in its answer) gives one
+    log line, not one per batch; neither the line nor the stored reason holds the credential."""
+    ids = [f"s{i}" for i in range(6)]
+    spool = spool_with(tmp_path, *ids)
+    answer = "HTTP 400: bad request (Authorization: Bearer sk-LEAK-0123456789; api_key='sk-LEAK-2')"
+    sink = ScriptedSink(*[lambda batch: SendResult(rejected={sid: answer for sid in batch})] * 6)
+    metrics = Metrics()
+    with caplog.at_level("WARNING", logger="tracecar.collector"):
+        drain(spool, sink, metrics, batch_spans=1)
+    assert len(sink.sent) == 6 and states(spool) == {sid: 2 for sid in ids}
+    assert metrics.dead_lettered.labels(exporter="scripted")._value.get() == 6  # every one counted
+    lines = [r.getMessage() for r in caplog.records if "dead-lettered" in r.getMessage()]
+    assert len(lines) == 1, lines  # six answers, one line (at most one every 30 s)
+    reasons = [r["reason"] for r in spool.dead_letters()]
+    assert len(reasons) == 6 and all("HTTP 400: bad request" in r for r in reasons)
+    assert "sk-LEAK" not in caplog.text and not any("sk-LEAK" in r for r in reasons)

@@ -136,3 +136,12 @@ def test_a_batch_copy_of_a_stored_span_does_not_decide_its_childrens_trajectory(
     out = validate_batch(batch(span("P", trace="other", parent="other"), span("child", parent="P", trace="T")), 10)
     reject_foreign_children(out, {"P": "T", "other": "other"})
     assert [s["span_id"] for s in out.spans] == ["P", "child"] and out.rejected == []
+
+
+def test_a_bad_fate_names_a_misspelling_but_never_echoes_another_value() -> None:
+    notes = [{**span(sid, trace="t1"), "kind": "annotation", "attributes": {"fate": fate}}
+             for sid, fate in (("a", "trainedd"), ("b", "sk-FATE-SECRET-44"))]
+    out = validate_batch(batch(*notes), 10)
+    first, second = out.rejected
+    assert first.field == "spans[0].attributes.fate" and "got 'trainedd'" in first.reason
+    assert second.field == "spans[1].attributes.fate" and "SECRET" not in second.reason, second.reason
