@@ -12,9 +12,11 @@ import contextlib
 import math
 import os
 import random
+import statistics
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,6 +142,27 @@ def median(values: Sequence[float]) -> float:
 
 def ratio(a: float, b: float) -> float:
     return a / b if b else math.inf
+
+
+def alternating_cpu(paths: Mapping[str, Callable[[], Any]], rounds: int, per: int) -> dict[str, list[float]]:
+    """This thread's CPU µs per item (``per`` items a run) of each path, one run a round, in order on even
+    rounds and reversed on odd ones (ABBA), after one unrecorded warm-up round: every baseline measured
+    interleaved with its candidates, never once."""
+    cpu: dict[str, list[float]] = {name: [] for name in paths}
+    for r in range(rounds + 1):
+        for name in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
+            t0 = time.thread_time()
+            paths[name]()
+            if r:
+                cpu[name].append((time.thread_time() - t0) * 1e6 / per)
+    return cpu
+
+
+def print_against(cpu: Mapping[str, Sequence[float]], baseline: str, width: int = 9) -> None:
+    """One line a path: its median, and its ratio to ``baseline`` round by round (median, spread)."""
+    for name, values in cpu.items():
+        ratios = sorted(c / b for c, b in zip(values, cpu[baseline]))
+        print(f"{name:{width}s} {statistics.median(values):8.1f}  {statistics.median(ratios):.2f}× ({ratios[0]:.2f}–{ratios[-1]:.2f})")
 
 
 def table(rows: list[Sequence[Any]], headers: Sequence[str]) -> str:

@@ -18,14 +18,15 @@ import argparse
 import importlib.util
 import random
 import shutil
-import statistics
 import subprocess
 import sysconfig
 import tempfile
-import time
 from pathlib import Path
+from typing import Any
 
 import orjson
+
+from common import alternating_cpu, print_against
 
 SOURCE = r"""
 #define PY_SSIZE_T_CLEAN
@@ -52,7 +53,19 @@ static char *write_u64(char *out, unsigned long long v) {
     return out + n;
 }
 
-static PyObject *dump_ints(PyObject *self, PyObject *arg) {
+/* a small int's value read straight from the object (CPython's own layout), as orjson reads it */
+static long long direct_value(PyObject *item, int *overflow) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)item)) return (long long)PyUnstable_Long_CompactValue((PyLongObject *)item);
+#else
+    if (Py_SIZE(item) == 1) return (long long)((PyLongObject *)item)->ob_digit[0];
+    if (Py_SIZE(item) == 0) return 0;
+#endif
+    return PyLong_AsLongLongAndOverflow(item, overflow);
+}
+
+/* a list of ints as JSON, or None for anything else (so the caller falls back to orjson) */
+static PyObject *dump(PyObject *arg, int direct) {
     if (!PyList_CheckExact(arg)) Py_RETURN_NONE;
     Py_ssize_t n = PyList_GET_SIZE(arg);
     PyObject *res = PyBytes_FromStringAndSize(NULL, n * 22 + 2);
@@ -64,7 +77,7 @@ static PyObject *dump_ints(PyObject *self, PyObject *arg) {
         int overflow = 0;
         long long v;
         if (!PyLong_CheckExact(item)) { Py_DECREF(res); Py_RETURN_NONE; }
-        v = PyLong_AsLongLongAndOverflow(item, &overflow);
+        v = direct ? direct_value(item, &overflow) : PyLong_AsLongLongAndOverflow(item, &overflow);
         if (overflow) { Py_DECREF(res); Py_RETURN_NONE; }
         if (i) *out++ = ',';
         if (v < 0) { *out++ = '-'; out = write_u64(out, 0ULL - (unsigned long long)v); }
@@ -75,36 +88,8 @@ static PyObject *dump_ints(PyObject *self, PyObject *arg) {
     return res;
 }
 
-/* the same, reading a one-digit int's value straight from the object (CPython's own layout) */
-static PyObject *dump_ints_digits(PyObject *self, PyObject *arg) {
-    if (!PyList_CheckExact(arg)) Py_RETURN_NONE;
-    Py_ssize_t n = PyList_GET_SIZE(arg);
-    PyObject *res = PyBytes_FromStringAndSize(NULL, n * 22 + 2);
-    if (res == NULL) return NULL;
-    char *start = PyBytes_AS_STRING(res), *out = start;
-    *out++ = '[';
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(arg, i);
-        int overflow = 0;
-        long long v;
-        if (!PyLong_CheckExact(item)) { Py_DECREF(res); Py_RETURN_NONE; }
-#if PY_VERSION_HEX >= 0x030C0000
-        if (PyUnstable_Long_IsCompact((PyLongObject *)item)) v = (long long)PyUnstable_Long_CompactValue((PyLongObject *)item);
-        else v = PyLong_AsLongLongAndOverflow(item, &overflow);
-#else
-        if (Py_SIZE(item) == 1) v = (long long)((PyLongObject *)item)->ob_digit[0];
-        else if (Py_SIZE(item) == 0) v = 0;
-        else v = PyLong_AsLongLongAndOverflow(item, &overflow);
-#endif
-        if (overflow) { Py_DECREF(res); Py_RETURN_NONE; }
-        if (i) *out++ = ',';
-        if (v < 0) { *out++ = '-'; out = write_u64(out, 0ULL - (unsigned long long)v); }
-        else out = write_u64(out, (unsigned long long)v);
-    }
-    *out++ = ']';
-    if (_PyBytes_Resize(&res, out - start) < 0) return NULL;
-    return res;
-}
+static PyObject *dump_ints(PyObject *self, PyObject *arg) { return dump(arg, 0); }
+static PyObject *dump_ints_digits(PyObject *self, PyObject *arg) { return dump(arg, 1); }
 
 static PyMethodDef methods[] = {{"dump_ints", dump_ints, METH_O, NULL}, {"dump_ints_digits", dump_ints_digits, METH_O, NULL},
                                 {NULL, NULL, 0, NULL}};
@@ -120,7 +105,11 @@ def build(tmp: Path) -> object | None:
         return None
     source, target = tmp / "int_list_probe.c", tmp / f"int_list_probe{sysconfig.get_config_var('EXT_SUFFIX')}"
     source.write_text(SOURCE)
-    subprocess.run([compiler, "-O3", "-shared", "-fPIC", f"-I{include}", str(source), "-o", str(target)], check=True)
+    built = subprocess.run([compiler, "-O3", "-shared", "-fPIC", f"-I{include}", str(source), "-o", str(target)],
+                           capture_output=True, text=True)
+    if built.returncode != 0:
+        print(f"the probe does not compile here:\n{built.stderr[-2000:]}")
+        return None
     spec = importlib.util.spec_from_file_location("int_list_probe", target)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -136,28 +125,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="int-list-c-") as tmp:
         probe = build(Path(tmp))
         if probe is None:
-            print("no C compiler or no Python.h here: nothing measured")
+            print("no C compiler, no Python.h, or no build here: nothing measured")
             return
         rng = random.Random(1)
         lists = [[rng.randrange(150_000) for _ in range(2000)] for _ in range(8)]
         for ids in lists + [[], [0], [-1, 2**63 - 1, -(2**63)]]:
             if probe.dump_ints(ids) != orjson.dumps(ids) or probe.dump_ints_digits(ids) != orjson.dumps(ids):  # type: ignore[attr-defined]
                 raise SystemExit(f"the probe's bytes differ from orjson's for {ids[:3]}…")
-        paths = {"orjson": orjson.dumps, "C": probe.dump_ints, "C digits": probe.dump_ints_digits}  # type: ignore[attr-defined]
-        cpu: dict[str, list[float]] = {name: [] for name in paths}
-        for r in range(args.rounds + 1):  # round 0 warms up, unrecorded
-            for name in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
-                dump = paths[name]
-                t0 = time.thread_time()
-                for i in range(args.lists):
-                    dump(lists[i & 7])
-                if r:
-                    cpu[name].append((time.thread_time() - t0) * 1e6 / args.lists)
-    print(f"{args.rounds} rounds (ABAB), {args.lists} lists of 2,000 ids a path and round; µs a list, and against orjson")
-    for name in paths:
-        ratios = sorted(c / o for c, o in zip(cpu[name], cpu["orjson"]))
-        print(f"{name:9s} {statistics.median(cpu[name]):6.1f}   {statistics.median(ratios):.2f}× ({ratios[0]:.2f}–{ratios[-1]:.2f})")
+        dumps = {"orjson": orjson.dumps, "C": probe.dump_ints, "C digits": probe.dump_ints_digits}  # type: ignore[attr-defined]
 
+        def writing(dump: Any) -> Any:
+            return lambda: [dump(lists[i & 7]) for i in range(args.lists)]
+
+        cpu = alternating_cpu({name: writing(dump) for name, dump in dumps.items()}, args.rounds, args.lists)
+    print(f"{args.rounds} rounds (ABBA), {args.lists} lists of 2,000 ids a path and round; µs a list, and against orjson")
+    print_against(cpu, "orjson")
 
 if __name__ == "__main__":
     main()

@@ -22,9 +22,7 @@ in the collector uses this yet: it is the measurement behind the design, not the
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +30,11 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import alternating_cpu, print_against  # noqa: E402 - after the path
+
 KEY_END = b'_ids":['
 DIGITS_AND_COMMAS = b"0123456789,"
-PLACEHOLDER_KEY = "\x00raw"  # a key a client cannot send unescaped: the body is searched for it first
+PLACEHOLDER_KEY = "\x00raw"  # the placeholder's key; a body that already holds it (escaped) is parsed as it is
 
 
 def make_bodies(spans: int) -> list[bytes]:
@@ -89,7 +89,7 @@ def today(body: bytes) -> list[bytes]:
 
 
 def raw(body: bytes) -> list[bytes]:
-    if PLACEHOLDER_KEY.encode() in body:
+    if b"\\u0000raw" in body:  # a client's own key of that name: no placeholders in this body
         return today(body)
     arrays = locate(body)
     pieces, kept, last = [], [], 0
@@ -131,20 +131,12 @@ def main() -> None:
         if raw(body) != today(body):
             raise SystemExit("the spliced spans differ from the parsed ones: the probe is wrong")
     located = sum(len(locate(b)) for b in bodies)
-    paths = {"today": today, "raw": raw, "locate": locate}
-    cpu: dict[str, list[float]] = {name: [] for name in paths}
-    for r in range(args.rounds + 1):  # round 0 warms up, unrecorded
-        for name in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
-            t0 = time.thread_time()
-            for body in bodies:
-                paths[name](body)
-            if r:
-                cpu[name].append((time.thread_time() - t0) * 1e6 / spans)
-    print(f"{len(bodies)} bodies, {spans} spans, {located} id arrays located; {args.rounds} rounds (ABAB); "
+    paths = {"today": lambda: [today(b) for b in bodies], "raw": lambda: [raw(b) for b in bodies],
+             "locate": lambda: [locate(b) for b in bodies]}
+    cpu = alternating_cpu(paths, args.rounds, spans)
+    print(f"{len(bodies)} bodies, {spans} spans, {located} id arrays located; {args.rounds} rounds (ABBA); "
           "CPU µs a span; ratio to today: median (spread)")
-    for name in paths:
-        ratios = sorted(c / t for c, t in zip(cpu[name], cpu["today"]))
-        print(f"{name:8s} {statistics.median(cpu[name]):8.1f}  {statistics.median(ratios):.2f}× ({ratios[0]:.2f}–{ratios[-1]:.2f})")
+    print_against(cpu, "today", 8)
 
 
 if __name__ == "__main__":

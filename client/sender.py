@@ -28,7 +28,7 @@ from .prompt_delta import UNRESOLVED_REASON, PromptDeltas
 from .redact import RedactKeys, scrub_exception
 from .retry_after import parse_retry_after
 from .short_ids import PREFIX_KEY, WIRE_VERSION_IDS, expand, shorten_record, shorten_wire
-from .spans import SpanRecord, ids
+from .spans import SpanRecord, ids, safe_str
 from .wire import (
     JSON_CONTENT_TYPE,
     WIRE_VERSION,
@@ -294,9 +294,9 @@ class Sender:
                     self.stats.drop("encode_error")
                 if not self._encode_error_logged:  # the rest are counted, and reported with the other drops (rate-limited)
                     self._encode_error_logged = True
-                    log.warning("tracecar: span %s could not be encoded and is dropped (%s: %s). Later ones are counted "
-                                "as encode_error drops.", record.name, type(exc).__name__,
-                                self.encoder.redact.scrub_text(str(exc)))
+                    scrub = self.encoder.redact.scrub_text  # the message may quote the value: never a secret in a log
+                    log.warning("tracecar: span %s could not be encoded and is dropped (%s). Later ones are counted "
+                                "as encode_error drops.", record.name, scrub(f"{type(exc).__name__}: {safe_str(exc)}"))
                 continue
             packed_size = pieces_size(packed)
             if packed_size > cfg.max_span_bytes:

@@ -156,7 +156,7 @@ class SpanRecord:
 
 
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {_safe_str(exc)}"
+    return f"{type(exc).__name__}: {safe_str(exc)}"
 
 
 # ---- output snapshot (caller's path: cheap, one level) ------------------------------------
@@ -338,7 +338,7 @@ def exception_info(exc: BaseException, outer: tuple[tuple[Any, int | None], ...]
 
     At most ``max_frames`` frames are kept: the innermost ones (where it was raised).
     """
-    info: dict[str, Any] = {"type": type(exc).__name__, "message": _safe_str(exc)}
+    info: dict[str, Any] = {"type": type(exc).__name__, "message": safe_str(exc)}
     if exc.__traceback__ is not None:
         frames = [_frame_dict(code.co_filename, lineno, code.co_name) for code, lineno in (outer or ())]
         frames.extend(_frame_dict(fs.filename, fs.lineno, fs.name)
@@ -347,7 +347,8 @@ def exception_info(exc: BaseException, outer: tuple[tuple[Any, int | None], ...]
     return info
 
 
-def _safe_str(exc: BaseException) -> str:
+def safe_str(exc: BaseException) -> str:
+    """``str(exc)``, or a placeholder when its ``__str__`` raises (logging or recording it must not)."""
     try:
         return str(exc)
     except Exception:  # noqa: BLE001 - a broken __str__ must not cost the span

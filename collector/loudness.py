@@ -9,11 +9,12 @@ at most once per ``interval_s`` with the count since, counted in metrics, and de
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from tracecar.client.redact import RedactKeys
 
 log = logging.getLogger("tracecar.collector")
 
@@ -50,7 +51,7 @@ class BackgroundFailures:
     """Failures of the collector's background work that repeat until their cause goes away (a full
     disk, a locked store: every tick, every batch): the first of each task is logged with its
     traceback, then at most one line per interval with how many happened since and the latest
-    error's type; each is counted in ``tracecar_background_failures_total{task}`` when a counter
+    one's traceback; each is counted in ``tracecar_background_failures_total{task}`` when a counter
     is given. Call :meth:`failed` inside the ``except`` block."""
 
     def __init__(self, counter: Any = None, interval_s: float = LOG_INTERVAL_S) -> None:
@@ -64,18 +65,17 @@ class BackgroundFailures:
             self.counter.labels(task=task).inc()
         with self._lock:
             limit = self._limits.setdefault(task, RateLimited(self.interval_s))
-        first = limit.total == 0
-        count = limit.hit()
+            first = limit.total == 0
+            count = limit.hit()
         if count is None:
             return
+        # each line carries the latest failure's traceback: a new cause hours later is as clear as the first
         if first:
             log.exception("%s (later failures of %s are logged at most once every %g s)", message, task, self.interval_s,
                           extra={"event": "background_failure", "task": task})
         else:
-            error = sys.exc_info()[1]
-            log.warning("%s: %d time(s) in the last %g s (latest: %s)", message, count, self.interval_s,
-                        type(error).__name__ if error is not None else "unknown",
-                        extra={"event": "background_failure", "task": task})
+            log.exception("%s: %d time(s) since the last line", message, count,
+                          extra={"event": "background_failure", "task": task})
 
     def total(self, task: str) -> int:
         with self._lock:
@@ -110,8 +110,11 @@ class AuthFailures:
 class WatchedSink:
     """Wraps the backend sink: says when it becomes unreachable, how long for, and when it recovers."""
 
-    def __init__(self, sink: Any, unreachable: Any, interval_s: float = LOG_INTERVAL_S) -> None:
+    def __init__(self, sink: Any, unreachable: Any, interval_s: float = LOG_INTERVAL_S, redact: Any = None) -> None:
         self.inner = sink
+        # a backend's answer may quote the request: every reason it gives is scrubbed like free text here,
+        # before the forwarder logs or stores it and /readyz shows it
+        self.redact = redact if redact is not None else RedactKeys()
         self.name = sink.name
         self.unreachable = unreachable  # gauge: 1 while the backend fails
         self.limit = RateLimited(interval_s)
@@ -127,6 +130,7 @@ class WatchedSink:
         except Exception as exc:
             self._failed(f"sink error: {type(exc).__name__}", len(spans))
             raise
+        self._scrub(result)
         if result.rejected:
             self.last_rejection = next(iter(result.rejected.values()))
         if result.retryable:
@@ -137,6 +141,15 @@ class WatchedSink:
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+    def _scrub(self, result: Any) -> None:
+        scrub = self.redact.scrub_text
+        if result.rejected:
+            result.rejected = {sid: scrub(str(reason)) for sid, reason in result.rejected.items()}
+        if result.retry_reason:
+            result.retry_reason = scrub(result.retry_reason)
+        if result.refused_reason:
+            result.refused_reason = scrub(result.refused_reason)
 
     def _failed(self, reason: str, spans: int) -> None:
         now = time.time()

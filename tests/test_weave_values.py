@@ -575,9 +575,11 @@ def test_a_load_op_that_cannot_be_published_is_retried_once_a_minute_not_once_a_
 
     hits: collections.Counter[str] = collections.Counter()
 
+    refusing = [True]
+
     def answer(request: httpx.Request) -> httpx.Response:
         hits[request.url.path] += 1
-        if request.url.path.endswith("/obj/create"):
+        if request.url.path.endswith("/obj/create") and refusing[0]:
             return httpx.Response(403, text="object creation refused for Authorization: Bearer sk-WEAVE-LEAK")
         return httpx.Response(200, json={"digest": "d1"})
 
@@ -585,16 +587,21 @@ def test_a_load_op_that_cannot_be_published_is_retried_once_a_minute_not_once_a_
                      transport=httpx.MockTransport(answer))
     encoded = b'{"inputs":{"at":{"_type":"CustomWeaveType",' + _DATETIME_VALUE + b'"2026-12-07T00:00:00"}}}'
 
-    async def five_calls() -> list[bytes]:
+    async def calls() -> tuple[list[bytes], bytes]:
         try:
-            return [await sink._with_load_op("ent/proj", encoded) for _ in range(5)]
+            refused = [await sink._with_load_op("ent/proj", encoded) for _ in range(5)]
+            refusing[0] = False  # the key may create objects now, and the minute has passed
+            at, wait = sink._load_op_failed["ent/proj"]
+            sink._load_op_failed["ent/proj"] = (at - wait - 1, wait)
+            return refused, await sink._with_load_op("ent/proj", encoded)
         finally:
             await sink.aclose()
 
     with caplog.at_level("WARNING", logger="tracecar.collector"):
-        sent = asyncio.run(five_calls())
+        sent, later = asyncio.run(calls())
     assert sent == [encoded] * 5  # the values still go, without the ref
-    assert sum(n for path, n in hits.items() if path.endswith("/obj/create")) == 1, hits
+    assert b'"load_op":' in later and "ent/proj" not in sink._load_op_failed  # published once it could be, then used
+    assert sum(n for path, n in hits.items() if path.endswith("/obj/create")) == 2, hits
     lines = [r.getMessage() for r in caplog.records if "load op" in r.getMessage()]
     assert len(lines) == 1 and "403" in lines[0], lines
     assert "sk-WEAVE-LEAK" not in caplog.text

@@ -333,13 +333,13 @@ class Forwarder:
             by_id = {s["span_id"]: s for s in spans}
             scrub = self.redact.scrub_text
             dead = [
-                (seq_of[sid], sid, by_id[sid].get("trace_id", ""), by_id[sid].get("name", ""), scrub(str(reason))[:MAX_REASON_CHARS])
+                (seq_of[sid], sid, by_id[sid].get("trace_id", ""), by_id[sid].get("name", ""), scrub(str(reason)))
                 for sid, reason in result.rejected.items() if sid in seq_of
             ]
             self.metrics.dead_lettered.labels(exporter=self.name).inc(len(dead))
             self._dead_since += len(dead)
-            answers = self._dead_letters.hit()
-            if answers is not None and dead:
+            answers = self._dead_letters.hit() if dead else None
+            if answers is not None:
                 lettered, self._dead_since = self._dead_since, 0
                 log.warning("forward to %s: %d span(s) dead-lettered in %d answer(s) since the last line (latest: %s); "
                             "`tracecar dead-letters` lists them, and this is logged at most once every %g s",
@@ -392,7 +392,8 @@ class Forwarder:
         count = self._refusals.hit()
         if count is not None:
             log.warning("forward to %s: the backend refused spans in %d answer(s) (partial success; latest: %s); "
-                        "further refusals are logged at most once every %g s", self.name, count, reason or "no reason given",
+                        "further refusals are logged at most once every %g s", self.name, count,
+                        self.redact.scrub_text(reason) if reason else "no reason given",
                         self._refusals.interval_s,
                         extra={"event": "forward_partial_rejected", "exporter": self.name, "rejected_spans": n})
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tracecar.client.redact import RedactKeys
+
 from .forward import NullSink, Sink
 
 
@@ -25,7 +27,7 @@ def make_weave_sink(settings: Any) -> Sink:
     return WeaveSink(
         api_key=settings.wandb_api_key.get_secret_value(), entity=settings.wandb_entity,
         project=settings.wandb_project or "tracecar", server_url=settings.weave_server_url,
-        wb_run_id=settings.wandb_run_id,
+        wb_run_id=settings.wandb_run_id, redact=RedactKeys(settings.redact_keys),
     )
 
 

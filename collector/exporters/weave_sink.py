@@ -486,7 +486,8 @@ async def resolve_default_entity(api_key: str, wandb_base_url: str = "https://ap
 
 
 # ------------------------------------------------------------------------------- sink ----
-LOAD_OP_RETRY_S = 60.0  # after a failed publish of the datetime load op, calls go without it this long
+LOAD_OP_RETRY_S = 60.0  # after a refused publish of the datetime load op, calls go without it this long
+LOAD_OP_RETRY_TRANSIENT_S = 5.0  # after a retryable failure (a 5xx, a timeout): the backend may be back soon
 _FREE_TEXT_REDACT = RedactKeys()  # weave's own redact keys and bearer credentials, in reasons
 
 
@@ -516,6 +517,7 @@ class WeaveSink:
         transport: httpx.AsyncBaseTransport | None = None,
         wb_run_id: str | None = None,
         trajectories: TrajectoryLookup | None = None,
+        redact: RedactKeys | None = None,
     ) -> None:
         """``wb_run_id``: the trainer's W&B run for calls whose batch named none
         (``TRACECAR_WANDB_RUN_ID``); ``trajectories``: the spool, asked for tail decisions'
@@ -528,6 +530,7 @@ class WeaveSink:
         self.publish_ops = publish_ops
         token = base64.b64encode(f"api:{api_key}".encode()).decode()
         self._secrets = [s for s in (api_key, token) if s]
+        self._free_text = redact if redact is not None else _FREE_TEXT_REDACT  # reasons scrubbed with the collector's keys
         self._client = httpx.AsyncClient(
             base_url=server_url.rstrip("/"),
             headers={"Authorization": f"Basic {token}", "User-Agent": "tracecar-weave-sink"},
@@ -543,9 +546,10 @@ class WeaveSink:
         self._sent_counts: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._file_digests: dict[tuple[str, str], str] = {}  # (project_id, code) -> the code file's digest
         self._op_refs: dict[tuple[str, str], str] = {}  # (project_id, name) -> op ref URI
-        # project id -> when publishing the datetime load op last failed: retried after LOAD_OP_RETRY_S, not per call
-        self._load_op_failed: dict[str, float] = {}
-        self._load_op_failures = RateLimited(LOAD_OP_RETRY_S)
+        # project id -> (when publishing the datetime load op last failed, how long to wait before the next try):
+        # tried again after a while, not once a call; its failures logged at most once a minute a project
+        self._load_op_failed: dict[str, tuple[float, float]] = {}
+        self._load_op_failures: dict[str, RateLimited] = {}
         # span id -> place mark of calls sent lately: where a joined engine span goes (its parent's trace)
         self._marks: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
@@ -814,23 +818,25 @@ class WeaveSink:
 
     async def _with_load_op(self, pid: str, encoded: bytes) -> bytes:
         """A call's JSON with weave's ``load_op`` ref on each datetime value; the op is published in
-        the project once. If it cannot be published now the values go without the ref (weave's
-        client still reads them: the type is one it knows), and the next datetime tries again."""
+        the project once. If it cannot be published the values go without the ref (weave's client
+        still reads them: the type is one it knows), and the publish is tried again after
+        LOAD_OP_RETRY_S (LOAD_OP_RETRY_TRANSIENT_S after a retryable failure), not for every call."""
         if not self.publish_ops:  # plain op names: no op objects, no load op either
             return encoded
         ref = self._op_refs.get((pid, LOAD_DATETIME_OP))
         if ref is None:
-            now = asyncio.get_running_loop().time()
-            failed_at = self._load_op_failed.get(pid)
-            if failed_at is not None and now - failed_at < LOAD_OP_RETRY_S:
-                return encoded  # it failed lately: these calls go without it, the publish is tried again later
+            loop = asyncio.get_running_loop()
+            failed = self._load_op_failed.get(pid)
+            if failed is not None and loop.time() - failed[0] < failed[1]:
+                return encoded  # it failed lately: these calls go without it
             got = await self._publish_op(pid, LOAD_DATETIME_OP, LOAD_DATETIME_CODE)
             if isinstance(got, _Failure):
-                self._load_op_failed[pid] = now
-                count = self._load_op_failures.hit()
+                wait = LOAD_OP_RETRY_TRANSIENT_S if got.retryable else LOAD_OP_RETRY_S
+                self._load_op_failed[pid] = (loop.time(), wait)  # from the answer: a slow failure waits as long
+                count = self._load_op_failures.setdefault(pid, RateLimited(LOAD_OP_RETRY_S)).hit()
                 if count is not None:
-                    logger.warning("weave: datetime values sent without their load op (%d failed publish(es) since the "
-                                   "last line; tried again every %g s): %s", count, LOAD_OP_RETRY_S, got.reason)
+                    logger.warning("weave: datetime values in %s sent without their load op (%d failed publish(es) "
+                                   "since the last line; tried again in %g s): %s", pid, count, wait, got.reason)
                 return encoded
             self._load_op_failed.pop(pid, None)
             ref = self._op_refs[(pid, LOAD_DATETIME_OP)] = got
@@ -885,9 +891,10 @@ class WeaveSink:
     def _redact(self, text: str) -> str:
         """A failure's reason (a backend's answer, an error's message) without this sink's key and without
         what reads as a credential or a redact key's value (the answer may quote the request)."""
+        text = text[:4 * MAX_REASON_CHARS]  # a large answer is cut before the scrub, which reads it all
         for s in self._secrets:
             text = text.replace(s, "***")
-        return _FREE_TEXT_REDACT.scrub_text(text)[:MAX_REASON_CHARS]
+        return self._free_text.scrub_text(text)[:MAX_REASON_CHARS]
 
     @staticmethod
     def _mark(result: SendResult, sids: list[str], fail: _Failure) -> None:

@@ -150,7 +150,7 @@ def _described(value: Any) -> str:
 
 
 MAX_REWARD_COMPONENTS = 256
-_FATE_LIKE = re.compile(r"[A-Za-z_-]{1,32}")  # a word: what a misspelt fate looks like
+_FATE_LIKE = re.compile(r"[a-z]{1,16}")  # a plain lowercase word: what a misspelt fate looks like
 FATES = ("trained", "filtered", "evicted")  # what became of a trajectory (issue 29); "never reached the trainer" is no note
 
 

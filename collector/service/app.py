@@ -121,7 +121,7 @@ class Collector:
         self.watched_sinks: list[WatchedSink] = []
         self.forwarders: list[Forwarder] = []
         for s in self.sinks:
-            watched = WatchedSink(s, self.metrics.backend_unreachable.labels(exporter=s.name))
+            watched = WatchedSink(s, self.metrics.backend_unreachable.labels(exporter=s.name), redact=self.pipeline.redact_keys)
             forwarder = Forwarder(
                 self.spool, watched, self.metrics, batch_spans=settings.forward_batch_spans,
                 retry_initial_s=settings.forward_retry_initial_s, retry_max_s=settings.forward_retry_max_s,

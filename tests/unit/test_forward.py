@@ -187,3 +187,23 @@ def test_dead_letters_are_logged_rate_limited_and_their_reasons_scrubbed(tmp_pat
     reasons = [r["reason"] for r in spool.dead_letters()]
     assert len(reasons) == 6 and all("HTTP 400: bad request" in r for r in reasons)
     assert "sk-LEAK" not in caplog.text and not any("sk-LEAK" in r for r in reasons)
+
+
+def test_every_reason_a_backend_gives_is_scrubbed_before_logs_the_store_and_readyz(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Through the collector's WatchedSink: a dead letter's reason, a retryable failure's and a partial
+    refusal's all quote the credential; none of them reaches a log line, the store or /readyz's details."""
+    from tracecar.collector.loudness import WatchedSink
+
+    leak = "Authorization: Bearer sk-LEAK-42"
+    spool = spool_with(tmp_path, "a", "b", "c")
+    sink = ScriptedSink(lambda ids: SendResult(rejected={"a": f"400 {leak}"}, retryable=["b", "c"], retry_reason=f"503 {leak}"),
+                        lambda ids: SendResult(delivered=ids, refused=1, refused_reason=f"partial: {leak}"))
+    metrics = Metrics()
+    watched = WatchedSink(sink, metrics.backend_unreachable.labels(exporter="scripted"))
+    with caplog.at_level("WARNING", logger="tracecar.collector"):
+        drain(spool, watched, metrics)
+    assert states(spool) == {"a": 2, "b": 1, "c": 1}
+    [reason] = [r["reason"] for r in spool.dead_letters()]
+    assert reason.startswith("400 Authorization") and "sk-LEAK" not in reason
+    assert "sk-LEAK" not in caplog.text and "sk-LEAK" not in str(watched.details()) and "sk-LEAK" not in str(watched.last_rejection)
+    assert any("503" in r.getMessage() for r in caplog.records) and any("partial" in r.getMessage() for r in caplog.records)

@@ -348,26 +348,61 @@ class SecretError:
         raise ValueError("bad config: api_key='sk-live-123456'")
 
 
-def test_spans_that_fail_to_encode_are_logged_once_scrubbed_and_every_one_counted(caplog: pytest.LogCaptureFixture) -> None:
+def test_an_error_whose_message_cannot_be_made_costs_only_its_own_span(caplog: pytest.LogCaptureFixture) -> None:
     collector = Collector()
     s = Sender(ClientConfig(url=collector.url, worker_id="w-unit", flush_interval_s=0.01))
-    for i in range(6):
-        bad = SpanRecord(f"bad{i}", "op", 1.0, None, {"step": 1}, kwargs={"x": SecretError()})
-        bad.end = 2.0
-        s.enqueue(bad)
-    good = SpanRecord("good", "op", 1.0, None, {"step": 1}, kwargs={"ids": list(range(40))})
-    good.end = 2.0
-    s.enqueue(good)
+    for name, kwargs in (("good0", {"ids": list(range(40))}), ("unprintable", {"x": RaisesUnprintable()}),
+                         ("good", {"ids": list(range(40))})):
+        span = SpanRecord(name, "op", 1.0, None, {"step": 1}, kwargs=kwargs)
+        span.end = 2.0
+        s.enqueue(span)
     try:
         with caplog.at_level(logging.WARNING, logger="tracecar.client"):
             assert s.shutdown(10)
-        assert collector.sent_names() == ["good"]
-        assert s.stats.dropped == {"encode_error": 6} and s.stats.sent == 1
+        assert collector.sent_names() == ["good0", "good"]  # the batch around it is whole: no internal_error
+        assert s.stats.dropped == {"encode_error": 1} and s.stats.sent == 2
+        [line] = [r.getMessage() for r in caplog.records if "could not be encoded" in r.getMessage()]
+        assert "unprintable UnprintableError" in line
+    finally:
+        collector.server.shutdown()
+        collector.server.server_close()
+
+
+class UnprintableError(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no str")
+
+
+class RaisesUnprintable:
+    @property
+    def to_dict(self) -> Any:
+        raise UnprintableError()
+
+
+def test_spans_that_fail_to_encode_are_logged_once_scrubbed_and_every_one_counted(caplog: pytest.LogCaptureFixture) -> None:
+    collector = Collector()
+    s = Sender(ClientConfig(url=collector.url, worker_id="w-unit", flush_interval_s=0.01))
+
+    def record(name: str, **kwargs: Any) -> SpanRecord:
+        span = SpanRecord(name, "op", 1.0, None, {"step": 1}, kwargs=kwargs)
+        span.end = 2.0
+        return span
+
+    s.enqueue(record("good0", ids=list(range(40))))
+    for i in range(6):
+        s.enqueue(record(f"bad{i}", x=SecretError()))
+    s.enqueue(record("unprintable", x=RaisesUnprintable()))
+    s.enqueue(record("good", ids=list(range(40))))
+    try:
+        with caplog.at_level(logging.WARNING, logger="tracecar.client"):
+            assert s.shutdown(10)
+        assert collector.sent_names() == ["good0", "good"]
+        assert s.stats.dropped == {"encode_error": 7} and s.stats.sent == 2
         encode_lines = [r.getMessage() for r in caplog.records if "could not be encoded" in r.getMessage()]
         assert len(encode_lines) == 1, encode_lines  # once a process, not once a span
         assert "ValueError" in encode_lines[0] and "sk-live-123456" not in encode_lines[0]
         assert "sk-live-123456" not in caplog.text
-        assert any("encode_error 6" in r.getMessage() for r in caplog.records)  # the shutdown line counts them all
+        assert any("encode_error 7" in r.getMessage() for r in caplog.records)  # the shutdown line counts them all
     finally:
         collector.server.shutdown()
         collector.server.server_close()
