@@ -25,7 +25,6 @@ from typing import Any, Protocol, cast
 
 import orjson
 
-from tracecar.client.redact import RedactKeys
 from tracecar.client.tracing import MARK  # the client's place mark on a span's attributes
 
 from ..loudness import RateLimited
@@ -176,8 +175,7 @@ class Forwarder:
 
     def __init__(self, spool: Spool, sink: Sink, metrics: Metrics, *, batch_spans: int,
                  retry_initial_s: float, retry_max_s: float, keep_forwarded: bool,
-                 probe_s: float = 1.0, urgent: Callable[[], bool] | None = None,
-                 redact: RedactKeys | None = None) -> None:
+                 probe_s: float = 1.0, urgent: Callable[[], bool] | None = None) -> None:
         self.spool = spool
         self.sink = sink
         self.metrics = metrics
@@ -192,9 +190,6 @@ class Forwarder:
         self._span_errors = RateLimited(30.0)
         self._dead_letters = RateLimited(30.0)
         self._dead_since = 0  # spans dead-lettered since the last line about them
-        # a dead letter's reason is a backend's answer or an error's message, and either may quote span data:
-        # scrubbed like free text before it is logged or stored
-        self.redact = redact if redact is not None else RedactKeys()
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self.backoff_s = 0.0
@@ -331,9 +326,10 @@ class Forwarder:
             await self._record("forwarded", delivered)
         if result.rejected:
             by_id = {s["span_id"]: s for s in spans}
-            scrub = self.redact.scrub_text
+            # reasons arrive scrubbed: the collector wraps every sink in loudness.WatchedSink, which scrubs each
+            # reason a backend gives before anything logs, stores or shows it
             dead = [
-                (seq_of[sid], sid, by_id[sid].get("trace_id", ""), by_id[sid].get("name", ""), scrub(str(reason)))
+                (seq_of[sid], sid, by_id[sid].get("trace_id", ""), by_id[sid].get("name", ""), reason)
                 for sid, reason in result.rejected.items() if sid in seq_of
             ]
             self.metrics.dead_lettered.labels(exporter=self.name).inc(len(dead))
@@ -392,8 +388,7 @@ class Forwarder:
         count = self._refusals.hit()
         if count is not None:
             log.warning("forward to %s: the backend refused spans in %d answer(s) (partial success; latest: %s); "
-                        "further refusals are logged at most once every %g s", self.name, count,
-                        self.redact.scrub_text(reason) if reason else "no reason given",
+                        "further refusals are logged at most once every %g s", self.name, count, reason or "no reason given",
                         self._refusals.interval_s,
                         extra={"event": "forward_partial_rejected", "exporter": self.name, "rejected_spans": n})
 

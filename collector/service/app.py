@@ -126,7 +126,7 @@ class Collector:
                 self.spool, watched, self.metrics, batch_spans=settings.forward_batch_spans,
                 retry_initial_s=settings.forward_retry_initial_s, retry_max_s=settings.forward_retry_max_s,
                 keep_forwarded=settings.keep_forwarded, probe_s=settings.forward_probe_s,
-                urgent=self.pipeline.at_capacity, redact=self.pipeline.redact_keys,
+                urgent=self.pipeline.at_capacity,
             )
             self.watched_sinks.append(watched)
             self.forwarders.append(forwarder)

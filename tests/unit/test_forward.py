@@ -172,14 +172,18 @@ def test_isolating_stops_at_a_retryable_half_so_a_trace_still_arrives_in_order(t
 
 def test_dead_letters_are_logged_rate_limited_and_their_reasons_scrubbed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A backend that refuses every batch (and quotes the request's credential in its answer) gives one
-    log line, not one per batch; neither the line nor the stored reason holds the credential."""
+    log line, not one per batch; neither the line nor the stored reason holds the credential (the sink
+    wrapped as the collector wraps every sink: loudness.WatchedSink scrubs what it answers)."""
+    from tracecar.collector.loudness import WatchedSink
+
     ids = [f"s{i}" for i in range(6)]
     spool = spool_with(tmp_path, *ids)
     answer = "HTTP 400: bad request (Authorization: Bearer sk-LEAK-0123456789; api_key='sk-LEAK-2')"
     sink = ScriptedSink(*[lambda batch: SendResult(rejected={sid: answer for sid in batch})] * 6)
     metrics = Metrics()
+    watched = WatchedSink(sink, metrics.backend_unreachable.labels(exporter="scripted"))
     with caplog.at_level("WARNING", logger="tracecar.collector"):
-        drain(spool, sink, metrics, batch_spans=1)
+        drain(spool, watched, metrics, batch_spans=1)
     assert len(sink.sent) == 6 and states(spool) == {sid: 2 for sid in ids}
     assert metrics.dead_lettered.labels(exporter="scripted")._value.get() == 6  # every one counted
     lines = [r.getMessage() for r in caplog.records if "dead-lettered" in r.getMessage()]
