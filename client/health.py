@@ -22,6 +22,8 @@ import httpx
 
 from . import tracer as _tracer
 from .loud import check_url
+from .redact import DEFAULT as DEFAULT_REDACT
+from .spans import safe_str
 
 log = logging.getLogger("tracecar.client.health")
 
@@ -31,6 +33,7 @@ _GROUPS = ("client_dropped", "sampled_out", "trajectories_dropped", "rejected", 
 _SCALARS = ("spans_received", "spans_accepted", "spans_forwarded", "spans_dead_lettered", "spool_depth",
             "held_spans", "backend_unreachable")
 _warned_at = 0.0
+_unsaid = 0  # failures since the last line
 _warn_lock = threading.Lock()
 
 
@@ -75,7 +78,7 @@ def health_metrics(answer: dict[str, Any] | None = None, prefix: str = PREFIX, *
         try:
             answer = health(timeout_s=timeout_s)
         except Exception as exc:  # noqa: BLE001 - advisory: never break the trainer
-            _warn(f"tracecar: could not read the collector's health: {type(exc).__name__}: {exc}")
+            _warn(f"tracecar: could not read the collector's health: {type(exc).__name__}: {safe_str(exc)}")
             return {}
     out: dict[str, float] = {}
     for group in _GROUPS:
@@ -140,7 +143,7 @@ def log_health(step: int | None = None, *, run: Any = None, url: str | None = No
     try:
         metrics = health_metrics(health(url, token=token, timeout_s=timeout_s, step=truth_step if truth_step is not None else step))
     except Exception as exc:  # noqa: BLE001 - health is advisory: never break the trainer
-        _warn(f"tracecar: could not read the collector's health: {type(exc).__name__}: {exc}")
+        _warn(f"tracecar: could not read the collector's health: {type(exc).__name__}: {safe_str(exc)}")
         return None
     try:
         target = run if run is not None else _wandb_run()
@@ -150,7 +153,7 @@ def log_health(step: int | None = None, *, run: Any = None, url: str | None = No
             else:
                 target.log(metrics, step=step)
     except Exception as exc:  # noqa: BLE001
-        _warn(f"tracecar: could not log health metrics to W&B: {type(exc).__name__}: {exc}")
+        _warn(f"tracecar: could not log health metrics to W&B: {type(exc).__name__}: {safe_str(exc)}")
         return None
     return metrics
 
@@ -164,10 +167,13 @@ def _wandb_run() -> Any:
 
 
 def _warn(message: str) -> None:
-    global _warned_at
+    """At most one line a minute (a trainer calls this every step), with how many failed since the
+    last line; ``key=value`` secrets an error's text may carry (a URL's credentials) scrubbed."""
+    global _warned_at, _unsaid
     with _warn_lock:
+        _unsaid += 1
         now = time.monotonic()
         if now - _warned_at < 60 and _warned_at:
             return
-        _warned_at = now
-    log.warning(message)
+        _warned_at, count, _unsaid = now, _unsaid, 0
+    log.warning("%s (%d failure(s) since the last such line; said at most once a minute)", DEFAULT_REDACT.scrub_text(message), count)

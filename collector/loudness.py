@@ -14,11 +14,21 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from tracecar.client.redact import DEFAULT as DEFAULT_REDACT
 from tracecar.client.redact import RedactKeys
+from tracecar.client.spans import safe_str
 
 log = logging.getLogger("tracecar.collector")
 
 LOG_INTERVAL_S = 60.0
+
+
+def describe_error(exc: BaseException, limit: int = 300, redact: RedactKeys | None = None) -> str:
+    """An exception as one short line for a log: its type and message, cut to ``limit``, with
+    ``key=value`` secrets scrubbed (an internal error, a store's or a worker's, can quote a span's
+    value), and never raising (a broken ``__str__`` is named instead)."""
+    text = f"{type(exc).__name__}: {safe_str(exc)}"[:4 * limit]
+    return (redact or DEFAULT_REDACT).scrub_text(text)[:limit]
 
 
 class RateLimited:

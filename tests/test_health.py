@@ -205,3 +205,22 @@ def test_health_of_one_step_counts_stored_running_errors_and_the_trainer(start_c
     assert f"step 3 of {EXPERIMENT}" in out and "running now" in out and "zero_variance=1" in out
     stored = next(line for line in out.splitlines() if "trajectories stored" in line)
     assert stored.split()[2:4] == ["3", f"({step['spans']}"], stored
+
+
+def test_health_failures_are_one_line_a_minute_with_their_count_and_no_secret(monkeypatch, caplog):
+    """log_health runs every step: a collector that stays unreachable is one line a minute, counted."""
+    import importlib
+
+    health_module = importlib.import_module("tracecar.client.health")  # the package re-exports its function health()
+
+    monkeypatch.setattr(health_module, "_warned_at", 0.0)
+    monkeypatch.setattr(health_module, "_unsaid", 0)
+    caplog.set_level("WARNING", logger="tracecar.client")
+    for _ in range(3):
+        health_module._warn("tracecar: could not log health metrics to W&B: ValueError: api_key='sk-abc123'")
+    said = [r.getMessage() for r in caplog.records if "could not log health" in r.getMessage()]
+    assert len(said) == 1 and "sk-abc123" not in said[0] and "(1 failure(s) since" in said[0], said
+    monkeypatch.setattr(health_module, "_warned_at", time.monotonic() - 61)  # a minute later
+    health_module._warn("tracecar: could not read the collector's health: ConnectError: refused")
+    said = [r.getMessage() for r in caplog.records if "tracecar: could not" in r.getMessage()]
+    assert len(said) == 2 and "(3 failure(s) since" in said[1], said  # the two unsaid, and this one

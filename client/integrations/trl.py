@@ -48,6 +48,22 @@ log = logging.getLogger("tracecar.client")
 ROOT_NAME = "grpo_rollout"
 
 
+def _count_lost(inputs: Any) -> None:
+    """A batch whose completions could not be traced: counted as the sender's ``integration_error``
+    drops (``get_tracer().stats()``, and ``tracecar_client_dropped_spans_total`` on the collector
+    with the sender's next report), one a completion, so the gap is not silent."""
+    tracer = _tracer.active
+    if tracer is None:
+        return
+    try:
+        lost = len(inputs)
+    except TypeError:
+        lost = 1
+    sender = tracer.sender
+    with sender._lock:  # as the caller's own drops (sender.enqueue)
+        sender.stats.drop("integration_error", max(1, lost))
+
+
 class TracecarCallback(TrainerCallback):
     """Sends each completion a ``GRPOTrainer`` scores to the collector (see the module)."""
 
@@ -86,8 +102,10 @@ class TracecarCallback(TrainerCallback):
                 self._send(inputs)
             except Exception:  # noqa: BLE001 - tracing never raises into training
                 self.failures += 1
+                _count_lost(inputs)
                 if self.failures == 1:
-                    log.exception("tracecar: TRL completions of this batch not traced (later failures counted only)")
+                    log.exception("tracecar: TRL completions of this batch not traced (later failures counted only, "
+                                  "as integration_error drops)")
             return output
 
         trainer._generate = traced_generate

@@ -24,7 +24,7 @@ import logging
 import os
 import time
 
-from ..loudness import BackgroundFailures, RateLimited
+from ..loudness import BackgroundFailures, RateLimited, describe_error
 from ..metrics import Metrics
 from .archive import SpanArchive
 from .store import ArchiveFailed, Spool, SpoolFull
@@ -179,7 +179,7 @@ class Retention:
         try:
             dropped = archive.trim(max_bytes)
         except Exception as exc:  # noqa: BLE001 - the store's own error count has it; the next check retries
-            log.warning("retention: could not bound %s's span archive: %s", archive.describe, str(exc)[:300],
+            log.warning("retention: could not bound %s's span archive: %s", archive.describe, describe_error(exc),
                         extra={"event": "store_archive_trim_failed"})
             return
         if dropped:

@@ -51,7 +51,7 @@ from typing import Any
 import orjson
 
 from .. import truth_filter
-from ..loudness import RateLimited
+from ..loudness import RateLimited, describe_error
 from ..read_store import StoreStartError, StoreUnavailable
 from ..settings import CollectorSettings
 from ..text_query import folded_words, query_words
@@ -513,7 +513,7 @@ class ClickHouseStore:
             count = self._catch_up_failures.hit()
             if count is not None:
                 log.warning("clickhouse store catch-up failed (%d time(s) since last said; retried by the next read): %s",
-                            count, str(exc)[:300])
+                            count, describe_error(exc))
 
     def listed_through(self) -> int:
         return self.index.listed_through()  # a row folded there is inserted here from the index's durable cursor

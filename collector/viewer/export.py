@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 
 from ..chat import chat_in, parse_template, strip_end
-from ..loudness import RateLimited
+from ..loudness import RateLimited, describe_error
 from ..read_store import ReadStore
 from ..shape import RESPONSE_ID_KEYS, TOOL_METHODS, dict_or_empty, int_list, shape
 from ..spool.query import get_trajectory
@@ -63,7 +63,8 @@ def _ids(value: Any) -> list[int] | None:
 
 
 def _skip_reason(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:300]
+    """Served to the caller and logged: a row's value it may quote is scrubbed of key=value secrets."""
+    return describe_error(exc)
 
 
 class IndexBehind(RuntimeError):

@@ -30,7 +30,7 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Resp
 
 from ..bearer import bearer_matches
 from ..json_out import dumps_deep
-from ..loudness import RateLimited
+from ..loudness import RateLimited, describe_error
 from ..query_params import ATTR_QUERY, INT64_MAX, OptionalInt64, attribute_filters, sample_index_filter
 from ..read_store import ReadStore
 from ..shape import shape
@@ -123,7 +123,7 @@ def _listed_through(index: ReadStore) -> int:
         count = _catch_up_failures.hit()
         if count is not None:
             log.warning("the trajectory index cannot catch up before eviction (%d time(s) since last said): retention "
-                        "moves only what it listed: %s", count, str(exc)[:300], extra={"event": "index_behind_eviction"})
+                        "moves only what it listed: %s", count, describe_error(exc), extra={"event": "index_behind_eviction"})
     return index.listed_through()
 
 

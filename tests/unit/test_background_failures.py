@@ -44,3 +44,17 @@ def test_tasks_are_limited_apart(caplog: pytest.LogCaptureFixture) -> None:
             except RuntimeError:
                 failures.failed(task, f"{task} failed")
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["selection failed", "engine_hold_expire failed"]
+
+
+def test_an_error_described_for_a_log_is_one_scrubbed_cut_line() -> None:
+    from tracecar.client.redact import RedactKeys
+    from tracecar.collector.loudness import describe_error
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no")
+
+    text = describe_error(sqlite3.OperationalError("near 'api_key=abc123secret': syntax error " + "y" * 900))
+    assert "abc123secret" not in text and text.startswith("OperationalError: near") and len(text) == 300
+    assert "hunter2" not in describe_error(KeyError("password=hunter2"), redact=RedactKeys(["password"]))
+    assert describe_error(Unprintable()) == "Unprintable: <unprintable Unprintable>"
