@@ -23,7 +23,7 @@ from typing import Any, cast
 
 from tokenizers import Tokenizer
 
-from ..types import Span
+from ..types import RawIds, Span
 from . import byte_level
 from .token_arrays import ARRAY_KEYS
 from .token_pieces import ApproximateEnds, token_pieces
@@ -234,7 +234,7 @@ class TokenizerRegistry:
 class _Job:
     span: Span
     target: str
-    ids: list[Any]
+    ids: list[Any]  # a RawIds only where nothing decodes it (collect_jobs without warnings: a count, by len())
     source: str
 
 
@@ -259,6 +259,9 @@ def collect_jobs(span: Span, warnings: dict[str, list[str]] | None = None) -> li
                 continue
             if isinstance(value, list):
                 jobs.append(_Job(span, target, value, source))
+                break
+            if type(value) is RawIds:  # kept as received (a batch that does not decode): counted by its length
+                jobs.append(_Job(span, target, cast("list[Any]", value) if warnings is None else value.tolist(), source))
                 break
             if warnings is not None:
                 warnings.setdefault(span["span_id"], []).append(

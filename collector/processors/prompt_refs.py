@@ -25,6 +25,7 @@ from typing import Any
 
 from tracecar.client.prompt_delta import OUTPUT_REF_KEYS, REF_KEY, UNRESOLVED_REASON, as_ids, response_of
 
+from ..types import RawIds
 from .validate import Rejection, Validated
 
 _ENTRY_OVERHEAD = 200  # bytes of the entry's own objects, on top of ids and text
@@ -48,16 +49,17 @@ class Context:
     context) followed by ``response`` when given. Concatenating them cost a copy and a free of
     every id per span on the ingest path, for contexts most of which no later span reads.
     ``response_source`` names the output field the response came from (``output.token_ids``):
-    its ``response_text`` is reused only if decoded from that same list.
+    its ``response_text`` is reused only if decoded from that same list. Either list may be
+    :class:`RawIds` (ids kept as received): parsed the first time a later turn slices it.
     """
 
-    ids: list[Any]
+    ids: list[Any] | RawIds
     prompt_len: int
     response_source: str | None = None
     text: str | None = None
     response_text: str | None = None
     tokenizer: str | None = None
-    response: list[Any] | None = None  # the ids after ``ids`` (the span's response list)
+    response: list[Any] | RawIds | None = None  # the ids after ``ids`` (the span's response list)
     # (L, span_id): the first L ids are exactly that earlier span's prompt (a turn built on it from
     # its start), whose text is then known: an output repeating them reuses it, never decodes them again
     marks: tuple[tuple[int, str], ...] = ()
@@ -72,11 +74,16 @@ class Context:
     def slice(self, start: int, stop: int) -> list[Any]:
         """The context's ids ``[start:stop]`` as a new list (``0 <= start <= stop <= n_ids``)."""
         head = self.ids
-        if self.response is None or stop <= len(head):
+        if isinstance(head, RawIds):  # kept as received: parsed once, for this and any later turn
+            head = self.ids = head.tolist()
+        response = self.response
+        if response is None or stop <= len(head):
             return head[start:stop]
+        if isinstance(response, RawIds):
+            response = self.response = response.tolist()
         if start >= len(head):
-            return self.response[start - len(head):stop - len(head)]
-        return head[start:] + self.response[:stop - len(head)]
+            return response[start - len(head):stop - len(head)]
+        return head[start:] + response[:stop - len(head)]
 
     @property
     def size(self) -> int:
@@ -85,13 +92,18 @@ class Context:
         return self.n_ids * _BYTES_PER_ID + texts + _ENTRY_OVERHEAD + 64 * len(self.marks)
 
     @classmethod
-    def of(cls, prompt: list[Any], output: Any) -> Context:
+    def of(cls, prompt: list[Any] | RawIds, output: Any) -> Context:
         """prompt + response, as :func:`tracecar.client.prompt_delta.context_of` builds it on the client."""
         key, value = response_of(output)
-        response = as_ids(value)
+        response = ids_of(value)
         if not response:
             return cls(prompt, len(prompt))
         return cls(prompt, len(prompt), f"output.{key}", response=response)
+
+
+def ids_of(value: Any) -> list[Any] | RawIds | None:
+    """:func:`tracecar.client.prompt_delta.as_ids`, taking ids kept as received too (never empty)."""
+    return value if type(value) is RawIds else as_ids(value)
 
 
 @dataclass
@@ -383,7 +395,7 @@ def resolve_refs(validated: Validated, contexts: PromptContexts, max_ids: int,
         whole = _whole_context(slices) if slices else None
         if whole is not None:
             bases[(span["span_id"], "output")] = Base(worker, whole[0], whole[1].prompt_len, True, whole[2])
-        ids = as_ids(prompt)
+        ids = ids_of(prompt)
         # a resend of a known span keeps the first context: the store keeps the first copy (the
         # resend is dropped as a duplicate), and later references must rebuild what it holds
         if ids is not None and span["span_id"] not in stored:  # (remember_new skips a span already known)

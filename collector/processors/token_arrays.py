@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from ..types import Span
+from ..types import RawIds, Span, as_list
 
 ID_KEYS = ("response_ids", "token_ids")
 ARRAY_KEYS = {
@@ -127,14 +127,14 @@ def extract(span: Span, warnings: list[str]) -> TokenArrays | None:
     output = span.get("output")
     if not isinstance(output, dict) or _ARRAY_KEY_SET.isdisjoint(output):  # most spans: one C-level look
         return None
-    id_key = next((k for k in ID_KEYS if isinstance(output.get(k), list)), None)
+    id_key = next((k for k in ID_KEYS if isinstance(output.get(k), (list, RawIds))), None)
     if id_key is None:
         return None
     present = {name: key for name, keys in ARRAY_KEYS.items()
                if (key := next((k for k in keys if isinstance(output.get(k), list)), None)) is not None}
     if not present:  # most spans (a server's generate call): nothing to pack, the ids are not looked at
         return None
-    ids = output[id_key]
+    ids = as_list(output[id_key])  # ids kept as received (receivers/raw_ids.py): the ints are needed here
     if not _int32_ids(ids):
         return None
     sources = {"ids": id_key}  # which output key each array came from

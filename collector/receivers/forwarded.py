@@ -47,7 +47,8 @@ class ForwardedRequest:
 
     def __call__(self, body: bytes | bytearray, content_type: str | None, content_encoding: str | None) -> Validated:
         plain = receive.decompress(body, content_encoding, self.max_decompressed_bytes)
-        raw = receive.parse(plain, content_type)
+        # the gateway never decodes (below): its id lists stay the bytes the node sent (raw_ids.py)
+        raw = receive.parse(plain, content_type, receive.max_containers(self.max_decompressed_bytes), keep_ids=True)
         if not isinstance(raw, dict):
             raise EnvelopeError("body", f"expected an object with 'worker' and 'spans', got {type(raw).__name__}")
         items = raw.get("spans")

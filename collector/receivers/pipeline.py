@@ -324,12 +324,18 @@ class IngestPipeline:
         self.metrics.tokenizer_refused.labels(reason=reason).inc()
 
     # ---- stages (worker threads) ---------------------------------------------------------
-    def _parse(self, body: bytes | bytearray, content_type: str | None, content_encoding: str | None) -> Validated:
+    def _parse(self, body: bytes | bytearray, content_type: str | None, content_encoding: str | None,
+               keep_ids: bool = False) -> Validated:
         return cast(Validated, parse_batch(body, content_type, content_encoding, self.settings.max_batch_spans,
-                                           self.settings.max_decompressed_bytes, self.redact_keys))
+                                           self.settings.max_decompressed_bytes, self.redact_keys, keep_ids))
+
+    def _keeps_ids(self) -> bool:
+        """Whether a batch parsed here may keep its id lists as received (receivers/raw_ids.py): when
+        nothing decodes them (a batch that asks for token2text itself gets lists back: parse_batch)."""
+        return not self.settings.token2text
 
     def _receive_and_validate(self, body: bytes | bytearray, content_type: str | None, content_encoding: str | None) -> Validated:
-        validated = self._parse(body, content_type, content_encoding)
+        validated = self._parse(body, content_type, content_encoding, self._keeps_ids())
         self._after_validate(validated)
         return validated
 

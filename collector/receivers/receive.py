@@ -20,6 +20,7 @@ import orjson
 import zstandard
 
 from ..heap import HEAP
+from .raw_ids import parse_keeping_ids
 
 _CHUNK = 256 * 1024
 _INFLATE_CHUNK = 4 * 1024 * 1024  # the largest piece of compressed input fed to zlib at once (after member 1)
@@ -201,16 +202,21 @@ def _too_big(limit: int) -> BodyError:
     return BodyError(413, "body", f"decompressed body exceeds TRACECAR_MAX_DECOMPRESSED_BYTES={limit}")
 
 
-def parse(body: bytes | bytearray, content_type: str | None, containers: int | None = None) -> Any:
+def parse(body: bytes | bytearray, content_type: str | None, containers: int | None = None, keep_ids: bool = False) -> Any:
     """Parses JSON or msgpack by Content-Type; anything else is a 415 naming what is accepted.
 
     ``containers``: the most objects and arrays the parsed body may hold (413 above, found
     before the parse for JSON, while parsing for msgpack), so that memory is bounded before
-    parsing, not checked after it (:func:`max_containers`)."""
+    parsing, not checked after it (:func:`max_containers`). ``keep_ids``: a JSON body's span id
+    lists stay the bytes received (:mod:`.raw_ids`; for a pipeline that will not decode them)."""
     media = (content_type or "application/json").split(";")[0].strip().lower()
     if media in ("application/json", "text/json"):
         if containers is not None:
             check_json_containers(body, containers)
+        if keep_ids:
+            kept = parse_keeping_ids(body)
+            if kept is not None:
+                return kept
         try:
             return HEAP.parse(orjson.loads, body)  # a usual body's parse buffer reused warm (heap.py)
         except orjson.JSONDecodeError as exc:

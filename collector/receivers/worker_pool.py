@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tracecar.client.lifeline import die_with_parent
+from tracecar.client.redact import RedactKeys
 
+from ..loudness import describe_error
 from ..processors.validate import Rejection
 from ..types import Span
 
@@ -184,19 +186,26 @@ class PrepareOrder:
 
 
 def parse_batch(body: bytes | bytearray, content_type: str | None, content_encoding: str | None, max_batch_spans: int,
-                max_decompressed_bytes: int, redact: Any) -> Any:
-    """decompress → parse → the span-count bound → validate_batch: the same code wherever it runs."""
+                max_decompressed_bytes: int, redact: Any, keep_ids: bool = False) -> Any:
+    """decompress → parse → the span-count bound → validate_batch: the same code wherever it runs.
+
+    ``keep_ids``: id lists stay as received (:mod:`.raw_ids`) unless the batch asks for token2text."""
     from ..processors.validate import validate_batch
     from . import receive
 
     plain = receive.decompress(body, content_encoding, max_decompressed_bytes)
-    raw = receive.parse(plain, content_type, receive.max_containers(max_decompressed_bytes))
+    raw = receive.parse(plain, content_type, receive.max_containers(max_decompressed_bytes), keep_ids=keep_ids)
     spans = raw.get("spans") if isinstance(raw, dict) else None
     if isinstance(spans, list) and len(spans) > max_batch_spans:  # a size bound, like the body's: 413, so clients split
         raise receive.BodyError(413, "spans", f"{len(spans)} spans exceed TRACECAR_MAX_BATCH_SPANS={max_batch_spans}; split the batch")
     # redaction walks the spans only when the body holds a redact key at all
-    return validate_batch(raw, max_batch_spans, redact, plain,
-                          body_is_json=not (content_type or "").lower().split(";")[0].strip().endswith("msgpack"))
+    validated = validate_batch(raw, max_batch_spans, redact, plain,
+                               body_is_json=not (content_type or "").lower().split(";")[0].strip().endswith("msgpack"))
+    if keep_ids and validated.batch.token2text:  # this batch decodes after all: the decoder reads ints
+        from .raw_ids import materialize
+
+        materialize(validated.spans)
+    return validated
 
 
 #: the output fields a prompt reference reads (tracecar.client.prompt_delta: OUTPUT_REF_KEYS, CONTEXT_RESPONSE_KEYS)
@@ -234,8 +243,9 @@ def head_of(span: Span, version: int) -> Span:
     """What the ingest process reads of a span: every field but ``inputs`` and ``output`` (ids, trace
     and parent, kind, name, worker, times, exception, attributes with step, sample index,
     rollout_n, reward...), and in v2 batches the id lists prompt references resolve against
-    (``inputs.prompt_ids``; ``output.prompt_ids``/``response_ids``/``token_ids``). No text, no
-    other inputs: those stay in the worker, which serialises them."""
+    (``inputs.prompt_ids``; ``output.prompt_ids``/``response_ids``/``token_ids``; a list kept as
+    received, raw_ids.RawIds, goes as its bytes). No text, no other inputs: those stay in the
+    worker, which serialises them."""
     head: dict[str, Any] = {k: v for k, v in span.items() if k != "inputs" and k != "output"}
     if version >= 2:
         inputs, output = span.get("inputs"), span.get("output")
@@ -258,13 +268,14 @@ def prepare(order: PrepareOrder) -> Any:
     cfg = _state.config
     try:
         validated = parse_batch(order.body, order.content_type, order.content_encoding, cfg.max_batch_spans,
-                                cfg.max_decompressed_bytes, _state.redact)
+                                cfg.max_decompressed_bytes, _state.redact, keep_ids=not order.token2text)
     except Exception:  # noqa: BLE001 - a refused body: answered by the ingest process's own parse
         return None
     v = validated.batch.v
     heads = [head_of(s, v) for s in validated.spans]
     done = _finish(order, validated) if order.complete else None
     validated.spans = heads
+    validated.batch.spans = []  # the raw items, read by validation only: never pickled back whole
     return validated, done
 
 
@@ -329,7 +340,7 @@ def work(order: WorkOrder) -> WorkResult:
 
     cfg = _state.config
     validated = parse_batch(order.body, order.content_type, order.content_encoding, cfg.max_batch_spans,
-                            cfg.max_decompressed_bytes, _state.redact)
+                            cfg.max_decompressed_bytes, _state.redact, keep_ids=order.tokenizer is None)
     by_id = {s["span_id"]: s for s in validated.spans}
     spans: list[Span] = []
     for sid in order.span_ids:
@@ -400,6 +411,7 @@ class WorkerPool:
         self._unlogged = 0
         self._start_failures = 0
         self.pids: list[int] = []
+        self._redact = RedactKeys(config.redact_keys)  # a worker's error may quote a span's value
         metrics.workers.set_function(lambda: len(set(self.pids)) if self.ready else 0)
 
     @property
@@ -510,7 +522,7 @@ class WorkerPool:
             return
         count, self._unlogged, self._logged_at = self._unlogged, 0, now
         log.error(message, extra={"event": "worker_failed", "failures_since_last_log": count,
-                                  "error": None if exc is None else f"{type(exc).__name__}: {exc}"[:500]})
+                                  "error": None if exc is None else describe_error(exc, 500, self._redact)})
 
     def close(self) -> None:
         """After the drain: waits for the batches in flight, then stops the workers."""

@@ -13,13 +13,15 @@ from typing import Any
 import msgpack
 import orjson
 
-from ..types import Span
+from ..types import RawIds, Span
 
 _DUMP_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 _INPUTS_KEY, _OUTPUT_KEY = b'"inputs":', b',"output":'
 
 
 def _json_default(value: Any) -> Any:
+    if type(value) is RawIds:  # ids kept as the bytes received: written back as they came
+        return orjson.Fragment(value.data)
     if isinstance(value, (bytes, bytearray)):
         return {"__bytes_b64__": base64.b64encode(bytes(value)).decode()}
     if isinstance(value, msgpack.ExtType):

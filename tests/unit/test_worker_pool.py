@@ -111,3 +111,13 @@ def _exited(pid: int) -> bool:
             return stat.read().split(") ", 1)[1].startswith(("Z", "X"))
     except FileNotFoundError:
         return True
+
+
+def test_a_workers_error_is_logged_scrubbed_and_cut(caplog: pytest.LogCaptureFixture) -> None:
+    """A batch's error can quote a span's value: the log line's ``error`` never carries its secret."""
+    pool, _ = _pool(1, liveness_check_s=1.0)  # never started: _log alone
+    with caplog.at_level("ERROR", logger="tracecar.collector.workers"):
+        pool._log("a worker failed a batch", ValueError("bad value api_key='sk-live-123456' " + "x" * 2000))
+    (record,) = [r for r in caplog.records if getattr(r, "event", None) == "worker_failed"]
+    error = record.error  # type: ignore[attr-defined]
+    assert "sk-live-123456" not in error and error.startswith("ValueError: bad value api_key=") and len(error) <= 500
