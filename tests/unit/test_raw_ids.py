@@ -201,14 +201,15 @@ def _fragments() -> Any:
 def test_the_vectorised_locate_finds_what_the_reference_finds() -> None:
     """numpy's passes over all candidates at once against the byte-string checks, one array at a time."""
     from hypothesis import given, settings
+    from hypothesis import strategies as st
 
     from tracecar.collector.receivers.raw_ids import _locate_np, locate_py
 
     @settings(max_examples=400, deadline=None)
-    @given(_fragments())
-    def check(parts: list[tuple[str, str, str]]) -> None:
+    @given(_fragments(), st.integers(1, 64))
+    def check(parts: list[tuple[str, str, str]], group_bytes: int) -> None:
         body = "".join(k + a + t for k, a, t in parts).encode()
-        assert _locate_np(body) == locate_py(body)
+        assert _locate_np(body) == locate_py(body) == _locate_np(body, group_bytes)  # checked at once or in groups
 
     check()
 
