@@ -168,7 +168,8 @@ def _wandb_run() -> Any:
 
 def _warn(message: str) -> None:
     """At most one line a minute (a trainer calls this every step), with how many failed since the
-    last line; ``key=value`` secrets an error's text may carry (a URL's credentials) scrubbed."""
+    last line; ``key=value`` secrets an error's text may carry (``api_key=…``, an ``Authorization``
+    header) scrubbed."""
     global _warned_at, _unsaid
     with _warn_lock:
         _unsaid += 1

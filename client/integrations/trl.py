@@ -48,20 +48,24 @@ log = logging.getLogger("tracecar.client")
 ROOT_NAME = "grpo_rollout"
 
 
-def _count_lost(inputs: Any) -> None:
-    """A batch whose completions could not be traced: counted as the sender's ``integration_error``
-    drops (``get_tracer().stats()``, and ``tracecar_client_dropped_spans_total`` on the collector
-    with the sender's next report), one a completion, so the gap is not silent."""
-    tracer = _tracer.active
-    if tracer is None:
-        return
+SPANS_PER_COMPLETION = 3  # its generate call, its trajectory, its annotation (TracecarCallback._send)
+
+
+def _count_lost(inputs: Any, sent: int) -> None:
+    """A batch whose completions could not all be traced (``sent`` of them were): the others'
+    spans counted as the sender's ``integration_error`` drops (``get_tracer().stats()``, and
+    ``tracecar_client_dropped_spans_total`` on the collector with the sender's next report), so the
+    gap is not silent. Never raises (it runs in the handler that keeps tracing out of training)."""
     try:
-        lost = len(inputs)
-    except TypeError:
-        lost = 1
-    sender = tracer.sender
-    with sender._lock:  # as the caller's own drops (sender.enqueue)
-        sender.stats.drop("integration_error", max(1, lost))
+        tracer = _tracer.active
+        lost = len(inputs) - sent
+        if tracer is None or lost <= 0:
+            return
+        sender = tracer.sender
+        with sender._lock:  # as the caller's own drops (sender.enqueue)
+            sender.stats.drop("integration_error", lost * SPANS_PER_COMPLETION)
+    except Exception:  # noqa: BLE001 - an input without a length: the log line already says the batch failed
+        log.debug("tracecar: TRL losses not counted", exc_info=True)
 
 
 class TracecarCallback(TrainerCallback):
@@ -98,11 +102,12 @@ class TracecarCallback(TrainerCallback):
         def traced_score(inputs: Any, *args: Any, **kwargs: Any) -> Any:
             self._generation = None
             output = score(inputs, *args, **kwargs)
+            sent = self.sent
             try:
                 self._send(inputs)
             except Exception:  # noqa: BLE001 - tracing never raises into training
                 self.failures += 1
-                _count_lost(inputs)
+                _count_lost(inputs, self.sent - sent)
                 if self.failures == 1:
                     log.exception("tracecar: TRL completions of this batch not traced (later failures counted only, "
                                   "as integration_error drops)")

@@ -33,7 +33,8 @@ PLACEHOLDER = "\x00tracecar_ids"  # no client can write this key: a body holding
 _PLACEHOLDER_OPEN = b'{"\\u0000tracecar_ids":'
 _ESCAPED_NUL = b"\\u0000"
 POSITIONS: dict[str, tuple[str, ...]] = {"inputs": ("prompt_ids",), "output": ("prompt_ids", "response_ids", "token_ids")}
-GROUP_BYTES = 4 << 20  # candidate arrays checked together by numpy: its temporaries stay ~30 MiB a body
+GROUP_BYTES = 1 << 20  # arrays checked together by numpy: each temporary stays under the heap's mmap threshold (heap.py)
+MAX_ARRAY_BYTES = 1 << 20  # an array longer than this (~170,000 ids, past any context length) is parsed as it is
 MAX_DIGITS = 19  # every such integer is below 2**64: orjson keeps it an int, and writes it back the same digits
 #: digits to "9", commas kept, anything else to "x": one translate tells the shape of an array
 _SHAPE = bytes(ord("9") if chr(b).isdigit() and b < 128 else b if b == ord(",") else ord("x") for b in range(256))
@@ -73,7 +74,8 @@ def _candidates(body: bytes | bytearray) -> list[tuple[int, int]]:
         end = find(b"]", start)
         if end < 0:
             return out
-        out.append((start, end))
+        if end - start <= MAX_ARRAY_BYTES:  # longer: far past any context length, left to the parser
+            out.append((start, end))
         pos = end
 
 
@@ -110,75 +112,63 @@ def _leading_zero(items: bytes) -> bool:
 def _locate_np(body: bytes | bytearray, group_bytes: int = GROUP_BYTES) -> list[tuple[int, int, int]]:
     """:func:`locate_py` in a few passes of numpy over the candidate arrays, ``group_bytes`` of them
     at a time (about 1 ns a byte, ten times less than the byte-string checks, which cost about what
-    parsing the ids does; the group bounds the passes' temporaries, about 7 bytes a byte)."""
-    found = _candidates(body)
+    parsing the ids does; the group, and :data:`MAX_ARRAY_BYTES` an array, bound the passes'
+    temporaries: a few bytes a byte checked, whatever the arrays hold)."""
+    np = _numpy()
+    assert np is not None, "numpy is not installed: locate() takes the byte-string checks"
     out: list[tuple[int, int, int]] = []
     view = memoryview(body)
     group: list[tuple[int, int]] = []
     size = 0
-    for start, end in found:
+    for start, end in _candidates(body):
+        if end == start:  # [] is never kept: nothing to check
+            continue
         group.append((start, end))
         size += end - start + 1
         if size >= group_bytes:
-            out += _check_group(view, group)
+            out += _check_group(np, view, group)
             group, size = [], 0
     if group:
-        out += _check_group(view, group)
+        out += _check_group(np, view, group)
     return out
 
 
-def _check_group(view: memoryview, found: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """The arrays of ``found`` that hold plain integers: their items joined with ``;`` between
-    arrays, every check a shifted comparison of the whole buffer, a position that fails naming its
-    array."""
+def _check_group(np: Any, view: memoryview, found: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """The arrays of ``found`` (none empty) that hold plain integers: their items joined with ``;``
+    between arrays; every check is a shifted comparison of the whole buffer, OR-ed into one mask of
+    the bytes that refuse their array, reduced to one flag an array."""
     joined = b";".join([view[s:e] for s, e in found])
-    r = _np.frombuffer(joined, _np.uint8)
-    lengths = [e - s for s, e in found]
+    r = np.frombuffer(joined, np.uint8)
     offsets = [0] * len(found)
     for i in range(1, len(found)):
-        offsets[i] = offsets[i - 1] + lengths[i - 1] + 1
-    if not len(r):
-        return []
-    digit = (r - _np.uint8(48)) < 10  # uint8 wraps: only "0".."9" are below 10
+        offsets[i] = offsets[i - 1] + found[i - 1][1] - found[i - 1][0] + 1
+    digit = (r - np.uint8(48)) < 10  # uint8 wraps: only "0".."9" are below 10
     other = ~digit
     comma = r == 44
-    counts = [int(_np.count_nonzero(comma[o:o + n])) + 1 for o, n in zip(offsets, lengths)]
-    bad: list[Any] = []  # positions in ``joined`` that refuse the array holding them
-    if int(_np.count_nonzero(other)) != sum(counts) - 1:  # a non-digit that is neither a comma nor a separator
-        separators = _np.array(offsets[1:], dtype=_np.int64) - 1
-        bad.append(_np.setdiff1d(_np.flatnonzero(other & ~comma), separators))
-    empty = other[:-1] & other[1:]  # two separators in a row: an empty item (an empty array too)
-    if empty.any():
-        bad.append(_np.flatnonzero(empty) + 1)
-    if other[0]:  # the first array starts with a comma (or is empty)
-        bad.append(_np.zeros(1, _np.int64))
-    if other[-1]:  # the last array ends with a comma (or is empty): its own position, past the separator
-        bad.append(_np.full(1, len(r), _np.int64))
-    zero = (r[1:-1] == 48) & other[:-2] & digit[2:]  # an item that starts with 0 and goes on
-    if zero.any():
-        bad.append(_np.flatnonzero(zero) + 1)
-    if len(r) > 1 and r[0] == 48 and digit[1]:
-        bad.append(_np.zeros(1, _np.int64))
+    refuse = other & ~comma  # anything but a digit or a comma ...
+    refuse[np.array(offsets[1:], dtype=np.int64) - 1] = False  # ... but the separators
+    refuse[1:] |= other[:-1] & other[1:]  # an empty item: two non-digits in a row (named by the second)
+    refuse[0] |= other[0]  # the first array starts with a comma
+    refuse[-1] |= other[-1]  # the last one ends with one
+    if len(r) > 2:  # an item that starts with 0 and goes on (a leading zero)
+        refuse[1:-1] |= (r[1:-1] == 48) & other[:-2] & digit[2:]
+    if len(r) > 1:
+        refuse[0] |= (r[0] == 48) & digit[1]
     run = digit[1:] & digit[:-1]  # run[j]: digits at j and j+1; then 4, 8, 16, 20 digits from j on
-    run = run[2:] & run[:-2]
-    run = run[4:] & run[:-4]
-    run = run[8:] & run[:-8]
-    run = run[4:] & run[:-4]
-    if run.any():
-        bad.append(_np.flatnonzero(run))
-    refused: set[int] = set()
-    if bad:
-        refused = set((_np.searchsorted(_np.array(offsets), _np.concatenate(bad), side="right") - 1).tolist())
-    return [(s - 1, e + 1, k) for i, ((s, e), k) in enumerate(zip(found, counts)) if i not in refused and e > s]
+    for shift in (2, 4, 8, 4):
+        run = run[shift:] & run[:-shift]
+    refuse[:len(run)] |= run
+    refused = np.logical_or.reduceat(refuse, offsets).tolist()  # each array's bytes and the separator after it
+    return [(s - 1, e + 1, int(np.count_nonzero(comma[o:o + e - s])) + 1)
+            for (s, e), o, no in zip(found, offsets, refused) if not no]
 
 
 _np: Any = None  # numpy, imported by the first body with id arrays (it costs ~0.1 s to import)
 _NO_NUMPY = object()
 
 
-def locate(body: bytes | bytearray) -> list[tuple[int, int, int]]:
-    """(start, end, count) of each array :func:`locate_py` finds, with numpy when it is installed
-    (the collector extra installs it; without it the byte-string checks give the same answer, slower)."""
+def _numpy() -> Any:
+    """numpy, or None where it is not installed (the collector extra installs it)."""
     global _np
     if _np is None:
         try:
@@ -187,7 +177,13 @@ def locate(body: bytes | bytearray) -> list[tuple[int, int, int]]:
             _np = _NO_NUMPY
         else:
             _np = numpy
-    return locate_py(body) if _np is _NO_NUMPY else _locate_np(body)
+    return None if _np is _NO_NUMPY else _np
+
+
+def locate(body: bytes | bytearray) -> list[tuple[int, int, int]]:
+    """(start, end, count) of each array :func:`locate_py` finds, with numpy when it is installed
+    (without it the byte-string checks give the same answer, slower)."""
+    return locate_py(body) if _numpy() is None else _locate_np(body)
 
 
 def parse_keeping_ids(body: bytes | bytearray) -> Any | None:

@@ -253,3 +253,16 @@ def test_without_numpy_the_byte_string_checks_run(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(raw_ids, "_np", raw_ids._NO_NUMPY)
     monkeypatch.setattr(raw_ids, "_locate_np", lambda body: pytest.fail("numpy used where it is absent"))
     assert locate(b'{"prompt_ids":[1,2]}') == [(14, 19, 2)]
+
+
+def test_an_array_past_the_bound_and_candidates_full_of_text_are_parsed_as_they_are() -> None:
+    """An array over MAX_ARRAY_BYTES (no context is that long) is left to the parser, as are
+    ``"token_ids":[`` candidates holding objects and text (each refused once, not byte by byte)."""
+    from tracecar.collector.receivers.raw_ids import MAX_ARRAY_BYTES
+
+    long = list(range(10**5, 10**5 + MAX_ARRAY_BYTES // 7 + 10))  # 7 bytes an id with its comma
+    kept = _assert_same(_batch(_span(1, inputs={"prompt_ids": long}, output={"token_ids": [1, 2]})))
+    assert type(kept.spans[0]["inputs"]["prompt_ids"]) is list and type(kept.spans[0]["output"]["token_ids"]) is RawIds
+    texts = [{"token_ids": [{"t": "x" * 300}], "response_ids": ["a", 1]} for _ in range(50)]
+    kept = _assert_same(_batch(_span(2, inputs={"prompt_ids": [5]}, output={"token_ids": [6], "steps": texts})))
+    assert locate(orjson.dumps(texts)) == []
