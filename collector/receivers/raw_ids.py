@@ -21,12 +21,16 @@ came, so an error names the same place it would have.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import orjson
 
 from ..heap import HEAP
+from ..loudness import describe_error
 from ..types import RawIds
+
+log = logging.getLogger("tracecar.collector")
 
 KEY_END = b'_ids":['
 PLACEHOLDER = "\x00tracecar_ids"  # no client can write this key: a body holding \u0000 is never rewritten
@@ -174,6 +178,10 @@ def _numpy() -> Any:
         try:
             import numpy
         except ImportError:  # pragma: no cover - tests/unit/test_raw_ids.py forces this branch
+            _np = _NO_NUMPY
+        except Exception as exc:  # noqa: BLE001 - a broken install must not cost a request: the checks run without it
+            log.warning("numpy could not be imported (%s); id arrays are checked without it, slower",
+                        describe_error(exc), extra={"event": "numpy_unusable"})
             _np = _NO_NUMPY
         else:
             _np = numpy

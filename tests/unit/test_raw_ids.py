@@ -266,3 +266,27 @@ def test_an_array_past_the_bound_and_candidates_full_of_text_are_parsed_as_they_
     texts = [{"token_ids": [{"t": "x" * 300}], "response_ids": ["a", 1]} for _ in range(50)]
     kept = _assert_same(_batch(_span(2, inputs={"prompt_ids": [5]}, output={"token_ids": [6], "steps": texts})))
     assert locate(orjson.dumps(texts)) == []
+
+
+def test_a_broken_numpy_costs_no_request(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """numpy installed but failing to import: one line, and the byte-string checks, same answer."""
+    import builtins
+
+    from tracecar.collector.receivers import raw_ids
+
+    real_import = builtins.__import__
+
+    def broken(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "numpy":
+            raise RuntimeError("numpy.core.multiarray failed to import")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(raw_ids, "_np", None)
+    monkeypatch.setattr(builtins, "__import__", broken)
+    with caplog.at_level("WARNING", logger="tracecar.collector"):
+        kept = _assert_same(_batch(_span(1, inputs={"prompt_ids": [1, 2]}, output={"token_ids": [3]})))
+        _assert_same(_batch(_span(2, inputs={"prompt_ids": [4]}, output={"token_ids": [5]})))
+    assert type(kept.spans[0]["inputs"]["prompt_ids"]) is RawIds
+    assert [r.getMessage() for r in caplog.records].count(
+        "numpy could not be imported (RuntimeError: numpy.core.multiarray failed to import); "
+        "id arrays are checked without it, slower") == 1
